@@ -1,0 +1,1 @@
+"""Ready-made recipes: `python -m flaxtpu.main --config=configs/NAME.py`."""

@@ -1,0 +1,18 @@
+"""The Keras/TPU recipe, exactly: the small CNN, Adam 1e-3, batch 128, [0, 1] inputs, no augmentation, 5 epochs.
+
+    python -m flaxtpu.main --config=configs/cifar10.py --workdir=runs/cifar10
+"""
+
+from configs import default
+
+
+def get_config():
+  config = default.get_config()
+  config.dataset.name = 'cifar10'
+  config.model.name = 'cnn'
+  config.optimizer.name = 'adam'
+  config.optimizer.learning_rate = 1e-3
+  config.batch_size = 128
+  config.num_epochs = 5.0
+  config.log_every_steps = 100
+  return config

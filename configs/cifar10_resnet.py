@@ -1,0 +1,28 @@
+"""A strong CIFAR ResNet recipe: ResNet-20, SGD + Nesterov, warmup + cosine, weight decay, label smoothing, crop + flip.
+
+    python -m flaxtpu.main --config=configs/cifar10_resnet.py --workdir=runs/resnet20
+    python -m flaxtpu.main --config=configs/cifar10_resnet.py --config.num_epochs=3 ...  # CPU budget
+"""
+
+from configs import default
+
+
+def get_config():
+  config = default.get_config()
+  config.dataset.name = 'cifar10'
+  config.dataset.normalize = 'standardize'
+  config.augment.crop_padding = 4
+  config.augment.flip = True
+  config.model.name = 'resnet20'
+  config.batch_size = 128
+  config.num_epochs = 30.0
+  config.optimizer.name = 'sgd'
+  config.optimizer.learning_rate = 0.1
+  config.optimizer.momentum = 0.9
+  config.optimizer.nesterov = True
+  config.optimizer.weight_decay = 5e-4
+  config.schedule.name = 'cosine'
+  config.schedule.warmup_epochs = 1.0
+  config.label_smoothing = 0.1
+  config.log_every_steps = 100
+  return config

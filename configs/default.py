@@ -1,0 +1,89 @@
+"""Every config key flaxtpu knows, with its default and what it means.
+
+Recipes (`cifar10.py`, `cifar10_resnet.py`, `mnist.py`, ...) start from
+`get_config()` here and change only what differs, so a key exists in every
+recipe and `--config.KEY=VALUE` works for all of them. This file must not
+import JAX: the CLI reads it before JAX starts.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+
+  # --- data -------------------------------------------------------------
+  config.dataset = ml_collections.ConfigDict()
+  config.dataset.name = 'cifar10'  # TFDS catalog name (cifar10, cifar100, mnist, fashion_mnist, ...).
+  config.dataset.folder = ''  # Image-folder root (split/class/image); wins over `name` when set.
+  config.dataset.data_dir = ''  # TFDS data_dir ('' = TFDS default, ~/tensorflow_datasets).
+  config.dataset.train_split = 'train'  # Split to train on.
+  config.dataset.eval_split = 'test'  # Split to evaluate on (every example counted once).
+  config.dataset.normalize = 'unit'  # 'unit' = pixels/255 in [0, 1]; 'standardize' = per-channel mean/std of the train split.
+
+  # --- on-device augmentation (train batches only) -----------------------
+  config.augment = ml_collections.ConfigDict()
+  config.augment.crop_padding = 0  # Random crop after zero-padding by this many pixels (0 = off).
+  config.augment.flip = False  # Random horizontal flip.
+  config.augment.cutout = 0  # Side of a random square zeroed per image (0 = off).
+
+  # --- model ------------------------------------------------------------
+  config.model = ml_collections.ConfigDict()
+  config.model.name = 'cnn'  # cnn | resnet20/32/44/56/110 | resnet18/34/50/101/152.
+  config.model.remat = 'none'  # none | full | a jax.checkpoint_policies name (dots_saveable, ...).
+  config.dtype = 'float32'  # Compute dtype: float32 | bfloat16 (params, optimizer, BN stats stay float32).
+
+  # --- optimization -----------------------------------------------------
+  config.batch_size = 128  # Global batch size, split over all devices and processes.
+  config.eval_batch_size = -1  # Global eval batch size (-1 = batch_size).
+  config.num_epochs = 5.0  # Training length in epochs (used when num_train_steps = -1).
+  config.num_train_steps = -1  # Training length in steps (-1 = from num_epochs).
+
+  config.optimizer = ml_collections.ConfigDict()
+  config.optimizer.name = 'adam'  # sgd | adam | adamw.
+  config.optimizer.learning_rate = 1e-3  # Peak learning rate.
+  config.optimizer.momentum = 0.9  # sgd: momentum (0 = plain SGD).
+  config.optimizer.nesterov = False  # sgd: Nesterov momentum.
+  config.optimizer.b1 = 0.9  # adam/adamw: first-moment decay.
+  config.optimizer.b2 = 0.999  # adam/adamw: second-moment decay.
+  config.optimizer.eps = 1e-7  # adam/adamw: denominator epsilon (Keras' default).
+  config.optimizer.weight_decay = 0.0  # sgd/adam: L2 added to the gradient; adamw: decoupled. Never on biases or norm scales.
+  config.optimizer.grad_clip_norm = 0.0  # Clip gradients to this global norm (0 = off).
+
+  config.schedule = ml_collections.ConfigDict()
+  config.schedule.name = 'constant'  # constant | cosine | linear | onecycle.
+  config.schedule.warmup_epochs = 0.0  # Linear warmup from 0 (cosine, linear, constant).
+  config.schedule.final_lr_fraction = 0.0  # Final LR as a fraction of the peak (cosine, linear).
+
+  config.label_smoothing = 0.0  # Label smoothing in [0, 1).
+
+  # --- parallelism ------------------------------------------------------
+  config.parallelism = 'jit'  # jit (jax.jit over a device mesh) | pmap.
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.data = -1  # Data-parallel axis size (-1 = all devices left after fsdp).
+  config.mesh.fsdp = 1  # Shard parameters and optimizer state over this many devices.
+  config.mesh.fsdp_min_size = 2**14  # Arrays with fewer elements stay replicated under fsdp.
+  config.require_platform = ''  # '' = run on what is there; else tpu | gpu | cpu, or stop.
+  config.cpu_devices = 8  # On CPU, split the host into this many XLA devices (faster convolutions); 0 = leave XLA's default.
+
+  # --- loop -------------------------------------------------------------
+  config.seed = 0  # Seeds parameters, data order and augmentation.
+  config.log_every_steps = 100  # Progress line and train metrics every N steps.
+  config.eval_every_steps = -1  # Evaluate every N steps (-1 = once per epoch; the end always evaluates).
+  config.checkpoint_every_steps = -1  # Checkpoint every N steps (-1 = once per epoch; the end always saves).
+
+  config.checkpoint = ml_collections.ConfigDict()
+  config.checkpoint.keep = 2  # Keep the latest N checkpoints ...
+  config.checkpoint.best_metric = 'eval_accuracy'  # ... plus the best by this eval metric ('' = none).
+  config.checkpoint.best_mode = 'max'  # max | min for best_metric.
+
+  config.eval = ml_collections.ConfigDict()
+  config.eval.checkpoint = 'latest'  # --mode=eval/predict restores: latest | best | a step number.
+
+  config.predict = ml_collections.ConfigDict()
+  config.predict.input = ''  # --mode=predict: an image file or a folder of images.
+  config.predict.top_k = 3  # Classes printed per image.
+  config.predict.output_csv = ''  # Also write predictions here ('' = print only).
+
+  config.compilation_cache_dir = ''  # JAX persistent compile cache ('' = ~/.cache/flaxtpu/jax; 'none' = off).
+  return config

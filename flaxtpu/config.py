@@ -1,0 +1,129 @@
+"""Validate a config before any work starts, and derive the lengths of a run.
+
+Every check raises `ConfigError` with one line: the key, the bad value, and
+what is allowed. This module must not import JAX (the CLI validates before
+JAX starts, so that a typo never costs a compile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import ml_collections
+
+from flaxtpu.errors import UserError
+
+MODELS = ('cnn', 'resnet20', 'resnet32', 'resnet44', 'resnet56', 'resnet110',
+          'resnet18', 'resnet34', 'resnet50', 'resnet101', 'resnet152')
+OPTIMIZERS = ('sgd', 'adam', 'adamw')
+SCHEDULES = ('constant', 'cosine', 'linear', 'onecycle')
+REMAT_POLICIES = ('none', 'full', 'nothing_saveable', 'everything_saveable',
+                  'dots_saveable', 'dots_with_no_batch_dims_saveable')
+DTYPES = ('float32', 'bfloat16')
+PARALLELISMS = ('jit', 'pmap')
+PLATFORMS = ('', 'cpu', 'gpu', 'tpu')
+NORMALIZATIONS = ('unit', 'standardize')
+
+
+class ConfigError(UserError, ValueError):
+  """A config value that cannot work; the message is one line that says why."""
+
+
+def _one_of(key: str, value, allowed) -> None:
+  if value not in allowed:
+    shown = ', '.join(repr(a) for a in allowed)
+    raise ConfigError(f'config.{key}={value!r} is not valid; choose one of: {shown}')
+
+
+def _positive(key: str, value, allow: tuple = ()) -> None:
+  if value not in allow and not value > 0:
+    extra = ' (or ' + ', '.join(map(str, allow)) + ')' if allow else ''
+    raise ConfigError(f'config.{key}={value!r} must be > 0{extra}')
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError naming the first key whose value cannot work."""
+  if not config.dataset.folder and not config.dataset.name:
+    raise ConfigError('config.dataset.name and config.dataset.folder are both empty; '
+                      'set a TFDS name (e.g. cifar10) or an image-folder root')
+  _one_of('dataset.normalize', config.dataset.normalize, NORMALIZATIONS)
+  _one_of('model.name', config.model.name, MODELS)
+  _one_of('model.remat', config.model.remat, REMAT_POLICIES)
+  _one_of('dtype', config.dtype, DTYPES)
+  _one_of('optimizer.name', config.optimizer.name, OPTIMIZERS)
+  _one_of('schedule.name', config.schedule.name, SCHEDULES)
+  _one_of('parallelism', config.parallelism, PARALLELISMS)
+  _one_of('require_platform', config.require_platform, PLATFORMS)
+  _one_of('checkpoint.best_mode', config.checkpoint.best_mode, ('max', 'min'))
+  _one_of('checkpoint.best_metric', config.checkpoint.best_metric,
+          ('', 'eval_accuracy', 'eval_loss'))
+  _positive('batch_size', config.batch_size)
+  _positive('eval_batch_size', config.eval_batch_size, allow=(-1,))
+  _positive('num_epochs', config.num_epochs)
+  _positive('num_train_steps', config.num_train_steps, allow=(-1,))
+  _positive('optimizer.learning_rate', config.optimizer.learning_rate)
+  _positive('log_every_steps', config.log_every_steps)
+  _positive('eval_every_steps', config.eval_every_steps, allow=(-1,))
+  _positive('checkpoint_every_steps', config.checkpoint_every_steps, allow=(-1,))
+  _positive('checkpoint.keep', config.checkpoint.keep)
+  _positive('predict.top_k', config.predict.top_k)
+  _positive('mesh.data', config.mesh.data, allow=(-1,))
+  _positive('mesh.fsdp', config.mesh.fsdp, allow=(-1,))
+  if config.mesh.data == -1 and config.mesh.fsdp == -1:
+    raise ConfigError('config.mesh.data and config.mesh.fsdp are both -1; at most one can take '
+                      'the remaining devices')
+  if config.parallelism == 'pmap' and config.mesh.fsdp not in (1,):
+    raise ConfigError(f'config.mesh.fsdp={config.mesh.fsdp} needs parallelism=jit; pmap only '
+                      'replicates parameters (set --config.mesh.fsdp=1 or --config.parallelism=jit)')
+  if config.cpu_devices < 0:
+    raise ConfigError(f'config.cpu_devices={config.cpu_devices} must be >= 0 (0 = XLA default)')
+  for key in ('optimizer.momentum', 'optimizer.b1', 'optimizer.b2', 'label_smoothing'):
+    if not 0.0 <= get(config, key) < 1.0:
+      raise ConfigError(f'config.{key}={get(config, key)!r} must be in [0, 1)')
+  if not 0.0 <= config.schedule.final_lr_fraction <= 1.0:
+    raise ConfigError(f'config.schedule.final_lr_fraction={config.schedule.final_lr_fraction!r} '
+                      'must be in [0, 1]')
+  for key in ('optimizer.weight_decay', 'optimizer.grad_clip_norm', 'schedule.warmup_epochs',
+              'augment.crop_padding', 'augment.cutout'):
+    if get(config, key) < 0:
+      raise ConfigError(f'config.{key}={get(config, key)!r} must be >= 0')
+
+
+def get(config: ml_collections.ConfigDict, dotted_key: str):
+  """config['a.b'] for a nested ConfigDict."""
+  return functools.reduce(getattr, dotted_key.split('.'), config)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLength:
+  """How long a run is, in steps, derived from the config and the dataset size."""
+  steps_per_epoch: int
+  total_steps: int
+  eval_every_steps: int
+  checkpoint_every_steps: int
+  warmup_steps: int
+
+
+def run_length(config: ml_collections.ConfigDict, num_train_examples: int) -> RunLength:
+  """Turns epochs into steps (training drops each epoch's last partial batch)."""
+  steps_per_epoch = num_train_examples // config.batch_size
+  if steps_per_epoch == 0:
+    raise ConfigError(f'config.batch_size={config.batch_size} is larger than the train split '
+                      f'({num_train_examples} examples); lower the batch size')
+  if config.num_train_steps > 0:
+    total_steps = config.num_train_steps
+  else:
+    total_steps = max(1, math.ceil(config.num_epochs * steps_per_epoch))
+
+  def every(value: int) -> int:
+    return min(steps_per_epoch if value == -1 else value, total_steps)
+
+  return RunLength(
+      steps_per_epoch=steps_per_epoch,
+      total_steps=total_steps,
+      eval_every_steps=every(config.eval_every_steps),
+      checkpoint_every_steps=every(config.checkpoint_every_steps),
+      warmup_steps=int(round(config.schedule.warmup_epochs * steps_per_epoch)),
+  )

@@ -1,0 +1,139 @@
+"""The command line: parse flags, validate the config, start JAX, run one mode.
+
+    python -m flaxtpu.main --config=configs/cifar10.py --workdir=runs/cifar10 [--config.KEY=VALUE ...]
+    python -m flaxtpu.main --config=configs/cifar10.py --workdir=runs/cifar10 --mode=eval
+
+Nothing here imports JAX at module level: XLA reads its flags (such as the
+CPU device count) when JAX starts, so the config decides them first.
+"""
+
+import json
+import os
+import sys
+import traceback
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from flaxtpu.errors import UserError
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py or experiments/*.py).',
+                                lock_config=True)
+flags.DEFINE_string('workdir', None, 'Run directory: config.json, metrics.jsonl, TensorBoard '
+                    'events, checkpoints/, results.json.')
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'plan'],
+                  'train (resumes from the workdir), eval or predict (restore a checkpoint), '
+                  'plan (compile the train step and report its memory).')
+flags.DEFINE_string('coordinator_address', None, 'Many hosts: HOST:PORT of process 0.')
+flags.DEFINE_integer('num_processes', None, 'Many hosts: the number of processes.')
+flags.DEFINE_integer('process_id', None, 'Many hosts: this process\'s index.')
+
+
+def _parse_flags(argv):
+  """absl's parser, but a bad flag or config override becomes one `error:` line."""
+  # Recipes import `configs.default`: make the config's project root importable.
+  for arg in argv:
+    if arg.startswith('--config='):
+      sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(arg.split('=', 1)[1]))))
+  try:
+    return FLAGS(argv)
+  except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError) as e:
+    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    print(f'error: {message} (see --helpfull; every key is listed in configs/default.py)',
+          file=sys.stderr)
+    sys.exit(2)
+
+
+def _start_jax(config):
+  """Sets XLA's CPU device count, joins the cluster, turns on the compilation cache."""
+  xla_flags = os.environ.get('XLA_FLAGS', '')
+  if config.cpu_devices and '--xla_force_host_platform_device_count' not in xla_flags:
+    os.environ['XLA_FLAGS'] = f'{xla_flags} --xla_force_host_platform_device_count={config.cpu_devices}'
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  import jax  # pylint: disable=g-import-not-at-top
+  if FLAGS.coordinator_address or (FLAGS.num_processes or 1) > 1:
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  elif _in_detectable_cluster():
+    jax.distributed.initialize()
+  cache_dir = config.compilation_cache_dir or os.path.expanduser('~/.cache/flaxtpu/jax')
+  if cache_dir != 'none':
+    jax.config.update('jax_compilation_cache_dir', cache_dir)
+  return jax
+
+
+def _in_detectable_cluster() -> bool:
+  """TPU pods and SLURM/MPI jobs, which jax.distributed.initialize() configures by itself."""
+  env = os.environ
+  return (int(env.get('SLURM_NTASKS', '1')) > 1 or int(env.get('OMPI_COMM_WORLD_SIZE', '1')) > 1
+          or len(env.get('TPU_WORKER_HOSTNAMES', '').split(',')) > 1)
+
+
+def _check_workdir(workdir: str) -> None:
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise UserError(f'--workdir={workdir} cannot be created ({e.strerror}); choose a writable '
+                    'directory') from e
+  if not os.access(workdir, os.W_OK):
+    raise UserError(f'--workdir={workdir} is not writable; choose a writable directory')
+
+
+def run(config, workdir: str, mode: str) -> None:
+  from flaxtpu import config as config_lib  # pylint: disable=g-import-not-at-top
+  config_lib.validate(config)
+  if not workdir:
+    raise UserError('--workdir is required: where this run writes (or a trained run to restore)')
+  if mode == 'train':
+    _check_workdir(workdir)
+  jax = _start_jax(config)
+  # Imported after JAX has started with the right flags.
+  from flaxtpu import data, evaluate, metrics, parallel, train  # pylint: disable=g-import-not-at-top
+  parallel.check_platform(config.require_platform)
+  logging.info('JAX %s on %s', jax.__version__, parallel.describe_devices())
+  if mode == 'train':
+    if jax.process_index() == 0:
+      metrics.write_json(os.path.join(workdir, 'config.json'), config.to_dict())
+    train.train_and_evaluate(config, workdir)
+  elif mode == 'plan':
+    _check_workdir(workdir)
+    dataset = data.load(config, need_train=False)  # only the image shape and class count
+    plan = train.plan_memory(config, image_shape=dataset.image_shape, num_classes=dataset.num_classes)
+    if jax.process_index() == 0:
+      metrics.write_json(os.path.join(workdir, 'plan.json'), plan)
+    print(json.dumps(plan, indent=2))
+  elif mode == 'eval':
+    evaluate.evaluate_checkpoint(config, workdir)
+  else:
+    evaluate.predict(config, workdir)
+
+
+def _quiet_libraries() -> None:
+  """orbax logs every save (and read-only notes) through absl; keep only its errors."""
+  import logging as std_logging  # pylint: disable=g-import-not-at-top
+  logging.get_absl_handler().addFilter(
+      lambda record: record.levelno >= std_logging.ERROR or 'orbax' not in record.pathname)
+
+
+def main(argv):
+  _quiet_libraries()
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
+  if FLAGS.config is None:
+    print('error: --config is required, e.g. --config=configs/cifar10.py', file=sys.stderr)
+    sys.exit(2)
+  try:
+    run(FLAGS.config, FLAGS.workdir, FLAGS.mode)
+  except UserError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+  except Exception as e:  # pylint: disable=broad-except
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else ''
+    print(f'error: {type(e).__name__}: {first_line} (a bug? the traceback follows)', file=sys.stderr)
+    traceback.print_exc()
+    sys.exit(1)
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=_parse_flags)

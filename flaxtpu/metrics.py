@@ -1,0 +1,91 @@
+"""Metrics (clu collections) and where they are written: TensorBoard and metrics.jsonl."""
+
+
+import json
+import os
+from typing import Any, Mapping
+
+from clu import metric_writers, metrics
+
+
+@metrics.flax.struct.dataclass
+class TrainMetrics(metrics.Collection):
+  loss: metrics.Average.from_output('loss')
+  accuracy: metrics.Average.from_output('accuracy')
+
+
+@metrics.flax.struct.dataclass
+class EvalMetrics(metrics.Collection):
+  loss: metrics.Average.from_output('loss')
+  accuracy: metrics.Average.from_output('accuracy')
+
+
+class JsonlWriter(metric_writers.MetricWriter):
+  """Appends one JSON object per write_scalars call to `path`: {"step": ..., name: value}.
+
+  Only scalars belong in metrics.jsonl; images, text and the rest go to
+  TensorBoard, so this writer ignores them.
+  """
+
+  def __init__(self, path: str):
+    self._file = open(path, 'a', encoding='utf-8')  # pylint: disable=consider-using-with
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    row = {'step': int(step), **{k: float(v) for k, v in scalars.items()}}
+    self._file.write(json.dumps(row) + '\n')
+
+  def write_summaries(self, step, values, metadata=None):
+    pass
+
+  def write_images(self, step, images):
+    pass
+
+  def write_videos(self, step, videos):
+    pass
+
+  def write_audios(self, step, audios, *, sample_rate):
+    pass
+
+  def write_texts(self, step, texts):
+    pass
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    pass
+
+  def write_hparams(self, hparams):
+    pass
+
+  def flush(self):
+    self._file.flush()
+
+  def close(self):
+    self._file.close()
+
+
+def truncate_jsonl(path: str, last_step: int) -> None:
+  """Drops rows after `last_step`: a resumed run rewrites them, as if never interrupted."""
+  if not os.path.exists(path):
+    return
+  with open(path, encoding='utf-8') as f:
+    rows = [line for line in f if line.strip() and json.loads(line)['step'] <= last_step]
+  with open(path + '.tmp', 'w', encoding='utf-8') as f:
+    f.writelines(rows)
+  os.replace(path + '.tmp', path)
+
+
+def create_writer(workdir: str, *, is_main_process: bool) -> metric_writers.MetricWriter:
+  """TensorBoard events + metrics.jsonl from process 0; nothing from the others."""
+  if not is_main_process:
+    return metric_writers.MultiWriter([])
+  return metric_writers.MultiWriter([
+      metric_writers.SummaryWriter(workdir),
+      JsonlWriter(os.path.join(workdir, 'metrics.jsonl')),
+  ])
+
+
+def write_json(path: str, payload: Mapping[str, Any]) -> None:
+  """Writes through a temporary file, so a reader never sees half a file."""
+  with open(path + '.tmp', 'w', encoding='utf-8') as f:
+    json.dump(payload, f, indent=2, sort_keys=True)
+    f.write('\n')
+  os.replace(path + '.tmp', path)

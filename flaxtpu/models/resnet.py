@@ -1,0 +1,82 @@
+"""ResNets (He et al. 2016): the CIFAR family (resnet20/32/44/56/110) and the ImageNet family (resnet18-152).
+
+Both take any input size: the CIFAR stem is one 3x3 convolution; the ImageNet
+stem (7x7 stride 2 + max pool) also runs on 32x32 inputs, down to a 1x1 map.
+Projection shortcuts (1x1 conv + BN) wherever the shape changes.
+"""
+
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+class BasicBlock(nn.Module):
+  """Two 3x3 convolutions."""
+  features: int
+  strides: int
+  train: bool
+  dtype: Any = jnp.float32
+  bn_axis_name: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x):
+    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
+    norm = functools.partial(nn.BatchNorm, use_running_average=not self.train, momentum=0.9,
+                             epsilon=1e-5, dtype=self.dtype, axis_name=self.bn_axis_name)
+    y = nn.relu(norm()(conv(self.features, (3, 3), self.strides)(x)))
+    y = norm(scale_init=nn.initializers.zeros)(conv(self.features, (3, 3))(y))
+    if x.shape != y.shape:
+      x = norm()(conv(self.features, (1, 1), self.strides)(x))
+    return nn.relu(x + y)
+
+
+class BottleneckBlock(nn.Module):
+  """1x1 reduce, 3x3, 1x1 expand (x4)."""
+  features: int
+  strides: int
+  train: bool
+  dtype: Any = jnp.float32
+  bn_axis_name: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x):
+    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
+    norm = functools.partial(nn.BatchNorm, use_running_average=not self.train, momentum=0.9,
+                             epsilon=1e-5, dtype=self.dtype, axis_name=self.bn_axis_name)
+    y = nn.relu(norm()(conv(self.features, (1, 1))(x)))
+    y = nn.relu(norm()(conv(self.features, (3, 3), self.strides)(y)))
+    y = norm(scale_init=nn.initializers.zeros)(conv(self.features * 4, (1, 1))(y))
+    if x.shape != y.shape:
+      x = norm()(conv(self.features * 4, (1, 1), self.strides)(x))
+    return nn.relu(x + y)
+
+
+class ResNet(nn.Module):
+  stage_sizes: Sequence[int]
+  block: Callable[..., nn.Module]  # BasicBlock or BottleneckBlock, possibly wrapped in nn.remat
+  num_classes: int
+  stem: str  # 'cifar' | 'imagenet'
+  width: int = 64
+  dtype: Any = jnp.float32
+  bn_axis_name: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
+                             epsilon=1e-5, dtype=self.dtype, axis_name=self.bn_axis_name)
+    x = x.astype(self.dtype)
+    if self.stem == 'cifar':
+      x = nn.relu(norm()(nn.Conv(self.width, (3, 3), use_bias=False, dtype=self.dtype)(x)))
+    else:
+      x = nn.Conv(self.width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False,
+                  dtype=self.dtype)(x)
+      x = nn.max_pool(nn.relu(norm()(x)), (3, 3), strides=(2, 2), padding='SAME')
+    for stage, num_blocks in enumerate(self.stage_sizes):
+      for index in range(num_blocks):
+        strides = 2 if stage > 0 and index == 0 else 1
+        x = self.block(self.width * 2**stage, strides, train, dtype=self.dtype,
+                       bn_axis_name=self.bn_axis_name)(x)
+    x = jnp.mean(x, axis=(1, 2))
+    return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)

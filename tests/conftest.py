@@ -1,0 +1,52 @@
+"""Every test sees 8 CPU devices (like a TPU v3-8); XLA reads this before JAX starts."""
+
+import os
+import sys
+
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                           ' --xla_force_host_platform_device_count=8')
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # `configs` is importable as in the CLI
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from PIL import Image  # noqa: E402
+
+CIFAR10 = os.path.join(ROOT, '..', 'shared', 'datasets', 'cifar10')
+
+
+def make_image_folder(root, *, classes=('cat', 'dog', 'frog'), train_per_class=16,
+                      test_per_class=7, size=8, mode='RGB', seed=0):
+  """A learnable toy dataset: each class has its own brightness band."""
+  rng = np.random.default_rng(seed)
+  channels = 3 if mode == 'RGB' else 1
+  for split, count in (('train', train_per_class), ('test', test_per_class)):
+    for label, name in enumerate(classes):
+      folder = os.path.join(root, split, name)
+      os.makedirs(folder, exist_ok=True)
+      for i in range(count):
+        pixels = rng.integers(0, 60, (size, size, channels)) + label * 80
+        Image.fromarray(pixels.astype(np.uint8).squeeze(), mode).save(
+            os.path.join(folder, f'{i:03d}.png'))
+  return str(root)
+
+
+@pytest.fixture(scope='session')
+def image_folder(tmp_path_factory):
+  return make_image_folder(tmp_path_factory.mktemp('images'))
+
+
+@pytest.fixture
+def tiny_config(image_folder):
+  """The Keras recipe on the toy folder, small enough for a test."""
+  from configs import cifar10
+  config = cifar10.get_config()
+  config.dataset.folder = image_folder
+  config.batch_size = 16
+  config.num_train_steps = 6
+  config.log_every_steps = 2
+  config.eval_every_steps = 3
+  config.checkpoint_every_steps = 3
+  config.compilation_cache_dir = 'none'
+  return config

@@ -1,0 +1,63 @@
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from flaxtpu import augment
+
+IMAGES = jnp.asarray(np.random.default_rng(0).integers(0, 256, (16, 8, 8, 3)), jnp.uint8)
+
+
+def _config(crop_padding=0, flip=False, cutout=0):
+  return ml_collections.ConfigDict(dict(crop_padding=crop_padding, flip=flip, cutout=cutout))
+
+
+def test_normalize_unit_and_standardize():
+  unit = augment.normalize(IMAGES, None, None)
+  assert unit.dtype == jnp.float32 and float(unit.min()) >= 0.0 and float(unit.max()) <= 1.0
+  np.testing.assert_allclose(unit * 255, np.asarray(IMAGES, np.float32), atol=1e-4)
+  mean, std = np.array([0.5, 0.4, 0.3], np.float32), np.array([0.2, 0.25, 0.3], np.float32)
+  np.testing.assert_allclose(augment.normalize(IMAGES, mean, std), (unit - mean) / std, rtol=1e-6)
+
+
+def test_flip_is_a_mirror_or_identity():
+  out = augment.augment_batch(jax.random.PRNGKey(0), IMAGES, jnp.arange(16), _config(flip=True))
+  assert out.shape == IMAGES.shape and out.dtype == IMAGES.dtype
+  flipped = [bool(jnp.array_equal(o, i[:, ::-1])) for o, i in zip(out, IMAGES)]
+  kept = [bool(jnp.array_equal(o, i)) for o, i in zip(out, IMAGES)]
+  assert all(f or k for f, k in zip(flipped, kept))
+  assert 0 < sum(flipped) < 16  # both happen
+
+
+def test_crop_is_a_shifted_window_of_the_padded_image():
+  out = augment.augment_batch(jax.random.PRNGKey(1), IMAGES, jnp.arange(16), _config(crop_padding=2))
+  assert out.shape == IMAGES.shape
+  for o, i in zip(np.asarray(out), np.asarray(IMAGES)):
+    padded = np.pad(i, ((2, 2), (2, 2), (0, 0)))
+    windows = [padded[y:y + 8, x:x + 8] for y in range(5) for x in range(5)]
+    assert any(np.array_equal(o, w) for w in windows)
+  assert not jnp.array_equal(out, IMAGES)
+
+
+def test_cutout_zeroes_one_square():
+  out = np.asarray(augment.augment_batch(jax.random.PRNGKey(2), IMAGES + 1, jnp.arange(16), _config(cutout=4)))
+  for image in out:
+    zero = np.all(image == 0, axis=-1)
+    assert 1 <= zero.sum() <= 16
+    rows, cols = np.nonzero(zero)
+    assert zero[rows.min():rows.max() + 1, cols.min():cols.max() + 1].all()  # a rectangle
+
+
+def test_randomness_depends_on_position_not_on_batch_split():
+  config = _config(crop_padding=4, flip=True, cutout=3)
+  key = jax.random.PRNGKey(3)
+  whole = augment.augment_batch(key, IMAGES, jnp.arange(16), config)
+  halves = [augment.augment_batch(key, IMAGES[s], jnp.arange(16)[s], config) for s in (slice(0, 8), slice(8, 16))]
+  np.testing.assert_array_equal(whole, jnp.concatenate(halves))
+  other = augment.augment_batch(jax.random.PRNGKey(4), IMAGES, jnp.arange(16), config)
+  assert not jnp.array_equal(whole, other)
+
+
+def test_no_augmentation_is_identity():
+  out = augment.augment_batch(jax.random.PRNGKey(0), IMAGES, jnp.arange(16), _config())
+  np.testing.assert_array_equal(out, IMAGES)

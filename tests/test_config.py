@@ -1,0 +1,69 @@
+import pytest
+
+from configs import cifar10, cifar10_resnet, default, mnist
+from flaxtpu import config as config_lib
+from flaxtpu import models
+
+
+@pytest.mark.parametrize('recipe', [default, cifar10, cifar10_resnet, mnist])
+def test_recipes_are_valid(recipe):
+  config_lib.validate(recipe.get_config())
+
+
+@pytest.mark.parametrize('key, value, message', [
+    ('model.name', 'resnet9000', "config.model.name='resnet9000' is not valid; choose one of: 'cnn'"),
+    ('optimizer.name', 'lamb', "config.optimizer.name='lamb' is not valid; choose one of: 'sgd', 'adam', 'adamw'"),
+    ('schedule.name', 'step', "config.schedule.name='step' is not valid"),
+    ('model.remat', 'some', "config.model.remat='some' is not valid"),
+    ('dtype', 'float16', "config.dtype='float16' is not valid; choose one of: 'float32', 'bfloat16'"),
+    ('parallelism', 'pjit', "config.parallelism='pjit' is not valid; choose one of: 'jit', 'pmap'"),
+    ('num_epochs', 0.0, 'config.num_epochs=0.0 must be > 0'),
+    ('batch_size', -8, 'config.batch_size=-8 must be > 0'),
+    ('num_train_steps', 0, 'config.num_train_steps=0 must be > 0 (or -1)'),
+    ('label_smoothing', 1.0, 'config.label_smoothing=1.0 must be in [0, 1)'),
+    ('optimizer.weight_decay', -1.0, 'config.optimizer.weight_decay=-1.0 must be >= 0'),
+    ('require_platform', 'ipu', "config.require_platform='ipu' is not valid"),
+])
+def test_bad_values_name_key_value_and_allowed(key, value, message):
+  config = cifar10.get_config()
+  group, _, name = key.rpartition('.')
+  setattr(config[group] if group else config, name, value)
+  with pytest.raises(config_lib.ConfigError) as error:
+    config_lib.validate(config)
+  assert str(error.value).startswith(message)
+  assert '\n' not in str(error.value)
+
+
+def test_empty_dataset_source_is_an_error():
+  config = cifar10.get_config()
+  config.dataset.name = ''
+  with pytest.raises(config_lib.ConfigError, match='dataset.name and config.dataset.folder are both empty'):
+    config_lib.validate(config)
+
+
+def test_pmap_with_fsdp_is_an_error():
+  config = cifar10.get_config()
+  config.parallelism, config.mesh.fsdp = 'pmap', 2
+  with pytest.raises(config_lib.ConfigError, match='config.mesh.fsdp=2 needs parallelism=jit'):
+    config_lib.validate(config)
+
+
+def test_validation_knows_every_registered_model():
+  assert config_lib.MODELS == models.NAMES
+
+
+def test_run_length_from_epochs_and_steps():
+  config = cifar10.get_config()  # batch 128, 5 epochs
+  length = config_lib.run_length(config, 50_000)
+  assert (length.steps_per_epoch, length.total_steps) == (390, 1950)
+  assert length.eval_every_steps == length.checkpoint_every_steps == 390
+  config.num_train_steps, config.eval_every_steps = 100, 40
+  config.schedule.warmup_epochs = 0.5
+  length = config_lib.run_length(config, 50_000)
+  assert (length.total_steps, length.eval_every_steps, length.warmup_steps) == (100, 40, 195)
+
+
+def test_batch_larger_than_dataset_is_an_error():
+  config = cifar10.get_config()
+  with pytest.raises(config_lib.ConfigError, match='larger than the train split'):
+    config_lib.run_length(config, 100)

@@ -1,0 +1,136 @@
+"""The command line end to end: files in the workdir, eval, predict, plan, and one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+TINY = ['--config.batch_size=16', '--config.num_train_steps=6', '--config.log_every_steps=2',
+        '--config.eval_every_steps=3', '--config.checkpoint_every_steps=3',
+        '--config.compilation_cache_dir=none']
+
+
+def run_cli(*args, check=True):
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # the CLI picks the devices
+  result = subprocess.run([sys.executable, '-m', 'flaxtpu.main', *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+  if check and result.returncode:
+    raise AssertionError(result.stderr[-3000:])
+  return result
+
+
+@pytest.fixture(scope='module')
+def trained(image_folder, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('run'))
+  result = run_cli('--config=configs/cifar10.py', f'--workdir={workdir}',
+                   f'--config.dataset.folder={image_folder}', *TINY)
+  return workdir, result
+
+
+def _rows(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_train_writes_every_workdir_file(trained):
+  workdir, result = trained
+  assert 'platform=cpu' in result.stderr and 'devices=8' in result.stderr
+  assert "jit over mesh {'data': 8, 'fsdp': 1}" in result.stderr
+  assert any(f.startswith('events.out.tfevents') for f in os.listdir(workdir))
+  with open(os.path.join(workdir, 'config.json')) as f:
+    assert json.load(f)['model']['name'] == 'cnn'
+  with open(os.path.join(workdir, 'results.json')) as f:
+    results = json.load(f)
+  for key in ('step', 'eval_accuracy', 'eval_loss', 'train_loss', 'train_images_per_sec', 'wall_time_s'):
+    assert key in results
+  assert results['step'] == 6
+  assert 0.0 <= results['eval_accuracy'] <= 1.0
+  assert results['memory_plan']['total_bytes'] > 0
+  rows = _rows(os.path.join(workdir, 'metrics.jsonl'))
+  train_rows = [r for r in rows if 'train_loss' in r]
+  eval_rows = [r for r in rows if 'eval_accuracy' in r]
+  assert [r['step'] for r in train_rows] == [2, 4, 6]
+  assert [r['step'] for r in eval_rows] == [3, 6]
+  assert eval_rows[-1]['eval_accuracy'] == results['eval_accuracy']
+  assert train_rows[-1]['train_loss'] == results['train_loss']
+  assert all(r['images_per_sec'] > 0 for r in train_rows)
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['3', '6']
+  assert 'step 6/6' in result.stderr and 'ETA' in result.stderr
+
+
+def test_eval_mode_counts_every_example_on_one_device(trained, image_folder):
+  workdir, _ = trained
+  with open(os.path.join(workdir, 'results.json')) as f:
+    results = json.load(f)
+  # A different device count (1) and an eval batch that leaves a remainder (21 = 2 x 8 + 5).
+  result = run_cli('--config=configs/cifar10.py', f'--workdir={workdir}', '--mode=eval',
+                   f'--config.dataset.folder={image_folder}', '--config.cpu_devices=1',
+                   '--config.eval_batch_size=8')
+  assert 'devices=1' in result.stderr
+  with open(os.path.join(workdir, 'eval.json')) as f:
+    evaluation = json.load(f)
+  assert evaluation['num_examples'] == 21
+  assert evaluation['step'] == 6
+  assert evaluation['eval_accuracy'] == pytest.approx(results['eval_accuracy'], abs=1e-6)
+  assert evaluation['eval_loss'] == pytest.approx(results['eval_loss'], rel=1e-5)
+
+
+def test_predict_mode_prints_top_classes_and_writes_csv(trained, image_folder, tmp_path):
+  workdir, _ = trained
+  csv_path = tmp_path / 'predictions.csv'
+  result = run_cli('--config=configs/cifar10.py', f'--workdir={workdir}', '--mode=predict',
+                   f'--config.predict.input={image_folder}/test/frog', '--config.predict.top_k=2',
+                   f'--config.predict.output_csv={csv_path}')
+  lines = [line for line in result.stdout.splitlines() if line.startswith(image_folder)]
+  assert len(lines) == 7
+  header, *rows = csv_path.read_text().splitlines()
+  assert header == 'path,class_1,probability_1,class_2,probability_2'
+  assert len(rows) == 7
+  for row in rows:
+    _, first, p1, second, p2 = row.split(',')
+    assert {first, second} <= {'cat', 'dog', 'frog'} and 1.0 >= float(p1) >= float(p2) >= 0.0
+
+
+def test_plan_mode_writes_plan_json(image_folder, tmp_path):
+  run_cli('--config=configs/cifar10_resnet.py', f'--workdir={tmp_path}', '--mode=plan',
+          f'--config.dataset.folder={image_folder}', '--config.batch_size=16',
+          '--config.compilation_cache_dir=none')
+  with open(tmp_path / 'plan.json') as f:
+    plan = json.load(f)
+  assert plan['total_bytes'] == plan['argument_bytes'] + plan['output_bytes'] + plan['temp_bytes'] - plan['alias_bytes']
+  assert plan['temp_bytes'] > 0 and plan['model'] == 'resnet20'
+  assert not os.path.exists(tmp_path / 'checkpoints')
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--config.model.name=vgg'], "error: config.model.name='vgg' is not valid; choose one of: 'cnn'"),
+    (['--config.no_such_key=1'], 'error: '),
+    (['--config.batch_size=abc'], 'error: '),
+    (['--config.batch_size=12'], 'error: config.batch_size=12 does not divide over 8 devices'),
+    (['--config.num_epochs=0'], 'error: config.num_epochs=0.0 must be > 0'),
+    (['--config.dataset.folder=/nonexistent'], "error: config.dataset.folder='/nonexistent' is not a directory"),
+    (['--config.require_platform=tpu'], "error: config.require_platform='tpu' but JAX found cpu"),
+])
+def test_bad_input_is_one_line_and_nonzero(args, message, tmp_path):
+  workdir = tmp_path / 'run'
+  result = run_cli('--config=configs/cifar10.py', f'--workdir={workdir}', *args, check=False)
+  assert result.returncode != 0
+  errors = [line for line in result.stderr.splitlines() if line.startswith('error:')]
+  assert len(errors) == 1 and errors[0].startswith(message), result.stderr[-2000:]
+  assert 'Traceback' not in result.stderr
+  if args[0].startswith('--config.no_such_key'):
+    assert 'no_such_key' in errors[0]
+  if args[0].startswith('--config.batch_size=abc'):
+    assert 'batch_size' in errors[0]
+
+
+def test_eval_without_checkpoint_names_the_path(tmp_path, image_folder):
+  result = run_cli('--config=configs/cifar10.py', f'--workdir={tmp_path}', '--mode=eval',
+                   f'--config.dataset.folder={image_folder}', check=False)
+  assert result.returncode != 0
+  assert f'error: no checkpoints in {tmp_path}/checkpoints' in result.stderr
+  assert os.listdir(tmp_path) == []

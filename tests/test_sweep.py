@@ -1,0 +1,323 @@
+"""flaxtpu.sweep: sweep expansion, run names, commands, reports, and a tiny sweep run end to end."""
+
+import csv
+import json
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from flaxtpu import sweep
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# A tiny experiment over two keys (4 runs); the report test fakes its run directories.
+TWO_KEY_EXPERIMENT = '''
+from configs import default
+from flaxtpu import sweep
+
+def get_config():
+  return default.get_config()
+
+def get_sweep():
+  return sweep.product(sweep.sweep('optimizer.learning_rate', [0.1, 0.2]),
+                       sweep.sweep('schedule.name', ['cosine', 'constant']))
+'''
+
+
+@pytest.fixture
+def in_repo_root(monkeypatch):
+  # Experiment files import `configs`, found from the working directory as on the command line.
+  monkeypatch.chdir(REPO_ROOT)
+
+
+def write_experiment(directory: Path, source: str, name: str = 'experiment.py') -> Path:
+  path = directory / name
+  path.write_text(textwrap.dedent(source))
+  return path
+
+
+# --- expansion ---------------------------------------------------------------------
+
+
+def test_sweep_product_zip_chain_expand_to_exact_lists():
+  learning_rates = sweep.sweep('optimizer.learning_rate', [0.1, 0.2])
+  schedules = sweep.sweep('schedule.name', ['cosine', 'constant'])
+  assert learning_rates == [{'optimizer.learning_rate': 0.1}, {'optimizer.learning_rate': 0.2}]
+  assert sweep.product(learning_rates, schedules) == [
+      {'optimizer.learning_rate': 0.1, 'schedule.name': 'cosine'},
+      {'optimizer.learning_rate': 0.1, 'schedule.name': 'constant'},
+      {'optimizer.learning_rate': 0.2, 'schedule.name': 'cosine'},
+      {'optimizer.learning_rate': 0.2, 'schedule.name': 'constant'},
+  ]
+  assert sweep.zip_(learning_rates, schedules) == [
+      {'optimizer.learning_rate': 0.1, 'schedule.name': 'cosine'},
+      {'optimizer.learning_rate': 0.2, 'schedule.name': 'constant'},
+  ]
+  assert sweep.chain(learning_rates, [{'model.name': 'cnn'}], schedules) == [
+      {'optimizer.learning_rate': 0.1},
+      {'optimizer.learning_rate': 0.2},
+      {'model.name': 'cnn'},
+      {'schedule.name': 'cosine'},
+      {'schedule.name': 'constant'},
+  ]
+  # Nesting: seeds x (zipped model + learning rate pairs).
+  models = sweep.zip_(sweep.sweep('model.name', ['cnn', 'resnet20']),
+                      sweep.sweep('optimizer.learning_rate', [1e-3, 0.1]))
+  assert sweep.product(sweep.sweep('seed', [0, 1]), models) == [
+      {'seed': 0, 'model.name': 'cnn', 'optimizer.learning_rate': 1e-3},
+      {'seed': 0, 'model.name': 'resnet20', 'optimizer.learning_rate': 0.1},
+      {'seed': 1, 'model.name': 'cnn', 'optimizer.learning_rate': 1e-3},
+      {'seed': 1, 'model.name': 'resnet20', 'optimizer.learning_rate': 0.1},
+  ]
+  assert sweep.product() == [{}]
+
+
+def test_sweep_helpers_reject_ambiguous_definitions():
+  with pytest.raises(sweep.SweepError, match=r'different lengths \[2, 1\]'):
+    sweep.zip_(sweep.sweep('seed', [0, 1]), sweep.sweep('batch_size', [8]))
+  with pytest.raises(sweep.SweepError, match="'seed' is set by more than one"):
+    sweep.product(sweep.sweep('seed', [0, 1]), sweep.sweep('seed', [2]))
+  with pytest.raises(sweep.SweepError, match='needs a list of values'):
+    sweep.sweep('model.name', 'cnn')
+
+
+# --- run names and commands ------------------------------------------------------------
+
+
+def test_run_names_are_readable_safe_and_distinct():
+  assert sweep.run_name({'optimizer.learning_rate': 0.1, 'schedule.name': 'cosine'}) == (
+      'optimizer.learning_rate=0.1,schedule.name=cosine')
+  assert sweep.run_name({'optimizer.learning_rate': 1e-05, 'augment.flip': True}) == (
+      'optimizer.learning_rate=1e-05,augment.flip=true')
+  assert sweep.run_name({'dataset.folder': '/data/my images'}) == 'dataset.folder=_data_my_images'
+  assert sweep.run_name({}) == 'base'
+  long_a = sweep.run_name({'dataset.folder': 'x' * 300 + 'a'})
+  long_b = sweep.run_name({'dataset.folder': 'x' * 300 + 'b'})
+  assert len(long_a) == sweep.MAX_RUN_NAME_LENGTH and long_a != long_b
+
+  # Values that sanitise to one name get numbered directories; identical runs are a mistake.
+  runs = sweep.make_runs('e.py', 'out', [{'dataset.folder': 'a/b'}, {'dataset.folder': 'a_b'}])
+  assert [run.name for run in runs] == ['dataset.folder=a_b', 'dataset.folder=a_b-2']
+  with pytest.raises(sweep.SweepError, match='more than once'):
+    sweep.make_runs('e.py', 'out', [{'seed': 1}, {'seed': 1}])
+
+
+def test_dry_run_prints_the_exact_commands_and_runs_nothing(tmp_path, in_repo_root, capsys):
+  experiment = write_experiment(tmp_path, TWO_KEY_EXPERIMENT)
+  workdir = tmp_path / 'sweep'
+  status = sweep.main([str(experiment), f'--workdir={workdir}', '--dry-run',
+                       '--config.batch_size=16', '--config.augment.flip', 'true'])
+  assert status == 0
+  lines = capsys.readouterr().out.splitlines()
+  expected = []
+  for learning_rate in ('0.1', '0.2'):
+    for schedule in ('cosine', 'constant'):
+      name = f'optimizer.learning_rate={learning_rate},schedule.name={schedule}'
+      expected.append(shlex.join([
+          sys.executable, '-m', 'flaxtpu.main', f'--config={experiment}', f'--workdir={workdir / name}',
+          f'--config.optimizer.learning_rate={learning_rate}', f'--config.schedule.name={schedule}',
+          '--config.batch_size=16', '--config.augment.flip=true']))
+  assert lines == expected
+  assert not workdir.exists()
+
+
+@pytest.mark.parametrize('sweep_source, message', [
+    ("sweep.sweep('optimizer.lr', [0.1])",
+     "sweep key 'optimizer.lr' is not a config key (did you mean 'optimizer.learning_rate'?)"),
+    ("sweep.product(sweep.sweep('seed', [0]), sweep.sweep('model.nmae', ['cnn']))",
+     "sweep key 'model.nmae' is not a config key (did you mean 'model.name'?)"),
+    ("sweep.sweep('batch_size', ['large'])", "sweep key 'batch_size': value 'large' has the wrong type"),
+])
+def test_a_bad_sweep_key_is_one_error_line_before_anything_runs(tmp_path, in_repo_root, capsys,
+                                                                 sweep_source, message):
+  experiment = write_experiment(tmp_path, f'''
+      from configs import default
+      from flaxtpu import sweep
+      get_config = default.get_config
+      def get_sweep():
+        return {sweep_source}
+      ''')
+  workdir = tmp_path / 'sweep'
+  assert sweep.main([str(experiment), f'--workdir={workdir}']) == 2
+  stderr = capsys.readouterr().err
+  assert stderr.startswith('error: ') and message in stderr and stderr.count('\n') == 1
+  assert not workdir.exists()
+
+
+def test_command_line_overrides_are_checked(tmp_path, in_repo_root, capsys):
+  experiment = write_experiment(tmp_path, TWO_KEY_EXPERIMENT)
+  workdir = tmp_path / 'sweep'
+  assert sweep.main([str(experiment), f'--workdir={workdir}', '--config.batch_sise=8']) == 2
+  assert "--config.batch_sise: not a config key (did you mean 'batch_size'?)" in capsys.readouterr().err
+  assert sweep.main([str(experiment), f'--workdir={workdir}', '--config.schedule.name=linear']) == 2
+  assert 'the experiment sweeps this key' in capsys.readouterr().err
+  assert not workdir.exists()
+
+
+def test_progress_line_counts_runs_and_estimates_the_remaining_time():
+  runs = [sweep.Run(name=str(index), overrides={}, command=[], status=status)
+          for index, status in enumerate(['done', 'running', 'failed', 'pending', 'pending'])]
+  started = {'1': time.monotonic() - 30.0}
+  line = sweep.progress_line(runs, started, parallel=2, finished_durations=[60.0], elapsed_s=95.0)
+  # Two pending runs of 60 s plus the 30 s the running one has left, over 2 workers: 75 s.
+  assert line == '[sweep] 1/5 done, 1 running, 1 failed, 2 pending, elapsed 1m35s, ETA 1m15s'
+
+
+def test_shipped_experiments_expand_against_their_configs(in_repo_root):
+  config, runs_overrides = sweep.load_experiment('experiments/cifar10_lr.py')
+  assert len(runs_overrides) == 6
+  assert {overrides['schedule.name'] for overrides in runs_overrides} == {'cosine', 'onecycle'}
+  assert config.dataset.folder == str(REPO_ROOT.parent / 'shared' / 'datasets' / 'cifar10')
+  config, runs_overrides = sweep.load_experiment('experiments/cifar10_models.py')
+  models = [overrides['model.name'] for overrides in runs_overrides]
+  assert models == ['cnn', 'resnet20', 'resnet32', 'resnet18']
+
+
+def test_error_line_comes_from_the_latest_attempt(tmp_path):
+  log = tmp_path / 'log.txt'
+  log.write_text(f'{sweep.LAUNCH_MARKER} 1\nerror: old problem\n'
+                 f'{sweep.LAUNCH_MARKER} 2\nTraceback\nerror: new problem\nmore traceback\n')
+  assert sweep.error_line(str(log)) == 'error: new problem'
+  log.write_text(f'{sweep.LAUNCH_MARKER} 1\nerror: old problem\n{sweep.LAUNCH_MARKER} 2\nKilled\n')
+  assert sweep.error_line(str(log)) == 'Killed'
+
+
+# --- report --------------------------------------------------------------------------
+
+
+def fake_run(run_dir: Path, results: dict, eval_accuracies: list, train_losses: list) -> None:
+  """A run directory as the trainer leaves it: results.json and metrics.jsonl."""
+  run_dir.mkdir(parents=True)
+  (run_dir / 'results.json').write_text(json.dumps(results))
+  lines = []
+  for step, (accuracy, loss) in enumerate(zip(eval_accuracies, train_losses), start=1):
+    lines.append(json.dumps({'step': step * 10, 'train_loss': loss, 'learning_rate': 0.1}))
+    lines.append(json.dumps({'step': step * 10, 'eval_accuracy': accuracy, 'eval_loss': 2.0 - accuracy}))
+  (run_dir / 'metrics.jsonl').write_text('\n'.join(lines) + '\n')
+
+
+def test_report_tables_and_plots_hold_each_runs_numbers(tmp_path, in_repo_root):
+  experiment = write_experiment(tmp_path, TWO_KEY_EXPERIMENT)
+  workdir = tmp_path / 'sweep'
+  numbers = {
+      'optimizer.learning_rate=0.1,schedule.name=cosine': dict(
+          step=40, eval_accuracy=0.8123456789, eval_loss=0.61234567, train_loss=0.4321,
+          train_images_per_sec=1234.5678, wall_time_s=61.25),
+      'optimizer.learning_rate=0.1,schedule.name=constant': dict(
+          step=40, eval_accuracy=0.7012345, eval_loss=0.8, train_loss=0.5,
+          train_images_per_sec=1200.0, wall_time_s=60.0),
+      'optimizer.learning_rate=0.2,schedule.name=cosine': dict(
+          step=40, eval_accuracy=0.75, eval_loss=0.7, train_loss=0.45,
+          train_images_per_sec=1210.0, wall_time_s=62.0),
+  }
+  best_accuracies = {}
+  for index, (name, results) in enumerate(numbers.items()):
+    # The best eval accuracy is mid-run, above the final one, for the first run only.
+    curve = [0.5, results['eval_accuracy'] + (0.01 if index == 0 else -0.1), results['eval_accuracy']]
+    best_accuracies[name] = max(curve)
+    fake_run(workdir / name, results, curve, [2.0, 1.0, results['train_loss']])
+  failed = 'optimizer.learning_rate=0.2,schedule.name=constant'
+  (workdir / failed).mkdir()
+  (workdir / 'sweep.json').write_text(json.dumps({'runs': [
+      {'name': failed, 'status': 'failed', 'error': "error: model.name='x' is unknown"}]}))
+
+  assert sweep.main([str(experiment), f'--workdir={workdir}', '--report']) == 0
+
+  with open(workdir / 'results.csv') as f:
+    rows = list(csv.DictReader(f))
+  assert [row['run'] for row in rows] == [
+      'optimizer.learning_rate=0.1,schedule.name=cosine', 'optimizer.learning_rate=0.2,schedule.name=cosine',
+      'optimizer.learning_rate=0.1,schedule.name=constant', failed]
+  for row in rows[:3]:
+    results = numbers[row['run']]
+    for key in ('eval_accuracy', 'eval_loss', 'train_loss', 'train_images_per_sec', 'wall_time_s'):
+      assert float(row[key]) == results[key], key
+    assert int(row['step']) == results['step']
+    assert float(row['best_eval_accuracy']) == best_accuracies[row['run']]
+    assert row['status'] == 'done' and row['error'] == ''
+  assert (rows[3]['status'], rows[3]['error'], rows[3]['eval_accuracy']) == (
+      'failed', "error: model.name='x' is unknown", '')
+  assert (rows[0]['optimizer.learning_rate'], rows[0]['schedule.name']) == ('0.1', 'cosine')
+
+  markdown = (workdir / 'results.md').read_text()
+  first_row = next(line for line in markdown.splitlines() if line.startswith('| 0.1 | cosine'))
+  assert first_row == '| 0.1 | cosine | 0.8123 | 0.8223 | 0.6123 | 0.4321 | 40 | 1235 | 61 | done |'
+  assert f"- `{failed}`: error: model.name='x' is unknown" in markdown
+
+  plots = sorted(path.name for path in (workdir / 'plots').iterdir())
+  assert plots == ['eval_accuracy.png', 'eval_accuracy_vs_optimizer.learning_rate.png',
+                   'eval_accuracy_vs_schedule.name.png', 'train_loss.png']
+  for plot in plots:
+    with Image.open(workdir / 'plots' / plot) as image:
+      assert image.size == (480, 320)  # 6 x 4 inches at 80 dpi.
+
+
+# --- end to end ------------------------------------------------------------------------
+
+
+def launches(run_dir: Path) -> int:
+  return (run_dir / 'log.txt').read_text().count(sweep.LAUNCH_MARKER)
+
+
+@pytest.mark.skipif(not (REPO_ROOT / 'flaxtpu' / 'main.py').exists(), reason='needs flaxtpu/main.py')
+def test_tiny_sweep_end_to_end_records_a_failure_and_skips_finished_runs_on_rerun(tmp_path, image_folder):
+  experiment = write_experiment(tmp_path, '''
+      from configs import default
+      from flaxtpu import sweep
+
+      def get_config():
+        config = default.get_config()
+        config.model.name = 'cnn'
+        return config
+
+      def get_sweep():
+        return sweep.chain(sweep.sweep('optimizer.learning_rate', [1e-3, 1e-2]),
+                           [{'model.name': 'nonexistent'}])
+      ''')
+  workdir = tmp_path / 'sweep'
+  command = [sys.executable, '-m', 'flaxtpu.sweep', str(experiment), f'--workdir={workdir}', '--parallel=2',
+             f'--config.dataset.folder={image_folder}', '--config.num_train_steps=2', '--config.batch_size=8',
+             '--config.log_every_steps=1', '--config.cpu_devices=1']
+  environment = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+  first = subprocess.run(command, cwd=REPO_ROOT, env=environment,
+                         capture_output=True, text=True, timeout=300)
+  assert first.returncode == 1, first.stdout + first.stderr
+  assert '1 of 3 runs failed' in first.stderr
+
+  record = {run['name']: run for run in json.loads((workdir / 'sweep.json').read_text())['runs']}
+  finished = ['optimizer.learning_rate=0.001', 'optimizer.learning_rate=0.01']
+  assert sorted(record) == sorted(finished + ['model.name=nonexistent'])
+  assert record['model.name=nonexistent']['status'] == 'failed'
+  assert record['model.name=nonexistent']['error'].startswith('error: ')
+  assert 'nonexistent' in record['model.name=nonexistent']['error']
+  results = {}
+  for name in finished:
+    assert record[name]['status'] == 'done' and record[name]['returncode'] == 0
+    results[name] = json.loads((workdir / name / 'results.json').read_text())
+    assert results[name]['step'] == 2
+  with open(workdir / 'results.csv') as f:
+    rows = {row['run']: row for row in csv.DictReader(f)}
+  for name in finished:
+    assert float(rows[name]['eval_accuracy']) == results[name]['eval_accuracy']
+    assert float(rows[name]['eval_loss']) == results[name]['eval_loss']
+  assert rows['model.name=nonexistent']['status'] == 'failed'
+  assert (workdir / 'plots' / 'eval_accuracy.png').exists()
+  assert (workdir / 'plots' / 'train_loss.png').exists()
+
+  modified = {name: (workdir / name / 'results.json').stat().st_mtime_ns for name in finished}
+  second = subprocess.run(command, cwd=REPO_ROOT, env=environment,
+                          capture_output=True, text=True, timeout=300)
+  assert second.returncode == 1, second.stdout + second.stderr
+  assert '2 run(s) already finished, skipping them' in second.stdout
+  for name in finished:
+    assert (workdir / name / 'results.json').stat().st_mtime_ns == modified[name]
+    assert launches(workdir / name) == 1
+  # The failed run is launched again (the trainer would resume it) and fails again.
+  assert launches(workdir / 'model.name=nonexistent') == 2

@@ -1,0 +1,121 @@
+"""The step functions: learning, and equal results on 1 device, jit over 8, pmap over 8, fsdp."""
+
+import jax
+import numpy as np
+import pytest
+
+from configs import cifar10_resnet
+from flaxtpu import config as config_lib
+from flaxtpu import data, parallel, train
+
+STEPS = 5
+
+
+def _config(**overrides):
+  config = cifar10_resnet.get_config()  # resnet20, BatchNorm, crop + flip, SGD + nesterov, label smoothing
+  config.batch_size = 16
+  config.num_train_steps = STEPS
+  config.schedule.warmup_epochs = 0.0
+  config.optimizer.learning_rate = 0.05
+  for key, value in overrides.items():
+    group, _, name = key.rpartition('.')
+    setattr(config[group] if group else config, name, value)
+  return config
+
+
+def _dataset():
+  rng = np.random.default_rng(0)
+  labels = rng.integers(0, 3, 64).astype(np.int32)
+  images = (rng.integers(0, 80, (64, 8, 8, 3)) + labels[:, None, None, None] * 80).astype(np.uint8)
+  split = data.Split(images, labels)
+  return data.Dataset(train=split, eval=split, class_names=('a', 'b', 'c'),
+                      mean=np.full(3, 0.4, np.float32), std=np.full(3, 0.3, np.float32))
+
+
+def run_steps(config, mesh, dataset=None, steps=STEPS):
+  """Trains `steps` steps from the seed; returns (losses, host params, host batch stats, state)."""
+  dataset = dataset or _dataset()
+  length = config_lib.run_length(config, len(dataset.train))
+  task = train.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=dataset.mean,
+                           std=dataset.std, length=length)
+  placement = train.place(task, mesh, config)
+  state = train.create_state(task, placement, config.seed)
+  losses = []
+  for batch in data.train_batches(dataset.train, seed=config.seed, batch_size=config.batch_size,
+                                  first_step=0, last_step=steps):
+    state, step_metrics = placement.train_step(state, placement.put_train_batch(tuple(batch)[:2]))
+    if placement.parallelism == 'pmap':
+      step_metrics = step_metrics.unreplicate()
+    losses.append(float(step_metrics.compute()['loss']))
+  saved = placement.to_saveable(state)
+  return np.array(losses), parallel.host_copy(saved.params), parallel.host_copy(saved.batch_stats), saved
+
+
+def _mesh(data_size, fsdp_size=1):
+  return jax.make_mesh((data_size, fsdp_size), ('data', 'fsdp'),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                       devices=jax.devices()[:data_size * fsdp_size])
+
+
+def _assert_trees_close(a, b, atol):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(x, y, atol=atol, rtol=1e-4)
+
+
+def test_training_lowers_the_loss_on_a_fixed_batch():
+  config = _config(**{'model.name': 'cnn', 'optimizer.name': 'adam', 'optimizer.learning_rate': 0.01,
+                      'augment.crop_padding': 0, 'augment.flip': False, 'label_smoothing': 0.0})
+  dataset = _dataset()
+  fixed = data.Split(dataset.train.images[:16], dataset.train.labels[:16])
+  dataset = data.Dataset(fixed, fixed, dataset.class_names, dataset.mean, dataset.std)
+  losses, *_ = run_steps(config, _mesh(8), dataset, steps=30)
+  assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.fixture(scope='module')
+def reference():
+  """One device, plain jit: the ground truth for every parallel layout."""
+  return run_steps(_config(), _mesh(1))
+
+
+def test_jit_on_8_devices_equals_one_device(reference):
+  losses, params, batch_stats, state = run_steps(_config(), _mesh(8))
+  np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
+  _assert_trees_close(params, reference[1], atol=1e-5)
+  _assert_trees_close(batch_stats, reference[2], atol=1e-5)
+  assert int(state.step) == STEPS
+  assert losses[-1] < losses[0]
+
+
+def test_pmap_on_8_devices_equals_one_device(reference):
+  losses, params, batch_stats, _ = run_steps(_config(parallelism='pmap'), _mesh(8))
+  np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
+  _assert_trees_close(params, reference[1], atol=1e-5)
+  _assert_trees_close(batch_stats, reference[2], atol=1e-5)
+
+
+def test_fsdp_shards_large_kernels_and_matches(reference):
+  config = _config(**{'mesh.data': 2, 'mesh.fsdp': 4, 'mesh.fsdp_min_size': 4096})
+  losses, params, _, state = run_steps(config, parallel.make_mesh(config))
+  np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
+  _assert_trees_close(params, reference[1], atol=1e-5)
+  kernel = state.params['BasicBlock_8']['Conv_1']['kernel']  # 3x3x64x64 = 36,864 elements
+  assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, None, 'fsdp', None)
+  assert kernel.addressable_shards[0].data.shape == (3, 3, 16, 64)
+  # Momentum follows its parameter; small arrays stay replicated.
+  momentum = jax.tree.leaves(state.opt_state[-1])  # sgd trace, one leaf per param
+  assert any(m.sharding.spec == jax.sharding.PartitionSpec(None, None, 'fsdp', None) for m in momentum)
+  assert state.params['Dense_0']['bias'].sharding.spec == jax.sharding.PartitionSpec()
+
+
+def test_bfloat16_loss_stays_close_to_float32(reference):
+  losses, params, batch_stats, _ = run_steps(_config(dtype='bfloat16'), _mesh(8))
+  # Same steps, same batches: bf16 activations move the loss by well under 5%.
+  np.testing.assert_allclose(losses, reference[0], rtol=0.05)
+  assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype('float32')}
+  assert {x.dtype for x in jax.tree.leaves(batch_stats)} == {np.dtype('float32')}
+
+
+def test_batch_that_does_not_divide_over_devices_is_named():
+  with pytest.raises(Exception, match='config.batch_size=12 does not divide over 8 devices'):
+    parallel.check_batch_size('batch_size', 12, _config())
