@@ -50,3 +50,15 @@ def tiny_config(image_folder):
   config.checkpoint_every_steps = 3
   config.compilation_cache_dir = 'none'
   return config
+
+
+def restore_checkpoint(workdir, step):
+  """A saved train state as arrays on one device, whatever mesh wrote it."""
+  import jax
+  import orbax.checkpoint as ocp
+  path = os.path.join(workdir, 'checkpoints', str(step), 'state')
+  checkpointer = ocp.StandardCheckpointer()
+  metadata = checkpointer.metadata(path).item_metadata
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)
+  return jax.tree.map(np.asarray, checkpointer.restore(path, target))

@@ -99,7 +99,7 @@ def test_fsdp_shards_large_kernels_and_matches(reference):
   losses, params, _, state = run_steps(config, parallel.make_mesh(config))
   np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
   _assert_trees_close(params, reference[1], atol=1e-5)
-  kernel = state.params['BasicBlock_8']['Conv_1']['kernel']  # 3x3x64x64 = 36,864 elements
+  kernel = state.params['stage3_block3']['Conv_1']['kernel']  # 3x3x64x64 = 36,864 elements
   assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, None, 'fsdp', None)
   assert kernel.addressable_shards[0].data.shape == (3, 3, 16, 64)
   # Momentum follows its parameter; small arrays stay replicated.

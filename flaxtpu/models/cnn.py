@@ -32,10 +32,11 @@ class CNN(nn.Module):
   dtype: Any = jnp.float32
   stage: Callable[..., nn.Module] = ConvStage  # nn.remat(ConvStage, ...) to recompute in the backward pass
 
+  # Explicit names: the same parameter tree with and without remat.
   @nn.compact
   def __call__(self, x, train: bool = True):
     del train  # no dropout or batch norm: train and eval are the same function
-    x = self.stage(32, pool=True, dtype=self.dtype)(x.astype(self.dtype))
-    x = self.stage(64, pool=False, dtype=self.dtype)(x)
+    x = self.stage(32, pool=True, dtype=self.dtype, name='stage1')(x.astype(self.dtype))
+    x = self.stage(64, pool=False, dtype=self.dtype, name='stage2')(x)
     x = jnp.mean(x, axis=(1, 2))
     return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)

@@ -76,7 +76,8 @@ class ResNet(nn.Module):
     for stage, num_blocks in enumerate(self.stage_sizes):
       for index in range(num_blocks):
         strides = 2 if stage > 0 and index == 0 else 1
+        # Explicit names: the same parameter tree with and without remat.
         x = self.block(self.width * 2**stage, strides, train, dtype=self.dtype,
-                       bn_axis_name=self.bn_axis_name)(x)
+                       bn_axis_name=self.bn_axis_name, name=f'stage{stage + 1}_block{index + 1}')(x)
     x = jnp.mean(x, axis=(1, 2))
     return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
