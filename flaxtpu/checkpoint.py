@@ -32,8 +32,9 @@ class Checkpoints:
     preserve = [policies.LatestN(config.checkpoint.keep)]
     metric = config.checkpoint.best_metric
     if metric:
+      # BestN sorts by the metric and keeps the end of the list: ascending for 'max'.
       preserve.append(policies.BestN(get_metric_fn=lambda metrics: metrics[metric],
-                                     reverse=config.checkpoint.best_mode == 'max', n=1,
+                                     reverse=config.checkpoint.best_mode == 'min', n=1,
                                      keep_checkpoints_without_metrics=False))
     if read_only and not os.path.isdir(self.directory):
       raise CheckpointError(f'no checkpoints in {self.directory}; train first with the same '

@@ -46,9 +46,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   placement, state, step, record = restore(config, workdir)
   dataset = data.load(config, need_train=False)
   if dataset.num_classes != record['num_classes'] or dataset.image_shape != tuple(record['image_shape']):
-    raise UserError(f'the eval data has {dataset.num_classes} classes of {dataset.image_shape} images '
-                    f'but the checkpoint was trained on {record["num_classes"]} classes of '
-                    f'{tuple(record["image_shape"])}; evaluate on data like the training data')
+    raise UserError(f'{config.dataset.folder or config.dataset.name} has {dataset.num_classes} classes '
+                    f'of {dataset.image_shape} images but checkpoint {workdir}/checkpoints/{step} was '
+                    f'trained on {record["num_classes"]} classes of {tuple(record["image_shape"])}; '
+                    'evaluate on data like the training data')
   results = train.evaluate(placement, state, dataset.eval, eval_batch_size)
   results.update(step=step, split=config.dataset.eval_split,
                  source=config.dataset.folder or config.dataset.name,

@@ -93,8 +93,6 @@ def run(config, workdir: str, mode: str) -> None:
   parallel.check_platform(config.require_platform)
   logging.info('JAX %s on %s', jax.__version__, parallel.describe_devices())
   if mode == 'train':
-    if jax.process_index() == 0:
-      metrics.write_json(os.path.join(workdir, 'config.json'), config.to_dict())
     train.train_and_evaluate(config, workdir)
   elif mode == 'plan':
     _check_workdir(workdir)

@@ -5,6 +5,10 @@ import json
 import os
 from typing import Any, Mapping
 
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
 from clu import metric_writers, metrics
 
 
@@ -18,6 +22,25 @@ class TrainMetrics(metrics.Collection):
 class EvalMetrics(metrics.Collection):
   loss: metrics.Average.from_output('loss')
   accuracy: metrics.Average.from_output('accuracy')
+
+
+def window_to_json(window: TrainMetrics | None) -> dict | None:
+  """The train metrics accumulated since the last log line, for the checkpoint record.
+
+  A run resumed from a checkpoint between two log lines then logs the same
+  averages as a run that was never stopped.
+  """
+  if window is None:
+    return None
+  return jax.tree.map(lambda x: np.asarray(x).item(), flax.serialization.to_state_dict(window))
+
+
+def window_from_json(saved: dict | None) -> TrainMetrics | None:
+  if saved is None:
+    return None
+  empty = TrainMetrics.empty()
+  restored = flax.serialization.from_state_dict(empty, saved)
+  return jax.tree.map(lambda like, value: jnp.asarray(value, like.dtype), empty, restored)
 
 
 class JsonlWriter(metric_writers.MetricWriter):

@@ -256,12 +256,20 @@ def evaluate(placement: Placement, state: TrainState, split: data.Split,
 
 
 class StopRequest:
-  """SIGTERM/SIGINT ask the loop to finish its step, save, and exit cleanly."""
+  """While active, SIGTERM/SIGINT ask the loop to finish its step, save, and exit cleanly."""
 
   def __init__(self):
     self.signal_name = None
+    self._previous = {}
+
+  def __enter__(self):
     for sig in (signal.SIGTERM, signal.SIGINT):
-      signal.signal(sig, self._handle)
+      self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
 
   def _handle(self, signum, frame):
     del frame
@@ -312,15 +320,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   placement = place(task, mesh, config)
   state = create_state(task, placement, config.seed)
   checkpoints = checkpoint.Checkpoints(workdir, config)
-  first_step = 0
+  first_step, train_metrics = 0, None
   if (latest := checkpoints.latest_step()) is not None:
-    saved, _ = checkpoints.restore(latest, placement.abstract_state,
-                                   expected=expected_record(config, task))
+    saved, record = checkpoints.restore(latest, placement.abstract_state,
+                                        expected=expected_record(config, task))
     state = placement.from_saveable(saved)
     first_step = latest
     logging.info('resuming from step %d (%s)', latest, os.path.join(checkpoints.directory,
                                                                     str(latest)))
-  if is_main:
+    train_metrics = metrics.window_from_json(record.get('train_metrics_window'))
+  if is_main:  # only once the checkpoint has proven to belong to this config
+    metrics.write_json(os.path.join(workdir, 'config.json'), config.to_dict())
     metrics.truncate_jsonl(os.path.join(workdir, 'metrics.jsonl'), first_step)
   writer = metrics.create_writer(workdir, is_main_process=is_main)
 
@@ -335,64 +345,65 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           dataset.train, seed=config.seed, batch_size=config.batch_size, first_step=first_step,
           last_step=length.total_steps, process_index=jax.process_index(),
           process_count=jax.process_count()))
-  stop = StopRequest()
   clock = TrainClock(first_step)
   # XLA:CPU runs each virtual device's collectives on a shared thread pool; two
   # steps in flight at once can deadlock their all-reduces (seen with 8 devices
   # on 2 cores). Accelerators keep the usual asynchronous dispatch.
   one_step_in_flight = jax.default_backend() == 'cpu' and jax.device_count() > 1
-  train_step_fn, memory_plan, train_metrics = None, {}, None
+  train_step_fn, memory_plan = None, {}
   last_train: dict[str, float] = {}
   eval_results: dict[str, float] = {}
 
-  for step in range(first_step + 1, length.total_steps + 1):
-    batch = next(batches)
-    if train_step_fn is None:  # compile once, ahead of time, and report its memory plan
-      with clock.paused():
-        train_step_fn, memory_plan = compile_train_step(placement, state, batch)
-      logging.info('compiled train step in %.1fs; per-device memory plan: %s',
-                   memory_plan['compile_seconds'], format_plan(memory_plan))
-    state, step_metrics = train_step_fn(state, batch)
-    if one_step_in_flight:
-      jax.block_until_ready(step_metrics)
-    if placement.parallelism == 'pmap':
-      step_metrics = step_metrics.unreplicate()
-    train_metrics = step_metrics if train_metrics is None else train_metrics.merge(step_metrics)
-    is_last = step == length.total_steps
+  with StopRequest() as stop:
+    for step in range(first_step + 1, length.total_steps + 1):
+      batch = next(batches)
+      if train_step_fn is None:  # compile once, ahead of time, and report its memory plan
+        with clock.paused():
+          train_step_fn, memory_plan = compile_train_step(placement, state, batch)
+        logging.info('compiled train step in %.1fs; per-device memory plan: %s',
+                     memory_plan['compile_seconds'], format_plan(memory_plan))
+      state, step_metrics = train_step_fn(state, batch)
+      if one_step_in_flight:
+        jax.block_until_ready(step_metrics)
+      if placement.parallelism == 'pmap':
+        step_metrics = step_metrics.unreplicate()
+      train_metrics = step_metrics if train_metrics is None else train_metrics.merge(step_metrics)
+      is_last = step == length.total_steps
 
-    if step % config.log_every_steps == 0 or is_last:  # the only per-step host sync
-      last_train = {f'train_{k}': float(v) for k, v in train_metrics.compute().items()}
-      images_per_sec, eta = clock.lap(step, config.batch_size, length.total_steps)
-      last_train.update(images_per_sec=images_per_sec, learning_rate=float(task.schedule(step - 1)))
-      logging.info('step %d/%d  loss %.4f  accuracy %.4f  %.0f img/s  lr %.3g  ETA %s', step,
-                   length.total_steps, last_train['train_loss'], last_train['train_accuracy'],
-                   images_per_sec, last_train['learning_rate'], _duration(eta))
-      writer.write_scalars(step, last_train)
-      train_metrics = None
+      if step % config.log_every_steps == 0 or is_last:  # fetching metrics waits for the step
+        last_train = {f'train_{k}': float(v) for k, v in train_metrics.compute().items()}
+        images_per_sec, eta = clock.lap(step, config.batch_size, length.total_steps)
+        last_train.update(images_per_sec=images_per_sec, learning_rate=float(task.schedule(step - 1)))
+        logging.info('step %d/%d  loss %.4f  accuracy %.4f  %.0f img/s  lr %.3g  ETA %s', step,
+                     length.total_steps, last_train['train_loss'], last_train['train_accuracy'],
+                     images_per_sec, last_train['learning_rate'], _duration(eta))
+        writer.write_scalars(step, last_train)
+        train_metrics = None
 
-    evaluate_now = step % length.eval_every_steps == 0 or is_last
-    if evaluate_now:
-      with clock.paused(state):
-        eval_results = evaluate(placement, state, dataset.eval, eval_batch_size)
-      num_examples = eval_results.pop('num_examples')
-      logging.info('eval at step %d: loss %.4f  accuracy %.4f  (%d examples)', step,
-                   eval_results['eval_loss'], eval_results['eval_accuracy'], num_examples)
-      writer.write_scalars(step, eval_results)
+      evaluate_now = step % length.eval_every_steps == 0 or is_last
+      if evaluate_now:
+        with clock.paused(state):
+          eval_results = evaluate(placement, state, dataset.eval, eval_batch_size)
+        num_examples = eval_results.pop('num_examples')
+        logging.info('eval at step %d: loss %.4f  accuracy %.4f  (%d examples)', step,
+                     eval_results['eval_loss'], eval_results['eval_accuracy'], num_examples)
+        writer.write_scalars(step, eval_results)
 
-    stopping = stop.requested(check_all_processes=step % config.log_every_steps == 0)
-    if step % length.checkpoint_every_steps == 0 or is_last or stopping:
-      with clock.paused(state):
-        checkpoints.save(step, placement.to_saveable(state),
-                         checkpoint_record(config, task, step, dataset),
-                         metrics=eval_results if evaluate_now else None)
-    writer.flush()
-    if stopping:
-      checkpoints.wait()
-      checkpoints.close()
-      writer.close()
-      logging.info('stopped by %s at step %d; checkpoint complete in %s; run the same command '
-                   'to resume', stop.signal_name, step, checkpoints.directory)
-      return {'stopped_at_step': step}
+      stopping = stop.requested(check_all_processes=step % config.log_every_steps == 0)
+      if step % length.checkpoint_every_steps == 0 or is_last or stopping:
+        with clock.paused(state):
+          record = checkpoint_record(config, task, step, dataset)
+          record['train_metrics_window'] = metrics.window_to_json(train_metrics)
+          checkpoints.save(step, placement.to_saveable(state), record,
+                           metrics=eval_results if evaluate_now else None)
+      writer.flush()
+      if stopping:
+        checkpoints.wait()
+        checkpoints.close()
+        writer.close()
+        logging.info('stopped by %s at step %d; checkpoint complete in %s; run the same command '
+                     'to resume', stop.signal_name, step, checkpoints.directory)
+        return {'stopped_at_step': step}
 
   checkpoints.wait()
   checkpoints.close()

@@ -1,0 +1,241 @@
+"""Checkpoints: exact resume, SIGTERM and SIGKILL, best-keeping, restore anywhere, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import cifar10_resnet
+from conftest import ROOT, make_image_folder, restore_checkpoint
+from flaxtpu import checkpoint, data, train
+
+
+def _config(folder, **overrides):
+  config = cifar10_resnet.get_config()  # BatchNorm, augmentation, momentum, schedule: all must resume
+  config.dataset.folder = folder
+  config.batch_size = 16
+  config.num_train_steps = 12
+  config.log_every_steps = 4
+  config.eval_every_steps = 6
+  config.checkpoint_every_steps = 3
+  config.schedule.warmup_epochs = 1.0
+  config.compilation_cache_dir = 'none'
+  for key, value in overrides.items():
+    group, _, name = key.rpartition('.')
+    setattr(config[group] if group else config, name, value)
+  return config
+
+
+def _metric_rows(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  return [{k: v for k, v in row.items() if k != 'images_per_sec'} for row in rows]
+
+
+def _assert_same_state(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(x, y)  # bitwise
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(image_folder, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('uninterrupted'))
+  results = train.train_and_evaluate(_config(image_folder), workdir)
+  return workdir, results
+
+
+def _signal_at_step(monkeypatch, step_to_signal, sig=signal.SIGTERM):
+  """Sends `sig` to this process when the data pipeline reaches a step (like a preemption)."""
+  real = data.train_batches
+
+  def batches(*args, **kwargs):
+    for step, batch in enumerate(real(*args, **kwargs), kwargs['first_step'] + 1):
+      if step == step_to_signal:
+        os.kill(os.getpid(), sig)
+      yield batch
+
+  monkeypatch.setattr(data, 'train_batches', batches)
+
+
+@pytest.mark.parametrize('stop_step', [4, 8])
+def test_stopped_and_resumed_equals_uninterrupted(uninterrupted, image_folder, tmp_path, monkeypatch,
+                                                 stop_step):
+  reference_dir, reference = uninterrupted
+  workdir = str(tmp_path)
+  _signal_at_step(monkeypatch, stop_step)
+  stopped = train.train_and_evaluate(_config(image_folder), workdir)
+  # The prefetcher runs ahead of the loop, so the stop lands a step or two before or after.
+  assert 'stopped_at_step' in stopped and stopped['stopped_at_step'] < 12
+  assert not os.path.exists(os.path.join(workdir, 'results.json'))
+  monkeypatch.undo()
+  results = train.train_and_evaluate(_config(image_folder), workdir)
+  _assert_same_state(restore_checkpoint(workdir, 12), restore_checkpoint(reference_dir, 12))
+  assert _metric_rows(workdir) == _metric_rows(reference_dir)
+  for key in ('step', 'eval_accuracy', 'eval_loss', 'train_loss', 'train_accuracy'):
+    assert results[key] == reference[key]
+
+
+def _cli(workdir, folder, *extra):
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  return [sys.executable, '-m', 'flaxtpu.main', '--config=configs/cifar10_resnet.py', f'--workdir={workdir}',
+          f'--config.dataset.folder={folder}', '--config.batch_size=16', '--config.log_every_steps=4',
+          '--config.eval_every_steps=6', '--config.checkpoint_every_steps=3',
+          '--config.schedule.warmup_epochs=1.0', *extra], env
+
+
+def _complete_steps(workdir):
+  directory = os.path.join(workdir, 'checkpoints')
+  return sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
+
+
+def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(uninterrupted, image_folder, tmp_path):
+  reference_dir, _ = uninterrupted
+  workdir = str(tmp_path)
+  command, env = _cli(workdir, image_folder, '--config.num_train_steps=12')
+  process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 240
+  while not _complete_steps(workdir) and process.poll() is None and time.time() < deadline:
+    time.sleep(0.01)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  killed_at = _complete_steps(workdir)
+  restart = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert restart.returncode == 0, restart.stderr[-3000:]
+  if killed_at and killed_at[-1] < 12:
+    assert f'resuming from step {killed_at[-1]}' in restart.stderr
+  _assert_same_state(restore_checkpoint(workdir, 12), restore_checkpoint(reference_dir, 12))
+  assert _metric_rows(workdir) == _metric_rows(reference_dir)
+
+
+def test_sigterm_saves_a_complete_checkpoint_and_exits_cleanly(image_folder, tmp_path):
+  workdir = str(tmp_path)
+  command, env = _cli(workdir, image_folder, '--config.num_train_steps=100000')
+  process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  for line in process.stderr:
+    if 'step 4/100000' in line:
+      break
+  process.send_signal(signal.SIGTERM)
+  _, stderr = process.communicate(timeout=120)
+  assert process.returncode == 0, stderr[-3000:]
+  stopped = [line for line in stderr.splitlines() if 'stopped by SIGTERM at step' in line]
+  assert len(stopped) == 1
+  step = int(stopped[0].split('at step ')[1].split(';')[0])
+  assert _complete_steps(workdir)[-1] == step
+  state = restore_checkpoint(workdir, step)
+  assert int(state['step']) == step
+  assert not os.path.exists(os.path.join(workdir, 'results.json'))
+
+
+def test_keeps_the_latest_n_plus_the_best(tmp_path):
+  config = _config('unused', **{'checkpoint.keep': 2})
+  checkpoints = checkpoint.Checkpoints(str(tmp_path), config)
+  state = {'w': jnp.arange(4.0)}
+  accuracies = {1: 0.1, 2: 0.5, 3: 0.3, 4: 0.2, 5: 0.4, 6: None}
+  for step, accuracy in accuracies.items():
+    checkpoints.save(step, state, {'step': step},
+                     metrics=None if accuracy is None else {'eval_accuracy': accuracy, 'eval_loss': 1 - accuracy})
+    checkpoints.wait()
+  assert checkpoints.all_steps() == [2, 5, 6]  # best (0.5) + latest two
+  assert checkpoints.best_step() == 2
+  assert checkpoints.resolve('best') == 2 and checkpoints.resolve('latest') == 6
+  with pytest.raises(checkpoint.CheckpointError, match=r"config.eval.checkpoint='4' is not a saved step .* \[2, 5, 6\]"):
+    checkpoints.resolve('4')
+  checkpoints.close()
+  config.checkpoint.best_metric, config.checkpoint.best_mode = 'eval_loss', 'min'
+  by_loss = checkpoint.Checkpoints(str(tmp_path / 'loss'), config)
+  for step, accuracy in list(accuracies.items())[:5]:
+    by_loss.save(step, state, {'step': step}, metrics={'eval_accuracy': accuracy, 'eval_loss': 1 - accuracy})
+  by_loss.wait()
+  assert by_loss.all_steps() == [2, 4, 5]
+  by_loss.close()
+
+
+def _eval_cli(workdir, folder, *extra):
+  command, env = _cli(workdir, folder, '--mode=eval', *extra)
+  return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize('layout', [{'parallelism': 'pmap'}, {'mesh.fsdp': 4, 'mesh.fsdp_min_size': 1024}])
+def test_checkpoint_from_8_devices_evaluates_the_same_on_1(layout, image_folder, tmp_path):
+  workdir = str(tmp_path)
+  results = train.train_and_evaluate(_config(image_folder, num_train_steps=6, **layout), workdir)
+  result = _eval_cli(workdir, image_folder, '--config.cpu_devices=1', '--config.eval_batch_size=8')
+  assert result.returncode == 0, result.stderr[-3000:]
+  with open(os.path.join(workdir, 'eval.json')) as f:
+    evaluation = json.load(f)
+  assert evaluation['num_examples'] == 21 and evaluation['step'] == 6
+  assert evaluation['eval_accuracy'] == pytest.approx(results['eval_accuracy'], abs=1e-6)
+  assert evaluation['eval_loss'] == pytest.approx(results['eval_loss'], rel=1e-4)
+
+
+def _snapshot(directory):
+  return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
+          for d, _, files in os.walk(directory) for f in files}
+
+
+@pytest.fixture(scope='module')
+def finished(image_folder, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('finished'))
+  train.train_and_evaluate(_config(image_folder, num_train_steps=6), workdir)
+  return workdir
+
+
+def _assert_one_error(result, *fragments):
+  assert result.returncode != 0
+  errors = [line for line in result.stderr.splitlines() if line.startswith('error:')]
+  assert len(errors) == 1, result.stderr[-3000:]
+  for fragment in fragments:
+    assert fragment in errors[0], errors[0]
+  assert 'Traceback' not in result.stderr
+
+
+def test_checkpoint_of_another_model_is_refused_and_nothing_changes(finished, image_folder):
+  before = _snapshot(finished)
+  result = _eval_cli(finished, image_folder, '--config.model.name=resnet32')
+  _assert_one_error(result, "has model='resnet20' but the config gives 'resnet32'", finished)
+  command, env = _cli(finished, image_folder, '--config.model.name=cnn', '--config.num_train_steps=12')
+  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  _assert_one_error(result, "has model='resnet20' but the config gives 'cnn'")
+  assert _snapshot(finished) == before
+
+
+def test_checkpoint_for_another_class_count_is_refused(finished, tmp_path):
+  other = make_image_folder(tmp_path / 'five', classes=('a', 'b', 'c', 'd', 'e'), train_per_class=4,
+                            test_per_class=2)
+  before = _snapshot(finished)
+  _assert_one_error(_eval_cli(finished, other), f'{other} has 5 classes', 'checkpoints/6 was trained on 3 classes')
+  assert _snapshot(finished) == before
+
+
+def test_corrupted_checkpoint_is_named_and_kept(finished, image_folder, tmp_path):
+  import shutil
+  workdir = str(tmp_path / 'copy')
+  shutil.copytree(finished, workdir)
+  latest = os.path.join(workdir, 'checkpoints', '6', 'state')
+  for directory, _, files in os.walk(latest):
+    for name in files:
+      path = os.path.join(directory, name)
+      if os.path.getsize(path) > 1000:
+        with open(path, 'r+b') as f:
+          f.truncate(os.path.getsize(path) // 2)
+  before = _snapshot(workdir)
+  _assert_one_error(_eval_cli(workdir, image_folder), 'checkpoints/6', 'cannot be restored')
+  assert _snapshot(workdir) == before
+
+
+def test_missing_checkpoint_step_and_unwritable_workdir(finished, image_folder, tmp_path):
+  _assert_one_error(_eval_cli(finished, image_folder, '--config.eval.checkpoint=5'),
+                    "config.eval.checkpoint='5' is not a saved step")
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('not a directory')
+  command, env = _cli(str(blocker / 'run'), image_folder, '--config.num_train_steps=2')
+  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  _assert_one_error(result, f'--workdir={blocker}/run cannot be created')
+  assert blocker.read_text() == 'not a directory'
