@@ -1,4 +1,4 @@
-"""Peak learning rate x schedule for the ResNet-20 recipe at a CPU-sized budget (6 runs of 2 epochs).
+"""Peak learning rate x schedule for the ResNet-20 recipe at a CPU-sized budget (6 runs of 1 epoch).
 
     python -m flaxtpu.sweep experiments/cifar10_lr.py --workdir=runs/sweeps/cifar10_lr
     python -m flaxtpu.sweep experiments/cifar10_lr.py --workdir=runs/sweeps/cifar10_lr --report
@@ -17,8 +17,8 @@ from flaxtpu import sweep
 def get_config():
   config = cifar10_resnet.get_config()
   config.dataset.folder = CIFAR10_FOLDER
-  config.num_epochs = 2.0
-  config.schedule.warmup_epochs = 0.5
+  config.num_epochs = 1.0
+  config.schedule.warmup_epochs = 0.2
   return config
 
 

@@ -8,6 +8,7 @@ CPU device count) when JAX starts, so the config decides them first.
 """
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -49,7 +50,13 @@ def _start_jax(config):
   """Sets XLA's CPU device count, joins the cluster, turns on the compilation cache."""
   xla_flags = os.environ.get('XLA_FLAGS', '')
   if config.cpu_devices and '--xla_force_host_platform_device_count' not in xla_flags:
-    os.environ['XLA_FLAGS'] = f'{xla_flags} --xla_force_host_platform_device_count={config.cpu_devices}'
+    # As many CPU devices as asked for that the batches still divide over.
+    eval_batch_size = config.eval_batch_size if config.eval_batch_size > 0 else config.batch_size
+    cpu_devices = math.gcd(config.cpu_devices, config.batch_size, eval_batch_size)
+    if cpu_devices != config.cpu_devices:
+      logging.info('using %d CPU devices, not config.cpu_devices=%d: batch sizes %d/%d must divide',
+                   cpu_devices, config.cpu_devices, config.batch_size, eval_batch_size)
+    os.environ['XLA_FLAGS'] = f'{xla_flags} --xla_force_host_platform_device_count={cpu_devices}'
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   import jax  # pylint: disable=g-import-not-at-top
   if FLAGS.coordinator_address or (FLAGS.num_processes or 1) > 1:

@@ -350,7 +350,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # steps in flight at once can deadlock their all-reduces (seen with 8 devices
   # on 2 cores). Accelerators keep the usual asynchronous dispatch.
   one_step_in_flight = jax.default_backend() == 'cpu' and jax.device_count() > 1
-  train_step_fn, memory_plan = None, {}
+  train_step_fn, memory_plan, time_to_first_step = None, {}, None
   last_train: dict[str, float] = {}
   eval_results: dict[str, float] = {}
 
@@ -363,8 +363,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         logging.info('compiled train step in %.1fs; per-device memory plan: %s',
                      memory_plan['compile_seconds'], format_plan(memory_plan))
       state, step_metrics = train_step_fn(state, batch)
-      if one_step_in_flight:
+      if one_step_in_flight or time_to_first_step is None:
         jax.block_until_ready(step_metrics)
+      if time_to_first_step is None:
+        time_to_first_step = time.time() - started
+        logging.info('first step done %.1fs after start (data, init, compile)', time_to_first_step)
       if placement.parallelism == 'pmap':
         step_metrics = step_metrics.unreplicate()
       train_metrics = step_metrics if train_metrics is None else train_metrics.merge(step_metrics)
@@ -414,6 +417,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       'train_accuracy': last_train.get('train_accuracy'),
       'train_images_per_sec': clock.images_per_sec(config.batch_size),
       'wall_time_s': time.time() - started,
+      'time_to_first_step_s': time_to_first_step,
       'memory_plan': memory_plan,
   }
   if is_main:

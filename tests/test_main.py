@@ -97,10 +97,11 @@ def test_predict_mode_prints_top_classes_and_writes_csv(trained, image_folder, t
 
 def test_plan_mode_writes_plan_json(image_folder, tmp_path):
   run_cli('--config=configs/cifar10_resnet.py', f'--workdir={tmp_path}', '--mode=plan',
-          f'--config.dataset.folder={image_folder}', '--config.batch_size=16',
+          f'--config.dataset.folder={image_folder}', '--config.batch_size=12',
           '--config.compilation_cache_dir=none')
   with open(tmp_path / 'plan.json') as f:
     plan = json.load(f)
+  assert plan['mesh'] == {'data': 4, 'fsdp': 1}  # 8 CPU devices asked, 4 divide the batch of 12
   assert plan['total_bytes'] == plan['argument_bytes'] + plan['output_bytes'] + plan['temp_bytes'] - plan['alias_bytes']
   assert plan['temp_bytes'] > 0 and plan['model'] == 'resnet20'
   assert not os.path.exists(tmp_path / 'checkpoints')
@@ -110,7 +111,7 @@ def test_plan_mode_writes_plan_json(image_folder, tmp_path):
     (['--config.model.name=vgg'], "error: config.model.name='vgg' is not valid; choose one of: 'cnn'"),
     (['--config.no_such_key=1'], 'error: '),
     (['--config.batch_size=abc'], 'error: '),
-    (['--config.batch_size=12'], 'error: config.batch_size=12 does not divide over 8 devices'),
+    (['--config.batch_size=12', '--config.mesh.data=8'], 'error: config.mesh.data=8 x config.mesh.fsdp=1 does not fit 4 devices'),
     (['--config.num_epochs=0'], 'error: config.num_epochs=0.0 must be > 0'),
     (['--config.dataset.folder=/nonexistent'], "error: config.dataset.folder='/nonexistent' is not a directory"),
     (['--config.require_platform=tpu'], "error: config.require_platform='tpu' but JAX found cpu"),
