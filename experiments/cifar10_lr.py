@@ -1,4 +1,4 @@
-"""Peak learning rate x schedule for the ResNet-20 recipe at a CPU-sized budget (6 runs of 1 epoch).
+"""Peak learning rate x schedule for the ResNet-20 recipe at a CPU-sized budget (8 runs of 1 epoch).
 
     python -m flaxtpu.sweep experiments/cifar10_lr.py --workdir=runs/sweeps/cifar10_lr
     python -m flaxtpu.sweep experiments/cifar10_lr.py --workdir=runs/sweeps/cifar10_lr --report
@@ -24,6 +24,6 @@ def get_config():
 
 def get_sweep():
   return sweep.product(
-      sweep.sweep('optimizer.learning_rate', [0.05, 0.1, 0.2]),
+      sweep.sweep('optimizer.learning_rate', [0.05, 0.1, 0.2, 0.4]),
       sweep.sweep('schedule.name', ['cosine', 'onecycle']),
   )

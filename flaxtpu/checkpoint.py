@@ -12,12 +12,20 @@ import logging
 import os
 from typing import Any, Optional
 
+import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
 from flaxtpu.errors import UserError
 
 policies = ocp.checkpoint_managers
+
+# orbax cuts every replicated array into one slice per device to spread the
+# writes ("replica parallel"): one small device op per slice, on the training
+# thread. For classification-sized states that makes save() block for seconds
+# (benchmarks/checkpoint_cost.py); one writer per array blocks for milliseconds.
+ocp.type_handlers.register_type_handler(
+    jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
 
 
 class CheckpointError(UserError):
@@ -57,6 +65,10 @@ class Checkpoints:
     self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                      record=ocp.args.JsonSave(record)),
                        metrics=metrics, force=True)
+
+  def is_saving(self) -> bool:
+    """Whether an asynchronous save is still being written."""
+    return self._manager.is_saving_in_progress()
 
   def wait(self) -> None:
     self._manager.wait_until_finished()

@@ -33,6 +33,16 @@ def check_platform(required: str) -> None:
         f'on a {required.upper()} machine, or pass --config.require_platform= to run on {found}')
 
 
+def one_step_in_flight() -> bool:
+  """Whether to wait for each step before dispatching the next.
+
+  XLA:CPU runs every virtual device's collectives on one shared thread pool;
+  two programs in flight at once can deadlock their all-reduces (seen with 8
+  devices on 2 cores). Accelerators keep the usual asynchronous dispatch.
+  """
+  return jax.default_backend() == 'cpu' and jax.device_count() > 1
+
+
 def describe_devices() -> str:
   device = jax.devices()[0]
   return (f'platform={jax.default_backend()} kind={device.device_kind} '

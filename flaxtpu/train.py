@@ -246,6 +246,8 @@ def evaluate(placement: Placement, state: TrainState, split: data.Split,
   for batch in data.eval_batches(split, batch_size=batch_size, process_index=jax.process_index(),
                                  process_count=jax.process_count()):
     batch_metrics = placement.eval_step(state, placement.put_eval_batch(tuple(batch)))
+    if parallel.one_step_in_flight():
+      jax.block_until_ready(batch_metrics)
     totals = batch_metrics if totals is None else totals.merge(batch_metrics)
   result = {f'eval_{k}': float(v) for k, v in totals.compute().items()}
   result['num_examples'] = int(totals.loss.count)
@@ -329,16 +331,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     logging.info('resuming from step %d (%s)', latest, os.path.join(checkpoints.directory,
                                                                     str(latest)))
     train_metrics = metrics.window_from_json(record.get('train_metrics_window'))
-  if is_main:  # only once the checkpoint has proven to belong to this config
-    metrics.write_json(os.path.join(workdir, 'config.json'), config.to_dict())
-    metrics.truncate_jsonl(os.path.join(workdir, 'metrics.jsonl'), first_step)
-  writer = metrics.create_writer(workdir, is_main_process=is_main)
-
   if first_step >= length.total_steps and os.path.exists(os.path.join(workdir, 'results.json')):
     logging.info('already trained to step %d; results in %s', first_step, workdir)
     checkpoints.close()
     with open(os.path.join(workdir, 'results.json'), encoding='utf-8') as f:
       return json.load(f)
+  if is_main:  # only once the checkpoint has proven to belong to this config
+    metrics.write_json(os.path.join(workdir, 'config.json'), config.to_dict())
+    metrics.truncate_jsonl(os.path.join(workdir, 'metrics.jsonl'), first_step)
+  writer = metrics.create_writer(workdir, is_main_process=is_main)
 
   batches = data.prefetch(
       placement.put_train_batch(tuple(batch)[:2]) for batch in data.train_batches(
@@ -346,10 +347,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           last_step=length.total_steps, process_index=jax.process_index(),
           process_count=jax.process_count()))
   clock = TrainClock(first_step)
-  # XLA:CPU runs each virtual device's collectives on a shared thread pool; two
-  # steps in flight at once can deadlock their all-reduces (seen with 8 devices
-  # on 2 cores). Accelerators keep the usual asynchronous dispatch.
-  one_step_in_flight = jax.default_backend() == 'cpu' and jax.device_count() > 1
+  one_step_in_flight = parallel.one_step_in_flight()
   train_step_fn, memory_plan, time_to_first_step = None, {}, None
   last_train: dict[str, float] = {}
   eval_results: dict[str, float] = {}

@@ -1,0 +1,91 @@
+"""What an asynchronous orbax save costs the training loop: step time with and without a save in flight.
+
+    python benchmarks/checkpoint_cost.py [--model resnet20] [--cpu-devices 8]
+
+Times the real train step on device-resident data: steps with no save, the
+blocking part of `Checkpoints.save` (copying arrays off the devices before
+the background write), and steps while the background write is in flight.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--model', default='resnet20')
+  parser.add_argument('--batch-size', type=int, default=128)
+  parser.add_argument('--steps', type=int, default=8)
+  parser.add_argument('--saves', type=int, default=3)
+  parser.add_argument('--cpu-devices', type=int, default=8)
+  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'checkpoint_cost.json'))
+  args = parser.parse_args()
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             f' --xla_force_host_platform_device_count={args.cpu_devices}')
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from configs import cifar10_resnet  # pylint: disable=g-import-not-at-top
+  from flaxtpu import checkpoint, config as config_lib, parallel, train  # pylint: disable=g-import-not-at-top
+
+  config = cifar10_resnet.get_config()
+  config.model.name, config.batch_size = args.model, args.batch_size
+  task = train.create_task(config, num_classes=10, image_shape=(32, 32, 3), mean=np.full(3, 0.5),
+                           std=np.full(3, 0.25), length=config_lib.run_length(config, 50_000))
+  placement = train.place(task, parallel.make_mesh(config), config)
+  state = train.create_state(task, placement, 0)
+  rng = np.random.default_rng(0)
+  batch = placement.put_train_batch((rng.integers(0, 256, (args.batch_size, 32, 32, 3), np.uint8),
+                                     rng.integers(0, 10, args.batch_size).astype(np.int32)))
+  step_fn, _ = train.compile_train_step(placement, state, batch)
+
+  def timed_step(state):
+    started = time.perf_counter()
+    state, metrics = step_fn(state, batch)
+    jax.block_until_ready(metrics)
+    return state, time.perf_counter() - started
+
+  for _ in range(2):
+    state, _ = timed_step(state)
+  quiet, during, blocking, in_flight_steps = [], [], [], []
+  with tempfile.TemporaryDirectory() as workdir:
+    checkpoints = checkpoint.Checkpoints(workdir, config)
+    for save in range(args.saves):
+      for _ in range(args.steps):
+        state, seconds = timed_step(state)
+        quiet.append(seconds)
+      started = time.perf_counter()
+      checkpoints.save(100 + save, placement.to_saveable(state), {'step': save})
+      blocking.append(time.perf_counter() - started)
+      steps_while_saving = 0
+      while checkpoints.is_saving() and steps_while_saving < 50:
+        state, seconds = timed_step(state)
+        during.append(seconds)
+        steps_while_saving += 1
+      in_flight_steps.append(steps_while_saving)
+      checkpoints.wait()
+    checkpoints.close()
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves(placement.to_saveable(state)))
+  result = {'model': args.model, 'batch_size': args.batch_size, 'devices': jax.device_count(),
+            'state_mib': state_bytes / 2**20,
+            'step_ms_without_save': 1000 * statistics.median(quiet),
+            'step_ms_with_save_in_flight': 1000 * statistics.median(during) if during else None,
+            'save_call_blocking_ms': 1000 * statistics.median(blocking),
+            'steps_while_save_in_flight': in_flight_steps}
+  print(f'{args.model}: state {result["state_mib"]:.1f} MiB; step {result["step_ms_without_save"]:.0f} ms '
+        f'without a save, {result["step_ms_with_save_in_flight"] or float("nan"):.0f} ms with one in flight '
+        f'({in_flight_steps} steps overlapped); save() blocks the loop {result["save_call_blocking_ms"]:.0f} ms')
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, 'w', encoding='utf-8') as f:
+    json.dump(result, f, indent=2)
+
+
+if __name__ == '__main__':
+  main()
