@@ -32,8 +32,10 @@ def main() -> None:
                              f' --xla_force_host_platform_device_count={args.cpu_devices}')
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   from configs import cifar10_resnet  # pylint: disable=g-import-not-at-top
-  from flaxtpu import checkpoint, config as config_lib, parallel, train  # pylint: disable=g-import-not-at-top
+  from flaxtpu import checkpoint, parallel, train  # pylint: disable=g-import-not-at-top
+  from flaxtpu import config as config_lib
 
   config = cifar10_resnet.get_config()
   config.model.name, config.batch_size = args.model, args.batch_size

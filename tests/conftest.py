@@ -37,21 +37,6 @@ def image_folder(tmp_path_factory):
   return make_image_folder(tmp_path_factory.mktemp('images'))
 
 
-@pytest.fixture
-def tiny_config(image_folder):
-  """The Keras recipe on the toy folder, small enough for a test."""
-  from configs import cifar10
-  config = cifar10.get_config()
-  config.dataset.folder = image_folder
-  config.batch_size = 16
-  config.num_train_steps = 6
-  config.log_every_steps = 2
-  config.eval_every_steps = 3
-  config.checkpoint_every_steps = 3
-  config.compilation_cache_dir = 'none'
-  return config
-
-
 def restore_checkpoint(workdir, step):
   """A saved train state as arrays on one device, whatever mesh wrote it."""
   import jax

@@ -12,19 +12,31 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 
-class BasicBlock(nn.Module):
-  """Two 3x3 convolutions."""
+def batch_norm(train: bool, dtype: Any, axis_name: Optional[str]):
+  """BatchNorm as in the papers (momentum 0.9); `axis_name` averages statistics over a pmap axis."""
+  return functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5,
+                           dtype=dtype, axis_name=axis_name)
+
+
+class Block(nn.Module):
+  """What every residual block is configured with; subclasses define the layers."""
   features: int
   strides: int
   train: bool
   dtype: Any = jnp.float32
   bn_axis_name: Optional[str] = None
 
+  def layers(self):
+    return (functools.partial(nn.Conv, use_bias=False, dtype=self.dtype),
+            batch_norm(self.train, self.dtype, self.bn_axis_name))
+
+
+class BasicBlock(Block):
+  """Two 3x3 convolutions."""
+
   @nn.compact
   def __call__(self, x):
-    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
-    norm = functools.partial(nn.BatchNorm, use_running_average=not self.train, momentum=0.9,
-                             epsilon=1e-5, dtype=self.dtype, axis_name=self.bn_axis_name)
+    conv, norm = self.layers()
     y = nn.relu(norm()(conv(self.features, (3, 3), self.strides)(x)))
     y = norm(scale_init=nn.initializers.zeros)(conv(self.features, (3, 3))(y))
     if x.shape != y.shape:
@@ -32,19 +44,12 @@ class BasicBlock(nn.Module):
     return nn.relu(x + y)
 
 
-class BottleneckBlock(nn.Module):
+class BottleneckBlock(Block):
   """1x1 reduce, 3x3, 1x1 expand (x4)."""
-  features: int
-  strides: int
-  train: bool
-  dtype: Any = jnp.float32
-  bn_axis_name: Optional[str] = None
 
   @nn.compact
   def __call__(self, x):
-    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
-    norm = functools.partial(nn.BatchNorm, use_running_average=not self.train, momentum=0.9,
-                             epsilon=1e-5, dtype=self.dtype, axis_name=self.bn_axis_name)
+    conv, norm = self.layers()
     y = nn.relu(norm()(conv(self.features, (1, 1))(x)))
     y = nn.relu(norm()(conv(self.features, (3, 3), self.strides)(y)))
     y = norm(scale_init=nn.initializers.zeros)(conv(self.features * 4, (1, 1))(y))
@@ -64,8 +69,7 @@ class ResNet(nn.Module):
 
   @nn.compact
   def __call__(self, x, train: bool = True):
-    norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
-                             epsilon=1e-5, dtype=self.dtype, axis_name=self.bn_axis_name)
+    norm = batch_norm(train, self.dtype, self.bn_axis_name)
     x = x.astype(self.dtype)
     if self.stem == 'cifar':
       x = nn.relu(norm()(nn.Conv(self.width, (3, 3), use_bias=False, dtype=self.dtype)(x)))

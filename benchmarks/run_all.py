@@ -1,0 +1,33 @@
+"""`make bench`: every side-by-side benchmark, one after another, results in benchmarks/results/.
+
+    python benchmarks/run_all.py            # the quick set (about 15 minutes on 2 cores)
+    python benchmarks/run_all.py --full     # adds resnet20 throughput and ResNet-50 memory plans
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--full', action='store_true')
+  args = parser.parse_args()
+  models = ['cnn', 'resnet20'] if args.full else ['cnn']
+  cases = ['resnet18_32', 'resnet50_224'] if args.full else ['resnet18_32']
+  for script, script_args in (
+      ('throughput.py', ['--models', *models]),
+      ('input_pipeline.py', []),
+      ('startup.py', []),
+      ('checkpoint_cost.py', []),
+      ('memory_plan.py', ['--cases', *cases]),
+  ):
+    print(f'== benchmarks/{script} {" ".join(script_args)}', flush=True)
+    subprocess.run([sys.executable, os.path.join(HERE, script), *script_args], check=True)
+
+
+if __name__ == '__main__':
+  main()
