@@ -172,7 +172,7 @@ def test_progress_line_counts_runs_and_estimates_the_remaining_time():
 
 def test_shipped_experiments_expand_against_their_configs(in_repo_root):
   config, runs_overrides = sweep.load_experiment('experiments/cifar10_lr.py')
-  assert len(runs_overrides) == 8
+  assert len(runs_overrides) == 9
   assert {overrides['schedule.name'] for overrides in runs_overrides} == {'cosine', 'onecycle'}
   assert config.dataset.folder == str(REPO_ROOT.parent / 'shared' / 'datasets' / 'cifar10')
   config, runs_overrides = sweep.load_experiment('experiments/cifar10_models.py')
