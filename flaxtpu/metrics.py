@@ -1,6 +1,7 @@
 """Metrics (clu collections) and where they are written: TensorBoard and metrics.jsonl."""
 
 
+import functools
 import json
 import os
 from typing import Any, Mapping
@@ -22,6 +23,12 @@ class TrainMetrics(metrics.Collection):
 class EvalMetrics(metrics.Collection):
   loss: metrics.Average.from_output('loss')
   accuracy: metrics.Average.from_output('accuracy')
+
+
+@jax.jit
+def merge_window(window: list[TrainMetrics]) -> TrainMetrics:
+  """Merges a log window's per-step metrics in one compiled call, not one dispatch per step."""
+  return functools.reduce(lambda merged, step: merged.merge(step), window)
 
 
 def window_to_json(window: TrainMetrics | None) -> dict | None:

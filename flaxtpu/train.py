@@ -322,7 +322,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   placement = place(task, mesh, config)
   state = create_state(task, placement, config.seed)
   checkpoints = checkpoint.Checkpoints(workdir, config)
-  first_step, train_metrics = 0, None
+  first_step, window = 0, []  # window: per-step train metrics since the last log line
   if (latest := checkpoints.latest_step()) is not None:
     saved, record = checkpoints.restore(latest, placement.abstract_state,
                                         expected=expected_record(config, task))
@@ -330,7 +330,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     first_step = latest
     logging.info('resuming from step %d (%s)', latest, os.path.join(checkpoints.directory,
                                                                     str(latest)))
-    train_metrics = metrics.window_from_json(record.get('train_metrics_window'))
+    if (saved_window := metrics.window_from_json(record.get('train_metrics_window'))) is not None:
+      window = [placement.from_saveable(saved_window)]
   if first_step >= length.total_steps and os.path.exists(os.path.join(workdir, 'results.json')):
     logging.info('already trained to step %d; results in %s', first_step, workdir)
     checkpoints.close()
@@ -352,6 +353,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   last_train: dict[str, float] = {}
   eval_results: dict[str, float] = {}
 
+  def merged_window():
+    merged = metrics.merge_window(window)
+    return merged.unreplicate() if placement.parallelism == 'pmap' else merged
+
   with StopRequest() as stop:
     for step in range(first_step + 1, length.total_steps + 1):
       batch = next(batches)
@@ -366,20 +371,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       if time_to_first_step is None:
         time_to_first_step = time.time() - started
         logging.info('first step done %.1fs after start (data, init, compile)', time_to_first_step)
-      if placement.parallelism == 'pmap':
-        step_metrics = step_metrics.unreplicate()
-      train_metrics = step_metrics if train_metrics is None else train_metrics.merge(step_metrics)
+      window.append(step_metrics)
       is_last = step == length.total_steps
 
       if step % config.log_every_steps == 0 or is_last:  # fetching metrics waits for the step
-        last_train = {f'train_{k}': float(v) for k, v in train_metrics.compute().items()}
+        last_train = {f'train_{k}': float(v) for k, v in merged_window().compute().items()}
         images_per_sec, eta = clock.lap(step, config.batch_size, length.total_steps)
         last_train.update(images_per_sec=images_per_sec, learning_rate=float(task.schedule(step - 1)))
         logging.info('step %d/%d  loss %.4f  accuracy %.4f  %.0f img/s  lr %.3g  ETA %s', step,
                      length.total_steps, last_train['train_loss'], last_train['train_accuracy'],
                      images_per_sec, last_train['learning_rate'], _duration(eta))
         writer.write_scalars(step, last_train)
-        train_metrics = None
+        writer.flush()
+        window = []
 
       evaluate_now = step % length.eval_every_steps == 0 or is_last
       if evaluate_now:
@@ -389,15 +393,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         logging.info('eval at step %d: loss %.4f  accuracy %.4f  (%d examples)', step,
                      eval_results['eval_loss'], eval_results['eval_accuracy'], num_examples)
         writer.write_scalars(step, eval_results)
+        writer.flush()
 
       stopping = stop.requested(check_all_processes=step % config.log_every_steps == 0)
       if step % length.checkpoint_every_steps == 0 or is_last or stopping:
         with clock.paused(state):
           record = checkpoint_record(config, task, step, dataset)
-          record['train_metrics_window'] = metrics.window_to_json(train_metrics)
+          record['train_metrics_window'] = metrics.window_to_json(merged_window() if window else None)
           checkpoints.save(step, placement.to_saveable(state), record,
                            metrics=eval_results if evaluate_now else None)
-      writer.flush()
       if stopping:
         checkpoints.wait()
         checkpoints.close()
