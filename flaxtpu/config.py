@@ -91,6 +91,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
       raise ConfigError(f'config.{key}={get(config, key)!r} must be >= 0')
 
 
+def resolved_eval_batch_size(config: ml_collections.ConfigDict) -> int:
+  """The global eval batch: config.eval_batch_size, or batch_size when it is -1."""
+  return config.eval_batch_size if config.eval_batch_size > 0 else config.batch_size
+
+
 def get(config: ml_collections.ConfigDict, dotted_key: str):
   """config['a.b'] for a nested ConfigDict."""
   return functools.reduce(getattr, dotted_key.split('.'), config)

@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 
 from flaxtpu import checkpoint, data, metrics, parallel, train
-from flaxtpu.config import RunLength
+from flaxtpu.config import RunLength, resolved_eval_batch_size
 from flaxtpu.errors import UserError
 
 
@@ -41,7 +41,7 @@ def restore(config: ml_collections.ConfigDict, workdir: str, *, which: str | Non
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """--mode=eval: accuracy and loss over every example of the eval split -> WORKDIR/eval.json."""
-  eval_batch_size = config.eval_batch_size if config.eval_batch_size > 0 else config.batch_size
+  eval_batch_size = resolved_eval_batch_size(config)
   parallel.check_batch_size('eval_batch_size', eval_batch_size, config)
   placement, state, step, record = restore(config, workdir)
   dataset = data.load(config, need_train=False)

@@ -46,6 +46,8 @@ from typing import Any
 
 import ml_collections
 
+from flaxtpu import config as config_lib  # no JAX inside
+
 Overrides = dict[str, Any]
 Sweep = list[Overrides]
 
@@ -481,20 +483,13 @@ def metric_curve(records: Sequence[Mapping[str, Any]], metric: str) -> tuple[lis
   return [step for step, _ in points], [value for _, value in points]
 
 
-def config_value(config: ml_collections.ConfigDict, key: str) -> Any:
-  """The value at a dotted key of a config."""
-  for part in key.split('.'):
-    config = config[part]
-  return config
-
-
 def collect_results(workdir: str, runs: Sequence[Run],
                     config: ml_collections.ConfigDict | None = None) -> list[dict[str, Any]]:
   """One row per run (swept values, results.json numbers, best eval accuracy, status, error), best first.
 
   A key that some runs sweep and others leave alone shows the base `config`'s value for the latter.
   """
-  base_values = {key: config_value(config, key) for key in _swept_keys(runs)} if config is not None else {}
+  base_values = {key: config_lib.get(config, key) for key in _swept_keys(runs)} if config is not None else {}
   recorded = {entry['name']: entry for entry in read_sweep_record(workdir).get('runs', [])}
   rows = []
   for order, run in enumerate(runs):

@@ -26,7 +26,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from flaxtpu import augment, checkpoint, data, metrics, models, optim, parallel
-from flaxtpu.config import RunLength, run_length
+from flaxtpu.config import RunLength, resolved_eval_batch_size, run_length
 
 # --- state and pure steps ---------------------------------------------------
 
@@ -242,11 +242,11 @@ def plan_memory(config: ml_collections.ConfigDict, *, image_shape: tuple[int, in
 def evaluate(placement: Placement, state: TrainState, split: data.Split,
              batch_size: int) -> dict[str, float]:
   """Loss and accuracy over every example of `split`, each counted exactly once."""
-  totals = None
+  totals, one_step_in_flight = None, parallel.one_step_in_flight()
   for batch in data.eval_batches(split, batch_size=batch_size, process_index=jax.process_index(),
                                  process_count=jax.process_count()):
     batch_metrics = placement.eval_step(state, placement.put_eval_batch(tuple(batch)))
-    if parallel.one_step_in_flight():
+    if one_step_in_flight:
       jax.block_until_ready(batch_metrics)
     totals = batch_metrics if totals is None else totals.merge(batch_metrics)
   result = {f'eval_{k}': float(v) for k, v in totals.compute().items()}
@@ -307,7 +307,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   is_main = jax.process_index() == 0
   mesh = parallel.make_mesh(config)
   parallel.log_mesh(mesh, config.parallelism)
-  eval_batch_size = config.eval_batch_size if config.eval_batch_size > 0 else config.batch_size
+  eval_batch_size = resolved_eval_batch_size(config)
   parallel.check_batch_size('batch_size', config.batch_size, config)
   parallel.check_batch_size('eval_batch_size', eval_batch_size, config)
 

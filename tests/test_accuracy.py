@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from conftest import CIFAR10
 from configs import cifar10
+from conftest import CIFAR10
 from flaxtpu import train
 
 pytestmark = [pytest.mark.slow,

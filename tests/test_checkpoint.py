@@ -27,9 +27,7 @@ def _config(folder, **overrides):
   config.checkpoint_every_steps = 3
   config.schedule.warmup_epochs = 1.0
   config.compilation_cache_dir = 'none'
-  for key, value in overrides.items():
-    group, _, name = key.rpartition('.')
-    setattr(config[group] if group else config, name, value)
+  config.update_from_flattened_dict(overrides)
   return config
 
 

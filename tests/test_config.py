@@ -26,8 +26,7 @@ def test_recipes_are_valid(recipe):
 ])
 def test_bad_values_name_key_value_and_allowed(key, value, message):
   config = cifar10.get_config()
-  group, _, name = key.rpartition('.')
-  setattr(config[group] if group else config, name, value)
+  config.update_from_flattened_dict({key: value})
   with pytest.raises(config_lib.ConfigError) as error:
     config_lib.validate(config)
   assert str(error.value).startswith(message)

@@ -17,9 +17,7 @@ def _config(**overrides):
   config.num_train_steps = STEPS
   config.schedule.warmup_epochs = 0.0
   config.optimizer.learning_rate = 0.05
-  for key, value in overrides.items():
-    group, _, name = key.rpartition('.')
-    setattr(config[group] if group else config, name, value)
+  config.update_from_flattened_dict(overrides)
   return config
 
 
