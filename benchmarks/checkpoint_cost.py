@@ -31,22 +31,14 @@ def main() -> None:
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                              f' --xla_force_host_platform_device_count={args.cpu_devices}')
   import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
 
   from configs import cifar10_resnet  # pylint: disable=g-import-not-at-top
-  from flaxtpu import checkpoint, parallel, train  # pylint: disable=g-import-not-at-top
-  from flaxtpu import config as config_lib
+  from flaxtpu import checkpoint, train  # pylint: disable=g-import-not-at-top
 
   config = cifar10_resnet.get_config()
   config.model.name, config.batch_size = args.model, args.batch_size
-  task = train.create_task(config, num_classes=10, image_shape=(32, 32, 3), mean=np.full(3, 0.5),
-                           std=np.full(3, 0.25), length=config_lib.run_length(config, 50_000))
-  placement = train.place(task, parallel.make_mesh(config), config)
-  state = train.create_state(task, placement, 0)
-  rng = np.random.default_rng(0)
-  batch = placement.put_train_batch((rng.integers(0, 256, (args.batch_size, 32, 32, 3), np.uint8),
-                                     rng.integers(0, 10, args.batch_size).astype(np.int32)))
-  step_fn, _ = train.compile_train_step(placement, state, batch)
+  placement, state, batch, step_fn, _ = train.compile_on_zeros(config, image_shape=(32, 32, 3),
+                                                                num_classes=10)
 
   def timed_step(state):
     started = time.perf_counter()

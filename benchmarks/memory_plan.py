@@ -44,7 +44,6 @@ def main() -> None:
                              f' --xla_force_host_platform_device_count={args.cpu_devices}')
 
   import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
 
   from configs import default  # pylint: disable=g-import-not-at-top
   from flaxtpu import config as config_lib  # pylint: disable=g-import-not-at-top
@@ -60,15 +59,8 @@ def main() -> None:
       config.model.name, config.model.remat, config.dtype = model_name, policy, args.dtype
       config.batch_size, config.optimizer.name = batch_size, 'sgd'
       config_lib.validate(config)
-      length = config_lib.run_length(config, 100 * batch_size)
-      task = train.create_task(config, num_classes=classes, image_shape=(size, size, 3),
-                               mean=np.zeros(3), std=np.ones(3), length=length)
-      placement = train.place(task, parallel.make_mesh(config), config)
-      state = train.create_state(task, placement, config.seed)
-      rng = np.random.default_rng(0)
-      batch = placement.put_train_batch((rng.integers(0, 256, (batch_size, size, size, 3), np.uint8),
-                                         rng.integers(0, classes, batch_size).astype(np.int32)))
-      step, plan = train.compile_train_step(placement, state, batch)
+      _, state, batch, step, plan = train.compile_on_zeros(
+          config, image_shape=(size, size, 3), num_classes=classes, num_train_examples=100 * batch_size)
       state, _ = step(state, batch)  # warm-up
       jax.block_until_ready(state)
       times = []

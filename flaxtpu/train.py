@@ -220,9 +220,13 @@ def compile_train_step(placement: Placement, state: TrainState, batch) -> tuple[
   return compiled, plan
 
 
-def plan_memory(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, int],
-                num_classes: int, num_train_examples: int = 50_000) -> dict:
-  """Compiles the train step for this config without training: what --mode=plan reports."""
+def compile_on_zeros(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, int],
+                     num_classes: int, num_train_examples: int = 50_000):
+  """The config's train step compiled for data of this shape, with a zero batch and no dataset.
+
+  Returns (placement, state, batch, compiled step, memory plan): what
+  --mode=plan reports and what the benchmarks time.
+  """
   length = run_length(config, num_train_examples)
   zeros = np.zeros(len(image_shape), np.float32)
   task = create_task(config, num_classes=num_classes, image_shape=image_shape, mean=zeros,
@@ -233,7 +237,16 @@ def plan_memory(config: ml_collections.ConfigDict, *, image_shape: tuple[int, in
   images = np.zeros((config.batch_size // local, *image_shape), np.uint8)
   labels = np.zeros((config.batch_size // local,), np.int32)
   state = create_state(task, placement, config.seed)
-  _, plan = compile_train_step(placement, state, placement.put_train_batch((images, labels)))
+  batch = placement.put_train_batch((images, labels))
+  step, plan = compile_train_step(placement, state, batch)
+  return placement, state, batch, step, plan
+
+
+def plan_memory(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, int],
+                num_classes: int) -> dict:
+  """Compiles the train step for this config without training: what --mode=plan reports."""
+  placement, _, _, _, plan = compile_on_zeros(config, image_shape=image_shape,
+                                              num_classes=num_classes)
   return {'model': config.model.name, 'remat': config.model.remat, 'dtype': config.dtype,
           'batch_size': config.batch_size, 'parallelism': config.parallelism,
           'mesh': dict(placement.mesh.shape), 'image_shape': list(image_shape), **plan}
