@@ -38,17 +38,17 @@ def main() -> None:
   import jax  # pylint: disable=g-import-not-at-top
 
   from configs import cifar10_resnet  # pylint: disable=g-import-not-at-top
-  from flaxtpu import augment, data, parallel, train  # pylint: disable=g-import-not-at-top
+  from flaxtpu import augment, data, parallel, steps  # pylint: disable=g-import-not-at-top
   from flaxtpu.config import run_length  # pylint: disable=g-import-not-at-top
 
   config = cifar10_resnet.get_config()  # crop + flip + standardise: the heaviest recipe
   config.dataset.folder, config.model.name, config.batch_size = args.data, args.model, args.batch_size
   dataset = data.load(config)
   length = run_length(config, len(dataset.train))
-  task = train.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
+  task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std, length=length)
-  placement = train.place(task, parallel.make_mesh(config), config)
-  state = train.create_state(task, placement, config.seed)
+  placement = steps.place(task, parallel.make_mesh(config), config)
+  state = steps.create_state(task, placement, config.seed)
 
   @jax.jit
   def augment_on_device(key, images):
@@ -67,7 +67,7 @@ def main() -> None:
     jax.block_until_ready(out)
     return args.batches * args.batch_size / (time.perf_counter() - started)
 
-  step_fn, _ = train.compile_train_step(placement, state, next(device_batches(0, 1)))
+  step_fn, _ = placement.compile_train_step(state, next(device_batches(0, 1)))
 
   def step_rate(state, first_step):
     batches = list(device_batches(first_step, args.steps))  # already on device: time the step only

@@ -24,6 +24,7 @@ os.environ.setdefault('KERAS_BACKEND', 'tensorflow')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 import keras  # noqa: E402
+import peers  # noqa: E402  (the CNN's one definition; numpy only, no Keras import of its own)
 import tensorflow as tf  # noqa: E402
 
 tf.config.set_visible_devices([], 'GPU')
@@ -31,23 +32,8 @@ tf.config.set_visible_devices([], 'GPU')
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_DATA = REPO_ROOT / '..' / 'shared' / 'datasets' / 'cifar10'
 DEFAULT_OUT = REPO_ROOT / 'benchmarks' / 'results' / 'keras_reference.json'
-IMAGE_SIZE = (32, 32)
-NUM_CLASSES = 10
+IMAGE_SIZE = peers.IMAGE_SHAPE[:2]  # what the CNN takes
 BATCH_SIZE = 128
-
-
-def build_model(num_classes: int = NUM_CLASSES) -> keras.Model:
-  """The seed pipeline's CNN: 20,042 parameters at 10 classes."""
-  return keras.Sequential(
-    [
-      keras.Input((*IMAGE_SIZE, 3)),
-      keras.layers.Conv2D(32, 3, activation='relu'),
-      keras.layers.MaxPooling2D(),
-      keras.layers.Conv2D(64, 3, activation='relu'),
-      keras.layers.GlobalAveragePooling2D(),
-      keras.layers.Dense(num_classes, activation='softmax'),
-    ]
-  )
 
 
 def load_split(data_dir: pathlib.Path, split: str, seed: int, shuffle: bool) -> tf.data.Dataset:
@@ -58,20 +44,14 @@ def load_split(data_dir: pathlib.Path, split: str, seed: int, shuffle: bool) -> 
   happens after the cache so each epoch sees a new order.
   """
   dataset = keras.utils.image_dataset_from_directory(
-    data_dir / split,
-    labels='inferred',
-    label_mode='int',
-    image_size=IMAGE_SIZE,
-    batch_size=None,  # batch after shuffling, not before
-    shuffle=False,
-    verbose=False,
-  )
+      data_dir / split, labels='inferred', label_mode='int', image_size=IMAGE_SIZE,
+      batch_size=None,  # batch after shuffling, not before
+      shuffle=False, verbose=False)
   dataset = dataset.map(lambda x, y: (tf.cast(x, tf.uint8), y), num_parallel_calls=tf.data.AUTOTUNE).cache()
   if shuffle:
     dataset = dataset.shuffle(50_000, seed=seed, reshuffle_each_iteration=True)
-  dataset = dataset.batch(BATCH_SIZE).map(
-    lambda x, y: (tf.cast(x, tf.float32) / 255.0, y), num_parallel_calls=tf.data.AUTOTUNE
-  )
+  dataset = dataset.batch(BATCH_SIZE).map(lambda x, y: (tf.cast(x, tf.float32) / 255.0, y),
+                                          num_parallel_calls=tf.data.AUTOTUNE)
   return dataset.prefetch(tf.data.AUTOTUNE)
 
 
@@ -80,32 +60,24 @@ def run_seed(data_dir: pathlib.Path, seed: int, epochs: int) -> dict:
   keras.utils.set_random_seed(seed)
   train = load_split(data_dir, 'train', seed, shuffle=True)
   test = load_split(data_dir, 'test', seed, shuffle=False)
-  model = build_model()
-  model.compile(
-    optimizer=keras.optimizers.Adam(1e-3), loss='sparse_categorical_crossentropy', metrics=['accuracy']
-  )
+  model = peers.keras_cnn(keras)
+  model.compile(optimizer=keras.optimizers.Adam(1e-3), loss='sparse_categorical_crossentropy',
+                metrics=['accuracy'])
   start = time.perf_counter()
   # shuffle=False: the dataset already reshuffles itself every epoch.
   history = model.fit(train, epochs=epochs, verbose=2, shuffle=False)
   train_time = time.perf_counter() - start
   test_loss, test_accuracy = model.evaluate(test, verbose=0)
-  return {
-    'seed': seed,
-    'test_accuracy': float(test_accuracy),
-    'test_loss': float(test_loss),
-    'train_accuracy': float(history.history['accuracy'][-1]),
-    'train_loss': float(history.history['loss'][-1]),
-    'train_time_s': train_time,
-    'wall_time_s': time.perf_counter() - start,
-    'num_params': model.count_params(),
-  }
+  return {'seed': seed, 'test_accuracy': float(test_accuracy), 'test_loss': float(test_loss),
+          'train_accuracy': float(history.history['accuracy'][-1]),
+          'train_loss': float(history.history['loss'][-1]), 'train_time_s': train_time,
+          'wall_time_s': time.perf_counter() - start, 'num_params': model.count_params()}
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument(
-    '--data', type=pathlib.Path, default=DEFAULT_DATA, help='image-folder root with train/ and test/'
-  )
+  parser.add_argument('--data', type=pathlib.Path, default=DEFAULT_DATA,
+                      help='image-folder root with train/ and test/')
   parser.add_argument('--seeds', type=int, nargs='+', default=[0, 1, 2])
   parser.add_argument('--epochs', type=int, default=5)
   parser.add_argument('--out', type=pathlib.Path, default=DEFAULT_OUT)
@@ -117,33 +89,21 @@ def main() -> None:
   runs = []
   for seed in args.seeds:
     run = run_seed(args.data, seed, args.epochs)
-    print(
-      f'seed {seed}: test_accuracy={run["test_accuracy"]:.4f} '
-      f'test_loss={run["test_loss"]:.4f} '
-      f'train_time={run["train_time_s"]:.1f}s',
-      flush=True,
-    )
+    print(f'seed {seed}: test_accuracy={run["test_accuracy"]:.4f} test_loss={run["test_loss"]:.4f} '
+          f'train_time={run["train_time_s"]:.1f}s', flush=True)
     runs.append(run)
   wall_time = time.perf_counter() - start
 
   result = {
-    'pipeline': 'keras Sequential CNN, Adam(1e-3), batch 128, x/255, no augmentation, TensorFlow backend',
-    'data': str(args.data.resolve()),
-    'epochs': args.epochs,
-    'batch_size': BATCH_SIZE,
-    'median_test_accuracy': statistics.median(r['test_accuracy'] for r in runs),
-    'median_test_loss': statistics.median(r['test_loss'] for r in runs),
-    'wall_time_s': wall_time,
-    'versions': {'keras': keras.__version__, 'tensorflow': tf.__version__},
-    'cpu_count': os.cpu_count(),
-    'runs': runs,
+      'pipeline': 'keras Sequential CNN, Adam(1e-3), batch 128, x/255, no augmentation, TensorFlow backend',
+      'data': str(args.data.resolve()), 'epochs': args.epochs, 'batch_size': BATCH_SIZE,
+      'median_test_accuracy': statistics.median(r['test_accuracy'] for r in runs),
+      'median_test_loss': statistics.median(r['test_loss'] for r in runs), 'wall_time_s': wall_time,
+      'versions': {'keras': keras.__version__, 'tensorflow': tf.__version__},
+      'cpu_count': os.cpu_count(), 'runs': runs,
   }
-  print(
-    f'median over seeds {args.seeds}: '
-    f'test_accuracy={result["median_test_accuracy"]:.4f} '
-    f'test_loss={result["median_test_loss"]:.4f} '
-    f'wall_time={wall_time:.1f}s'
-  )
+  print(f'median over seeds {args.seeds}: test_accuracy={result["median_test_accuracy"]:.4f} '
+        f'test_loss={result["median_test_loss"]:.4f} wall_time={wall_time:.1f}s')
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text(json.dumps(result, indent=2) + '\n')
   print(f'wrote {args.out}')

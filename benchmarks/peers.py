@@ -44,19 +44,13 @@ IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
 # Step counts that keep one peer measurement near a minute on 2 cores (measured
 # there: a ResNet-20 step at batch 128 takes 0.5-1.7 s, a CNN step 40-200 ms).
-DEFAULT_STEPS = {
-  ('train', 'cnn'): 30,
-  ('train', 'resnet20'): 6,
-  ('predict', 'cnn'): 50,
-  ('predict', 'resnet20'): 20,
-}
+DEFAULT_STEPS = {('train', 'cnn'): 30, ('train', 'resnet20'): 6,
+                 ('predict', 'cnn'): 50, ('predict', 'resnet20'): 20}
 DEFAULT_BATCH_SIZE = {'train': 128, 'predict': 64}
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / 'results' / 'peers.json'
 TORCH_MISSING = 'torch is not installed (pip install torch==2.13.0); skipped'
 
-
-# --------------------------------------------------------------------------
-# Data and timing, shared by every peer.
+# --- data and timing, shared by every peer ---------------------------------------
 
 
 def random_batch(batch_size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -83,16 +77,12 @@ def time_train(run_steps: Callable[[int], None], steps: int, repeats: int) -> di
     run_steps(steps)
     seconds.append(time.perf_counter() - start)
   step_s = [s / steps for s in seconds]
-  return {
-    'first_step_s': compile_s,
-    'step_ms': 1e3 * statistics.median(step_s),
-    'step_ms_repeats': [1e3 * s for s in step_s],
-  }
+  return {'first_step_s': compile_s, 'step_ms': 1e3 * statistics.median(step_s),
+          'step_ms_repeats': [1e3 * s for s in step_s]}
 
 
-def time_predict(
-  predict_once: Callable[[], None], calls: int, repeats: int, warmup: int = 5
-) -> dict[str, Any]:
+def time_predict(predict_once: Callable[[], None], calls: int, repeats: int,
+                 warmup: int = 5) -> dict[str, Any]:
   """Latency of `predict_once()` (which syncs) over `calls * repeats` calls."""
   start = time.perf_counter()
   predict_once()
@@ -104,51 +94,54 @@ def time_predict(
     start = time.perf_counter()
     predict_once()
     latencies.append(time.perf_counter() - start)
-  return {
-    'first_call_s': compile_s,
-    'latency_ms': 1e3 * statistics.median(latencies),
-    'latency_ms_p10': 1e3 * float(np.percentile(latencies, 10)),
-    'latency_ms_p90': 1e3 * float(np.percentile(latencies, 90)),
-  }
+  return {'first_call_s': compile_s, 'latency_ms': 1e3 * statistics.median(latencies),
+          'latency_ms_p10': 1e3 * float(np.percentile(latencies, 10)),
+          'latency_ms_p90': 1e3 * float(np.percentile(latencies, 90))}
 
 
-# --------------------------------------------------------------------------
-# Keras 3 (either backend): same model code, backend chosen before import.
+# --- Keras 3 (either backend): same model code, backend chosen before import -------
 
 
 def import_keras(backend: str):
   """Imports Keras with `backend`; must happen before anything imports it."""
   os.environ['KERAS_BACKEND'] = backend
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  import tensorflow as tf
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   if backend != 'tensorflow':
     # tf.data is still used for `fit`; keep TF off any accelerator that
     # the JAX backend should own.
     tf.config.set_visible_devices([], 'GPU')
-  import keras
+  import keras  # pylint: disable=g-import-not-at-top
 
   if keras.backend.backend() != backend:
-    raise RuntimeError(
-      f'Keras was already imported with backend {keras.backend.backend()!r}, wanted {backend!r}'
-    )
+    raise RuntimeError(f'Keras was already imported with backend {keras.backend.backend()!r}, '
+                       f'wanted {backend!r}')
   return keras
+
+
+def keras_cnn(keras, num_classes: int = NUM_CLASSES):
+  """The seed pipeline's CNN, softmax included: 20,042 parameters at 10 classes.
+
+  The one definition: `keras_reference.py` trains it for accuracy, the peers
+  here time it.
+  """
+  layers = keras.layers
+  return keras.Sequential([
+      keras.Input(IMAGE_SHAPE),
+      layers.Conv2D(32, 3, activation='relu'),
+      layers.MaxPooling2D(),
+      layers.Conv2D(64, 3, activation='relu'),
+      layers.GlobalAveragePooling2D(),
+      layers.Dense(num_classes, activation='softmax'),
+  ])
 
 
 def build_keras_model(keras, name: str):
   """`cnn` (the seed recipe) or `resnet20` as a Keras model with softmax."""
   layers = keras.layers
   if name == 'cnn':
-    return keras.Sequential(
-      [
-        keras.Input(IMAGE_SHAPE),
-        layers.Conv2D(32, 3, activation='relu'),
-        layers.MaxPooling2D(),
-        layers.Conv2D(64, 3, activation='relu'),
-        layers.GlobalAveragePooling2D(),
-        layers.Dense(NUM_CLASSES, activation='softmax'),
-      ]
-    )
+    return keras_cnn(keras)
   if name != 'resnet20':
     raise ValueError(f'unknown model {name!r}; valid: {MODELS}')
 
@@ -185,9 +178,8 @@ def count_trainable(model) -> int:
   return int(sum(np.prod(v.shape) for v in model.trainable_variables))
 
 
-def keras_train(
-  peer: str, model_name: str, batch_size: int, steps: int, repeats: int, loop: str
-) -> dict[str, Any]:
+def keras_train(peer: str, model_name: str, batch_size: int, steps: int, repeats: int,
+                loop: str) -> dict[str, Any]:
   """Train throughput of a compiled Keras model with `fit` or `train_on_batch`.
 
   `fit` runs over `tf.data.Dataset.from_tensors(batch).repeat()` -- one
@@ -196,16 +188,12 @@ def keras_train(
   """
   backend = KERAS_BACKENDS[peer]
   keras = import_keras(backend)
-  import tensorflow as tf
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   keras.utils.set_random_seed(0)
   model = build_keras_model(keras, model_name)
-  model.compile(
-    optimizer=keras_optimizer(keras, model_name),
-    loss='sparse_categorical_crossentropy',
-    metrics=['accuracy'],
-    jit_compile=peer != 'keras_tf_nojit',
-  )
+  model.compile(optimizer=keras_optimizer(keras, model_name), loss='sparse_categorical_crossentropy',
+                metrics=['accuracy'], jit_compile=peer != 'keras_tf_nojit')
   images, labels = random_batch(batch_size)
 
   def sync() -> None:
@@ -228,12 +216,9 @@ def keras_train(
       sync()
 
   result = time_train(run_steps, steps, repeats)
-  result.update(
-    num_params=count_trainable(model),
-    loop=loop,
-    jit_compile=bool(model.jit_compile),
-    versions={'keras': keras.__version__, 'tensorflow': tf.__version__, **_jax_version(backend)},
-  )
+  result.update(num_params=count_trainable(model), loop=loop, jit_compile=bool(model.jit_compile),
+                versions={'keras': keras.__version__, 'tensorflow': tf.__version__,
+                          **_jax_version(backend)})
   return result
 
 
@@ -246,7 +231,7 @@ def keras_predict(peer: str, model_name: str, batch_size: int, calls: int, repea
   """
   backend = KERAS_BACKENDS[peer]
   keras = import_keras(backend)
-  import tensorflow as tf
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   keras.utils.set_random_seed(0)
   model = build_keras_model(keras, model_name)
@@ -261,7 +246,7 @@ def keras_predict(peer: str, model_name: str, batch_size: int, calls: int, repea
 
     how = f'tf.function(jit_compile={jit_compile})'
   else:
-    import jax
+    import jax  # pylint: disable=g-import-not-at-top
 
     trainable = [v.value for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]
@@ -274,11 +259,9 @@ def keras_predict(peer: str, model_name: str, batch_size: int, calls: int, repea
     how = 'jax.jit(model.stateless_call)'
 
   result = time_predict(predict_once, calls, repeats)
-  result.update(
-    num_params=count_trainable(model),
-    predict=how,
-    versions={'keras': keras.__version__, 'tensorflow': tf.__version__, **_jax_version(backend)},
-  )
+  result.update(num_params=count_trainable(model), predict=how,
+                versions={'keras': keras.__version__, 'tensorflow': tf.__version__,
+                          **_jax_version(backend)})
   return result
 
 
@@ -286,45 +269,34 @@ def _jax_version(backend: str) -> dict[str, str]:
   """JAX's version when it is the Keras backend, else nothing."""
   if backend != 'jax':
     return {}
-  import jax
+  import jax  # pylint: disable=g-import-not-at-top
 
   return {'jax': jax.__version__}
 
 
-# --------------------------------------------------------------------------
-# PyTorch eager (optional dependency).
+# --- PyTorch eager (optional dependency) -------------------------------------------
 
 
 def build_torch_model(torch, name: str):
   """The same two models in PyTorch, returning logits (softmax in the loss)."""
   nn = torch.nn
   if name == 'cnn':
-    return nn.Sequential(
-      nn.Conv2d(3, 32, 3),
-      nn.ReLU(),
-      nn.MaxPool2d(2),
-      nn.Conv2d(32, 64, 3),
-      nn.ReLU(),
-      nn.AdaptiveAvgPool2d(1),
-      nn.Flatten(),
-      nn.Linear(64, NUM_CLASSES),
-    )
+    return nn.Sequential(nn.Conv2d(3, 32, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 3), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, NUM_CLASSES))
   if name != 'resnet20':
     raise ValueError(f'unknown model {name!r}; valid: {MODELS}')
 
   def conv_bn(in_filters: int, filters: int, kernel: int, stride: int):
-    return nn.Sequential(
-      nn.Conv2d(in_filters, filters, kernel, stride, padding=kernel // 2, bias=False), nn.BatchNorm2d(filters)
-    )
+    return nn.Sequential(nn.Conv2d(in_filters, filters, kernel, stride, padding=kernel // 2, bias=False),
+                         nn.BatchNorm2d(filters))
 
   class BasicBlock(nn.Module):
     def __init__(self, in_filters: int, filters: int, stride: int):
       super().__init__()
       self.conv1 = conv_bn(in_filters, filters, 3, stride)
       self.conv2 = conv_bn(filters, filters, 3, 1)
-      self.shortcut = (
-        conv_bn(in_filters, filters, 1, stride) if stride != 1 or in_filters != filters else nn.Identity()
-      )
+      self.shortcut = (conv_bn(in_filters, filters, 1, stride)
+                       if stride != 1 or in_filters != filters else nn.Identity())
 
     def forward(self, x):
       y = self.conv2(torch.relu(self.conv1(x)))
@@ -336,20 +308,14 @@ def build_torch_model(torch, name: str):
       stride = 2 if stage > 0 and block == 0 else 1
       blocks.append(BasicBlock(in_filters, filters, stride))
       in_filters = filters
-  return nn.Sequential(
-    conv_bn(3, 16, 3, 1),
-    nn.ReLU(),
-    *blocks,
-    nn.AdaptiveAvgPool2d(1),
-    nn.Flatten(),
-    nn.Linear(64, NUM_CLASSES),
-  )
+  return nn.Sequential(conv_bn(3, 16, 3, 1), nn.ReLU(), *blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                       nn.Linear(64, NUM_CLASSES))
 
 
 def import_torch():
   """PyTorch, or None when it is not installed (it is an optional peer)."""
   try:
-    import torch
+    import torch  # pylint: disable=g-import-not-at-top
   except ImportError:
     return None
   return torch
@@ -373,9 +339,8 @@ def torch_model_and_batch(torch, model_name: str, batch_size: int, channels_last
   return model, x, torch.from_numpy(labels).long()
 
 
-def torch_train(
-  model_name: str, batch_size: int, steps: int, repeats: int, channels_last: bool
-) -> dict[str, Any]:
+def torch_train(model_name: str, batch_size: int, steps: int, repeats: int,
+                channels_last: bool) -> dict[str, Any]:
   """Train throughput of an eager PyTorch loop on one batch in memory."""
   torch = import_torch()
   if torch is None:
@@ -400,19 +365,14 @@ def torch_train(
     loss.item()  # CPU eager is synchronous; this only guards the claim
 
   result = time_train(run_steps, steps, repeats)
-  result.update(
-    num_params=sum(p.numel() for p in model.parameters()),
-    loop='eager',
-    channels_last=channels_last,
-    threads=torch.get_num_threads(),
-    versions={'torch': torch.__version__},
-  )
+  result.update(num_params=sum(p.numel() for p in model.parameters()), loop='eager',
+                channels_last=channels_last, threads=torch.get_num_threads(),
+                versions={'torch': torch.__version__})
   return result
 
 
-def torch_predict(
-  model_name: str, batch_size: int, calls: int, repeats: int, channels_last: bool
-) -> dict[str, Any]:
+def torch_predict(model_name: str, batch_size: int, calls: int, repeats: int,
+                  channels_last: bool) -> dict[str, Any]:
   """Latency of an eager PyTorch forward in eval mode under inference_mode."""
   torch = import_torch()
   if torch is None:
@@ -425,30 +385,17 @@ def torch_predict(
       torch.softmax(model(x), dim=-1)
 
   result = time_predict(predict_once, calls, repeats)
-  result.update(
-    num_params=sum(p.numel() for p in model.parameters()),
-    predict='eager, inference_mode',
-    channels_last=channels_last,
-    threads=torch.get_num_threads(),
-    versions={'torch': torch.__version__},
-  )
+  result.update(num_params=sum(p.numel() for p in model.parameters()), predict='eager, inference_mode',
+                channels_last=channels_last, threads=torch.get_num_threads(),
+                versions={'torch': torch.__version__})
   return result
 
 
-# --------------------------------------------------------------------------
-# One measurement in this process, or many through subprocesses.
+# --- one measurement in this process, or many through subprocesses -----------------
 
 
-def run_in_process(
-  peer: str,
-  model: str,
-  mode: str,
-  batch_size: int,
-  steps: int,
-  repeats: int,
-  keras_loop: str = 'fit',
-  torch_channels_last: bool = True,
-) -> dict[str, Any]:
+def run_in_process(peer: str, model: str, mode: str, batch_size: int, steps: int, repeats: int,
+                   keras_loop: str = 'fit', torch_channels_last: bool = True) -> dict[str, Any]:
   """Measures one peer here; Keras peers need a process of their own."""
   if peer == 'torch':
     if mode == 'train':
@@ -462,15 +409,8 @@ def run_in_process(
   if 'step_ms' in result:
     result['images_per_sec'] = batch_size / (result['step_ms'] / 1e3)
     result['images_per_sec_repeats'] = [batch_size / (ms / 1e3) for ms in result['step_ms_repeats']]
-  return {
-    'peer': peer,
-    'model': model,
-    'mode': mode,
-    'batch_size': batch_size,
-    'steps': steps,
-    'repeats': repeats,
-    **result,
-  }
+  return {'peer': peer, 'model': model, 'mode': mode, 'batch_size': batch_size, 'steps': steps,
+          'repeats': repeats, **result}
 
 
 def cpu_busy_seconds() -> float | None:
@@ -484,17 +424,9 @@ def cpu_busy_seconds() -> float | None:
   return (sum(ticks) - idle) / os.sysconf('SC_CLK_TCK')
 
 
-def measure_peer(
-  peer: str,
-  model: str,
-  batch_size: int | None = None,
-  steps: int | None = None,
-  repeats: int = 5,
-  mode: str = 'train',
-  keras_loop: str = 'fit',
-  torch_channels_last: bool = True,
-  timeout_s: float = 600,
-) -> dict[str, Any]:
+def measure_peer(peer: str, model: str, batch_size: int | None = None, steps: int | None = None,
+                 repeats: int = 5, mode: str = 'train', keras_loop: str = 'fit',
+                 torch_channels_last: bool = True, timeout_s: float = 600) -> dict[str, Any]:
   """Runs one measurement in a fresh subprocess and returns its JSON result.
 
   Train results carry `images_per_sec` (median over repeats); predict
@@ -506,10 +438,8 @@ def measure_peer(
   batch_size = batch_size or DEFAULT_BATCH_SIZE[mode]
   steps = steps or DEFAULT_STEPS[(mode, model)]
   layout = '--torch-channels-last' if torch_channels_last else '--no-torch-channels-last'
-  options = (
-    f'--peer {peer} --model {model} --mode {mode} --batch-size {batch_size} --steps {steps} '
-    f'--repeats {repeats} --keras-loop {keras_loop} {layout}'
-  )
+  options = (f'--peer {peer} --model {model} --mode {mode} --batch-size {batch_size} --steps {steps} '
+             f'--repeats {repeats} --keras-loop {keras_loop} {layout}')
   command = [sys.executable, str(pathlib.Path(__file__).resolve()), *options.split()]
   busy_before, own_before = cpu_busy_seconds(), _children_cpu_seconds()
   start = time.perf_counter()
@@ -540,75 +470,44 @@ def describe(result: dict[str, Any]) -> str:
     return f'{name} {result["skipped"]}'
   load = f'other load {result.get("other_cpu_load", float("nan")):.2f}'
   if result['mode'] == 'train':
-    return (
-      f'{name} {result["images_per_sec"]:7.0f} img/s '
-      f'{result["step_ms"]:7.1f} ms/step  '
-      f'first step {result["first_step_s"]:5.1f} s  {load}  '
-      f'({result["loop"]}, batch {result["batch_size"]}, '
-      f'{result["num_params"]:,} params)'
-    )
-  return (
-    f'{name} {result["latency_ms"]:7.2f} ms latency  '
-    f'p10-p90 {result["latency_ms_p10"]:.2f}-'
-    f'{result["latency_ms_p90"]:.2f} ms  {load}  '
-    f'({result["predict"]}, batch {result["batch_size"]})'
-  )
+    return (f'{name} {result["images_per_sec"]:7.0f} img/s {result["step_ms"]:7.1f} ms/step  '
+            f'first step {result["first_step_s"]:5.1f} s  {load}  '
+            f'({result["loop"]}, batch {result["batch_size"]}, {result["num_params"]:,} params)')
+  return (f'{name} {result["latency_ms"]:7.2f} ms latency  '
+          f'p10-p90 {result["latency_ms_p10"]:.2f}-{result["latency_ms_p90"]:.2f} ms  {load}  '
+          f'({result["predict"]}, batch {result["batch_size"]})')
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(
-    description=__doc__.splitlines()[0],
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-    epilog='\n'.join(__doc__.splitlines()[1:]),
-  )
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog='\n'.join(__doc__.splitlines()[1:]))
   parser.add_argument(
-    '--peer',
-    choices=PEERS,
-    help='measure this peer in this process and print one JSON line (driver mode when omitted)',
-  )
+      '--peer', choices=PEERS,
+      help='measure this peer in this process and print one JSON line (driver mode when omitted)')
   parser.add_argument('--model', choices=MODELS, default='cnn')
   parser.add_argument('--mode', choices=MODES, default='train')
-  parser.add_argument(
-    '--peers', nargs='+', choices=PEERS, default=PEERS, help='driver mode: peers to measure'
-  )
-  parser.add_argument(
-    '--models', nargs='+', choices=MODELS, default=MODELS, help='driver mode: models to train'
-  )
+  parser.add_argument('--peers', nargs='+', choices=PEERS, default=PEERS,
+                      help='driver mode: peers to measure')
+  parser.add_argument('--models', nargs='+', choices=MODELS, default=MODELS,
+                      help='driver mode: models to train')
   parser.add_argument('--batch-size', type=int, help='default: 128 for train, 64 for predict')
-  parser.add_argument(
-    '--steps', type=int, help=f'train steps (or predict calls) per repeat; default per model: {DEFAULT_STEPS}'
-  )
+  parser.add_argument('--steps', type=int,
+                      help=f'train steps (or predict calls) per repeat; default per model: {DEFAULT_STEPS}')
   parser.add_argument('--repeats', type=int, default=5)
-  parser.add_argument(
-    '--keras-loop',
-    choices=KERAS_LOOPS,
-    default='fit',
-    help='Keras peers: model.fit over an in-memory tf.data batch, or a train_on_batch loop',
-  )
-  parser.add_argument(
-    '--torch-channels-last',
-    action=argparse.BooleanOptionalAction,
-    default=True,
-    help='torch peer: channels-last memory format (threads: set OMP_NUM_THREADS)',
-  )
-  parser.add_argument(
-    '--out', type=pathlib.Path, default=DEFAULT_OUT, help='driver mode: JSON file for all results'
-  )
+  parser.add_argument('--keras-loop', choices=KERAS_LOOPS, default='fit',
+                      help='Keras peers: model.fit over an in-memory tf.data batch, or a train_on_batch loop')
+  parser.add_argument('--torch-channels-last', action=argparse.BooleanOptionalAction, default=True,
+                      help='torch peer: channels-last memory format (threads: set OMP_NUM_THREADS)')
+  parser.add_argument('--out', type=pathlib.Path, default=DEFAULT_OUT,
+                      help='driver mode: JSON file for all results')
   args = parser.parse_args()
 
   if args.peer:
     batch_size = args.batch_size or DEFAULT_BATCH_SIZE[args.mode]
     steps = args.steps or DEFAULT_STEPS[(args.mode, args.model)]
-    result = run_in_process(
-      args.peer,
-      args.model,
-      args.mode,
-      batch_size,
-      steps,
-      args.repeats,
-      args.keras_loop,
-      args.torch_channels_last,
-    )
+    result = run_in_process(args.peer, args.model, args.mode, batch_size, steps, args.repeats,
+                            args.keras_loop, args.torch_channels_last)
     print(json.dumps(result), flush=True)
     return
 
@@ -617,26 +516,13 @@ def main() -> None:
   jobs += [(peer, 'cnn', 'predict') for peer in args.peers]
   results = []
   for peer, model, mode in jobs:
-    result = measure_peer(
-      peer, model, args.batch_size, args.steps, args.repeats, mode, args.keras_loop, args.torch_channels_last
-    )
+    result = measure_peer(peer, model, args.batch_size, args.steps, args.repeats, mode, args.keras_loop,
+                          args.torch_channels_last)
     print(describe(result), flush=True)
     results.append(result)
   args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(
-    json.dumps(
-      {
-        'machine': {
-          'platform': platform.platform(),
-          'processor': platform.processor(),
-          'cpu_count': os.cpu_count(),
-        },
-        'results': results,
-      },
-      indent=2,
-    )
-    + '\n'
-  )
+  machine = {'platform': platform.platform(), 'processor': platform.processor(), 'cpu_count': os.cpu_count()}
+  args.out.write_text(json.dumps({'machine': machine, 'results': results}, indent=2) + '\n')
   print(f'wrote {args.out}')
 
 

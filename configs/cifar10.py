@@ -3,11 +3,11 @@
     python -m flaxtpu.main --config=configs/cifar10.py --workdir=runs/cifar10
 """
 
-from configs import default
+from flaxtpu import defaults
 
 
 def get_config():
-  config = default.get_config()
+  config = defaults.get_config()
   config.dataset.name = 'cifar10'
   config.model.name = 'cnn'
   config.optimizer.name = 'adam'

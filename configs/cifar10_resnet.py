@@ -4,11 +4,11 @@
     python -m flaxtpu.main --config=configs/cifar10_resnet.py --config.num_epochs=3 ...  # CPU budget
 """
 
-from configs import default
+from flaxtpu import defaults
 
 
 def get_config():
-  config = default.get_config()
+  config = defaults.get_config()
   config.dataset.name = 'cifar10'
   config.dataset.normalize = 'standardize'
   config.augment.crop_padding = 4

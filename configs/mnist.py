@@ -4,11 +4,11 @@
     python -m flaxtpu.main --config=configs/mnist.py --config.dataset.name=fashion_mnist --workdir=runs/fmnist
 """
 
-from configs import default
+from flaxtpu import defaults
 
 
 def get_config():
-  config = default.get_config()
+  config = defaults.get_config()
   config.dataset.name = 'mnist'
   config.model.name = 'cnn'
   config.optimizer.name = 'adam'

@@ -35,11 +35,15 @@ def random_flip(key: jax.Array, image: jax.Array) -> jax.Array:
 
 
 def cutout(key: jax.Array, image: jax.Array, size: int) -> jax.Array:
-  """Zero a `size` x `size` square centred at a random pixel (clipped at the border)."""
+  """Zero a `size` x `size` square centred at a random pixel (clipped at the border).
+
+  The square covers [centre - size // 2, centre - size // 2 + size): exactly
+  `size` rows and columns for odd and even sizes alike.
+  """
   height, width, _ = image.shape
   centre_y, centre_x = jax.random.randint(key, (2,), 0, jnp.array([height, width]))
-  rows = jnp.abs(jnp.arange(height) - centre_y) < (size + 1) // 2
-  cols = jnp.abs(jnp.arange(width) - centre_x) < (size + 1) // 2
+  rows = (jnp.arange(height) - (centre_y - size // 2)).astype(jnp.uint32) < size
+  cols = (jnp.arange(width) - (centre_x - size // 2)).astype(jnp.uint32) < size
   inside = rows[:, None] & cols[None, :]
   return jnp.where(inside[:, :, None], jnp.zeros_like(image), image)
 

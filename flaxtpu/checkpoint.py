@@ -107,29 +107,72 @@ class Checkpoints:
   def read_record(self, step: int) -> dict:
     return self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))['record']
 
-  def restore(self, step: int, abstract_state: Any, expected: dict) -> tuple[Any, dict]:
+  def restore(self, step: int, abstract_state: Any, expected: dict,
+              config: Optional[ml_collections.ConfigDict] = None,
+              partial: bool = False) -> tuple[Any, dict]:
     """Restores `step` into the shapes and shardings of `abstract_state` (any mesh).
 
     `expected` holds record fields (model, num_classes, image_shape) that must
-    match; a mismatch is reported by name instead of as a shape error.
+    match; a mismatch is reported by name instead of as a shape error. When
+    the arrays do not fit, the config keys that changed since the checkpoint
+    was written are named. `partial` restores only the fields of
+    `abstract_state` (a `ModelState` for inference: no optimizer needed).
     """
     path = os.path.join(self.directory, str(step))
     try:
       record = self.read_record(step)
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f'checkpoint {path} cannot be read ({type(e).__name__}: '
-                            f'{str(e).splitlines()[0] if str(e) else ""}); delete it to fall back '
-                            'to an earlier one') from e
+      raise CheckpointError(f'checkpoint {path} cannot be read ({_first_line(e)}); delete it to '
+                            'fall back to an earlier one') from e
     for key, value in expected.items():
       if record.get(key) != value:
         raise CheckpointError(f'checkpoint {path} has {key}={record.get(key)!r} but the config '
                               f'gives {value!r}; use a matching config or another --workdir')
     try:
-      restored = self._manager.restore(
-          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
+      state = self._restore_state(path, step, abstract_state, partial)
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f'checkpoint {path} cannot be restored ({type(e).__name__}: '
-                            f'{str(e).splitlines()[0] if str(e) else ""}); delete it to fall back '
-                            'to an earlier one') from e
+      # Only model and optimizer keys shape the saved arrays (an inference restore reads no optimizer).
+      shaping = ('model.',) if partial else ('model.', 'optimizer.')
+      changed = [change for change in changed_keys(record.get('config', {}), config.to_dict())
+                 if change.startswith(shaping)] if config else []
+      if changed:
+        raise CheckpointError(
+            f'checkpoint {path} was written with other settings ({", ".join(changed)}) and its '
+            'arrays do not fit this config; train with the original values or use another '
+            '--workdir') from e
+      raise CheckpointError(f'checkpoint {path} cannot be restored ({_first_line(e)}); delete it '
+                            'to fall back to an earlier one') from e
     logging.info('restored checkpoint step %d from %s', step, path)
-    return restored['state'], record
+    return state, record
+
+  def _restore_state(self, path: str, step: int, abstract_state: Any, partial: bool) -> Any:
+    if not partial:
+      return self._manager.restore(
+          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))['state']
+    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+    with ocp.PyTreeCheckpointer() as reader:
+      return reader.restore(os.path.join(path, 'state'), args=ocp.args.PyTreeRestore(
+          abstract_state, restore_args=restore_args, partial_restore=True))
+
+
+def expected_record(config: ml_collections.ConfigDict, num_classes: int,
+                    image_shape: tuple[int, ...]) -> dict:
+  """The record fields a checkpoint must match to restore into this config's model."""
+  return {'model': config.model.name, 'num_classes': num_classes, 'image_shape': list(image_shape)}
+
+
+def changed_keys(saved: dict, current: dict, prefix: str = '') -> list[str]:
+  """`key=old -> new` for every leaf that differs between two config dicts."""
+  changes = []
+  for key in sorted(set(saved) | set(current)):
+    old, new = saved.get(key), current.get(key)
+    if isinstance(old, dict) and isinstance(new, dict):
+      changes += changed_keys(old, new, f'{prefix}{key}.')
+    elif old != new:
+      changes.append(f'{prefix}{key}={old!r} -> {new!r}')
+  return changes
+
+
+def _first_line(error: Exception) -> str:
+  text = str(error).strip()
+  return f'{type(error).__name__}: {text.splitlines()[0]}' if text else type(error).__name__

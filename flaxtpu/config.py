@@ -8,15 +8,15 @@ JAX starts, so that a typo never costs a compile).
 from __future__ import annotations
 
 import dataclasses
-import functools
+import difflib
 import math
+from typing import Sequence
 
 import ml_collections
 
+from flaxtpu import models  # the registry's names; no JAX at import
 from flaxtpu.errors import UserError
 
-MODELS = ('cnn', 'resnet20', 'resnet32', 'resnet44', 'resnet56', 'resnet110',
-          'resnet18', 'resnet34', 'resnet50', 'resnet101', 'resnet152')
 OPTIMIZERS = ('sgd', 'adam', 'adamw')
 SCHEDULES = ('constant', 'cosine', 'linear', 'onecycle')
 REMAT_POLICIES = ('none', 'full', 'nothing_saveable', 'everything_saveable',
@@ -49,7 +49,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ConfigError('config.dataset.name and config.dataset.folder are both empty; '
                       'set a TFDS name (e.g. cifar10) or an image-folder root')
   _one_of('dataset.normalize', config.dataset.normalize, NORMALIZATIONS)
-  _one_of('model.name', config.model.name, MODELS)
+  _one_of('model.name', config.model.name, models.NAMES)
   _one_of('model.remat', config.model.remat, REMAT_POLICIES)
   _one_of('dtype', config.dtype, DTYPES)
   _one_of('optimizer.name', config.optimizer.name, OPTIMIZERS)
@@ -80,15 +80,15 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.cpu_devices < 0:
     raise ConfigError(f'config.cpu_devices={config.cpu_devices} must be >= 0 (0 = XLA default)')
   for key in ('optimizer.momentum', 'optimizer.b1', 'optimizer.b2', 'label_smoothing'):
-    if not 0.0 <= get(config, key) < 1.0:
-      raise ConfigError(f'config.{key}={get(config, key)!r} must be in [0, 1)')
+    if not 0.0 <= config[key] < 1.0:
+      raise ConfigError(f'config.{key}={config[key]!r} must be in [0, 1)')
   if not 0.0 <= config.schedule.final_lr_fraction <= 1.0:
     raise ConfigError(f'config.schedule.final_lr_fraction={config.schedule.final_lr_fraction!r} '
                       'must be in [0, 1]')
   for key in ('optimizer.weight_decay', 'optimizer.grad_clip_norm', 'schedule.warmup_epochs',
               'augment.crop_padding', 'augment.cutout'):
-    if get(config, key) < 0:
-      raise ConfigError(f'config.{key}={get(config, key)!r} must be >= 0')
+    if config[key] < 0:
+      raise ConfigError(f'config.{key}={config[key]!r} must be >= 0')
 
 
 def resolved_eval_batch_size(config: ml_collections.ConfigDict) -> int:
@@ -96,9 +96,24 @@ def resolved_eval_batch_size(config: ml_collections.ConfigDict) -> int:
   return config.eval_batch_size if config.eval_batch_size > 0 else config.batch_size
 
 
-def get(config: ml_collections.ConfigDict, dotted_key: str):
-  """config['a.b'] for a nested ConfigDict."""
-  return functools.reduce(getattr, dotted_key.split('.'), config)
+def config_keys(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:
+  """Every leaf key of a config as a dotted path."""
+  keys = []
+  for key, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      keys += config_keys(value, f'{prefix}{key}.')
+    else:
+      keys.append(f'{prefix}{key}')
+  return keys
+
+
+def did_you_mean(key: str, known_keys: Sequence[str]) -> str:
+  """' (did you mean 'x'?)' for the closest known key; `lr` matches `learning_rate`."""
+  parent, _, leaf = key.rpartition('.')
+  abbreviated = [known for known in known_keys if known.rpartition('.')[0] == parent
+                 and ''.join(word[0] for word in known.rpartition('.')[2].split('_')) == leaf]
+  close = abbreviated or difflib.get_close_matches(key, known_keys, n=1)
+  return f' (did you mean {close[0]!r}?)' if close else ''
 
 
 @dataclasses.dataclass(frozen=True)

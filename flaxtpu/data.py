@@ -190,10 +190,10 @@ def _epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
 
 
 def process_slice(global_batch_size: int, process_index: int, process_count: int) -> slice:
-  """This process's rows of a global batch (contiguous, as the batch sharding lays them out)."""
-  if global_batch_size % process_count:
-    raise UserError(f'batch size {global_batch_size} does not divide over {process_count} '
-                    'processes; choose a multiple')
+  """This process's rows of a global batch (contiguous, as the batch sharding lays them out).
+
+  `steps.place` has checked that the batch divides over the devices, hence the processes.
+  """
   per_process = global_batch_size // process_count
   return slice(process_index * per_process, (process_index + 1) * per_process)
 
@@ -223,10 +223,6 @@ def eval_batches(split: Split, *, batch_size: int, process_index: int = 0,
     mask = indices < len(split)
     indices = np.where(mask, indices, 0)
     yield Batch(split.images[indices], split.labels[indices], mask)
-
-
-def num_eval_batches(split: Split, batch_size: int) -> int:
-  return -(-len(split) // batch_size)
 
 
 def prefetch(iterator: Iterator, size: int = 2) -> Iterator:

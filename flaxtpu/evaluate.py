@@ -10,39 +10,50 @@ import jax
 import ml_collections
 import numpy as np
 
-from flaxtpu import checkpoint, data, metrics, parallel, train
-from flaxtpu.config import RunLength, resolved_eval_batch_size
+from flaxtpu import checkpoint, data, files, parallel, steps
+from flaxtpu.config import resolved_eval_batch_size
 from flaxtpu.errors import UserError
 
 
-def restore(config: ml_collections.ConfigDict, workdir: str, *, which: str | None = None):
-  """The model state of `config.eval.checkpoint` (latest | best | STEP), laid out for these devices.
+def evaluate(placement: steps.Placement, state, split: data.Split,
+             batch_size: int) -> dict[str, float]:
+  """Loss and accuracy over every example of `split`, each counted exactly once."""
+  totals, one_step_in_flight = None, parallel.one_step_in_flight()
+  for batch in data.eval_batches(split, batch_size=batch_size, process_index=jax.process_index(),
+                                 process_count=jax.process_count()):
+    batch_metrics = placement.eval_step(state, placement.put_eval_batch(tuple(batch)))
+    if one_step_in_flight:
+      jax.block_until_ready(batch_metrics)
+    totals = batch_metrics if totals is None else totals.merge(batch_metrics)
+  result = {f'eval_{k}': float(v) for k, v in totals.compute().items()}
+  result['num_examples'] = int(totals.loss.count)
+  return result
 
-  Returns (placement, state, step, record). The model is rebuilt from the
-  config and checked against the checkpoint's own record (model, classes,
-  image shape); normalisation statistics come from the checkpoint.
+
+def restore(config: ml_collections.ConfigDict, workdir: str):
+  """The model of `config.eval.checkpoint` (latest | best | STEP), laid out for these devices.
+
+  Returns (placement, model state, step, record). Only parameters and
+  BatchNorm statistics are read: no optimizer is built. The model is checked
+  against the checkpoint's own record (model, classes, image shape);
+  normalisation statistics come from the checkpoint.
   """
   checkpoints = checkpoint.Checkpoints(workdir, config, read_only=True)
-  step = checkpoints.resolve(which or str(config.eval.checkpoint))
+  step = checkpoints.resolve(str(config.eval.checkpoint))
   record = checkpoints.read_record(step)
-  # The schedule is unused at inference; any run length gives the same state shapes.
-  length = RunLength(steps_per_epoch=1, total_steps=1, eval_every_steps=1,
-                     checkpoint_every_steps=1, warmup_steps=0)
-  task = train.create_task(config, num_classes=record['num_classes'],
+  task = steps.create_task(config, num_classes=record['num_classes'],
                            image_shape=tuple(record['image_shape']),
-                           mean=record['normalization']['mean'], std=record['normalization']['std'],
-                           length=length)
-  placement = train.place(task, parallel.make_mesh(config), config)
-  saved, record = checkpoints.restore(step, placement.abstract_state,
-                                      expected=train.expected_record(config, task))
+                           mean=record['normalization']['mean'], std=record['normalization']['std'])
+  placement = steps.place(task, parallel.make_mesh(config), config)
+  saved, record = checkpoints.restore(step, placement.abstract_state, config=config, partial=True,
+                                      expected=checkpoint.expected_record(config, task.num_classes,
+                                                                          task.image_shape))
   checkpoints.close()
   return placement, placement.from_saveable(saved), step, record
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """--mode=eval: accuracy and loss over every example of the eval split -> WORKDIR/eval.json."""
-  eval_batch_size = resolved_eval_batch_size(config)
-  parallel.check_batch_size('eval_batch_size', eval_batch_size, config)
   placement, state, step, record = restore(config, workdir)
   dataset = data.load(config, need_train=False)
   if dataset.num_classes != record['num_classes'] or dataset.image_shape != tuple(record['image_shape']):
@@ -50,14 +61,14 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
                     f'of {dataset.image_shape} images but checkpoint {workdir}/checkpoints/{step} was '
                     f'trained on {record["num_classes"]} classes of {tuple(record["image_shape"])}; '
                     'evaluate on data like the training data')
-  results = train.evaluate(placement, state, dataset.eval, eval_batch_size)
+  results = evaluate(placement, state, dataset.eval, resolved_eval_batch_size(config))
   results.update(step=step, split=config.dataset.eval_split,
                  source=config.dataset.folder or config.dataset.name,
                  checkpoint=os.path.join(workdir, 'checkpoints', str(step)))
   logging.info('eval of step %d: loss %.4f  accuracy %.4f  (%d examples)', step,
                results['eval_loss'], results['eval_accuracy'], results['num_examples'])
   if jax.process_index() == 0:
-    metrics.write_json(os.path.join(workdir, 'eval.json'), results)
+    files.write_json(os.path.join(workdir, 'eval.json'), results)
   return results
 
 
@@ -90,11 +101,12 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
   return rows
 
 
-def predict_logits(placement: train.Placement, state, images: np.ndarray,
+def predict_logits(placement: steps.Placement, state, images: np.ndarray,
                    batch_size: int) -> np.ndarray:
-  """Logits of every image, in fixed-size padded batches through one compiled function."""
-  batch_size -= batch_size % jax.device_count() or 0
-  batch_size = max(batch_size, jax.device_count())
+  """Logits of every image, in fixed-size padded batches through one compiled function.
+
+  `batch_size` divides over the devices (`steps.place` checked it).
+  """
   if jax.process_count() > 1:
     raise UserError('--mode=predict runs on one process; start it without --num_processes')
   outputs = []

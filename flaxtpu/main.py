@@ -7,9 +7,11 @@ Nothing here imports JAX at module level: XLA reads its flags (such as the
 CPU device count) when JAX starts, so the config decides them first.
 """
 
+import contextlib
 import json
 import math
 import os
+import re
 import sys
 import traceback
 
@@ -19,6 +21,7 @@ from ml_collections import config_flags
 from flaxtpu import config as config_lib  # no JAX inside: safe before XLA's flags are set
 from flaxtpu.config import resolved_eval_batch_size
 from flaxtpu.errors import UserError
+from flaxtpu.signals import StopRequest
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py or experiments/*.py).',
@@ -34,18 +37,53 @@ flags.DEFINE_integer('process_id', None, 'Many hosts: this process\'s index.')
 
 
 def _parse_flags(argv):
-  """absl's parser, but a bad flag or config override becomes one `error:` line."""
-  # Recipes import `configs.default`: make the config's project root importable.
+  """absl's parser, but a bad flag, config file or config override becomes one `error:` line."""
   for arg in argv:
     if arg.startswith('--config='):
-      sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(arg.split('=', 1)[1]))))
+      path = arg.split('=', 1)[1]
+      _check_config_path(path)
+      # Experiments build on recipes (`from configs import ...`): make their project root importable.
+      sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(path))))
   try:
     return FLAGS(argv)
   except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError) as e:
-    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    print(f'error: {message} (see --helpfull; every key is listed in configs/default.py)',
-          file=sys.stderr)
-    sys.exit(2)
+    _exit_with_error(_flag_error(e, argv))
+
+
+def _check_config_path(path: str) -> None:
+  if os.path.isfile(path):
+    return
+  folder = os.path.dirname(path) or '.'
+  recipes = sorted(f for f in os.listdir(folder) if f.endswith('.py') and not f.startswith('_')) \
+      if os.path.isdir(folder) else []
+  shown = ', '.join(os.path.join(folder, f) for f in recipes) or 'none'
+  _exit_with_error(f'--config={path} does not exist; config files in {folder}: {shown}')
+
+
+def _flag_error(error: Exception, argv) -> str:
+  """One line for a failed parse: an unknown config key gets a did-you-mean."""
+  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  known_keys = config_lib.config_keys(defaults.get_config())
+  for arg in argv:
+    key = arg[len('--config.'):].split('=', 1)[0] if arg.startswith('--config.') else None
+    if key and key not in known_keys:
+      return (f'--config.{key}: not a config key{config_lib.did_you_mean(key, known_keys)} '
+              '(every key is listed in flaxtpu/defaults.py)')
+  # KeyError's str() is its repr; its message is the argument.
+  text = str(error.args[0] if isinstance(error, KeyError) and error.args else error).strip()
+  if (locked := re.search(r'Key "(\w+)" does not exist and cannot be added', text)):
+    suggestion = re.search(r'Did you mean "(\w+)"', text)
+    hint = f' (did you mean {suggestion.group(1)!r}?)' if suggestion else ''
+    config_path = next(arg.split('=', 1)[1] for arg in argv if arg.startswith('--config='))
+    return (f'{config_path} sets config key {locked.group(1)!r}, which does not exist{hint}; '
+            'every key is listed in flaxtpu/defaults.py')
+  message = text.splitlines()[0] if text else type(error).__name__
+  return f'{message} (see --helpfull; every key is listed in flaxtpu/defaults.py)'
+
+
+def _exit_with_error(message: str):
+  print(f'error: {message}', file=sys.stderr)
+  sys.exit(2)
 
 
 def _start_jax(config, mode: str):
@@ -93,25 +131,25 @@ def _check_workdir(workdir: str) -> None:
     raise UserError(f'--workdir={workdir} is not writable; choose a writable directory')
 
 
-def run(config, workdir: str, mode: str) -> None:
+def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   config_lib.validate(config)
   if not workdir:
     raise UserError('--workdir is required: where this run writes (or a trained run to restore)')
-  if mode == 'train':
+  if mode in ('train', 'plan'):
     _check_workdir(workdir)
   jax = _start_jax(config, mode)
   # Imported after JAX has started with the right flags.
-  from flaxtpu import data, evaluate, metrics, parallel, train  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from flaxtpu import data, evaluate, files, parallel, steps, train
   parallel.check_platform(config.require_platform)
   logging.info('JAX %s on %s', jax.__version__, parallel.describe_devices())
   if mode == 'train':
-    train.train_and_evaluate(config, workdir)
+    train.train_and_evaluate(config, workdir, stop)
   elif mode == 'plan':
-    _check_workdir(workdir)
     dataset = data.load(config, need_train=False)  # only the image shape and class count
-    plan = train.plan_memory(config, image_shape=dataset.image_shape, num_classes=dataset.num_classes)
+    plan = steps.plan_memory(config, image_shape=dataset.image_shape, num_classes=dataset.num_classes)
     if jax.process_index() == 0:
-      metrics.write_json(os.path.join(workdir, 'plan.json'), plan)
+      files.write_json(os.path.join(workdir, 'plan.json'), plan)
     print(json.dumps(plan, indent=2))
   elif mode == 'eval':
     evaluate.evaluate_checkpoint(config, workdir)
@@ -131,13 +169,18 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
   if FLAGS.config is None:
-    print('error: --config is required, e.g. --config=configs/cifar10.py', file=sys.stderr)
-    sys.exit(2)
+    _exit_with_error('--config is required, e.g. --config=configs/cifar10.py')
+  # Training listens before JAX starts: a SIGTERM while it starts, loads data or compiles stops
+  # cleanly. Other modes have nothing to save and stop at once.
+  stop = StopRequest()
   try:
-    run(FLAGS.config, FLAGS.workdir, FLAGS.mode)
+    with stop if FLAGS.mode == 'train' else contextlib.nullcontext():
+      run(FLAGS.config, FLAGS.workdir, FLAGS.mode, stop)
   except UserError as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(2)
+    _exit_with_error(str(e))
+  except KeyboardInterrupt:
+    _exit_with_error('interrupted twice: stopped without saving; the latest complete checkpoint '
+                     'is intact')
   except Exception as e:  # pylint: disable=broad-except
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else ''
     print(f'error: {type(e).__name__}: {first_line} (a bug? the traceback follows)', file=sys.stderr)

@@ -14,24 +14,19 @@ from clu import metric_writers, metrics
 
 
 @metrics.flax.struct.dataclass
-class TrainMetrics(metrics.Collection):
-  loss: metrics.Average.from_output('loss')
-  accuracy: metrics.Average.from_output('accuracy')
-
-
-@metrics.flax.struct.dataclass
-class EvalMetrics(metrics.Collection):
+class Metrics(metrics.Collection):
+  """Mean loss and accuracy: of a train step's batch, or summed over eval batches (masked)."""
   loss: metrics.Average.from_output('loss')
   accuracy: metrics.Average.from_output('accuracy')
 
 
 @jax.jit
-def merge_window(window: list[TrainMetrics]) -> TrainMetrics:
+def merge_window(window: list[Metrics]) -> Metrics:
   """Merges a log window's per-step metrics in one compiled call, not one dispatch per step."""
   return functools.reduce(lambda merged, step: merged.merge(step), window)
 
 
-def window_to_json(window: TrainMetrics | None) -> dict | None:
+def window_to_json(window: Metrics | None) -> dict | None:
   """The train metrics accumulated since the last log line, for the checkpoint record.
 
   A run resumed from a checkpoint between two log lines then logs the same
@@ -42,10 +37,10 @@ def window_to_json(window: TrainMetrics | None) -> dict | None:
   return jax.tree.map(lambda x: np.asarray(x).item(), flax.serialization.to_state_dict(window))
 
 
-def window_from_json(saved: dict | None) -> TrainMetrics | None:
+def window_from_json(saved: dict | None) -> Metrics | None:
   if saved is None:
     return None
-  empty = TrainMetrics.empty()
+  empty = Metrics.empty()
   restored = flax.serialization.from_state_dict(empty, saved)
   return jax.tree.map(lambda like, value: jnp.asarray(value, like.dtype), empty, restored)
 
@@ -92,17 +87,6 @@ class JsonlWriter(metric_writers.MetricWriter):
     self._file.close()
 
 
-def truncate_jsonl(path: str, last_step: int) -> None:
-  """Drops rows after `last_step`: a resumed run rewrites them, as if never interrupted."""
-  if not os.path.exists(path):
-    return
-  with open(path, encoding='utf-8') as f:
-    rows = [line for line in f if line.strip() and json.loads(line)['step'] <= last_step]
-  with open(path + '.tmp', 'w', encoding='utf-8') as f:
-    f.writelines(rows)
-  os.replace(path + '.tmp', path)
-
-
 def create_writer(workdir: str, *, is_main_process: bool) -> metric_writers.MetricWriter:
   """TensorBoard events + metrics.jsonl from process 0; nothing from the others."""
   if not is_main_process:
@@ -111,11 +95,3 @@ def create_writer(workdir: str, *, is_main_process: bool) -> metric_writers.Metr
       metric_writers.SummaryWriter(workdir),
       JsonlWriter(os.path.join(workdir, 'metrics.jsonl')),
   ])
-
-
-def write_json(path: str, payload: Mapping[str, Any]) -> None:
-  """Writes through a temporary file, so a reader never sees half a file."""
-  with open(path + '.tmp', 'w', encoding='utf-8') as f:
-    json.dump(payload, f, indent=2, sort_keys=True)
-    f.write('\n')
-  os.replace(path + '.tmp', path)

@@ -66,13 +66,17 @@ def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
                        devices=jax.devices())
 
 
-def check_batch_size(name: str, batch_size: int, config: ml_collections.ConfigDict) -> None:
-  """A global batch must split evenly over the devices (and, under pmap, per process)."""
+def check_batch_size(name: str, batch_size: int) -> None:
+  """A global batch must split evenly over every device.
+
+  This is the one batch-size check: equal local device counts per process
+  make it cover the per-process slice and, under pmap, each process's split
+  over its local devices too.
+  """
   count = jax.device_count()
   if batch_size % count:
     raise UserError(f'config.{name}={batch_size} does not divide over {count} devices; '
                     f'use a multiple of {count}')
-  del config
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -119,14 +123,9 @@ def _local_devices_sharding() -> NamedSharding:
 def to_pmap_batch(local_batch):
   """[local_batch, ...] -> [local_devices, local_batch / local_devices, ...] on the devices."""
   count = jax.local_device_count()
-
-  def split(x):
-    if x.shape[0] % count:
-      raise UserError(f'pmap needs the per-process batch ({x.shape[0]}) to divide over the '
-                      f'{count} local devices; change batch_size')
-    return jax.device_put(x.reshape(count, -1, *x.shape[1:]), _local_devices_sharding())
-
-  return jax.tree.map(split, local_batch)
+  return jax.tree.map(
+      lambda x: jax.device_put(x.reshape(count, -1, *x.shape[1:]), _local_devices_sharding()),
+      local_batch)
 
 
 def host_copy(tree):

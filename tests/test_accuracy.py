@@ -1,6 +1,7 @@
 """Accuracy on real CIFAR-10 (`make test-slow`): the Keras recipe must match the Keras pipeline."""
 
 import os
+import statistics
 
 import pytest
 
@@ -14,10 +15,16 @@ pytestmark = [pytest.mark.slow,
 KERAS_TEST_ACCURACY = 0.422  # the Keras pipeline on this copy (../shared/datasets/README.md)
 
 
-def test_keras_recipe_reaches_the_keras_accuracy(tmp_path):
-  config = cifar10.get_config()  # the CNN, Adam 1e-3, batch 128, 5 epochs, no augmentation
-  config.dataset.folder = CIFAR10
-  results = train.train_and_evaluate(config, str(tmp_path))
-  assert results['step'] == 1950
-  assert results['eval_accuracy'] >= KERAS_TEST_ACCURACY, results
-  assert results['eval_loss'] <= 1.60, results
+def test_keras_recipe_reaches_the_keras_accuracy_over_seeds(tmp_path):
+  accuracies, losses = [], []
+  for seed in (0, 1, 2):
+    config = cifar10.get_config()  # the CNN, Adam 1e-3, batch 128, 5 epochs, no augmentation
+    config.dataset.folder = CIFAR10
+    config.seed = seed
+    results = train.train_and_evaluate(config, str(tmp_path / f'seed{seed}'))
+    assert results['step'] == 1950
+    accuracies.append(results['eval_accuracy'])
+    losses.append(results['eval_loss'])
+  # Parity is judged like the Keras reference was measured: the median of three seeds.
+  assert statistics.median(accuracies) >= KERAS_TEST_ACCURACY, accuracies
+  assert statistics.median(losses) <= 1.60, losses

@@ -2,6 +2,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import pytest
 
 from flaxtpu import augment
 
@@ -39,13 +40,21 @@ def test_crop_is_a_shifted_window_of_the_padded_image():
   assert not jnp.array_equal(out, IMAGES)
 
 
-def test_cutout_zeroes_one_square():
-  out = np.asarray(augment.augment_batch(jax.random.PRNGKey(2), IMAGES + 1, jnp.arange(16), _config(cutout=4)))
-  for image in out:
-    zero = np.all(image == 0, axis=-1)
-    assert 1 <= zero.sum() <= 16
+@pytest.mark.parametrize('size', [3, 4])
+def test_cutout_zeroes_a_size_by_size_square_away_from_the_border(size):
+  image = jnp.ones((16, 16, 3), jnp.uint8)
+  for seed in range(20):
+    key = jax.random.PRNGKey(seed)
+    centre_y, centre_x = (int(v) for v in jax.random.randint(key, (2,), 0, jnp.array([16, 16])))
+    zero = np.all(np.asarray(augment.cutout(key, image, size)) == 0, axis=-1)
     rows, cols = np.nonzero(zero)
-    assert zero[rows.min():rows.max() + 1, cols.min():cols.max() + 1].all()  # a rectangle
+    top, left = centre_y - size // 2, centre_x - size // 2
+    expected_rows = range(max(top, 0), min(top + size, 16))
+    expected_cols = range(max(left, 0), min(left + size, 16))
+    assert zero.sum() == len(expected_rows) * len(expected_cols)  # clipped only at the border
+    assert set(rows) == set(expected_rows) and set(cols) == set(expected_cols)
+    if 0 <= top and top + size <= 16 and 0 <= left and left + size <= 16:
+      assert zero.sum() == size * size
 
 
 def test_randomness_depends_on_position_not_on_batch_split():

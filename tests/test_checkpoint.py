@@ -104,12 +104,55 @@ def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(uninterrupted, im
   process.send_signal(signal.SIGKILL)
   process.wait()
   killed_at = _complete_steps(workdir)
+  assert killed_at, 'the run was killed before its first checkpoint: nothing to resume from'
   restart = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert restart.returncode == 0, restart.stderr[-3000:]
-  if killed_at and killed_at[-1] < 12:
-    assert f'resuming from step {killed_at[-1]}' in restart.stderr
+  assert f'resuming from step {killed_at[-1]}' in restart.stderr
   _assert_same_state(restore_checkpoint(workdir, 12), restore_checkpoint(reference_dir, 12))
   assert _metric_rows(workdir) == _metric_rows(reference_dir)
+
+
+def test_killed_between_final_checkpoint_and_results_rebuilds_them(uninterrupted, image_folder, tmp_path):
+  import shutil
+  reference_dir, reference = uninterrupted
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(reference_dir, workdir)
+  os.remove(os.path.join(workdir, 'results.json'))  # what a kill right after the last save leaves
+  results = train.train_and_evaluate(_config(image_folder), workdir)
+  with open(os.path.join(workdir, 'results.json')) as f:
+    assert json.load(f) == results
+  for key in ('step', 'eval_accuracy', 'eval_loss', 'train_loss', 'train_accuracy',
+              'train_images_per_sec', 'memory_plan'):
+    assert results[key] == reference[key], key
+  assert results['train_images_per_sec'] > 0 and results['wall_time_s'] > 0
+
+
+def _signal_when(monkeypatch, owner, name, sig=signal.SIGTERM):
+  """Sends `sig` to this process as `owner.name` is called: a preemption in that phase."""
+  real = getattr(owner, name)
+
+  def wrapped(*args, **kwargs):
+    os.kill(os.getpid(), sig)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(owner, name, wrapped)
+
+
+def test_sigterm_while_loading_data_stops_cleanly_before_training(image_folder, tmp_path, monkeypatch):
+  workdir = str(tmp_path)
+  _signal_when(monkeypatch, data, 'load')
+  assert train.train_and_evaluate(_config(image_folder), workdir) == {'stopped_at_step': 0}
+  assert not _complete_steps(workdir) and not os.path.exists(os.path.join(workdir, 'results.json'))
+
+
+def test_sigterm_during_the_final_save_still_writes_results(image_folder, tmp_path, monkeypatch):
+  workdir = str(tmp_path)
+  _signal_when(monkeypatch, checkpoint.Checkpoints, 'wait')
+  results = train.train_and_evaluate(_config(image_folder, num_train_steps=6), workdir)
+  assert results['step'] == 6 and 0.0 <= results['eval_accuracy'] <= 1.0
+  with open(os.path.join(workdir, 'results.json')) as f:
+    assert json.load(f)['eval_loss'] == results['eval_loss']
+  assert _complete_steps(workdir)[-1] == 6
 
 
 def test_sigterm_saves_a_complete_checkpoint_and_exits_cleanly(image_folder, tmp_path):
@@ -201,6 +244,16 @@ def test_checkpoint_of_another_model_is_refused_and_nothing_changes(finished, im
   command, env = _cli(finished, image_folder, '--config.model.name=cnn', '--config.num_train_steps=12')
   result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   _assert_one_error(result, "has model='resnet20' but the config gives 'cnn'")
+  assert _snapshot(finished) == before
+
+
+def test_resuming_with_another_optimizer_names_the_changed_keys(finished, image_folder):
+  before = _snapshot(finished)
+  command, env = _cli(finished, image_folder, '--config.optimizer.name=adam',
+                      '--config.num_train_steps=12')
+  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  _assert_one_error(result, 'checkpoints/6 was written with other settings',
+                    "optimizer.name='sgd' -> 'adam'", 'train with the original values')
   assert _snapshot(finished) == before
 
 

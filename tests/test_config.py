@@ -1,11 +1,15 @@
+import os
+import subprocess
+import sys
+
 import pytest
 
-from configs import cifar10, cifar10_resnet, default, mnist
+from configs import cifar10, cifar10_resnet, mnist
 from flaxtpu import config as config_lib
-from flaxtpu import models
+from flaxtpu import defaults, models
 
 
-@pytest.mark.parametrize('recipe', [default, cifar10, cifar10_resnet, mnist])
+@pytest.mark.parametrize('recipe', [defaults, cifar10, cifar10_resnet, mnist])
 def test_recipes_are_valid(recipe):
   config_lib.validate(recipe.get_config())
 
@@ -47,8 +51,22 @@ def test_pmap_with_fsdp_is_an_error():
     config_lib.validate(config)
 
 
-def test_validation_knows_every_registered_model():
-  assert config_lib.MODELS == models.NAMES
+def test_defaults_are_locked_and_unknown_keys_get_a_suggestion():
+  config = defaults.get_config()
+  with pytest.raises(AttributeError, match='nme'):
+    config.model.nme = 'resnet20'  # a typo in a recipe must not add a key
+  known = config_lib.config_keys(config)
+  assert 'optimizer.learning_rate' in known and len(known) == len(set(known))
+  assert config_lib.did_you_mean('optimizer.lr', known) == " (did you mean 'optimizer.learning_rate'?)"
+  assert config_lib.did_you_mean('batchsize', known) == " (did you mean 'batch_size'?)"
+  assert config_lib.did_you_mean('zzz', known) == ''
+
+
+def test_model_names_come_from_the_registry():
+  config = defaults.get_config()
+  for name in models.NAMES:
+    config.model.name = name
+    config_lib.validate(config)
 
 
 def test_run_length_from_epochs_and_steps():
@@ -66,3 +84,20 @@ def test_batch_larger_than_dataset_is_an_error():
   config = cifar10.get_config()
   with pytest.raises(config_lib.ConfigError, match='larger than the train split'):
     config_lib.run_length(config, 100)
+
+
+def test_a_config_outside_the_repo_builds_on_the_installed_defaults(tmp_path):
+  (tmp_path / 'mine.py').write_text(
+      'from flaxtpu import defaults\n\n'
+      'def get_config():\n'
+      '  config = defaults.get_config()\n'
+      '  config.model.name = "resnet20"\n'
+      '  return config\n')
+  code = ('from ml_collections import config_flags; from absl import flags; import sys; '
+          'config_flags.DEFINE_config_file("config"); flags.FLAGS(sys.argv); '
+          'print(flags.FLAGS.config.model.name)')
+  result = subprocess.run([sys.executable, '-c', code, f'--config={tmp_path}/mine.py'],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if k != 'PYTHONPATH'})
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.strip() == 'resnet20'

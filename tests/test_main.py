@@ -5,9 +5,14 @@ import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
+from configs import cifar10_resnet
 from conftest import ROOT
+from flaxtpu import config as config_lib
+from flaxtpu import steps
 
 TINY = ['--config.batch_size=16', '--config.num_train_steps=6', '--config.log_every_steps=2',
         '--config.eval_every_steps=3', '--config.checkpoint_every_steps=3',
@@ -102,15 +107,27 @@ def test_plan_mode_writes_plan_json(image_folder, tmp_path):
   with open(tmp_path / 'plan.json') as f:
     plan = json.load(f)
   assert plan['mesh'] == {'data': 4, 'fsdp': 1}  # 8 CPU devices asked, 4 divide the batch of 12
-  assert plan['total_bytes'] == plan['argument_bytes'] + plan['output_bytes'] + plan['temp_bytes'] - plan['alias_bytes']
+  # Arguments per device, counted from the shapes: the replicated train state plus a quarter of
+  # the batch (3 uint8 8x8x3 images of the toy folder and 3 int32 labels).
+  config = cifar10_resnet.get_config()
+  task = steps.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=np.zeros(3),
+                           std=np.ones(3), length=config_lib.run_length(config, 50_000))
+  state_bytes = sum(x.size * x.dtype.itemsize
+                    for x in jax.tree.leaves(jax.eval_shape(lambda: steps.init_state(task, 0))))
+  assert plan['argument_bytes'] == state_bytes + 3 * 8 * 8 * 3 + 3 * 4
+  # The donated state is returned in place: outputs alias it, so it is not counted twice.
+  assert plan['alias_bytes'] >= state_bytes - 16
+  assert plan['total_bytes'] < plan['argument_bytes'] + plan['output_bytes'] + plan['temp_bytes']
   assert plan['temp_bytes'] > 0 and plan['model'] == 'resnet20'
   assert not os.path.exists(tmp_path / 'checkpoints')
 
 
 @pytest.mark.parametrize('args, message', [
     (['--config.model.name=vgg'], "error: config.model.name='vgg' is not valid; choose one of: 'cnn'"),
-    (['--config.no_such_key=1'], 'error: '),
-    (['--config.batch_size=abc'], 'error: '),
+    (['--config.no_such_key=1'], 'error: --config.no_such_key: not a config key'),
+    (['--config.optimizer.lr=0.1'],
+     "error: --config.optimizer.lr: not a config key (did you mean 'optimizer.learning_rate'?)"),
+    (['--config.batch_size=abc'], "error: flag --config.batch_size=abc: invalid literal for int()"),
     (['--config.batch_size=12', '--config.mesh.data=8'], 'error: config.mesh.data=8 x config.mesh.fsdp=1 does not fit 4 devices'),
     (['--config.num_epochs=0'], 'error: config.num_epochs=0.0 must be > 0'),
     (['--config.dataset.folder=/nonexistent'], "error: config.dataset.folder='/nonexistent' is not a directory"),
@@ -122,11 +139,24 @@ def test_bad_input_is_one_line_and_nonzero(args, message, tmp_path):
   assert result.returncode != 0
   errors = [line for line in result.stderr.splitlines() if line.startswith('error:')]
   assert len(errors) == 1 and errors[0].startswith(message), result.stderr[-2000:]
-  assert 'Traceback' not in result.stderr
-  if args[0].startswith('--config.no_such_key'):
-    assert 'no_such_key' in errors[0]
-  if args[0].startswith('--config.batch_size=abc'):
-    assert 'batch_size' in errors[0]
+  assert 'Traceback' not in result.stderr and 'a bug?' not in result.stderr
+
+
+@pytest.mark.parametrize('config_text, message', [
+    (None, 'error: --config=MISSING does not exist; config files in'),
+    ('from flaxtpu import defaults\n\ndef get_config():\n  config = defaults.get_config()\n'
+     '  config.model.nme = "resnet20"\n  return config\n',
+     "sets config key 'nme', which does not exist (did you mean 'name'?)"),
+])
+def test_bad_config_file_is_one_line(config_text, message, tmp_path):
+  path = tmp_path / ('missing.py' if config_text is None else 'typo.py')
+  if config_text is not None:
+    path.write_text(config_text)
+  result = run_cli(f'--config={path}', f'--workdir={tmp_path / "run"}', check=False)
+  errors = [line for line in result.stderr.splitlines() if line.startswith('error:')]
+  assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+  assert message.replace('MISSING', str(path)) in errors[0]
+  assert 'Traceback' not in result.stderr and not (tmp_path / 'run').exists()
 
 
 def test_eval_without_checkpoint_names_the_path(tmp_path, image_folder):

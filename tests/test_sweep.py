@@ -14,16 +14,17 @@ import pytest
 from PIL import Image
 
 from flaxtpu import sweep
+from flaxtpu.sweep import __main__ as cli
+from flaxtpu.sweep import runner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # A tiny experiment over two keys (4 runs); the report test fakes its run directories.
 TWO_KEY_EXPERIMENT = '''
-from configs import default
-from flaxtpu import sweep
+from flaxtpu import defaults, sweep
 
 def get_config():
-  return default.get_config()
+  return defaults.get_config()
 
 def get_sweep():
   return sweep.product(sweep.sweep('optimizer.learning_rate', [0.1, 0.2]),
@@ -92,28 +93,28 @@ def test_sweep_helpers_reject_ambiguous_definitions():
 
 
 def test_run_names_are_readable_safe_and_distinct():
-  assert sweep.run_name({'optimizer.learning_rate': 0.1, 'schedule.name': 'cosine'}) == (
+  assert runner.run_name({'optimizer.learning_rate': 0.1, 'schedule.name': 'cosine'}) == (
       'optimizer.learning_rate=0.1,schedule.name=cosine')
-  assert sweep.run_name({'optimizer.learning_rate': 1e-05, 'augment.flip': True}) == (
+  assert runner.run_name({'optimizer.learning_rate': 1e-05, 'augment.flip': True}) == (
       'optimizer.learning_rate=1e-05,augment.flip=true')
-  assert sweep.run_name({'dataset.folder': '/data/my images'}) == 'dataset.folder=_data_my_images'
-  assert sweep.run_name({}) == 'base'
-  long_a = sweep.run_name({'dataset.folder': 'x' * 300 + 'a'})
-  long_b = sweep.run_name({'dataset.folder': 'x' * 300 + 'b'})
-  assert len(long_a) == sweep.MAX_RUN_NAME_LENGTH and long_a != long_b
+  assert runner.run_name({'dataset.folder': '/data/my images'}) == 'dataset.folder=_data_my_images'
+  assert runner.run_name({}) == 'base'
+  long_a = runner.run_name({'dataset.folder': 'x' * 300 + 'a'})
+  long_b = runner.run_name({'dataset.folder': 'x' * 300 + 'b'})
+  assert len(long_a) == runner.MAX_RUN_NAME_LENGTH and long_a != long_b
 
   # Values that sanitise to one name get numbered directories; identical runs are a mistake.
-  runs = sweep.make_runs('e.py', 'out', [{'dataset.folder': 'a/b'}, {'dataset.folder': 'a_b'}])
+  runs = runner.make_runs('e.py', 'out', [{'dataset.folder': 'a/b'}, {'dataset.folder': 'a_b'}])
   assert [run.name for run in runs] == ['dataset.folder=a_b', 'dataset.folder=a_b-2']
   with pytest.raises(sweep.SweepError, match='more than once'):
-    sweep.make_runs('e.py', 'out', [{'seed': 1}, {'seed': 1}])
+    runner.make_runs('e.py', 'out', [{'seed': 1}, {'seed': 1}])
 
 
 def test_dry_run_prints_the_exact_commands_and_runs_nothing(tmp_path, in_repo_root, capsys):
   experiment = write_experiment(tmp_path, TWO_KEY_EXPERIMENT)
   workdir = tmp_path / 'sweep'
-  status = sweep.main([str(experiment), f'--workdir={workdir}', '--dry-run',
-                       '--config.batch_size=16', '--config.augment.flip', 'true'])
+  status = cli.main([str(experiment), f'--workdir={workdir}', '--dry-run',
+                     '--config.batch_size=16', '--config.augment.flip', 'true'])
   assert status == 0
   lines = capsys.readouterr().out.splitlines()
   expected = []
@@ -138,14 +139,13 @@ def test_dry_run_prints_the_exact_commands_and_runs_nothing(tmp_path, in_repo_ro
 def test_a_bad_sweep_key_is_one_error_line_before_anything_runs(tmp_path, in_repo_root, capsys,
                                                                  sweep_source, message):
   experiment = write_experiment(tmp_path, f'''
-      from configs import default
-      from flaxtpu import sweep
-      get_config = default.get_config
+      from flaxtpu import defaults, sweep
+      get_config = defaults.get_config
       def get_sweep():
         return {sweep_source}
       ''')
   workdir = tmp_path / 'sweep'
-  assert sweep.main([str(experiment), f'--workdir={workdir}']) == 2
+  assert cli.main([str(experiment), f'--workdir={workdir}']) == 2
   stderr = capsys.readouterr().err
   assert stderr.startswith('error: ') and message in stderr and stderr.count('\n') == 1
   assert not workdir.exists()
@@ -154,39 +154,39 @@ def test_a_bad_sweep_key_is_one_error_line_before_anything_runs(tmp_path, in_rep
 def test_command_line_overrides_are_checked(tmp_path, in_repo_root, capsys):
   experiment = write_experiment(tmp_path, TWO_KEY_EXPERIMENT)
   workdir = tmp_path / 'sweep'
-  assert sweep.main([str(experiment), f'--workdir={workdir}', '--config.batch_sise=8']) == 2
+  assert cli.main([str(experiment), f'--workdir={workdir}', '--config.batch_sise=8']) == 2
   assert "--config.batch_sise: not a config key (did you mean 'batch_size'?)" in capsys.readouterr().err
-  assert sweep.main([str(experiment), f'--workdir={workdir}', '--config.schedule.name=linear']) == 2
+  assert cli.main([str(experiment), f'--workdir={workdir}', '--config.schedule.name=linear']) == 2
   assert 'the experiment sweeps this key' in capsys.readouterr().err
   assert not workdir.exists()
 
 
 def test_progress_line_counts_runs_and_estimates_the_remaining_time():
-  runs = [sweep.Run(name=str(index), overrides={}, command=[], status=status)
+  runs = [runner.Run(name=str(index), overrides={}, command=[], status=status)
           for index, status in enumerate(['done', 'running', 'failed', 'pending', 'pending'])]
   started = {'1': time.monotonic() - 30.0}
-  line = sweep.progress_line(runs, started, parallel=2, finished_durations=[60.0], elapsed_s=95.0)
+  line = runner.progress_line(runs, started, parallel=2, finished_durations=[60.0], elapsed_s=95.0)
   # Two pending runs of 60 s plus the 30 s the running one has left, over 2 workers: 75 s.
-  assert line == '[sweep] 1/5 done, 1 running, 1 failed, 2 pending, elapsed 1m35s, ETA 1m15s'
+  assert line == '[sweep] 1/5 done, 1 running, 1 failed, 2 pending, elapsed 0:01:35, ETA 0:01:15'
 
 
 def test_shipped_experiments_expand_against_their_configs(in_repo_root):
-  config, runs_overrides = sweep.load_experiment('experiments/cifar10_lr.py')
+  config, runs_overrides = runner.load_experiment('experiments/cifar10_lr.py')
   assert len(runs_overrides) == 9
   assert {overrides['schedule.name'] for overrides in runs_overrides} == {'cosine', 'onecycle'}
   assert config.dataset.folder == str(REPO_ROOT.parent / 'shared' / 'datasets' / 'cifar10')
-  config, runs_overrides = sweep.load_experiment('experiments/cifar10_models.py')
+  config, runs_overrides = runner.load_experiment('experiments/cifar10_models.py')
   models = [overrides['model.name'] for overrides in runs_overrides]
   assert models == ['cnn', 'resnet20', 'resnet32']
 
 
 def test_error_line_comes_from_the_latest_attempt(tmp_path):
   log = tmp_path / 'log.txt'
-  log.write_text(f'{sweep.LAUNCH_MARKER} 1\nerror: old problem\n'
-                 f'{sweep.LAUNCH_MARKER} 2\nTraceback\nerror: new problem\nmore traceback\n')
-  assert sweep.error_line(str(log)) == 'error: new problem'
-  log.write_text(f'{sweep.LAUNCH_MARKER} 1\nerror: old problem\n{sweep.LAUNCH_MARKER} 2\nKilled\n')
-  assert sweep.error_line(str(log)) == 'Killed'
+  log.write_text(f'{runner.LAUNCH_MARKER} 1\nerror: old problem\n'
+                 f'{runner.LAUNCH_MARKER} 2\nTraceback\nerror: new problem\nmore traceback\n')
+  assert runner.error_line(str(log)) == 'error: new problem'
+  log.write_text(f'{runner.LAUNCH_MARKER} 1\nerror: old problem\n{runner.LAUNCH_MARKER} 2\nKilled\n')
+  assert runner.error_line(str(log)) == 'Killed'
 
 
 # --- report --------------------------------------------------------------------------
@@ -228,7 +228,7 @@ def test_report_tables_and_plots_hold_each_runs_numbers(tmp_path, in_repo_root):
   (workdir / 'sweep.json').write_text(json.dumps({'runs': [
       {'name': failed, 'status': 'failed', 'error': "error: model.name='x' is unknown"}]}))
 
-  assert sweep.main([str(experiment), f'--workdir={workdir}', '--report']) == 0
+  assert cli.main([str(experiment), f'--workdir={workdir}', '--report']) == 0
 
   with open(workdir / 'results.csv') as f:
     rows = list(csv.DictReader(f))
@@ -263,17 +263,15 @@ def test_report_tables_and_plots_hold_each_runs_numbers(tmp_path, in_repo_root):
 
 
 def launches(run_dir: Path) -> int:
-  return (run_dir / 'log.txt').read_text().count(sweep.LAUNCH_MARKER)
+  return (run_dir / 'log.txt').read_text().count(runner.LAUNCH_MARKER)
 
 
-@pytest.mark.skipif(not (REPO_ROOT / 'flaxtpu' / 'main.py').exists(), reason='needs flaxtpu/main.py')
 def test_tiny_sweep_end_to_end_records_a_failure_and_skips_finished_runs_on_rerun(tmp_path, image_folder):
   experiment = write_experiment(tmp_path, '''
-      from configs import default
-      from flaxtpu import sweep
+      from flaxtpu import defaults, sweep
 
       def get_config():
-        config = default.get_config()
+        config = defaults.get_config()
         config.model.name = 'cnn'
         return config
 

@@ -6,7 +6,8 @@ import pytest
 
 from configs import cifar10_resnet
 from flaxtpu import config as config_lib
-from flaxtpu import data, parallel, train
+from flaxtpu import data, parallel, steps
+from flaxtpu.errors import UserError
 
 STEPS = 5
 
@@ -30,21 +31,19 @@ def _dataset():
                       mean=np.full(3, 0.4, np.float32), std=np.full(3, 0.3, np.float32))
 
 
-def run_steps(config, mesh, dataset=None, steps=STEPS):
-  """Trains `steps` steps from the seed; returns (losses, host params, host batch stats, state)."""
+def run_steps(config, mesh, dataset=None, num_steps=STEPS):
+  """Trains `num_steps` steps from the seed; returns (losses, host params, host batch stats, state)."""
   dataset = dataset or _dataset()
   length = config_lib.run_length(config, len(dataset.train))
-  task = train.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=dataset.mean,
+  task = steps.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=dataset.mean,
                            std=dataset.std, length=length)
-  placement = train.place(task, mesh, config)
-  state = train.create_state(task, placement, config.seed)
+  placement = steps.place(task, mesh, config)
+  state = steps.create_state(task, placement, config.seed)
   losses = []
   for batch in data.train_batches(dataset.train, seed=config.seed, batch_size=config.batch_size,
-                                  first_step=0, last_step=steps):
+                                  first_step=0, last_step=num_steps):
     state, step_metrics = placement.train_step(state, placement.put_train_batch(tuple(batch)[:2]))
-    if placement.parallelism == 'pmap':
-      step_metrics = step_metrics.unreplicate()
-    losses.append(float(step_metrics.compute()['loss']))
+    losses.append(float(placement.to_host_metrics(step_metrics).compute()['loss']))
   saved = placement.to_saveable(state)
   return np.array(losses), parallel.host_copy(saved.params), parallel.host_copy(saved.batch_stats), saved
 
@@ -66,7 +65,7 @@ def test_training_lowers_the_loss_on_a_fixed_batch():
   dataset = _dataset()
   fixed = data.Split(dataset.train.images[:16], dataset.train.labels[:16])
   dataset = data.Dataset(fixed, fixed, dataset.class_names, dataset.mean, dataset.std)
-  losses, *_ = run_steps(config, _mesh(8), dataset, steps=30)
+  losses, *_ = run_steps(config, _mesh(8), dataset, num_steps=30)
   assert losses[-1] < 0.5 * losses[0], losses
 
 
@@ -114,6 +113,10 @@ def test_bfloat16_loss_stays_close_to_float32(reference):
   assert {x.dtype for x in jax.tree.leaves(batch_stats)} == {np.dtype('float32')}
 
 
-def test_batch_that_does_not_divide_over_devices_is_named():
-  with pytest.raises(Exception, match='config.batch_size=12 does not divide over 8 devices'):
-    parallel.check_batch_size('batch_size', 12, _config())
+@pytest.mark.parametrize('key', ['batch_size', 'eval_batch_size'])
+def test_batch_that_does_not_divide_over_devices_is_named(key):
+  config = _config(**{key: 12})
+  task = steps.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=np.zeros(3),
+                           std=np.ones(3))
+  with pytest.raises(UserError, match=f'config.{key}=12 does not divide over 8 devices'):
+    steps.place(task, _mesh(8), config)

@@ -1,8 +1,19 @@
 """Every config key flaxtpu knows, with its default and what it means.
 
-Recipes (`cifar10.py`, `cifar10_resnet.py`, `mnist.py`, ...) start from
-`get_config()` here and change only what differs, so a key exists in every
-recipe and `--config.KEY=VALUE` works for all of them. This file must not
+Recipes (`configs/cifar10.py`, your own config anywhere) start from
+`flaxtpu.defaults.get_config()` and change only what differs, so a key exists
+in every recipe and `--config.KEY=VALUE` works for all of them:
+
+    from flaxtpu import defaults
+
+    def get_config():
+      config = defaults.get_config()
+      config.dataset.folder = '/data/my_photos'
+      config.lock()
+  return config
+
+The config comes back locked: assigning a key that does not exist (a typo
+such as `config.model.nme`) is an error, not a new key. This file must not
 import JAX: the CLI reads it before JAX starts.
 """
 
@@ -52,7 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.schedule = ml_collections.ConfigDict()
   config.schedule.name = 'constant'  # constant | cosine | linear | onecycle.
-  config.schedule.warmup_epochs = 0.0  # Linear warmup from 0 (cosine, linear, constant).
+  config.schedule.warmup_epochs = 0.0  # Linear warmup from 0 (cosine, linear, constant); onecycle: its rising phase (0 = 30% of the run).
   config.schedule.final_lr_fraction = 0.0  # Final LR as a fraction of the peak (cosine, linear).
 
   config.label_smoothing = 0.0  # Label smoothing in [0, 1).
@@ -86,4 +97,5 @@ def get_config() -> ml_collections.ConfigDict:
   config.predict.output_csv = ''  # Also write predictions here ('' = print only).
 
   config.compilation_cache_dir = ''  # JAX persistent compile cache ('' = ~/.cache/flaxtpu/jax; 'none' = off).
+  config.lock()
   return config

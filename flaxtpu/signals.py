@@ -1,0 +1,45 @@
+"""SIGTERM and Ctrl-C become a request to stop at the next safe point, not a lost run.
+
+JAX-free, so the CLI can install it before JAX starts: a preemption during
+start-up, data loading, compilation or the final writes is honoured like one
+during the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+
+class StopRequest:
+  """While active, the first SIGTERM/SIGINT is recorded; the trainer saves and exits 0.
+
+  A second Ctrl-C raises KeyboardInterrupt: the user asked twice, so stop now.
+  """
+
+  def __init__(self):
+    self.signal_name: str | None = None
+    self._previous: dict = {}
+
+  def __enter__(self) -> 'StopRequest':
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous = {}
+
+  @property
+  def active(self) -> bool:
+    return bool(self._previous)
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    if self.signal_name is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    if self.signal_name is None:
+      logging.warning('%s received: stopping at the next safe point, after saving '
+                      '(press Ctrl-C again to stop at once)', signal.Signals(signum).name)
+    self.signal_name = signal.Signals(signum).name

@@ -1,0 +1,287 @@
+"""The train state, the pure step functions, and how they are placed on the devices.
+
+Read top to bottom: what a task is (model, optimizer, preprocessing), the
+state it trains, the step functions (pure: state and batch in, state and
+metrics out), then `Placement`, the one place that knows whether they run as
+`jax.jit` over a mesh or as `jax.pmap`, and the ahead-of-time compile that
+`--mode=plan` and the benchmarks share with training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from flaxtpu import augment, metrics, models, optim, parallel
+from flaxtpu.config import RunLength, resolved_eval_batch_size, run_length
+
+# --- the task and its state ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """The static parts that the step functions close over."""
+  model: nn.Module
+  num_classes: int
+  image_shape: tuple[int, int, int]
+  augment: ml_collections.ConfigDict
+  label_smoothing: float
+  mean: Optional[np.ndarray]  # per-channel standardisation; None keeps [0, 1]
+  std: Optional[np.ndarray]
+  optimizer: Optional[optax.GradientTransformation] = None  # None: inference only
+  schedule: Optional[optax.Schedule] = None
+
+
+def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
+                image_shape: tuple[int, int, int], mean, std,
+                length: Optional[RunLength] = None) -> Task:
+  """The model and preprocessing a config describes; with a run `length`, also its optimizer."""
+  model = models.create(
+      config.model.name, num_classes=num_classes, dtype=config.dtype, remat=config.model.remat,
+      bn_axis_name=parallel.PMAP_AXIS if config.parallelism == 'pmap' else None)
+  optimizer, schedule = optim.create_optimizer(config, length) if length else (None, None)
+  standardize = config.dataset.normalize == 'standardize'
+  return Task(model=model, num_classes=num_classes, image_shape=tuple(image_shape),
+              augment=config.augment, label_smoothing=config.label_smoothing,
+              mean=np.asarray(mean, np.float32) if standardize else None,
+              std=np.asarray(std, np.float32) if standardize else None,
+              optimizer=optimizer, schedule=schedule)
+
+
+class TrainState(flax.struct.PyTreeNode):
+  """Everything that changes during training; all of it goes into a checkpoint."""
+  step: jax.Array
+  params: Any
+  batch_stats: Any  # BatchNorm running statistics ({} for models without BatchNorm)
+  opt_state: Any
+  rng: jax.Array  # base key: step `s` augments with fold_in(rng, s), so resuming replays it
+
+
+class ModelState(flax.struct.PyTreeNode):
+  """What inference needs of a checkpoint: no optimizer, no step, no data key."""
+  params: Any
+  batch_stats: Any
+
+
+def init_model(task: Task, seed: int) -> ModelState:
+  params_key, _ = jax.random.split(jax.random.PRNGKey(seed))
+  variables = task.model.init(params_key, jnp.zeros((1, *task.image_shape)), train=False)
+  return ModelState(params=variables['params'], batch_stats=variables.get('batch_stats', {}))
+
+
+def init_state(task: Task, seed: int) -> TrainState:
+  model = init_model(task, seed)
+  _, data_key = jax.random.split(jax.random.PRNGKey(seed))
+  return TrainState(step=jnp.zeros((), jnp.int32), params=model.params,
+                    batch_stats=model.batch_stats, opt_state=task.optimizer.init(model.params),
+                    rng=data_key)
+
+
+# --- pure steps ------------------------------------------------------------------
+
+
+def _batch_positions(local_size: int, axis_name: Optional[str]) -> jax.Array:
+  """Each example's row in the global batch (pmap shards see their offset)."""
+  offset = 0 if axis_name is None else jax.lax.axis_index(axis_name) * local_size
+  return offset + jnp.arange(local_size)
+
+
+def _mean(x, axis_name: Optional[str]):
+  return x if axis_name is None else jax.lax.pmean(x, axis_name)
+
+
+def train_step(state: TrainState, batch, *, task: Task, axis_name: Optional[str] = None):
+  """One optimizer step on a batch of (uint8 images, labels) -> (new state, clu metrics).
+
+  `axis_name` is None under jit (XLA sees the global batch); under pmap it
+  names the device axis that gradients and metrics are averaged over.
+  """
+  images, labels = batch
+  key = jax.random.fold_in(state.rng, state.step)
+  images = augment.augment_batch(key, images, _batch_positions(len(images), axis_name), task.augment)
+  images = augment.normalize(images, task.mean, task.std)
+  targets = optax.smooth_labels(jax.nn.one_hot(labels, task.num_classes), task.label_smoothing)
+
+  def loss_fn(params):
+    logits, updates = task.model.apply({'params': params, 'batch_stats': state.batch_stats},
+                                       images, train=True, mutable=['batch_stats'])
+    loss = optax.softmax_cross_entropy(logits, targets).mean()
+    return loss, (logits, updates.get('batch_stats', state.batch_stats))
+
+  (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  grads = _mean(grads, axis_name)
+  updates, opt_state = task.optimizer.update(grads, state.opt_state, state.params)
+  new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                            batch_stats=batch_stats, opt_state=opt_state)
+  accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
+  step_metrics = metrics.Metrics.single_from_model_output(
+      loss=_mean(loss, axis_name), accuracy=_mean(accuracy, axis_name))
+  return new_state, step_metrics
+
+
+def logits_fn(state: TrainState | ModelState, images, *, task: Task):
+  """Inference: uint8 images -> float32 logits (BatchNorm uses its running statistics)."""
+  images = augment.normalize(images, task.mean, task.std)
+  return task.model.apply({'params': state.params, 'batch_stats': state.batch_stats}, images,
+                          train=False)
+
+
+def eval_step(state: TrainState | ModelState, batch, *, task: Task, axis_name: Optional[str] = None):
+  """Masked loss and accuracy of a (padded) eval batch, as clu metrics summed over devices."""
+  images, labels, mask = batch
+  logits = logits_fn(state, images, task=task)
+  outputs = dict(loss=optax.softmax_cross_entropy_with_integer_labels(logits, labels),
+                 accuracy=(jnp.argmax(logits, -1) == labels).astype(jnp.float32), mask=mask)
+  if axis_name is None:
+    return metrics.Metrics.single_from_model_output(**outputs)
+  return metrics.Metrics.gather_from_model_output(axis_name=axis_name, **outputs)
+
+
+# --- placing the steps on the devices ----------------------------------------------
+
+
+@dataclasses.dataclass
+class Placement:
+  """How state and batches live on the devices, and the compiled steps that use them.
+
+  Every difference between `jit` and `pmap` lives here. Under `jit` the state
+  is global arrays in `state_shardings`; under `pmap` it is one copy per local
+  device. `to_saveable`/`from_saveable` convert to and from the global layout
+  that checkpoints hold; `to_host_metrics` turns what a step returns into one
+  clu collection.
+  """
+  mesh: jax.sharding.Mesh
+  parallelism: str
+  state_shardings: Any
+  abstract_state: Any  # shapes + shardings of the saveable (global) state: a restore target
+  train_step: Optional[Callable]  # None for an inference task
+  eval_step: Callable
+  logits: Callable
+  put_train_batch: Callable
+  put_eval_batch: Callable
+  to_saveable: Callable
+  from_saveable: Callable
+  to_host_metrics: Callable
+
+  def compile_train_step(self, state, batch) -> tuple[Callable, dict]:
+    """Compiles the train step ahead of time; returns it with the per-device memory XLA plans."""
+    started = time.time()
+    compiled = self.train_step.lower(state, batch).compile()
+    plan = {'compile_seconds': round(time.time() - started, 3), **_memory_plan(compiled)}
+    return compiled, plan
+
+
+def _memory_plan(compiled) -> dict:
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    return {}
+  plan = dict(argument_bytes=int(analysis.argument_size_in_bytes),
+              output_bytes=int(analysis.output_size_in_bytes),
+              temp_bytes=int(analysis.temp_size_in_bytes),
+              alias_bytes=int(analysis.alias_size_in_bytes))
+  # Donated state buffers alias outputs: count them once.
+  plan['total_bytes'] = (plan['argument_bytes'] + plan['output_bytes'] + plan['temp_bytes']
+                         - plan['alias_bytes'])
+  return plan
+
+
+def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict) -> Placement:
+  """jax.jit over the mesh with explicit shardings, or jax.pmap: the same step functions.
+
+  A task without an optimizer places a `ModelState` (inference); with one, a
+  `TrainState`. Both batch sizes are checked against the devices here, once.
+  """
+  parallel.check_batch_size('batch_size', config.batch_size)
+  parallel.check_batch_size('eval_batch_size', resolved_eval_batch_size(config))
+  init = init_state if task.optimizer else init_model
+  abstract_state = jax.eval_shape(functools.partial(init, task), config.seed)
+  state_shardings = parallel.state_shardings(abstract_state, mesh, config)
+  abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                abstract_state, state_shardings)
+  replicated = parallel.replicated(mesh)
+  if config.parallelism == 'jit':
+    batch_sharding = parallel.batch_sharding(mesh)
+    put_batch = functools.partial(parallel.to_global, sharding=batch_sharding)
+    return Placement(
+        mesh=mesh, parallelism='jit', state_shardings=state_shardings, abstract_state=abstract_state,
+        train_step=jax.jit(functools.partial(train_step, task=task),
+                           in_shardings=(state_shardings, batch_sharding),
+                           out_shardings=(state_shardings, replicated),
+                           donate_argnums=0) if task.optimizer else None,
+        eval_step=jax.jit(functools.partial(eval_step, task=task),
+                          in_shardings=(state_shardings, batch_sharding), out_shardings=replicated),
+        logits=jax.jit(functools.partial(logits_fn, task=task),
+                       in_shardings=(state_shardings, batch_sharding), out_shardings=replicated),
+        put_train_batch=put_batch, put_eval_batch=put_batch,
+        to_saveable=lambda state: state, from_saveable=lambda state: state,
+        to_host_metrics=lambda collection: collection)
+  axis = parallel.PMAP_AXIS
+  first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # pmap outputs are replicated
+  pmapped_eval = jax.pmap(functools.partial(eval_step, task=task, axis_name=axis), axis_name=axis)
+  pmapped_logits = jax.pmap(functools.partial(logits_fn, task=task), axis_name=axis)
+  return Placement(
+      mesh=mesh, parallelism='pmap', state_shardings=state_shardings, abstract_state=abstract_state,
+      train_step=jax.pmap(functools.partial(train_step, task=task, axis_name=axis),
+                          axis_name=axis, donate_argnums=0) if task.optimizer else None,
+      eval_step=lambda state, batch: first(pmapped_eval(state, batch)),
+      logits=lambda state, images: pmapped_logits(state, images).reshape(-1, task.num_classes),
+      put_train_batch=parallel.to_pmap_batch, put_eval_batch=parallel.to_pmap_batch,
+      to_saveable=lambda state: parallel.unreplicate_to_mesh(state, mesh),
+      from_saveable=parallel.replicate,
+      to_host_metrics=lambda collection: collection.unreplicate())
+
+
+def create_state(task: Task, placement: Placement, seed: int) -> TrainState:
+  """Initialises the state straight into its shardings: no full copy on one device first."""
+  state = jax.jit(functools.partial(init_state, task), static_argnums=0,
+                  out_shardings=placement.state_shardings)(seed)
+  return placement.from_saveable(state)
+
+
+def compile_on_zeros(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, int],
+                     num_classes: int, num_train_examples: int = 50_000):
+  """The config's train step compiled for data of this shape, with a zero batch and no dataset.
+
+  Returns (placement, state, batch, compiled step, memory plan): what
+  --mode=plan reports and what the benchmarks time.
+  """
+  length = run_length(config, num_train_examples)
+  zeros = np.zeros(len(image_shape), np.float32)
+  task = create_task(config, num_classes=num_classes, image_shape=image_shape, mean=zeros,
+                     std=zeros + 1, length=length)
+  placement = place(task, parallel.make_mesh(config), config)
+  local_batch_size = config.batch_size // jax.process_count()
+  images = np.zeros((local_batch_size, *image_shape), np.uint8)
+  labels = np.zeros((local_batch_size,), np.int32)
+  state = create_state(task, placement, config.seed)
+  batch = placement.put_train_batch((images, labels))
+  step, plan = placement.compile_train_step(state, batch)
+  return placement, state, batch, step, plan
+
+
+def plan_memory(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, int],
+                num_classes: int) -> dict:
+  """Compiles the train step for this config without training: what --mode=plan reports."""
+  placement, _, _, _, plan = compile_on_zeros(config, image_shape=image_shape,
+                                              num_classes=num_classes)
+  return {'model': config.model.name, 'remat': config.model.remat, 'dtype': config.dtype,
+          'batch_size': config.batch_size, 'parallelism': config.parallelism,
+          'mesh': dict(placement.mesh.shape), 'image_shape': list(image_shape), **plan}
+
+
+def format_plan(plan: dict) -> str:
+  if 'total_bytes' not in plan:
+    return 'not reported by this backend'
+  mib = lambda key: f'{plan[key] / 2**20:.1f} MiB'
+  return (f'arguments {mib("argument_bytes")}, outputs {mib("output_bytes")}, temporaries '
+          f'{mib("temp_bytes")}, total {mib("total_bytes")}')

@@ -1,0 +1,340 @@
+"""Turn an experiment into runs and run them: names, commands, checks, DIR/sweep.json, processes, progress."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ml_collections
+
+from flaxtpu import files
+from flaxtpu.config import config_keys, did_you_mean
+from flaxtpu.sweep import Overrides, Sweep, SweepError
+
+# Statuses a run moves through; 'interrupted' = the sweep itself was stopped.
+PENDING, RUNNING, DONE, FAILED, INTERRUPTED = 'pending', 'running', 'done', 'failed', 'interrupted'
+
+SWEEP_FILE = 'sweep.json'
+LOG_FILE = 'log.txt'
+RESULTS_FILE = 'results.json'
+# Heads each attempt in a run's log.txt, so errors are read from the latest attempt only.
+LAUNCH_MARKER = '=== flaxtpu.sweep launch'
+# Run names become directory names: keep them well under common filesystem limits.
+MAX_RUN_NAME_LENGTH = 120
+POLL_INTERVAL_S = 0.1
+
+
+# --- run names and commands ----------------------------------------------------
+
+
+def format_value(value: Any) -> str:
+  """A config value as `--config.KEY=` text that ml_collections parses back to the same value."""
+  if isinstance(value, bool):
+    return 'true' if value else 'false'
+  if isinstance(value, float):
+    return repr(value)  # Shortest text that round-trips (0.1, not 0.10000000000000001).
+  return str(value)
+
+
+def run_name(overrides: Mapping[str, Any]) -> str:
+  """A readable, filesystem-safe directory name: `optimizer.learning_rate=0.1,schedule.name=cosine`."""
+  if not overrides:
+    return 'base'
+  name = ','.join(f'{key}={format_value(value)}' for key, value in overrides.items())
+  name = re.sub(r'[^A-Za-z0-9._,=+-]', '_', name)
+  if len(name) > MAX_RUN_NAME_LENGTH:
+    # A hash of the full name keeps truncated names distinct.
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    name = f'{name[:MAX_RUN_NAME_LENGTH - 9]}-{digest}'
+  return name
+
+
+@dataclasses.dataclass
+class Run:
+  """One run of a sweep: its overrides, directory name and the trainer command that runs it."""
+
+  name: str
+  overrides: Overrides
+  command: list[str]
+  status: str = PENDING
+  error: str = ''
+  returncode: int | None = None
+  wall_time_s: float | None = None
+
+
+def make_runs(experiment_path: str, workdir: str, runs_overrides: Sequence[Overrides],
+              extra_overrides: Sequence[str] = ()) -> list[Run]:
+  """The runs of a sweep with their `flaxtpu.main` commands; `extra_overrides` go to every run."""
+  runs, names = [], set()
+  seen_overrides: list[Overrides] = []
+  for overrides in runs_overrides:
+    if overrides in seen_overrides:
+      raise SweepError(f'the sweep lists the run {run_name(overrides)!r} more than once')
+    seen_overrides.append(overrides)
+    name = run_name(overrides)
+    # Different values can sanitise to the same name (e.g. 'a/b' and 'a_b').
+    base_name, counter = name, 2
+    while name in names:
+      name, counter = f'{base_name}-{counter}', counter + 1
+    names.add(name)
+    command = [sys.executable, '-m', 'flaxtpu.main', f'--config={experiment_path}',
+               f'--workdir={os.path.join(workdir, name)}']
+    command += [f'--config.{key}={format_value(value)}' for key, value in overrides.items()]
+    command += list(extra_overrides)
+    runs.append(Run(name=name, overrides=dict(overrides), command=command))
+  return runs
+
+
+# --- loading and checking an experiment ----------------------------------------
+
+
+def check_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> None:
+  """Raise SweepError naming the key if a key is not in `config` or its value has the wrong type."""
+  known_keys = config_keys(config)
+  scratch = copy.deepcopy(config)
+  for key, value in overrides.items():
+    if key not in known_keys:
+      raise SweepError(f'sweep key {key!r} is not a config key{did_you_mean(key, known_keys)}')
+    parent_path, _, leaf = key.rpartition('.')
+    parent = scratch
+    for part in parent_path.split('.') if parent_path else []:
+      parent = parent[part]
+    try:
+      # ConfigDict's own type check: the same one the trainer's override applies.
+      parent[leaf] = value
+    except TypeError as error:
+      raise SweepError(f'sweep key {key!r}: value {value!r} has the wrong type ({error})') from None
+
+
+def load_experiment(path: str) -> tuple[ml_collections.ConfigDict, Sweep]:
+  """Import an experiment file; return its base config and its runs' overrides, checked against the config."""
+  if not os.path.isfile(path):
+    raise SweepError(f'experiment file {path!r} does not exist')
+  # Experiments import recipes (`from configs import ...`): make the repo root
+  # (the file's grandparent, as flaxtpu.main does) and the working dir importable.
+  for import_root in (os.path.dirname(os.path.dirname(os.path.abspath(path))), os.getcwd()):
+    if import_root not in sys.path:
+      sys.path.insert(0, import_root)
+  spec = importlib.util.spec_from_file_location('flaxtpu_experiment', path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+    for function in ('get_config', 'get_sweep'):
+      if not callable(getattr(module, function, None)):
+        raise SweepError(f'must define {function}()')
+    config = module.get_config()
+    runs_overrides = module.get_sweep()
+  except SweepError as error:
+    raise SweepError(f'{path}: {error}') from None
+  if not isinstance(runs_overrides, Sequence) or not all(isinstance(o, Mapping) for o in runs_overrides):
+    raise SweepError(f'{path}: get_sweep() must return a list of {{config key: value}} dicts')
+  if not runs_overrides:
+    raise SweepError(f'{path}: get_sweep() returned no runs')
+  for overrides in runs_overrides:
+    try:
+      check_overrides(config, overrides)
+    except SweepError as error:
+      raise SweepError(f'{path}: {error}') from None
+  return config, [dict(overrides) for overrides in runs_overrides]
+
+
+def parse_extra_overrides(config: ml_collections.ConfigDict, args: Sequence[str],
+                          swept_keys: set[str]) -> list[str]:
+  """Normalise `--config.KEY=VALUE` / `--config.KEY VALUE` arguments, checking that each key exists."""
+  known_keys = set(config_keys(config))
+  normalised, index = [], 0
+  while index < len(args):
+    arg = args[index]
+    if not arg.startswith('--config.'):
+      raise SweepError(f'unexpected argument {arg!r} (sweep options: --workdir, --parallel, --dry-run, '
+                       '--report, --config.KEY=VALUE)')
+    if '=' in arg:
+      key, value = arg[len('--config.'):].split('=', 1)
+    elif index + 1 < len(args):
+      key, value = arg[len('--config.'):], args[index + 1]
+      index += 1
+    else:
+      raise SweepError(f'{arg} needs a value: {arg}=VALUE')
+    if key not in known_keys:
+      raise SweepError(f'--config.{key}: not a config key{did_you_mean(key, sorted(known_keys))}')
+    if key in swept_keys:
+      raise SweepError(f'--config.{key}: the experiment sweeps this key; change the sweep, not every run')
+    normalised.append(f'--config.{key}={value}')
+    index += 1
+  return normalised
+
+
+# --- the sweep record -----------------------------------------------------------
+
+
+def write_sweep_record(workdir: str, experiment_path: str, runs: Sequence[Run],
+                       extra_overrides: Sequence[str]) -> None:
+  """Write DIR/sweep.json: every run's name, overrides, command and status."""
+  files.write_json(os.path.join(workdir, SWEEP_FILE), {
+      'experiment': experiment_path,
+      'extra_overrides': list(extra_overrides),
+      'runs': [dataclasses.asdict(run) for run in runs],
+  })
+
+
+def read_sweep_record(workdir: str) -> dict[str, Any]:
+  """DIR/sweep.json as a dict ({} when there is none or it cannot be read)."""
+  return files.read_json(os.path.join(workdir, SWEEP_FILE)) or {}
+
+
+def error_line(log_path: str) -> str:
+  """The trainer's `error: ...` line from the last attempt in a run's log, else its last non-empty line."""
+  try:
+    with open(log_path, errors='replace') as f:
+      lines = [line.strip() for line in f if line.strip()]
+  except OSError:
+    return ''
+  launches = [index for index, line in enumerate(lines) if line.startswith(LAUNCH_MARKER)]
+  if launches:
+    lines = lines[launches[-1] + 1:]
+  error_lines = [line for line in lines if line.startswith('error: ')]
+  if error_lines:
+    return error_lines[-1]
+  return lines[-1] if lines else ''
+
+
+# --- running ---------------------------------------------------------------------
+
+
+def progress_line(runs: Sequence[Run], started: Mapping[str, float], parallel: int,
+                  finished_durations: Sequence[float], elapsed_s: float) -> str:
+  """`done/running/failed/pending` counts and an ETA from the mean duration of finished runs."""
+  counts = {status: sum(run.status == status for run in runs) for status in (DONE, RUNNING, FAILED, PENDING)}
+  line = (f'[sweep] {counts[DONE]}/{len(runs)} done, {counts[RUNNING]} running, {counts[FAILED]} failed, '
+          f'{counts[PENDING]} pending, elapsed {files.format_duration(elapsed_s)}')
+  if counts[RUNNING] + counts[PENDING] == 0:
+    return line
+  if not finished_durations:
+    return line + ', ETA unknown until a run finishes'
+  mean_s = sum(finished_durations) / len(finished_durations)
+  now = time.monotonic()
+  remaining_s = counts[PENDING] * mean_s + sum(
+      max(mean_s - (now - started[run.name]), 0.0) for run in runs if run.status == RUNNING)
+  # Nearest second: format_duration cuts, and a live clock puts a 75 s estimate at 74.99... s.
+  return line + f', ETA {files.format_duration(round(remaining_s / max(parallel, 1)))}'
+
+
+def _child_environment() -> dict[str, str]:
+  environment = dict(os.environ)
+  # The runs must import this same flaxtpu (and configs/) wherever the sweep is started from:
+  # put the directory holding flaxtpu/ (two levels above this file) first on their path.
+  repo_root = os.path.abspath(os.path.join(os.path.dirname(__file__), '..', '..'))
+  environment['PYTHONPATH'] = os.pathsep.join(
+      [repo_root] + ([environment['PYTHONPATH']] if environment.get('PYTHONPATH') else []))
+  environment['PYTHONUNBUFFERED'] = '1'  # log.txt shows progress as it happens.
+  return environment
+
+
+def _launch(run: Run, workdir: str, environment: Mapping[str, str]) -> tuple[subprocess.Popen, Any]:
+  """Start one run's trainer, its output going to DIR/<run>/log.txt; returns the process and the open log."""
+  run_dir = os.path.join(workdir, run.name)
+  os.makedirs(run_dir, exist_ok=True)
+  # Appending keeps the log of earlier, interrupted attempts of this run.
+  log = open(os.path.join(run_dir, LOG_FILE), 'a')
+  log.write(f'{LAUNCH_MARKER} {time.strftime("%Y-%m-%d %H:%M:%S")}: {shlex.join(run.command)}\n')
+  log.flush()
+  process = subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env=dict(environment))
+  return process, log
+
+
+def _record_exit(run: Run, returncode: int, wall_time_s: float, workdir: str) -> None:
+  """Set a finished run's status: done only on exit status 0 with a results.json, else failed + its error."""
+  run_dir = os.path.join(workdir, run.name)
+  run.returncode, run.wall_time_s = returncode, round(wall_time_s, 1)
+  if returncode == 0 and os.path.exists(os.path.join(run_dir, RESULTS_FILE)):
+    run.status, run.error = DONE, ''
+  elif returncode == 0:
+    run.status, run.error = FAILED, f'exited 0 but wrote no {RESULTS_FILE}'
+  else:
+    run.status = FAILED
+    run.error = error_line(os.path.join(run_dir, LOG_FILE)) or f'exit status {returncode}'
+
+
+def run_sweep(experiment_path: str, workdir: str, runs: list[Run], parallel: int,
+              extra_overrides: Sequence[str]) -> list[Run]:
+  """Run every unfinished run, at most `parallel` at once, keeping DIR/sweep.json current; returns `runs`."""
+  os.makedirs(workdir, exist_ok=True)
+  previous = read_sweep_record(workdir)
+  if previous and previous.get('extra_overrides', []) != list(extra_overrides):
+    print(f'[sweep] warning: command-line overrides changed from {previous.get("extra_overrides")} to '
+          f'{list(extra_overrides)}; finished runs keep their old results', flush=True)
+  previous_runs = {entry.get('name'): entry for entry in previous.get('runs', [])}
+  finished_durations: list[float] = []
+  for run in runs:
+    if os.path.exists(os.path.join(workdir, run.name, RESULTS_FILE)):
+      run.status = DONE
+      # Keep what the sweep that finished this run measured; it also seeds the ETA.
+      earlier = previous_runs.get(run.name, {})
+      run.returncode, run.wall_time_s = earlier.get('returncode'), earlier.get('wall_time_s')
+      if run.wall_time_s:
+        finished_durations.append(run.wall_time_s)
+  pending = [run for run in runs if run.status != DONE]
+  if len(pending) < len(runs):
+    print(f'[sweep] {len(runs) - len(pending)} run(s) already finished, skipping them', flush=True)
+
+  environment = _child_environment()
+  sweep_start = time.monotonic()
+  started: dict[str, float] = {}
+  processes: dict[str, tuple[subprocess.Popen, Any]] = {}
+
+  def report_progress() -> None:
+    write_sweep_record(workdir, experiment_path, runs, extra_overrides)
+    elapsed_s = time.monotonic() - sweep_start
+    print(progress_line(runs, started, parallel, finished_durations, elapsed_s), flush=True)
+
+  write_sweep_record(workdir, experiment_path, runs, extra_overrides)
+  try:
+    while pending or processes:
+      while pending and len(processes) < parallel:
+        run = pending.pop(0)
+        processes[run.name] = _launch(run, workdir, environment)
+        started[run.name] = time.monotonic()
+        run.status = RUNNING
+        print(f'[sweep] start {run.name} (log: {os.path.join(workdir, run.name, LOG_FILE)})', flush=True)
+        report_progress()
+      time.sleep(POLL_INTERVAL_S)
+      for run in runs:
+        if run.name not in processes or processes[run.name][0].poll() is None:
+          continue
+        process, log = processes.pop(run.name)
+        log.close()
+        _record_exit(run, process.returncode, time.monotonic() - started[run.name], workdir)
+        if run.status == DONE:
+          finished_durations.append(run.wall_time_s)
+          print(f'[sweep] done {run.name} in {files.format_duration(run.wall_time_s)}', flush=True)
+        else:
+          print(f'[sweep] FAILED {run.name} (exit {run.returncode}): {run.error}', flush=True)
+        report_progress()
+  except KeyboardInterrupt:
+    # Stop only the runs this sweep started; a re-run resumes them from their checkpoints.
+    for process, _ in processes.values():
+      process.terminate()
+    for run in runs:
+      if run.name in processes:
+        process, log = processes[run.name]
+        try:
+          process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+          process.kill()
+          process.wait()
+        log.close()
+        run.status, run.returncode = INTERRUPTED, process.returncode
+    write_sweep_record(workdir, experiment_path, runs, extra_overrides)
+    raise
+  return runs
