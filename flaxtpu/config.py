@@ -49,6 +49,20 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ConfigError('config.dataset.name and config.dataset.folder are both empty; '
                       'set a TFDS name (e.g. cifar10) or an image-folder root')
   _one_of('dataset.normalize', config.dataset.normalize, NORMALIZATIONS)
+  _one_of('dataset.cache', config.dataset.cache, ('auto', 'memory', 'none'))
+  if config.dataset.image_size < 0:
+    raise ConfigError(f'config.dataset.image_size={config.dataset.image_size} must be >= 0 '
+                      '(0 = native size)')
+  if not 0.0 < config.dataset.crop_fraction <= 1.0:
+    raise ConfigError(f'config.dataset.crop_fraction={config.dataset.crop_fraction!r} must be in (0, 1]')
+  for key, low, high in (('augment.crop_area', 0.0, 1.0), ('augment.crop_aspect', 0.0, float('inf'))):
+    value = tuple(config[key])
+    if len(value) != 2 or not low < value[0] <= value[1] <= high:
+      raise ConfigError(f'config.{key}={value!r} must be a (min, max) pair with '
+                        f'{low} < min <= max <= {high}')
+  if config.input.workers < -1:
+    raise ConfigError(f'config.input.workers={config.input.workers} must be >= 0 (or -1 = auto)')
+  _positive('input.prefetch', config.input.prefetch)
   _one_of('model.name', config.model.name, models.NAMES)
   _one_of('model.remat', config.model.remat, REMAT_POLICIES)
   _one_of('dtype', config.dtype, DTYPES)

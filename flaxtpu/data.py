@@ -1,13 +1,20 @@
-"""Datasets in memory: decode once, keep uint8 arrays, draw batches by (seed, step).
+"""The input pipeline: batches as a pure function of (seed, step), decoded in worker processes.
 
-A source is a TFDS catalog name (`cifar10`, `mnist`, ...) or an image folder
-(`root/split/class/image`, read by `tfds.ImageFolder`). Both become a
-`Dataset` of uint8 arrays, small enough for host memory at CIFAR/MNIST size.
+A dataset is a train and an eval split (`sources.py`: an image folder or a
+TFDS dataset) and the `preprocess.Transform` that turns an image into the
+model's input. Its examples are either
 
-Training batches are a pure function of (seed, step): the permutation of an
-epoch comes from (seed, epoch), so a resumed run sees exactly the batches it
-would have seen, and every process cuts its own slice of the same global
-batch. Evaluation batches cover the split once, the last one padded and
+- streamed: each batch is read and decoded from disk when it is needed, in
+  `input.workers` grain worker processes, `input.prefetch` batches ahead; or
+- cached: decoded once into host memory (`dataset.cache`: `auto` does this
+  when the decoded splits fit a small share of RAM, as for CIFAR or MNIST).
+
+Either way the global batch of step `s` holds the examples at positions
+`[s mod epoch]` of the seeded permutation of epoch `s // steps_per_epoch`,
+and example `p` of it is augmented with a generator seeded by
+(seed, s, p). So a resumed run, another worker count or another process
+count sees exactly the same batches, and each process reads and decodes only
+its own rows. Evaluation covers the split once, the last batch padded and
 masked.
 """
 
@@ -15,165 +22,242 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import queue
+import sys
 import threading
-from typing import Iterator, NamedTuple
+from typing import Iterator, NamedTuple, Optional
 
 import ml_collections
 import numpy as np
 
-from flaxtpu.errors import UserError
+from flaxtpu import preprocess, sources
+from flaxtpu.preprocess import IMAGE_EXTENSIONS, Transform
+from flaxtpu.sources import DataError
 
-IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png')  # what tfds.ImageFolder reads
-
-
-class DataError(UserError):
-  """A dataset that cannot be read; the message names the file or folder."""
+# The decoded splits may take this share of host memory before `dataset.cache=auto` streams.
+CACHE_MEMORY_FRACTION = 1 / 8
+CACHE_MAX_BYTES = 4 * 2**30
+STATISTICS_SAMPLE = 2_000  # images that estimate the per-channel mean/std of a streamed split
+MAX_SUBSTITUTIONS = 100  # skip_corrupt: how far to look for a readable example to stand in
 
 
 @dataclasses.dataclass(frozen=True)
-class Split:
-  images: np.ndarray  # uint8 [N, H, W, C]
-  labels: np.ndarray  # int32 [N]
+class Examples:
+  """One split: streamed from `source`, or cached as `images` (uint8 [N, H, W, C] or a list)."""
+  source: Optional[sources.Split] = None
+  images: Optional[object] = None
+  labels: Optional[np.ndarray] = None
 
   def __len__(self) -> int:
-    return len(self.labels)
+    return len(self.labels) if self.images is not None else len(self.source)
+
+  @property
+  def cached(self) -> bool:
+    return self.images is not None
 
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-  train: Split
-  eval: Split
+  train: Optional[Examples]  # None when only evaluating
+  eval: Examples
   class_names: tuple[str, ...]
-  mean: np.ndarray  # float32 [C], of the train split in [0, 1]; for `standardize`
+  image_shape: tuple[int, int, int]  # what the model sees
+  mean: np.ndarray  # float32 [C] of the train split in [0, 1] (`standardize`); 0 otherwise
   std: np.ndarray
+  transform: Transform
+  workers: int = 0
+  prefetch: int = 2
+  skip_corrupt: bool = False
 
   @property
   def num_classes(self) -> int:
     return len(self.class_names)
 
-  @property
-  def image_shape(self) -> tuple[int, int, int]:
-    return tuple(self.train.images.shape[1:])
+
+class Batch(NamedTuple):
+  images: np.ndarray  # uint8 [B, H, W, C]
+  labels: np.ndarray  # int32 [B]
+  mask: np.ndarray  # bool [B]; False on padding rows of the last eval batch
 
 
-def _tensorflow():
-  """TensorFlow, hidden from GPUs/TPUs so that it never takes accelerator memory from JAX."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  tf.config.set_visible_devices([], 'GPU')
-  tf.config.set_visible_devices([], 'TPU')
-  return tf
+# --- loading ------------------------------------------------------------------------------
 
 
 def load(config: ml_collections.ConfigDict, *, need_train: bool = True) -> Dataset:
-  """Loads the train and eval splits named by `config.dataset` into memory."""
+  """The splits named by `config.dataset`, listed (and, when cached, decoded) and checked."""
   source = config.dataset
-  read = (functools.partial(_read_folder, source.folder) if source.folder
-          else functools.partial(_read_tfds, source.name, source.data_dir))
-  eval_split, class_names = read(source.eval_split)
-  train_split = read(source.train_split)[0] if need_train else eval_split
-  if need_train and train_split.images.shape[1:] != eval_split.images.shape[1:]:
-    raise DataError(f'train images are {train_split.images.shape[1:]} but eval images are '
-                    f'{eval_split.images.shape[1:]}; both splits need one image size')
-  pixels = train_split.images.reshape(-1, train_split.images.shape[-1])
-  # Subsample for the statistics: exact enough, and cheap on large splits.
-  pixels = pixels[:: max(1, len(pixels) // 2_000_000)].astype(np.float32) / 255.0
-  return Dataset(train=train_split, eval=eval_split, class_names=class_names,
-                 mean=pixels.mean(axis=0), std=pixels.std(axis=0) + 1e-6)
+  workers = input_workers(config)
+  if source.folder:
+    eval_split, class_names = sources.folder_split(source.folder, source.eval_split)
+    train_split = sources.folder_split(source.folder, source.train_split)[0] if need_train else None
+    splits = [s for s in (train_split, eval_split) if s is not None]
+    sizes = [_scan_folder_split(s, workers, source.skip_corrupt) for s in splits]
+    train_split, eval_split = ((sizes[0][0], sizes[1][0]) if need_train else (None, sizes[0][0]))
+    native = set().union(*(shapes for _, shapes in sizes))
+    channels = 3  # like tfds.ImageFolder and Keras: grayscale and CMYK files become RGB
+    tfrecord_arrays = None
+  else:
+    builder = sources.tfds_builder(source.name, source.data_dir)
+    info = sources.tfds_info(builder)
+    class_names, channels = info.class_names, info.image_shape[-1]
+    native = {info.image_shape[:2]} if None not in info.image_shape[:2] else {None}
+    if info.array_record:
+      train_split = sources.tfds_split(builder, source.train_split) if need_train else None
+      eval_split = sources.tfds_split(builder, source.eval_split)
+      tfrecord_arrays = None
+    else:  # TFRecord: only readable whole, into memory
+      if source.cache == 'none':
+        sources.tfds_split(builder, source.eval_split)  # raises, explaining how to prepare ArrayRecord
+      tfrecord_arrays = functools.partial(sources.tfds_arrays, builder)
+      train_split = eval_split = None
+  transform = image_transform(config, channels)
+  if not transform.size and len(native) > 1 or None in native:
+    shown = 'vary in size' if None in native else (
+        'have ' + ', '.join(f'{w}x{h}' for h, w in sorted(native)[:3]) + (' and more' if len(native) > 3 else ''))
+    raise DataError(f'the images {shown}; set --config.dataset.image_size=N to train at NxN '
+                    '(random-resized crops for training, resize + centre crop for evaluation)')
+  image_shape = ((transform.size, transform.size, channels) if transform.size
+                 else (*next(iter(native)), channels))
+
+  if tfrecord_arrays is not None:
+    train = Examples(*_arrays_examples(tfrecord_arrays(source.train_split))) if need_train else None
+    evaluation = Examples(*_arrays_examples(tfrecord_arrays(source.eval_split)))
+  else:
+    count = len(eval_split) + (len(train_split) if need_train else 0)
+    cache = _use_cache(source.cache, count, image_shape, transform)
+    train = _examples(train_split, cache, transform, workers) if need_train else None
+    evaluation = _examples(eval_split, cache, transform, workers)
+  dataset = Dataset(train=train, eval=evaluation, class_names=tuple(class_names),
+                    image_shape=tuple(image_shape), mean=np.zeros(channels, np.float32),
+                    std=np.ones(channels, np.float32), transform=transform, workers=workers,
+                    prefetch=config.input.prefetch, skip_corrupt=source.skip_corrupt)
+  if source.normalize == 'standardize' and train is not None:
+    mean, std = _statistics(dataset)
+    dataset = dataclasses.replace(dataset, mean=mean, std=std)
+  return dataset
 
 
-def _read_tfds(name: str, data_dir: str, split: str) -> tuple[Split, tuple[str, ...]]:
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  _tensorflow()
+def image_transform(config: ml_collections.ConfigDict, channels: int) -> Transform:
+  return Transform(size=config.dataset.image_size, channels=channels,
+                   crop_area=tuple(config.augment.crop_area),
+                   crop_aspect=tuple(config.augment.crop_aspect),
+                   crop_fraction=config.dataset.crop_fraction)
+
+
+def input_workers(config: ml_collections.ConfigDict) -> int:
+  """`input.workers`, where -1 means one per core but one (the training loop's), at most 32."""
+  if config.input.workers >= 0:
+    return config.input.workers
+  return min(max((os.cpu_count() or 1) - 1, 1), 32)
+
+
+def _arrays_examples(arrays: tuple[np.ndarray, np.ndarray]) -> tuple[None, np.ndarray, np.ndarray]:
+  images, labels = arrays
+  return None, images, labels
+
+
+def _use_cache(cache: str, count: int, image_shape: tuple[int, int, int], transform: Transform) -> bool:
+  if cache != 'auto':
+    return cache == 'memory'
+  side = _cache_side(transform) or max(image_shape[:2])
+  budget = min(_host_memory_bytes() * CACHE_MEMORY_FRACTION, CACHE_MAX_BYTES)
+  return count * side * side * image_shape[2] <= budget
+
+
+def _host_memory_bytes() -> int:
   try:
-    builder = tfds.builder(name, data_dir=data_dir or None)
-  except tfds.core.registered.DatasetNotFoundError as e:
-    raise DataError(f'config.dataset.name={name!r} is not a TFDS dataset; use a name from '
-                    'tfds.list_builders() (e.g. cifar10, mnist) or set config.dataset.folder') from e
-  try:
-    builder.download_and_prepare()
-  except Exception as e:  # pylint: disable=broad-except
-    raise DataError(
-        f'could not download or prepare TFDS dataset {name!r} ({type(e).__name__}); on an offline '
-        'machine prepare it elsewhere and pass --config.dataset.data_dir, or use '
-        '--config.dataset.folder') from e
-  if split not in builder.info.splits:
-    raise DataError(f'TFDS dataset {name!r} has no split {split!r}; it has: '
-                    f'{", ".join(sorted(builder.info.splits))}')
-  images, labels = tfds.as_numpy(builder.as_dataset(split=split, batch_size=-1, as_supervised=True))
-  names = builder.info.features['label'].names
-  return Split(images.astype(np.uint8), labels.astype(np.int32)), tuple(names)
+    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  except (ValueError, OSError, AttributeError):
+    return 8 * 2**30
 
 
-def _read_folder(root: str, split: str) -> tuple[Split, tuple[str, ...]]:
-  _check_folder(root, split)
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  tf = _tensorflow()
-  builder = tfds.ImageFolder(root)
-  dataset = builder.as_dataset(split=split, shuffle_files=False)
-  images, labels, filenames = [], [], []
-  try:
-    for example in tfds.as_numpy(dataset.batch(1024)):
-      images.append(example['image'])
-      labels.append(example['label'])
-      filenames.append(example['image/filename'])
-  except (tf.errors.InvalidArgumentError, tf.errors.UnknownError) as e:
-    raise _find_bad_image(os.path.join(root, split)) from e
-  images = np.concatenate(images)
-  filenames = np.concatenate(filenames)
-  # tfds.ImageFolder lists files in no promised order; sort so that every
-  # process and every run sees the same example at the same index.
-  order = np.argsort(filenames, kind='stable')
-  return (Split(images[order].astype(np.uint8), np.concatenate(labels)[order].astype(np.int32)),
-          tuple(builder.info.features['label'].names))
+def _cache_side(transform: Transform) -> int:
+  """Cached images keep their shorter side at the eval resize: enough pixels for every crop."""
+  return int(np.ceil(transform.size / transform.crop_fraction)) if transform.size else 0
 
 
-def _check_folder(root: str, split: str) -> None:
-  """Names the folder when the layout is not root/split/class/image."""
-  if not os.path.isdir(root):
-    raise DataError(f'config.dataset.folder={root!r} is not a directory; point it at a folder '
-                    'laid out as split/class/image')
-  split_dir = os.path.join(root, split)
-  if not os.path.isdir(split_dir):
-    found = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
-    raise DataError(f'{split_dir} does not exist; splits found in {root}: '
-                    f'{", ".join(found) or "none"} (set config.dataset.train_split/eval_split)')
-  classes = sorted(d for d in os.listdir(split_dir) if os.path.isdir(os.path.join(split_dir, d)))
-  if not classes:
-    raise DataError(f'{split_dir} has no class folders; expected {split_dir}/<class>/<image>')
-  for name in classes:
-    class_dir = os.path.join(split_dir, name)
-    if not any(f.lower().endswith(IMAGE_EXTENSIONS) for f in os.listdir(class_dir)):
-      raise DataError(f'class folder {class_dir} has no images ({", ".join(IMAGE_EXTENSIONS)}); '
-                      'add images or remove the folder')
+def _examples(split: sources.Split, cache: bool, transform: Transform, workers: int) -> Examples:
+  if not cache:
+    return Examples(source=split)
+  logging.info('decoding %d images of %r into memory (dataset.cache)', len(split), split.name)
+  decoder = _CacheDecoder(split, transform)
+  images, labels = [], []
+  for image, label in _run(decoder, range(len(split)), workers, buffer=64, min_items_per_worker=1000):
+    if isinstance(image, _Failure):
+      raise DataError(image.message)
+    images.append(image)
+    labels.append(label)
+  if not transform.size:
+    images = np.stack(images)
+  return Examples(images=images, labels=np.asarray(labels, np.int32))
 
 
-def _find_bad_image(split_dir: str) -> DataError:
-  """Decoding failed somewhere in the split: find the file, or the size that differs."""
-  from PIL import Image  # pylint: disable=g-import-not-at-top
-  first_size, first_path = None, None
-  for class_name in sorted(os.listdir(split_dir)):
-    class_dir = os.path.join(split_dir, class_name)
-    for filename in sorted(os.listdir(class_dir)):
-      if not filename.lower().endswith(IMAGE_EXTENSIONS):
-        continue
-      path = os.path.join(class_dir, filename)
+def _statistics(dataset: Dataset) -> tuple[np.ndarray, np.ndarray]:
+  """Per-channel mean/std in [0, 1] of the train split: all of a cached uniform split, else a sample."""
+  train = dataset.train
+  if train.cached and isinstance(train.images, np.ndarray):
+    pixels = train.images.reshape(-1, train.images.shape[-1])
+    pixels = pixels[:: max(1, len(pixels) // 2_000_000)].astype(np.float32) / 255.0
+  else:
+    sample = np.linspace(0, len(train) - 1, min(len(train), STATISTICS_SAMPLE)).astype(int)
+    loader = _EvalLoader(train, dataset.transform, dataset.skip_corrupt)
+    images = [image for image, _ in _run(loader.example, sample, dataset.workers, buffer=64,
+                                         min_items_per_worker=500)]
+    if failures := [image for image in images if isinstance(image, _Failure)]:
+      raise DataError(failures[0].message)
+    pixels = np.concatenate([i.reshape(-1, i.shape[-1]) for i in images]).astype(np.float32) / 255.0
+  return pixels.mean(axis=0), pixels.std(axis=0) + 1e-6
+
+
+# --- scanning a folder: sizes, and files that are not images --------------------------------
+
+
+SCAN_CHUNK = 512
+
+
+class _HeaderScan:
+  """(width, height) of each file from its header, or the reason it cannot be read."""
+
+  def __init__(self, split: sources.Split):
+    self.split = split
+
+  def __call__(self, chunk: int) -> list:
+    from PIL import Image  # pylint: disable=g-import-not-at-top
+    results = []
+    for index in range(chunk * SCAN_CHUNK, min((chunk + 1) * SCAN_CHUNK, len(self.split))):
+      path, _ = self.split.load(index)
       try:
         with Image.open(path) as image:
-          image.load()
-          size = image.size
-      except Exception:  # pylint: disable=broad-except
-        return DataError(f'cannot decode image {path}; remove or replace the file')
-      if first_size is None:
-        first_size, first_path = size, path
-      elif size != first_size:
-        return DataError(f'image {path} is {size[0]}x{size[1]} but {first_path} is '
-                         f'{first_size[0]}x{first_size[1]}; all images need one size (resize them)')
-  return DataError(f'cannot read the images in {split_dir}')
+          results.append(preprocess.upright_size(image))
+      except PermissionError:
+        results.append(f'cannot read {path} (permission denied); fix its permissions or remove it')
+      except Exception as e:  # pylint: disable=broad-except
+        results.append(f'cannot decode image {path} ({type(e).__name__}: {e}); remove or replace it')
+    return results
 
 
-# --- training batches: a pure function of (seed, step) -------------------
+def _scan_folder_split(split: sources.Split, workers: int,
+                       skip_corrupt: bool) -> tuple[sources.Split, set]:
+  """Reads every header (not the pixels): the distinct sizes, and bad files named or skipped."""
+  chunks = range(-(-len(split) // SCAN_CHUNK))
+  results = [r for chunk in _run(_HeaderScan(split), chunks, workers, buffer=4, min_items_per_worker=4)
+             for r in chunk]
+  bad = [i for i, r in enumerate(results) if isinstance(r, str)]
+  if bad and not skip_corrupt:
+    more = f' ({len(bad) - 1} more files cannot be read either)' if len(bad) > 1 else ''
+    raise DataError(f'{results[bad[0]]}, or set --config.dataset.skip_corrupt=true to skip such '
+                    f'files{more}')
+  if bad:
+    logging.warning('skipping %d of %d files of %r that cannot be read (dataset.skip_corrupt), '
+                    'e.g. %s', len(bad), len(split), split.name, split.describe(bad[0]))
+    keep = np.setdiff1d(np.arange(len(split)), bad)
+    split, results = split.subset(keep), [results[i] for i in keep]
+  return split, {(height, width) for width, height in results}
+
+
+# --- batches ------------------------------------------------------------------------------
 
 
 def train_indices(seed: int, step: int, num_examples: int, batch_size: int) -> np.ndarray:
@@ -198,59 +282,258 @@ def process_slice(global_batch_size: int, process_index: int, process_count: int
   return slice(process_index * per_process, (process_index + 1) * per_process)
 
 
-class Batch(NamedTuple):
-  images: np.ndarray  # uint8 [B, H, W, C]
-  labels: np.ndarray  # int32 [B]
-  mask: np.ndarray  # bool [B]; False on padding rows of the last eval batch
-
-
-def train_batches(split: Split, *, seed: int, batch_size: int, first_step: int, last_step: int,
+def train_batches(dataset: Dataset, *, seed: int, batch_size: int, first_step: int, last_step: int,
                   process_index: int = 0, process_count: int = 1) -> Iterator[Batch]:
   """This process's part of the global batches for steps [first_step, last_step)."""
   rows = process_slice(batch_size, process_index, process_count)
-  mask = np.ones(rows.stop - rows.start, bool)
-  for step in range(first_step, last_step):
-    indices = train_indices(seed, step, len(split), batch_size)[rows]
-    yield Batch(split.images[indices], split.labels[indices], mask)
+  train = dataset.train
+  if train.cached and isinstance(train.images, np.ndarray):  # CIFAR-size: slicing is all there is
+    mask = np.ones(rows.stop - rows.start, bool)
+    for step in range(first_step, last_step):
+      indices = train_indices(seed, step, len(train), batch_size)[rows]
+      yield Batch(train.images[indices], train.labels[indices], mask)
+    return
+  loader = _TrainLoader(train, dataset.transform, seed, batch_size, rows, dataset.skip_corrupt)
+  yield from _checked(_run(loader, range(first_step, last_step),
+                           0 if train.cached else dataset.workers, dataset.prefetch))
 
 
-def eval_batches(split: Split, *, batch_size: int, process_index: int = 0,
+def eval_batches(dataset: Dataset, *, batch_size: int, process_index: int = 0,
                  process_count: int = 1) -> Iterator[Batch]:
-  """Every example once, in order; the last global batch is padded and masked, never dropped."""
+  """Every eval example once, in order; the last global batch is padded and masked, never dropped."""
   rows = process_slice(batch_size, process_index, process_count)
-  for start in range(0, len(split), batch_size):
-    indices = np.arange(start, start + batch_size)[rows]
-    mask = indices < len(split)
-    indices = np.where(mask, indices, 0)
-    yield Batch(split.images[indices], split.labels[indices], mask)
+  examples = dataset.eval
+  starts = range(0, len(examples), batch_size)
+  if examples.cached and isinstance(examples.images, np.ndarray):
+    for start in starts:
+      indices, mask = _eval_rows(start, batch_size, rows, len(examples))
+      yield Batch(examples.images[indices], examples.labels[indices], mask)
+    return
+  loader = _EvalLoader(examples, dataset.transform, dataset.skip_corrupt, batch_size, rows)
+  yield from _checked(_run(loader, starts, 0 if examples.cached else dataset.workers,
+                           dataset.prefetch))
 
 
-def prefetch(iterator: Iterator, size: int = 2) -> Iterator:
-  """Runs `iterator` in a background thread, `size` items ahead of the consumer."""
-  buffer: queue.Queue = queue.Queue(maxsize=size)
-  done = object()
+def _eval_rows(start: int, batch_size: int, rows: slice, size: int) -> tuple[np.ndarray, np.ndarray]:
+  indices = np.arange(start, start + batch_size)[rows]
+  mask = indices < size
+  return np.where(mask, indices, 0), mask
 
-  def produce():
+
+def _checked(batches: Iterator) -> Iterator[Batch]:
+  try:
+    for batch in batches:
+      if isinstance(batch, _Failure):
+        raise DataError(batch.message)
+      yield batch
+  finally:
+    batches.close()  # stops the thread or the worker processes, also after an early stop
+
+
+# --- the work the input workers do ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+  """A worker's data error, returned (not raised) so the trainer reports it as one line."""
+  message: str
+
+
+class _ExampleReader:
+  """Reads example `index` of a split, cached or from disk; with skip_corrupt, a broken one is
+  replaced by the next readable example (deterministically, so batches stay reproducible)."""
+
+  def __init__(self, examples: Examples, transform: Transform, skip_corrupt: bool):
+    self.examples, self.transform, self.skip_corrupt = examples, transform, skip_corrupt
+
+  def read(self, index: int, make_image) -> tuple[object, int]:
+    examples = self.examples
+    for attempt in range(MAX_SUBSTITUTIONS if self.skip_corrupt else 1):
+      position = (index + attempt) % len(examples)
+      try:
+        if examples.cached:
+          item, label = examples.images[position], int(examples.labels[position])
+        else:
+          item, label = examples.source.load(position)
+        return make_image(preprocess.open_image(item)), label
+      except Exception as e:  # pylint: disable=broad-except
+        where = examples.source.describe(position) if examples.source else f'cached image {position}'
+        reason = f'cannot decode image {where} ({type(e).__name__}: {e})'
+        if not self.skip_corrupt:
+          return _Failure(f'{reason}; remove or replace it, or set '
+                          '--config.dataset.skip_corrupt=true to skip such files'), 0
+        print(f'warning: {reason}; skipped (dataset.skip_corrupt)', file=sys.stderr, flush=True)
+    return _Failure(f'no readable image among {MAX_SUBSTITUTIONS} examples from {index} on'), 0
+
+
+class _TrainLoader(_ExampleReader):
+  """Step -> this process's rows of the global batch, random-resized-cropped per (seed, step, row)."""
+
+  def __init__(self, examples, transform, seed, batch_size, rows, skip_corrupt):
+    super().__init__(examples, transform, skip_corrupt)
+    self.seed, self.batch_size, self.rows = seed, batch_size, rows
+
+  def __call__(self, step: int):
+    indices = train_indices(self.seed, step, len(self.examples), self.batch_size)
+    images, labels = [], []
+    for position in range(self.rows.start, self.rows.stop):
+      rng = np.random.default_rng([self.seed, step, position])
+      image, label = self.read(int(indices[position]),
+                               functools.partial(preprocess.train_image, transform=self.transform, rng=rng))
+      if isinstance(image, _Failure):
+        return image
+      images.append(image)
+      labels.append(label)
+    return Batch(_stack(images), np.asarray(labels, np.int32),
+                 np.ones(len(labels), bool))
+
+
+class _EvalLoader(_ExampleReader):
+  """Batch start -> this process's rows of the eval batch, resized and centre-cropped."""
+
+  def __init__(self, examples, transform, skip_corrupt, batch_size=0, rows=slice(0)):
+    super().__init__(examples, transform, skip_corrupt)
+    self.batch_size, self.rows = batch_size, rows
+
+  def example(self, index: int):
+    return self.read(int(index), functools.partial(preprocess.eval_image, transform=self.transform))
+
+  def __call__(self, start: int):
+    indices, mask = _eval_rows(start, self.batch_size, self.rows, len(self.examples))
+    images, labels = [], []
+    for index in indices:
+      image, label = self.example(index)
+      if isinstance(image, _Failure):
+        return image
+      images.append(image)
+      labels.append(label)
+    return Batch(_stack(images), np.asarray(labels, np.int32), mask)
+
+
+class _CacheDecoder(_ExampleReader):
+  """Index -> the image as the cache keeps it: native size, or the shorter side at the eval resize."""
+
+  def __init__(self, split: sources.Split, transform: Transform):
+    super().__init__(Examples(source=split), transform, skip_corrupt=False)
+
+  def __call__(self, index: int):
+    return self.read(index, self._cacheable)
+
+  def _cacheable(self, image):
+    from PIL import Image  # pylint: disable=g-import-not-at-top
+    channels, side = self.transform.channels, _cache_side(self.transform)
+    if not side:
+      return preprocess.to_array(preprocess.decode(image, channels), channels)
+    width, height = preprocess.upright_size(image)
+    scale = side / min(width, height)
+    target = (max(1, round(width * scale)), max(1, round(height * scale)))
+    decoded = preprocess.decode(image, channels, target if scale < 1 else None)
+    if scale < 1:
+      decoded = decoded.resize(target, Image.BILINEAR, reducing_gap=None)
+    return preprocess.to_array(decoded, channels)
+
+
+def _stack(images: list[np.ndarray]) -> np.ndarray:
+  shapes = {image.shape for image in images}
+  if len(shapes) > 1:  # only possible with image_size=0 on a source whose sizes were not scanned
+    raise DataError(f'images of sizes {sorted(shapes)[:3]} in one batch; set '
+                    '--config.dataset.image_size=N')
+  return np.stack(images)
+
+
+# --- running the work: grain worker processes, or a thread ------------------------------------
+
+
+def _run(function, items, workers: int, buffer: int, min_items_per_worker: int = 1) -> Iterator:
+  """`map(function, items)` in order, computed ahead: in `workers` processes, or one thread if 0.
+
+  Starting a worker costs ~1-2 s (a fresh interpreter): short jobs stay on the thread.
+  """
+  workers = min(workers, len(items) // min_items_per_worker)
+  if workers <= 0:
+    return prefetch(map(function, items), size=buffer)
+  import grain  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  if not flags.FLAGS.is_parsed():  # grain reads its options from absl flags
+    flags.FLAGS.mark_as_parsed()
+  dataset = grain.MapDataset.source(list(items)).map(function).to_iter_dataset()
+  options = grain.MultiprocessingOptions(num_workers=workers,
+                                         per_worker_buffer_size=max(1, buffer // workers))
+  return _closing(iter(dataset.mp_prefetch(options)))
+
+
+def _closing(iterator) -> Iterator:
+  try:
+    yield from iterator
+  finally:
+    iterator.close()  # stops the worker processes, also when the consumer stops early
+
+
+class prefetch:  # pylint: disable=invalid-name  (used like a function: prefetch(iterator))
+  """Runs `iterator` in a background thread, `size` items ahead of the consumer.
+
+  `close()` (or the end of a `with` block) stops the thread and closes the
+  iterator, which stops its worker processes.
+  """
+
+  def __init__(self, iterator: Iterator, size: int = 2):
+    self._buffer: queue.Queue = queue.Queue(maxsize=max(size, 1))
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._produce, args=(iterator,), daemon=True)
+    self._thread.start()
+
+  _DONE = object()
+
+  def _produce(self, iterator: Iterator) -> None:
     try:
       for item in iterator:
-        buffer.put(item)
-      buffer.put(done)
-    except BaseException as e:  # pylint: disable=broad-except
-      buffer.put(e)
+        if not self._put(item):
+          break
+      self._put(self._DONE)
+    except BaseException as e:  # pylint: disable=broad-except  (re-raised in the consumer)
+      self._put(e)
+    finally:
+      if hasattr(iterator, 'close'):
+        iterator.close()
 
-  threading.Thread(target=produce, daemon=True).start()
-  while (item := buffer.get()) is not done:
+  def _put(self, item) -> bool:
+    while not self._stop.is_set():
+      try:
+        self._buffer.put(item, timeout=0.1)
+        return True
+      except queue.Full:
+        continue
+    return False
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    item = self._buffer.get()
+    if item is self._DONE:
+      self._buffer.put(item)  # stay exhausted
+      raise StopIteration
     if isinstance(item, BaseException):
       raise item
-    yield item
+    return item
+
+  def close(self) -> None:
+    self._stop.set()
+    self._thread.join(timeout=30)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
 
 
-# --- prediction inputs -----------------------------------------------------
+# --- prediction inputs -----------------------------------------------------------------------
 
 
-def read_images(path: str, image_shape: tuple[int, int, int]) -> tuple[list[str], np.ndarray]:
-  """An image file, or every image under a folder (sorted), as uint8 [N, H, W, C]."""
-  from PIL import Image  # pylint: disable=g-import-not-at-top
+def read_images(path: str, image_shape: tuple[int, int, int],
+                transform: Transform) -> tuple[list[str], np.ndarray]:
+  """An image file, or every image under a folder (sorted), preprocessed as for evaluation."""
   if os.path.isdir(path):
     paths = sorted(os.path.join(d, f) for d, _, files in os.walk(path) for f in files
                    if f.lower().endswith(IMAGE_EXTENSIONS))
@@ -264,12 +547,15 @@ def read_images(path: str, image_shape: tuple[int, int, int]) -> tuple[list[str]
   images = []
   for image_path in paths:
     try:
-      with Image.open(image_path) as image:
-        image = image.convert('L' if channels == 1 else 'RGB')
-        if image.size != (width, height):
-          image = image.resize((width, height), Image.BILINEAR)
-        array = np.asarray(image, np.uint8)
-    except OSError as e:
-      raise DataError(f'cannot decode image {image_path}; remove or replace the file') from e
-    images.append(array.reshape(height, width, channels))
+      image = preprocess.open_image(image_path)
+      if transform.size:
+        array = preprocess.eval_image(image, dataclasses.replace(transform, channels=channels))
+      else:  # a model trained at native size: resize to it, as Keras' predict pipelines do
+        decoded = preprocess.decode(image, channels)
+        array = preprocess.to_array(decoded.resize((width, height)) if decoded.size != (width, height)
+                                    else decoded, channels)
+    except Exception as e:  # pylint: disable=broad-except
+      raise DataError(f'cannot decode image {image_path} ({type(e).__name__}); remove or replace '
+                      'the file') from e
+    images.append(array)
   return paths, np.stack(images)

@@ -28,12 +28,23 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset.name = 'cifar10'  # TFDS catalog name (cifar10, cifar100, mnist, fashion_mnist, ...).
   config.dataset.folder = ''  # Image-folder root (split/class/image); wins over `name` when set.
   config.dataset.data_dir = ''  # TFDS data_dir ('' = TFDS default, ~/tensorflow_datasets).
-  config.dataset.train_split = 'train'  # Split to train on.
-  config.dataset.eval_split = 'test'  # Split to evaluate on (every example counted once).
+  config.dataset.train_split = 'train'  # Split to train on; TFDS-style slices work: 'train[:90%]'.
+  config.dataset.eval_split = 'test'  # Split to evaluate on (every example counted once), e.g. 'train[90%:]'.
+  config.dataset.image_size = 0  # Square side the model sees; 0 = the native size (every image must share it).
+  config.dataset.crop_fraction = 0.875  # Eval at image_size > 0: resize the shorter side to image_size / this, take the centre.
+  config.dataset.cache = 'auto'  # auto | memory | none: decode once into host memory (auto: when it fits 1/8 of RAM, at most 4 GiB) or stream from disk.
+  config.dataset.skip_corrupt = False  # Skip files that cannot be decoded (logged) instead of stopping with their name.
   config.dataset.normalize = 'unit'  # 'unit' = pixels/255 in [0, 1]; 'standardize' = per-channel mean/std of the train split.
 
-  # --- on-device augmentation (train batches only) -----------------------
+  config.input = ml_collections.ConfigDict()
+  config.input.workers = -1  # Processes that read and decode streamed batches (-1 = one per core but one, at most 32; 0 = a thread).
+  config.input.prefetch = 4  # Batches decoded ahead of the training step.
+
+  # --- augmentation (train batches only) --------------------------------
   config.augment = ml_collections.ConfigDict()
+  config.augment.crop_area = (0.08, 1.0)  # At image_size > 0: random-resized crop's area fraction range (Inception-style).
+  config.augment.crop_aspect = (3 / 4, 4 / 3)  # ... and its aspect-ratio range (sampled log-uniformly).
+  # On the device, after the crop:
   config.augment.crop_padding = 0  # Random crop after zero-padding by this many pixels (0 = off).
   config.augment.flip = False  # Random horizontal flip.
   config.augment.cutout = 0  # Side of a random square zeroed per image (0 = off).

@@ -15,11 +15,11 @@ from flaxtpu.config import resolved_eval_batch_size
 from flaxtpu.errors import UserError
 
 
-def evaluate(placement: steps.Placement, state, split: data.Split,
+def evaluate(placement: steps.Placement, state, dataset: data.Dataset,
              batch_size: int) -> dict[str, float]:
-  """Loss and accuracy over every example of `split`, each counted exactly once."""
+  """Loss and accuracy over every example of the eval split, each counted exactly once."""
   totals, one_step_in_flight = None, parallel.one_step_in_flight()
-  for batch in data.eval_batches(split, batch_size=batch_size, process_index=jax.process_index(),
+  for batch in data.eval_batches(dataset, batch_size=batch_size, process_index=jax.process_index(),
                                  process_count=jax.process_count()):
     batch_metrics = placement.eval_step(state, placement.put_eval_batch(tuple(batch)))
     if one_step_in_flight:
@@ -61,7 +61,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
                     f'of {dataset.image_shape} images but checkpoint {workdir}/checkpoints/{step} was '
                     f'trained on {record["num_classes"]} classes of {tuple(record["image_shape"])}; '
                     'evaluate on data like the training data')
-  results = evaluate(placement, state, dataset.eval, resolved_eval_batch_size(config))
+  results = evaluate(placement, state, dataset, resolved_eval_batch_size(config))
   results.update(step=step, split=config.dataset.eval_split,
                  source=config.dataset.folder or config.dataset.name,
                  checkpoint=os.path.join(workdir, 'checkpoints', str(step)))
@@ -77,7 +77,9 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
   if not config.predict.input:
     raise UserError('--mode=predict needs --config.predict.input=IMAGE_OR_FOLDER')
   placement, state, step, record = restore(config, workdir)
-  paths, images = data.read_images(config.predict.input, tuple(record['image_shape']))
+  image_shape = tuple(record['image_shape'])
+  paths, images = data.read_images(config.predict.input, image_shape,
+                                   data.image_transform(config, channels=image_shape[-1]))
   logits = predict_logits(placement, state, images, config.batch_size)
   probabilities = np.asarray(jax.nn.softmax(logits, axis=-1))
   class_names = record['class_names']

@@ -155,7 +155,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
 
   batches = data.prefetch(
       placement.put_train_batch(tuple(batch)[:2]) for batch in data.train_batches(
-          dataset.train, seed=config.seed, batch_size=config.batch_size, first_step=first_step,
+          dataset, seed=config.seed, batch_size=config.batch_size, first_step=first_step,
           last_step=length.total_steps, process_index=jax.process_index(),
           process_count=jax.process_count()))
   clock = TrainClock(first_step, progress)
@@ -206,7 +206,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
     evaluate_now = step % length.eval_every_steps == 0 or is_last
     if evaluate_now:
       with clock.paused(state):
-        eval_results = evaluate(placement, state, dataset.eval, eval_batch_size)
+        eval_results = evaluate(placement, state, dataset, eval_batch_size)
       num_examples = eval_results.pop('num_examples')
       logging.info('eval at step %d: loss %.4f  accuracy %.4f  (%d examples)', step,
                    eval_results['eval_loss'], eval_results['eval_accuracy'], num_examples)
@@ -221,6 +221,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
         checkpoints.save(step, placement.to_saveable(state), record,
                          metrics=eval_results if evaluate_now else None)
 
+  batches.close()
   checkpoints.wait()
   checkpoints.close()
   writer.close()

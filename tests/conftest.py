@@ -32,6 +32,38 @@ def make_image_folder(root, *, classes=('cat', 'dog', 'frog'), train_per_class=1
   return str(root)
 
 
+def make_mixed_folder(root, *, classes=('cat', 'dog', 'frog'), train_per_class=18, test_per_class=9,
+                      seed=0):
+  """Photos as users have them: 12-59 px of any aspect, JPEG and PNG, RGB, grayscale, CMYK,
+  palette, alpha and 16-bit, a .DS_Store in every class. Class c is brightness 80c..80c+60."""
+  rng = np.random.default_rng(seed)
+  kinds = [('RGB', '.jpg'), ('L', '.png'), ('CMYK', '.jpeg'), ('P', '.png'), ('RGBA', '.PNG'),
+           ('LA', '.png'), ('I;16', '.png'), ('RGB', '.png'), ('L', '.jpg')]
+  for split, count in (('train', train_per_class), ('test', test_per_class)):
+    for label, name in enumerate(classes):
+      folder = os.path.join(root, split, name)
+      os.makedirs(folder, exist_ok=True)
+      for i in range(count):
+        height, width = rng.integers(12, 60, 2)
+        pixels = (rng.integers(0, 60, (height, width, 3)) + label * 80).astype(np.uint8)
+        mode, extension = kinds[i % len(kinds)]
+        image = Image.fromarray(pixels, 'RGB')
+        if mode == 'I;16':
+          image = Image.fromarray(pixels.mean(axis=2).astype(np.uint16) * 257)
+        elif mode == 'CMYK':
+          # Stored as CMYK by the file, read back to the same RGB.
+          image = image.convert('CMYK')
+        elif mode in ('RGBA', 'LA'):
+          image = image.convert(mode)
+          image.putalpha(255)
+        else:
+          image = image.convert(mode)
+        image.save(os.path.join(folder, f'{i:03d}{extension}'))
+      with open(os.path.join(folder, '.DS_Store'), 'wb') as f:
+        f.write(b'\0\1 not an image')
+  return str(root)
+
+
 @pytest.fixture(scope='session')
 def image_folder(tmp_path_factory):
   return make_image_folder(tmp_path_factory.mktemp('images'))

@@ -62,18 +62,19 @@ def _signal_at_step(monkeypatch, step_to_signal, sig=signal.SIGTERM):
   monkeypatch.setattr(data, 'train_batches', batches)
 
 
-@pytest.mark.parametrize('stop_step', [4, 8])
+@pytest.mark.parametrize('stop_step, streamed', [(4, {}), (8, {'dataset.cache': 'none', 'input.workers': 2})])
 def test_stopped_and_resumed_equals_uninterrupted(uninterrupted, image_folder, tmp_path, monkeypatch,
-                                                 stop_step):
+                                                 stop_step, streamed):
   reference_dir, reference = uninterrupted
   workdir = str(tmp_path)
   _signal_at_step(monkeypatch, stop_step)
-  stopped = train.train_and_evaluate(_config(image_folder), workdir)
+  # Streamed from disk by worker processes, the batches equal the cached ones bit for bit.
+  stopped = train.train_and_evaluate(_config(image_folder, **streamed), workdir)
   # The prefetcher runs ahead of the loop, so the stop lands a step or two before or after.
   assert 'stopped_at_step' in stopped and stopped['stopped_at_step'] < 12
   assert not os.path.exists(os.path.join(workdir, 'results.json'))
   monkeypatch.undo()
-  results = train.train_and_evaluate(_config(image_folder), workdir)
+  results = train.train_and_evaluate(_config(image_folder, **streamed), workdir)
   _assert_same_state(restore_checkpoint(workdir, 12), restore_checkpoint(reference_dir, 12))
   assert _metric_rows(workdir) == _metric_rows(reference_dir)
   for key in ('step', 'eval_accuracy', 'eval_loss', 'train_loss', 'train_accuracy'):
@@ -96,7 +97,9 @@ def _complete_steps(workdir):
 def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(uninterrupted, image_folder, tmp_path):
   reference_dir, _ = uninterrupted
   workdir = str(tmp_path)
-  command, env = _cli(workdir, image_folder, '--config.num_train_steps=12')
+  # Streamed with worker processes: the restart rebuilds the same batches from (seed, step).
+  command, env = _cli(workdir, image_folder, '--config.num_train_steps=12', '--config.dataset.cache=none',
+                      '--config.input.workers=2')
   process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   deadline = time.time() + 240
   while not _complete_steps(workdir) and process.poll() is None and time.time() < deadline:

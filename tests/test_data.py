@@ -1,3 +1,5 @@
+"""The input pipeline: folders of any size and format, slices, batches by (seed, step), bad data."""
+
 import os
 
 import numpy as np
@@ -5,26 +7,35 @@ import pytest
 from PIL import Image
 
 from configs import cifar10
-from conftest import make_image_folder
-from flaxtpu import data
+from conftest import make_image_folder, make_mixed_folder
+from flaxtpu import data, sources
 
 
-def _config(folder):
+def _config(folder, **overrides):
   config = cifar10.get_config()
   config.dataset.folder = folder
+  config.input.workers = 0
+  config.update_from_flattened_dict(overrides)
   return config
 
 
-def test_image_folder_loads_sorted_uint8_arrays(image_folder):
+def _batches(dataset, steps=range(3), batch_size=8, **kwargs):
+  return list(data.train_batches(dataset, seed=1, batch_size=batch_size, first_step=steps[0],
+                                 last_step=steps[-1] + 1, **kwargs))
+
+
+def test_uniform_folder_is_cached_as_one_uint8_array(image_folder):
   dataset = data.load(_config(image_folder))
   assert dataset.class_names == ('cat', 'dog', 'frog')
-  assert dataset.train.images.shape == (48, 8, 8, 3) and dataset.train.images.dtype == np.uint8
-  assert len(dataset.eval) == 21
-  # Files sorted by path: class 0's sixteen images come first.
-  np.testing.assert_array_equal(dataset.train.labels, np.repeat([0, 1, 2], 16))
-  expected = np.asarray(Image.open(os.path.join(image_folder, 'train', 'dog', '003.png')))
-  np.testing.assert_array_equal(dataset.train.images[16 + 3], expected)
-  assert dataset.mean.shape == (3,) and np.all(dataset.std > 0)
+  assert dataset.train.cached and dataset.train.images.shape == (48, 8, 8, 3)
+  assert dataset.train.images.dtype == np.uint8 and len(dataset.eval) == 21
+  assert np.bincount(dataset.train.labels).tolist() == [16, 16, 16]
+  # Example i is file i of the folder's fixed order; its pixels are the file's.
+  split, _ = sources.folder_split(image_folder, 'train')
+  path, label = split.load(5)
+  np.testing.assert_array_equal(dataset.train.images[5], np.asarray(Image.open(path)))
+  assert dataset.train.labels[5] == label
+  assert dataset.image_shape == (8, 8, 3)
 
 
 def test_grayscale_folder_decodes_to_three_equal_channels(tmp_path):
@@ -32,6 +43,107 @@ def test_grayscale_folder_decodes_to_three_equal_channels(tmp_path):
   images = data.load(_config(folder)).train.images
   assert images.shape == (8, 8, 8, 3)
   np.testing.assert_array_equal(images[..., 0], images[..., 2])
+
+
+def test_mixed_sizes_need_image_size_and_name_the_key(tmp_path):
+  folder = make_mixed_folder(tmp_path)
+  with pytest.raises(data.DataError, match=r'the images have .* set --config.dataset.image_size=N'):
+    data.load(_config(folder))
+
+
+@pytest.mark.parametrize('cache', ['memory', 'none'])
+def test_mixed_folder_trains_at_image_size(tmp_path, cache):
+  folder = make_mixed_folder(tmp_path)  # 6 modes, JPEG and PNG, 12-59 px, a .DS_Store per class
+  dataset = data.load(_config(folder, **{'dataset.image_size': 16, 'dataset.cache': cache}))
+  assert dataset.image_shape == (16, 16, 3)
+  assert len(dataset.train) == 3 * 18 and len(dataset.eval) == 3 * 9
+  assert dataset.train.cached == (cache == 'memory')
+  for batch in _batches(dataset):
+    assert batch.images.shape == (8, 16, 16, 3) and batch.images.dtype == np.uint8
+    # Class brightness bands survive decoding from every mode: labels are recoverable.
+    brightness = batch.images.reshape(8, -1).mean(axis=1)
+    assert np.all(np.abs(brightness - (30 + 80 * batch.labels)) < 40), (brightness, batch.labels)
+  eval_batches = list(data.eval_batches(dataset, batch_size=8))
+  assert [int(b.mask.sum()) for b in eval_batches] == [8, 8, 8, 3]  # 27 = 3 x 8 + 3
+
+
+def test_cached_and_streamed_eval_batches_are_equal(tmp_path):
+  folder = make_mixed_folder(tmp_path)
+  cached = data.load(_config(folder, **{'dataset.image_size': 16, 'dataset.cache': 'memory'}))
+  streamed = data.load(_config(folder, **{'dataset.image_size': 16, 'dataset.cache': 'none'}))
+  for a, b in zip(data.eval_batches(cached, batch_size=8), data.eval_batches(streamed, batch_size=8)):
+    np.testing.assert_array_equal(a.labels, b.labels)
+    # The cache keeps the shorter side at the eval resize: the same crop within rounding.
+    assert np.abs(a.images.astype(int) - b.images.astype(int)).mean() < 6
+
+
+def test_batches_do_not_depend_on_workers_or_processes(tmp_path):
+  folder = make_mixed_folder(tmp_path)
+  config = _config(folder, **{'dataset.image_size': 16, 'dataset.cache': 'none'})
+  threaded = data.load(config)
+  reference = _batches(threaded, steps=range(4, 7))
+  config.input.workers = 2
+  in_workers = _batches(data.load(config), steps=range(4, 7))
+  for a, b in zip(reference, in_workers, strict=True):
+    np.testing.assert_array_equal(a.images, b.images)
+    np.testing.assert_array_equal(a.labels, b.labels)
+  # Two processes read disjoint rows that together are the global batch.
+  parts = [_batches(threaded, steps=range(4, 7), process_index=p, process_count=2) for p in range(2)]
+  for whole, first, second in zip(reference, *parts):
+    np.testing.assert_array_equal(np.concatenate([first.images, second.images]), whole.images)
+    np.testing.assert_array_equal(np.concatenate([first.labels, second.labels]), whole.labels)
+
+
+def test_random_resized_crops_differ_by_step_and_repeat_by_seed(tmp_path):
+  folder = make_mixed_folder(tmp_path)
+  dataset = data.load(_config(folder, **{'dataset.image_size': 16, 'dataset.cache': 'none'}))
+  first, again = _batches(dataset, steps=range(2)), _batches(dataset, steps=range(2))
+  np.testing.assert_array_equal(first[1].images, again[1].images)
+  assert not np.array_equal(first[0].images, first[1].images)
+
+
+# --- split slices --------------------------------------------------------------------------
+
+
+def test_percentage_slices_hold_out_a_proportional_validation_set(tmp_path):
+  folder = make_image_folder(tmp_path, classes=('a', 'b', 'c', 'd'), train_per_class=25, test_per_class=1)
+  train, _ = sources.folder_split(folder, 'train[:80%]')
+  held_out, _ = sources.folder_split(folder, 'train[80%:]')
+  everything, _ = sources.folder_split(folder, 'train')
+  assert (len(train), len(held_out)) == (80, 20)
+  assert set(train.paths).isdisjoint(held_out.paths)
+  assert set(train.paths) | set(held_out.paths) == set(everything.paths)
+  assert np.bincount(held_out.labels).tolist() == [5, 5, 5, 5]  # stratified: 20% of every class
+  both, _ = sources.folder_split(folder, 'train[:10]+test')
+  assert len(both) == 14
+  config = _config(folder, **{'dataset.train_split': 'train[:80%]', 'dataset.eval_split': 'train[80%:]'})
+  dataset = data.load(config)
+  assert (len(dataset.train), len(dataset.eval)) == (80, 20)
+
+
+@pytest.mark.parametrize('spec, bounds', [
+    ('train', [('train', '', '')]),
+    ('train[:90%]', [('train', '', '90%')]),
+    ('train[-1000:]', [('train', '-1000', '')]),
+    ('train[10%:20%]+test', [('train', '10%', '20%'), ('test', '', '')]),
+])
+def test_split_specs_parse(spec, bounds):
+  assert sources.parse_spec(spec) == bounds
+
+
+def test_slice_arithmetic_follows_tfds():
+  assert sources.slice_bounds('', '90%', 1001) == (0, 901)
+  assert sources.slice_bounds('90%', '', 1001) == (901, 1001)
+  assert sources.slice_bounds('-100', '', 1000) == (900, 1000)
+  assert sources.slice_bounds('', '5000', 1000) == (0, 1000)
+
+
+def test_bad_split_spec_is_named():
+  with pytest.raises(data.DataError, match=r"split 'train\[:90\]\]' is not valid"):
+    sources.parse_spec('train[:90]]')
+
+
+# --- batches as a function of (seed, step) -----------------------------------------------
 
 
 def test_same_seed_same_batches_and_steps_differ():
@@ -48,29 +160,34 @@ def test_an_epoch_visits_each_example_at_most_once():
   assert not np.array_equal(data.train_indices(0, 3, 100, 32), data.train_indices(0, 0, 100, 32))
 
 
+def _in_memory(images, labels):
+  examples = data.Examples(images=images, labels=labels)
+  return data.Dataset(train=examples, eval=examples, class_names=('a',), image_shape=images.shape[1:],
+                      mean=np.zeros(3), std=np.ones(3), transform=data.Transform())
+
+
 def test_processes_take_disjoint_slices_of_the_global_batch():
-  split = data.Split(np.arange(100, dtype=np.uint8).reshape(100, 1, 1, 1), np.arange(100, dtype=np.int32))
-  whole = next(data.train_batches(split, seed=1, batch_size=16, first_step=7, last_step=8))
-  parts = [next(data.train_batches(split, seed=1, batch_size=16, first_step=7, last_step=8,
-                                   process_index=p, process_count=4)) for p in range(4)]
+  dataset = _in_memory(np.arange(100, dtype=np.uint8).reshape(100, 1, 1, 1), np.arange(100, dtype=np.int32))
+  whole = _batches(dataset, steps=[7], batch_size=16)[0]
+  parts = [_batches(dataset, steps=[7], batch_size=16, process_index=p, process_count=4)[0] for p in range(4)]
   np.testing.assert_array_equal(np.concatenate([p.labels for p in parts]), whole.labels)
 
 
 def test_eval_batches_count_every_example_once_with_a_padded_remainder():
-  split = data.Split(np.zeros((21, 2, 2, 3), np.uint8), np.arange(21, dtype=np.int32))
-  batches = list(data.eval_batches(split, batch_size=8))
+  dataset = _in_memory(np.zeros((21, 2, 2, 3), np.uint8), np.arange(21, dtype=np.int32))
+  batches = list(data.eval_batches(dataset, batch_size=8))
   assert len(batches) == 3
   assert all(len(b.labels) == 8 for b in batches)
   assert [int(b.mask.sum()) for b in batches] == [8, 8, 5]
   counted = np.concatenate([b.labels[b.mask] for b in batches])
   np.testing.assert_array_equal(counted, np.arange(21))
   # Two processes: the same examples, split by rows.
-  rows = [list(data.eval_batches(split, batch_size=8, process_index=p, process_count=2)) for p in range(2)]
+  rows = [list(data.eval_batches(dataset, batch_size=8, process_index=p, process_count=2)) for p in range(2)]
   counted = np.concatenate([np.concatenate([r[i].labels[r[i].mask] for r in rows]) for i in range(3)])
   np.testing.assert_array_equal(counted, np.arange(21))
 
 
-def test_prefetch_yields_in_order_and_reraises():
+def test_prefetch_yields_in_order_reraises_and_closes():
   assert list(data.prefetch(iter(range(10)))) == list(range(10))
 
   def broken():
@@ -79,9 +196,21 @@ def test_prefetch_yields_in_order_and_reraises():
 
   with pytest.raises(RuntimeError, match='boom'):
     list(data.prefetch(broken()))
+  closed = []
+
+  def endless():
+    try:
+      while True:
+        yield 0
+    finally:
+      closed.append(True)
+
+  with data.prefetch(endless(), size=2) as items:
+    next(items)
+  assert closed == [True]
 
 
-# --- bad folders: one error naming the file or folder ----------------------
+# --- bad data: one error naming the file or folder ---------------------------------------
 
 
 def test_missing_folder(tmp_path):
@@ -91,8 +220,7 @@ def test_missing_folder(tmp_path):
 
 def test_missing_split_lists_the_splits_found(tmp_path):
   folder = make_image_folder(tmp_path, train_per_class=2, test_per_class=1)
-  config = _config(folder)
-  config.dataset.eval_split = 'validation'
+  config = _config(folder, **{'dataset.eval_split': 'validation'})
   with pytest.raises(data.DataError, match=r'validation does not exist; splits found in .*: test, train'):
     data.load(config)
 
@@ -100,6 +228,7 @@ def test_missing_split_lists_the_splits_found(tmp_path):
 def test_empty_class_folder(tmp_path):
   folder = make_image_folder(tmp_path, train_per_class=2, test_per_class=1)
   os.makedirs(tmp_path / 'train' / 'empty')
+  (tmp_path / 'train' / 'empty' / '.DS_Store').write_bytes(b'junk')
   with pytest.raises(data.DataError, match=r'class folder .*train/empty has no images'):
     data.load(_config(folder))
 
@@ -111,27 +240,60 @@ def test_split_without_class_folders(tmp_path):
     data.load(_config(str(tmp_path)))
 
 
-def test_corrupt_image_is_named(tmp_path):
+def test_corrupt_image_is_named_or_skipped(tmp_path):
   folder = make_image_folder(tmp_path, train_per_class=3, test_per_class=1)
   bad = tmp_path / 'train' / 'dog' / '001.png'
   bad.write_bytes(b'not a png at all')
+  with pytest.raises(data.DataError, match=f'cannot decode image {bad} .*skip_corrupt=true'):
+    data.load(_config(folder))
+  dataset = data.load(_config(folder, **{'dataset.skip_corrupt': True}))
+  assert len(dataset.train) == 8 and np.bincount(dataset.train.labels).tolist() == [3, 2, 3]
+
+
+def test_truncated_jpeg_is_named_when_decoded_or_replaced(tmp_path):
+  folder = make_mixed_folder(tmp_path)
+  bad = tmp_path / 'train' / 'cat' / '000.jpg'
+  content = bad.read_bytes()
+  bad.write_bytes(content[:len(content) * 3 // 4])  # the header reads, the pixels do not
+  config = _config(folder, **{'dataset.image_size': 16, 'dataset.cache': 'none'})
+  dataset = data.load(config)  # the header scan passes
   with pytest.raises(data.DataError, match=f'cannot decode image {bad}'):
-    data.load(_config(folder))
+    for step in range(20):  # some step draws the file
+      _batches(dataset, steps=[step])
+  config.dataset.skip_corrupt = True
+  skipping = data.load(config)
+  batches = [b for step in range(20) for b in _batches(skipping, steps=[step])]
+  assert all(b.images.shape == (8, 16, 16, 3) for b in batches)
 
 
-def test_mixed_image_sizes_are_named(tmp_path):
+def test_unreadable_file_is_named(tmp_path, monkeypatch):
   folder = make_image_folder(tmp_path, train_per_class=3, test_per_class=1)
-  odd = tmp_path / 'train' / 'frog' / '002.png'
-  Image.new('RGB', (9, 8)).save(odd)
-  with pytest.raises(data.DataError, match=f'image {odd} is 9x8 but .* is 8x8'):
+  locked = str(tmp_path / 'train' / 'cat' / '002.png')
+  real_open = Image.open
+
+  def open_as_an_unprivileged_user(path, *args, **kwargs):  # the suite may run as root
+    if str(path) == locked:
+      raise PermissionError(13, 'Permission denied', path)
+    return real_open(path, *args, **kwargs)
+
+  monkeypatch.setattr(Image, 'open', open_as_an_unprivileged_user)
+  with pytest.raises(data.DataError, match=f'cannot read {locked} \\(permission denied\\)'):
     data.load(_config(folder))
+
+
+# --- prediction inputs --------------------------------------------------------------------
 
 
 def test_read_images_for_predict(tmp_path, image_folder):
-  paths, images = data.read_images(os.path.join(image_folder, 'test', 'cat'), (8, 8, 3))
+  transform = data.Transform()
+  paths, images = data.read_images(os.path.join(image_folder, 'test', 'cat'), (8, 8, 3), transform)
   assert len(paths) == 7 and images.shape == (7, 8, 8, 3)
   Image.new('RGB', (16, 16), (255, 0, 0)).save(tmp_path / 'big.png')
-  _, resized = data.read_images(str(tmp_path / 'big.png'), (8, 8, 3))
+  _, resized = data.read_images(str(tmp_path / 'big.png'), (8, 8, 3), transform)
   assert resized.shape == (1, 8, 8, 3) and resized[0, 0, 0].tolist() == [255, 0, 0]
+  # A model trained at image_size: the evaluation crop of a wide image.
+  Image.new('RGB', (40, 20), (0, 0, 255)).save(tmp_path / 'wide.png')
+  _, cropped = data.read_images(str(tmp_path / 'wide.png'), (16, 16, 3), data.Transform(size=16))
+  assert cropped.shape == (1, 16, 16, 3) and cropped[0, 8, 8].tolist() == [0, 0, 255]
   with pytest.raises(data.DataError, match='does not exist'):
-    data.read_images(str(tmp_path / 'missing.png'), (8, 8, 3))
+    data.read_images(str(tmp_path / 'missing.png'), (8, 8, 3), transform)

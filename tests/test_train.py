@@ -1,5 +1,7 @@
 """The step functions: learning, and equal results on 1 device, jit over 8, pmap over 8, fsdp."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -26,9 +28,10 @@ def _dataset():
   rng = np.random.default_rng(0)
   labels = rng.integers(0, 3, 64).astype(np.int32)
   images = (rng.integers(0, 80, (64, 8, 8, 3)) + labels[:, None, None, None] * 80).astype(np.uint8)
-  split = data.Split(images, labels)
-  return data.Dataset(train=split, eval=split, class_names=('a', 'b', 'c'),
-                      mean=np.full(3, 0.4, np.float32), std=np.full(3, 0.3, np.float32))
+  examples = data.Examples(images=images, labels=labels)
+  return data.Dataset(train=examples, eval=examples, class_names=('a', 'b', 'c'), image_shape=(8, 8, 3),
+                      mean=np.full(3, 0.4, np.float32), std=np.full(3, 0.3, np.float32),
+                      transform=data.Transform())
 
 
 def run_steps(config, mesh, dataset=None, num_steps=STEPS):
@@ -40,7 +43,7 @@ def run_steps(config, mesh, dataset=None, num_steps=STEPS):
   placement = steps.place(task, mesh, config)
   state = steps.create_state(task, placement, config.seed)
   losses = []
-  for batch in data.train_batches(dataset.train, seed=config.seed, batch_size=config.batch_size,
+  for batch in data.train_batches(dataset, seed=config.seed, batch_size=config.batch_size,
                                   first_step=0, last_step=num_steps):
     state, step_metrics = placement.train_step(state, placement.put_train_batch(tuple(batch)[:2]))
     losses.append(float(placement.to_host_metrics(step_metrics).compute()['loss']))
@@ -63,8 +66,8 @@ def test_training_lowers_the_loss_on_a_fixed_batch():
   config = _config(**{'model.name': 'cnn', 'optimizer.name': 'adam', 'optimizer.learning_rate': 0.01,
                       'augment.crop_padding': 0, 'augment.flip': False, 'label_smoothing': 0.0})
   dataset = _dataset()
-  fixed = data.Split(dataset.train.images[:16], dataset.train.labels[:16])
-  dataset = data.Dataset(fixed, fixed, dataset.class_names, dataset.mean, dataset.std)
+  fixed = data.Examples(images=dataset.train.images[:16], labels=dataset.train.labels[:16])
+  dataset = dataclasses.replace(dataset, train=fixed, eval=fixed)
   losses, *_ = run_steps(config, _mesh(8), dataset, num_steps=30)
   assert losses[-1] < 0.5 * losses[0], losses
 

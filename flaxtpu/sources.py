@@ -1,0 +1,233 @@
+"""Where examples come from: an image folder or a TFDS dataset, sliced like `train[:90%]`.
+
+A split is a random-access list of (undecoded image, label): file paths for
+a folder, ArrayRecord records for TFDS. Nothing is decoded here, so a split
+of a million images costs its file list, not its pixels. Both kinds pickle
+cheaply into the input workers.
+
+Folder examples are in a fixed stratified order (the same on every machine
+and run): each class's files are shuffled with a fixed seed, then the
+classes are interleaved evenly. So a slice such as `train[:90%]` takes 90%
+of every class (to within one file) and `train[90%:]` holds out the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Optional
+
+import numpy as np
+
+from flaxtpu.errors import UserError
+from flaxtpu.preprocess import IMAGE_EXTENSIONS
+
+FOLDER_ORDER_SEED = 0  # the fixed shuffle within each class; changing it reshuffles every slice
+
+
+class DataError(UserError):
+  """A dataset that cannot be read; the message names the file, folder or key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """One (possibly sliced) split; `load(i)` gives what `preprocess.open_image` opens, and the label."""
+  name: str  # the spec, e.g. 'train[:90%]'
+  paths: Optional[np.ndarray] = None  # folder: bytes [N], relative to `root`
+  labels: Optional[np.ndarray] = None  # folder: int32 [N], known without opening a file
+  root: str = ''
+  records: object = None  # TFDS: a random-access source of {'image': bytes, 'label': int}
+  indices: Optional[np.ndarray] = None  # TFDS: the record index of each example
+
+  def __len__(self) -> int:
+    return len(self.paths) if self.paths is not None else len(self.indices)
+
+  def load(self, index: int) -> tuple[object, int]:
+    if self.paths is not None:
+      return os.path.join(self.root, self.paths[index].decode()), int(self.labels[index])
+    record = self.records[int(self.indices[index])]
+    return record['image'], record['label']
+
+  def describe(self, index: int) -> str:
+    """The example as a user finds it: its file, or its record in the TFDS split."""
+    if self.paths is not None:
+      return os.path.join(self.root, self.paths[index].decode())
+    return f'record {int(self.indices[index])} of TFDS split {self.name!r}'
+
+  def subset(self, keep: np.ndarray) -> 'Split':
+    """The examples at positions `keep` (e.g. without the files that cannot be read)."""
+    return dataclasses.replace(
+        self, labels=None if self.labels is None else self.labels[keep],
+        paths=None if self.paths is None else self.paths[keep],
+        indices=None if self.indices is None else self.indices[keep])
+
+
+# --- split specs: 'train', 'train[:90%]', 'train[1000:]', 'train[:10%]+test' ---------------
+
+_SLICE = re.compile(r'^(?P<split>[\w-]+)(\[(?P<start>-?\d*%?):(?P<stop>-?\d*%?)\])?$')
+
+
+def parse_spec(spec: str) -> list[tuple[str, str, str]]:
+  """'train[:90%]+test' -> [('train', '', '90%'), ('test', '', '')]; a bad spec is a DataError."""
+  parts = []
+  for part in spec.replace(' ', '').split('+'):
+    match = _SLICE.match(part)
+    if not match:
+      raise DataError(f'split {spec!r} is not valid; write NAME, NAME[START:STOP] with example counts '
+                      'or percentages (train[:90%], train[90%:], train[:1000]), or join them with +')
+    parts.append((match['split'], match['start'] or '', match['stop'] or ''))
+  return parts
+
+
+def slice_bounds(start: str, stop: str, size: int) -> tuple[int, int]:
+  """TFDS's slice arithmetic: percentages round to the closest example; negatives count from the end."""
+
+  def position(text: str, default: int) -> int:
+    if not text:
+      return default
+    value = float(text[:-1]) * size / 100 if text.endswith('%') else int(text)
+    value = int(round(value))
+    return min(max(value + size if value < 0 else value, 0), size)
+
+  return position(start, 0), position(stop, size)
+
+
+# --- image folders ------------------------------------------------------------------------
+
+
+def folder_split(root: str, spec: str) -> tuple[Split, tuple[str, ...]]:
+  """A split of `root/split/class/image` and its class names (the sorted class folders)."""
+  if not os.path.isdir(root):
+    raise DataError(f'config.dataset.folder={root!r} is not a directory; point it at a folder '
+                    'laid out as split/class/image')
+  paths, labels, class_names = [], [], None
+  for split_name, start, stop in parse_spec(spec):
+    names, split_paths, split_labels = _list_folder_split(root, split_name)
+    if class_names is not None and names != class_names:
+      raise DataError(f'the splits in {spec!r} have different class folders; give them the same classes')
+    class_names = names
+    order = _stratified_order(np.asarray(split_labels))
+    first, last = slice_bounds(start, stop, len(order))
+    paths += [split_paths[i] for i in order[first:last]]
+    labels += [split_labels[i] for i in order[first:last]]
+  if not paths:
+    raise DataError(f'split {spec!r} of {root} holds no examples; widen the slice')
+  return Split(name=spec, paths=np.asarray([p.encode() for p in paths]),
+               labels=np.asarray(labels, np.int32), root=root), class_names
+
+
+def _stratified_order(labels: np.ndarray) -> np.ndarray:
+  """A fixed order in which every prefix holds each class in proportion to its size."""
+  rng = np.random.default_rng(FOLDER_ORDER_SEED)
+  keys = np.empty(len(labels))
+  for label in np.unique(labels):
+    members = rng.permutation(np.flatnonzero(labels == label))
+    keys[members] = (np.arange(len(members)) + 0.5) / len(members)  # evenly spread over [0, 1)
+  return np.lexsort((labels, keys))
+
+
+def _list_folder_split(root: str, split: str) -> tuple[tuple[str, ...], list[str], list[int]]:
+  split_dir = os.path.join(root, split)
+  if not os.path.isdir(split_dir):
+    found = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    raise DataError(f'{split_dir} does not exist; splits found in {root}: '
+                    f'{", ".join(found) or "none"} (set config.dataset.train_split/eval_split)')
+  classes = tuple(sorted(d for d in os.listdir(split_dir) if os.path.isdir(os.path.join(split_dir, d))))
+  if not classes:
+    raise DataError(f'{split_dir} has no class folders; expected {split_dir}/<class>/<image>')
+  paths, labels = [], []
+  for label, name in enumerate(classes):
+    class_dir = os.path.join(split_dir, name)
+    images = sorted(os.path.relpath(os.path.join(directory, f), root)
+                    for directory, _, files in os.walk(class_dir, followlinks=True) for f in files
+                    if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith('._'))
+    if not images:
+      raise DataError(f'class folder {class_dir} has no images ({", ".join(IMAGE_EXTENSIONS)}); '
+                      'add images or remove the folder')
+    paths += images
+    labels += [label] * len(images)
+  return classes, paths, labels
+
+
+# --- TFDS -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TfdsInfo:
+  class_names: tuple[str, ...]
+  image_shape: tuple  # (H, W, C) with None for sizes that vary
+  array_record: bool  # prepared as ArrayRecord (random access), else TFRecord
+
+
+def tfds_builder(name: str, data_dir: str):
+  """The TFDS builder, prepared (downloaded) if needed, as ArrayRecord so it can stream."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  try:
+    builder = tfds.builder(name, data_dir=data_dir or None, file_format='array_record')
+  except tfds.core.registered.DatasetNotFoundError as e:
+    raise DataError(f'config.dataset.name={name!r} is not a TFDS dataset; use a name from '
+                    'tfds.list_builders() (e.g. cifar10, mnist, imagenet2012) or set '
+                    'config.dataset.folder') from e
+  if not builder.is_prepared():
+    try:
+      builder.download_and_prepare(file_format='array_record')
+    except Exception as e:  # pylint: disable=broad-except
+      raise DataError(
+          f'could not download or prepare TFDS dataset {name!r} ({type(e).__name__}); on an offline '
+          'machine prepare it elsewhere and pass --config.dataset.data_dir, or use '
+          '--config.dataset.folder') from e
+  return builder
+
+
+def tfds_info(builder) -> TfdsInfo:
+  image_key, label_key = builder.info.supervised_keys
+  features = builder.info.features
+  return TfdsInfo(class_names=tuple(features[label_key].names),
+                  image_shape=tuple(features[image_key].shape),
+                  array_record=str(builder.info.file_format).lower().endswith('array_record'))
+
+
+def tfds_split(builder, spec: str) -> Split:
+  """A split of a TFDS dataset prepared as ArrayRecord: records read on demand, images undecoded."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  _check_tfds_spec(builder, spec)
+  image_key, label_key = builder.info.supervised_keys
+  if not tfds_info(builder).array_record:
+    raise DataError(
+        f'TFDS dataset {builder.name!r} in {builder.data_dir} is prepared as TFRecord, which cannot be '
+        'read by index; prepare it as ArrayRecord once: python -c "import tensorflow_datasets as tfds; '
+        f"tfds.builder('{builder.name}', data_dir='DIR', file_format='array_record')"
+        '.download_and_prepare()" (or set config.dataset.cache=memory for a small dataset)')
+  records = builder.as_data_source(split=spec, decoders={image_key: tfds.decode.SkipDecoding()})
+  return Split(name=spec, records=_Records(records, image_key, label_key),
+               indices=np.arange(len(records)))
+
+
+def tfds_arrays(builder, spec: str) -> tuple[np.ndarray, np.ndarray]:
+  """A whole split decoded into memory (small TFRecord datasets: MNIST, CIFAR)."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  _check_tfds_spec(builder, spec)
+  images, labels = tfds.as_numpy(builder.as_dataset(split=spec, batch_size=-1, as_supervised=True))
+  return images.astype(np.uint8), labels.astype(np.int32)
+
+
+def _check_tfds_spec(builder, spec: str) -> None:
+  for split_name, _, _ in parse_spec(spec):
+    if split_name not in builder.info.splits:
+      raise DataError(f'TFDS dataset {builder.name!r} has no split {split_name!r}; it has: '
+                      f'{", ".join(sorted(builder.info.splits))}')
+
+
+class _Records:
+  """A TFDS data source seen as {'image': encoded bytes, 'label': int} records."""
+
+  def __init__(self, source, image_key: str, label_key: str):
+    self._source, self._image_key, self._label_key = source, image_key, label_key
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int) -> dict:
+    record = self._source[index]
+    return {'image': record[self._image_key], 'label': int(record[self._label_key])}
