@@ -1,46 +1,276 @@
-"""Is the input pipeline ever what the train step waits on? Images/s of each, side by side.
+"""Input throughput: flaxtpu's streaming pipeline against tf.data doing the same work, side by side.
 
-    python benchmarks/input_pipeline.py [--data ../shared/datasets/cifar10] [--model resnet20]
+    python benchmarks/make_image_folder.py --out /data/gen1000           # once: 100,000 mixed-size JPEGs
+    python benchmarks/input_pipeline.py --folder /data/gen1000 [--image-size 224] [--workers N] [--seconds 10]
+    FLAXTPU_CIFAR10=DIR python benchmarks/input_pipeline.py --mode cifar [--model cnn]
 
-The pipeline is everything between the in-memory uint8 arrays and the
-augmented float batch on the devices: index by (seed, step), slice, the
-prefetch thread, host -> device transfer into the batch sharding, and the
-jitted augmentation (crop + flip + normalise). Decoding is done once before
-timing, as in training. The step is flaxtpu's real train step (which also
-augments) on the same batches. Interleaved repeats, medians.
+Folder mode (the default when --folder is given) times, on the same folder
+and the same files in the same order:
+
+- flaxtpu: `data.load` with `dataset.cache=none` (a header scan, no pixels)
+  and `data.train_batches` with --workers grain processes (default: every
+  core). Each image is read, given an Inception-style random crop (area
+  0.08-1, aspect 3/4-4/3), decoded only as finely as that crop needs (libjpeg
+  DCT scaling), resized to --image-size (Pillow bilinear) and stacked into
+  uint8 [B, N, N, 3] batches. No flip: flaxtpu flips on the device
+  (`config.augment.flip`, `augment.random_flip`, one select per image inside the
+  jitted step, cheap there), so its host pipeline has none to do.
+- tf.data: the classic TPU ResNet-50 input: `tf.io.read_file` ->
+  `tf.image.sample_distorted_bounding_box` (the same ranges, min_object_covered
+  0.1, 10 attempts) -> `tf.image.decode_and_crop_jpeg` -> random flip ->
+  `tf.image.resize` (bilinear) -> uint8, `map(num_parallel_calls=AUTOTUNE)`,
+  `batch`, `prefetch(AUTOTUNE)`, GPUs hidden from TensorFlow.
+
+Each round times both (which goes first alternates) on its own steps for at
+least --seconds, after warm-up batches (worker start-up, AUTOTUNE ramp-up),
+over a whole number of worker cycles (see `time_batches`); every file a round
+reads is read once before any timing, so both find them in the page cache. Reports
+the medians, flaxtpu / tf.data (goal: >= 1), images/s per core
+(os.cpu_count()) and per CPU-second the pipeline actually used, and what that
+means in host cores per accelerator for ResNet-50 at published per-chip rates.
+
+Cifar mode (the default without --folder; what `make bench` runs) is the
+earlier measurement: is the in-memory CIFAR pipeline (index, slice, prefetch,
+host -> device transfer, jitted crop + flip + normalise) ever what the train
+step waits on? Its images/s against the step's on the same batches.
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
 import sys
 import time
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# ResNet-50 training rates per accelerator (images/s), to turn a host rate into host cores per
+# accelerator. Approximations: the real rate depends on precision, batch size and software version.
+RESNET50_IMAGES_PER_SEC = {
+    # NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md, "Training
+    # performance: NVIDIA DGX A100 (8x A100 80GB)": 2,470 img/s on 1 GPU, mixed precision, DALI input
+    # (16,621 on 8 GPUs, 2,078 each). MLPerf Training ResNet-50 submissions run at a similar per-GPU rate.
+    'A100 GPU': 2500,
+    # Google's MLPerf Training ResNet-50 results on TPU v4 pods work out to a few thousand img/s per
+    # chip; v4 has ~2.2x the bf16 peak of v3 (275 vs 123 TFLOP/s), whose chips trained at ~2,000 img/s.
+    'TPU v4 chip': 3000,
+}
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--data', default=os.path.join(ROOT, '..', 'shared', 'datasets', 'cifar10'))
-  parser.add_argument('--model', default='resnet20')
-  parser.add_argument('--batch-size', type=int, default=128)
-  parser.add_argument('--batches', type=int, default=40, help='pipeline batches per repeat')
-  parser.add_argument('--steps', type=int, default=10, help='train steps per repeat')
-  parser.add_argument('--repeats', type=int, default=3)
-  parser.add_argument('--cpu-devices', type=int, default=8)
-  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'input_pipeline.json'))
-  args = parser.parse_args()
+
+# --- shared: CPU accounting -------------------------------------------------------------------
+
+
+def cpu_seconds() -> tuple[float, float]:
+  """CPU seconds used so far by this process and its live descendants (the grain workers), and by
+  this process alone (for flaxtpu: what receiving the batches costs)."""
+  import psutil  # pylint: disable=g-import-not-at-top
+  total = main = 0.0
+  me = psutil.Process()
+  for process in [me, *me.children(recursive=True)]:
+    try:
+      times = process.cpu_times()
+    except psutil.Error:
+      continue
+    used = times.user + times.system
+    total += used
+    if process is me:
+      main = used
+  return total, main
+
+
+def machine_busy_seconds() -> float:
+  import psutil  # pylint: disable=g-import-not-at-top
+  times = psutil.cpu_times()
+  return sum(getattr(times, name, 0.0) for name in ('user', 'nice', 'system', 'irq', 'softirq'))
+
+
+def time_batches(iterator, warmup: int, seconds: float, max_batches: int, period: int) -> dict:
+  """Images/s after `warmup` untimed batches, over at least `seconds` (a multiple of `period` batches,
+  at most `max_batches`); the CPU we used and the cores other processes kept busy meanwhile.
+
+  Grain hands batch i to worker i mod W, and each worker builds up to T batches at once in its
+  own threads, so batches arrive in bursts, a cycle every W x T. A window of whole cycles, from
+  one batch's arrival to another's at the same place in the cycle, times the steady rate without
+  counting batches that were already waiting.
+  """
+  for _ in range(warmup):
+    next(iterator)
+  (cpu, main), busy, started = cpu_seconds(), machine_busy_seconds(), time.perf_counter()
+  images = count = 0
+  while count < max_batches:
+    images += len(next(iterator)[0])
+    count += 1
+    if count % period == 0 and time.perf_counter() - started >= seconds:
+      break
+  elapsed = time.perf_counter() - started
+  (cpu_end, main_end), busy = cpu_seconds(), machine_busy_seconds() - busy
+  cpu, main = cpu_end - cpu, main_end - main
+  return {'images_per_sec': images / elapsed, 'seconds': elapsed, 'batches': count, 'cpu_seconds': cpu,
+          'main_process_cpu_seconds': main,
+          'images_per_cpu_second': images / max(cpu, 1e-9),
+          'other_cpu_load': max(0.0, (busy - cpu) / elapsed)}
+
+
+# --- folder mode: flaxtpu vs tf.data ------------------------------------------------------------
+
+
+def tf_batches(tf, paths: list[str], labels: list[int], batch_size: int, image_size: int,
+               crop_area: tuple, crop_aspect: tuple):
+  """The TPU ResNet-50 recipe's training input in tf.data, over `paths` in this order."""
+
+  def parse(path, label):
+    encoded = tf.io.read_file(path)
+    begin, size, _ = tf.image.sample_distorted_bounding_box(
+        tf.image.extract_jpeg_shape(encoded),
+        bounding_boxes=tf.constant([0.0, 0.0, 1.0, 1.0], tf.float32, [1, 1, 4]), min_object_covered=0.1,
+        aspect_ratio_range=crop_aspect, area_range=crop_area, max_attempts=10,
+        use_image_if_no_bounding_boxes=True)
+    offset_y, offset_x, _ = tf.unstack(begin)
+    height, width, _ = tf.unstack(size)
+    image = tf.image.decode_and_crop_jpeg(encoded, tf.stack([offset_y, offset_x, height, width]), channels=3)
+    image = tf.image.random_flip_left_right(image)
+    image = tf.image.resize(image, [image_size, image_size], method='bilinear')
+    return tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8), label
+
+  dataset = tf.data.Dataset.from_tensor_slices((paths, labels))
+  dataset = dataset.map(parse, num_parallel_calls=tf.data.AUTOTUNE)
+  dataset = dataset.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+  return dataset.as_numpy_iterator()
+
+
+def grain_threads_per_worker() -> int:
+  """Threads each grain worker runs the map in: flaxtpu's `to_iter_dataset()` takes grain's default
+  ReadOptions. If that changes to a divisor of it (0, 1, 2, ...), cycles of this length still fit."""
+  import grain  # pylint: disable=g-import-not-at-top
+  threads = grain.ReadOptions().num_threads
+  return threads if isinstance(threads, int) and threads > 0 else 1
+
+
+def read_files(paths: list[str]) -> int:
+  """Reads every file once (into the page cache); returns the bytes read."""
+
+  def size(path: str) -> int:
+    with open(path, 'rb') as f:
+      return len(f.read())
+
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    return sum(pool.map(size, paths))
+
+
+def folder_mode(args) -> dict:
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  from configs import cifar10  # pylint: disable=g-import-not-at-top
+  from flaxtpu import data  # pylint: disable=g-import-not-at-top
+
+  workers = args.workers if args.workers is not None else os.cpu_count() or 1
+  period = workers * grain_threads_per_worker()
+  warmup = args.warmup if args.warmup is not None else period + 2
+  config = cifar10.get_config()
+  config.dataset.folder, config.dataset.image_size = args.folder, args.image_size
+  config.dataset.cache, config.input.workers = 'none', workers
+  started = time.perf_counter()
+  dataset = data.load(config)
+  load_seconds = time.perf_counter() - started
+  train = dataset.train
+  print(f'{args.folder}: {len(train):,} train images, {dataset.num_classes} classes; data.load (header scan, '
+        f'{workers} workers) {load_seconds:.1f} s', flush=True)
+
+  max_batches = -(-args.max_batches // period) * period  # whole cycles (see time_batches)
+  per_round = warmup + max_batches
+  rounds = []  # (steps, indices): the examples flaxtpu reads for those steps, in its order
+  for round_index in range(args.rounds):
+    steps = range(round_index * per_round, (round_index + 1) * per_round)
+    rounds.append((steps, np.concatenate([data.train_indices(0, step, len(train), args.batch_size)
+                                          for step in steps])))
+  unique = [train.source.load(int(i))[0] for i in np.unique(np.concatenate([i for _, i in rounds]))]
+  started = time.perf_counter()
+  size = read_files(unique)
+  print(f'read the {len(unique):,} files the rounds use ({size / 2**20:,.0f} MiB) once first, into the '
+        f'page cache: {time.perf_counter() - started:.1f} s', flush=True)
+
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf.config.set_visible_devices([], 'GPU')
+  crop_area, crop_aspect = tuple(config.augment.crop_area), tuple(config.augment.crop_aspect)
+
+  def measure_flaxtpu(steps, indices) -> dict:
+    del indices  # flaxtpu finds them itself: the same ones
+    batches_iter = data.train_batches(dataset, seed=0, batch_size=args.batch_size, first_step=steps.start,
+                                      last_step=steps.stop)
+    try:
+      return time_batches(batches_iter, warmup, args.seconds, max_batches, period)
+    finally:
+      batches_iter.close()  # stops the worker processes
+
+  def measure_tf(steps, indices) -> dict:
+    del steps
+    examples = [train.source.load(int(i)) for i in indices]
+    iterator = tf_batches(tf, [path for path, _ in examples], [label for _, label in examples],
+                          args.batch_size, args.image_size, crop_area, crop_aspect)
+    del examples
+    return time_batches(iterator, warmup, args.seconds, max_batches, period)
+
+  measured = {'flaxtpu': [], 'tf_data': []}
+  order = [('flaxtpu', measure_flaxtpu), ('tf_data', measure_tf)]
+  for round_index, round_files in enumerate(rounds):
+    for name, measure in (order if round_index % 2 == 0 else order[::-1]):
+      measured[name].append(measure(*round_files))
+      print(f'  round {round_index + 1}/{args.rounds} {name:8s} {measured[name][-1]["images_per_sec"]:8,.0f} img/s'
+            f'  (others kept {measured[name][-1]["other_cpu_load"]:.1f} cores busy)', flush=True)
+
+  cores = os.cpu_count() or 1
+  result = {'mode': 'folder', 'folder': args.folder, 'train_images': len(train), 'image_size': args.image_size,
+            'batch_size': args.batch_size, 'seconds': args.seconds, 'max_batches': max_batches,
+            'warmup_batches': warmup, 'cycle_batches': period,
+            'rounds': args.rounds, 'workers': workers, 'cpu_count': cores,
+            'data_load_seconds': load_seconds,
+            'host_flip': {'flaxtpu': False, 'tf_data': True}}
+  for name, rows in measured.items():
+    median = lambda key, rows=rows: statistics.median(row[key] for row in rows)
+    result[name] = {'images_per_sec': median('images_per_sec'),
+                    'images_per_sec_per_core': median('images_per_sec') / cores,
+                    'images_per_cpu_second': median('images_per_cpu_second'),
+                    'other_cpu_load': median('other_cpu_load'), 'rounds': rows}
+  flaxtpu, tf_data = result['flaxtpu'], result['tf_data']
+  result['ratio_flaxtpu_over_tf_data'] = flaxtpu['images_per_sec'] / tf_data['images_per_sec']
+  per_core = flaxtpu['images_per_sec_per_core']
+  result['resnet50_images_per_sec_assumed'] = RESNET50_IMAGES_PER_SEC
+  result['host_cores_per_accelerator'] = {name: rate / per_core for name, rate in RESNET50_IMAGES_PER_SEC.items()}
+
+  print(f'flaxtpu (grain, {workers} workers) {flaxtpu["images_per_sec"]:8,.0f} img/s  '
+        f'{per_core:6,.0f} img/s per core ({cores} cores), {flaxtpu["images_per_cpu_second"]:5,.0f} per CPU-second used')
+  print(f'tf.data (AUTOTUNE)         {tf_data["images_per_sec"]:8,.0f} img/s  '
+        f'{tf_data["images_per_sec_per_core"]:6,.0f} img/s per core ({cores} cores), '
+        f'{tf_data["images_per_cpu_second"]:5,.0f} per CPU-second used')
+  print(f'flaxtpu / tf.data = {result["ratio_flaxtpu_over_tf_data"]:.2f}x (goal >= 1.0; medians of {args.rounds} '
+        f'interleaved rounds of >= {args.seconds:g} s, batches of {args.batch_size} at '
+        f'{args.image_size}x{args.image_size})')
+  print('note: tf.data flips on the host; flaxtpu flips on the device (augment.flip, cheap there), so its '
+        'host pipeline does not')
+  needed = ', '.join(f'{name} (~{rate:,} img/s): {result["host_cores_per_accelerator"][name]:.1f}'
+                     for name, rate in RESNET50_IMAGES_PER_SEC.items())
+  print(f'host cores per accelerator to feed ResNet-50 at {per_core:,.0f} img/s per core: {needed} '
+        '(approximate per-chip training rates; these JPEGs are smaller than ImageNet\'s, so real '
+        'photos need more)')
+  return result
+
+
+# --- cifar mode: the in-memory pipeline vs the train step it feeds -----------------------------
+
+
+def cifar_mode(args) -> dict:
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                              f' --xla_force_host_platform_device_count={args.cpu_devices}')
-
   import jax  # pylint: disable=g-import-not-at-top
 
   from configs import cifar10_resnet  # pylint: disable=g-import-not-at-top
   from flaxtpu import augment, data, parallel, steps  # pylint: disable=g-import-not-at-top
   from flaxtpu.config import run_length  # pylint: disable=g-import-not-at-top
 
+  batches = args.batches
   config = cifar10_resnet.get_config()  # crop + flip + standardise: the heaviest recipe
   config.dataset.folder, config.model.name, config.batch_size = args.data, args.model, args.batch_size
   dataset = data.load(config)
@@ -57,23 +287,26 @@ def main() -> None:
 
   def device_batches(first_step, count):
     return data.prefetch(placement.put_train_batch(tuple(batch)[:2]) for batch in data.train_batches(
-        dataset.train, seed=0, batch_size=args.batch_size, first_step=first_step, last_step=first_step + count))
+        dataset, seed=0, batch_size=args.batch_size, first_step=first_step, last_step=first_step + count))
 
   def pipeline_rate(first_step):
     key = jax.random.PRNGKey(0)
     started = time.perf_counter()
-    for images, _ in device_batches(first_step, args.batches):
-      out = augment_on_device(key, images)
+    with device_batches(first_step, batches) as device_iter:
+      for images, _ in device_iter:
+        out = augment_on_device(key, images)
     jax.block_until_ready(out)
-    return args.batches * args.batch_size / (time.perf_counter() - started)
+    return batches * args.batch_size / (time.perf_counter() - started)
 
-  step_fn, _ = placement.compile_train_step(state, next(device_batches(0, 1)))
+  with device_batches(0, 1) as first:
+    step_fn, _ = placement.compile_train_step(state, next(first))
 
   def step_rate(state, first_step):
-    batches = list(device_batches(first_step, args.steps))  # already on device: time the step only
-    jax.block_until_ready(batches)
+    with device_batches(first_step, args.steps) as device_iter:
+      step_batches = list(device_iter)  # already on device: time the step only
+    jax.block_until_ready(step_batches)
     started = time.perf_counter()
-    for batch in batches:
+    for batch in step_batches:
       state, _ = step_fn(state, batch)
       jax.block_until_ready(state)
     return state, args.steps * args.batch_size / (time.perf_counter() - started)
@@ -81,19 +314,57 @@ def main() -> None:
   pipeline_rate(0)  # warm-up: compile the augmentation, fill caches
   state, _ = step_rate(state, 0)
   pipeline, step = [], []
-  for repeat in range(args.repeats):
+  for repeat in range(args.rounds):
     pipeline.append(pipeline_rate(1000 * (repeat + 1)))
     state, rate = step_rate(state, 1000 * (repeat + 1))
     step.append(rate)
-  result = {'model': args.model, 'batch_size': args.batch_size, 'devices': jax.device_count(),
-            'pipeline_images_per_sec': statistics.median(pipeline),
+  result = {'mode': 'cifar', 'model': args.model, 'batch_size': args.batch_size,
+            'devices': jax.device_count(), 'pipeline_images_per_sec': statistics.median(pipeline),
             'step_images_per_sec': statistics.median(step),
             'pipeline_repeats': pipeline, 'step_repeats': step}
   result['ratio'] = result['pipeline_images_per_sec'] / result['step_images_per_sec']
   print(f'input pipeline {result["pipeline_images_per_sec"]:9.0f} img/s   train step ({args.model}) '
         f'{result["step_images_per_sec"]:7.0f} img/s   pipeline / step = {result["ratio"]:.1f}x')
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, 'w', encoding='utf-8') as f:
+  return result
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--mode', choices=('folder', 'cifar'), default=None,
+                      help='folder (flaxtpu vs tf.data; the default with --folder) or cifar (the default '
+                      'without: the in-memory CIFAR pipeline vs the train step)')
+  parser.add_argument('--folder', help='folder mode: an image folder (split/class/image), e.g. one made by '
+                      'benchmarks/make_image_folder.py')
+  parser.add_argument('--image-size', type=int, default=224, help='folder mode')
+  parser.add_argument('--workers', type=int, default=None,
+                      help='folder mode: flaxtpu\'s input worker processes (default: one per core)')
+  parser.add_argument('--warmup', type=int, default=None,
+                      help='folder mode: untimed batches first (default: one cycle + 2, see time_batches)')
+  parser.add_argument('--batch-size', type=int, default=128)
+  parser.add_argument('--seconds', type=float, default=10.0,
+                      help='folder mode: time each pipeline at least this long per round')
+  parser.add_argument('--max-batches', type=int, default=4000,
+                      help='folder mode: ... but for at most this many batches')
+  parser.add_argument('--batches', type=int, default=40, help='cifar mode: pipeline batches per round')
+  parser.add_argument('--rounds', type=int, default=3, help='interleaved rounds; medians are reported')
+  parser.add_argument('--data', default=os.environ.get('FLAXTPU_CIFAR10', ''),
+                      help='cifar mode: the CIFAR-10 image folder (default: $FLAXTPU_CIFAR10)')
+  parser.add_argument('--model', default='resnet20', help='cifar mode: the model whose train step is timed')
+  parser.add_argument('--steps', type=int, default=10, help='cifar mode: train steps per round')
+  parser.add_argument('--cpu-devices', type=int, default=8, help='cifar mode')
+  parser.add_argument('--out', default=None, help='default: benchmarks/results/input_pipeline.json '
+                      '(folder mode) or input_pipeline_cifar_MODEL.json (cifar mode)')
+  args = parser.parse_args()
+  mode = args.mode or ('folder' if args.folder else 'cifar')
+  if mode == 'folder' and not args.folder:
+    parser.error('folder mode needs --folder (make one with benchmarks/make_image_folder.py)')
+  if mode == 'cifar' and not os.path.isdir(args.data):
+    parser.error('cifar mode needs the CIFAR-10 image folder: --data DIR or FLAXTPU_CIFAR10=DIR')
+  result = folder_mode(args) if mode == 'folder' else cifar_mode(args)
+  name = 'input_pipeline.json' if mode == 'folder' else f'input_pipeline_cifar_{args.model}.json'
+  out = args.out or os.path.join(ROOT, 'benchmarks', 'results', name)
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  with open(out, 'w', encoding='utf-8') as f:
     json.dump(result, f, indent=2)
 
 

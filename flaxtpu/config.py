@@ -46,8 +46,8 @@ def _positive(key: str, value, allow: tuple = ()) -> None:
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError naming the first key whose value cannot work."""
   if not config.dataset.folder and not config.dataset.name:
-    raise ConfigError('config.dataset.name and config.dataset.folder are both empty; '
-                      'set a TFDS name (e.g. cifar10) or an image-folder root')
+    raise ConfigError('config.dataset.folder and config.dataset.name are both empty; set '
+                      '--config.dataset.folder=/path/to/images (or a TFDS name, e.g. cifar10)')
   _one_of('dataset.normalize', config.dataset.normalize, NORMALIZATIONS)
   _one_of('dataset.cache', config.dataset.cache, ('auto', 'memory', 'none'))
   if config.dataset.image_size < 0:

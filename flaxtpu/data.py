@@ -24,15 +24,13 @@ import dataclasses
 import functools
 import logging
 import os
-import queue
 import sys
-import threading
 from typing import Iterator, NamedTuple, Optional
 
 import ml_collections
 import numpy as np
 
-from flaxtpu import preprocess, sources
+from flaxtpu import preprocess, sources, workers
 from flaxtpu.preprocess import IMAGE_EXTENSIONS, Transform
 from flaxtpu.sources import DataError
 
@@ -88,12 +86,12 @@ class Batch(NamedTuple):
 def load(config: ml_collections.ConfigDict, *, need_train: bool = True) -> Dataset:
   """The splits named by `config.dataset`, listed (and, when cached, decoded) and checked."""
   source = config.dataset
-  workers = input_workers(config)
+  num_workers = input_workers(config)
   if source.folder:
     eval_split, class_names = sources.folder_split(source.folder, source.eval_split)
     train_split = sources.folder_split(source.folder, source.train_split)[0] if need_train else None
     splits = [s for s in (train_split, eval_split) if s is not None]
-    sizes = [_scan_folder_split(s, workers, source.skip_corrupt) for s in splits]
+    sizes = [sources.scan(s, num_workers, source.skip_corrupt) for s in splits]
     train_split, eval_split = ((sizes[0][0], sizes[1][0]) if need_train else (None, sizes[0][0]))
     native = set().union(*(shapes for _, shapes in sizes))
     channels = 3  # like tfds.ImageFolder and Keras: grayscale and CMYK files become RGB
@@ -107,13 +105,16 @@ def load(config: ml_collections.ConfigDict, *, need_train: bool = True) -> Datas
       train_split = sources.tfds_split(builder, source.train_split) if need_train else None
       eval_split = sources.tfds_split(builder, source.eval_split)
       tfrecord_arrays = None
-    else:  # TFRecord: only readable whole, into memory
-      if source.cache == 'none':
+    else:  # TFRecord reads only in sequence: small datasets go to memory, others need ArrayRecord
+      specs = [source.eval_split] + ([source.train_split] if need_train else [])
+      count = sum(builder.info.splits[spec].num_examples for spec in specs)
+      if None in info.image_shape or not _use_cache(source.cache, count, info.image_shape,
+                                                    image_transform(config, channels)):
         sources.tfds_split(builder, source.eval_split)  # raises, explaining how to prepare ArrayRecord
       tfrecord_arrays = functools.partial(sources.tfds_arrays, builder)
       train_split = eval_split = None
   transform = image_transform(config, channels)
-  if not transform.size and len(native) > 1 or None in native:
+  if not transform.size and (len(native) > 1 or None in native):
     shown = 'vary in size' if None in native else (
         'have ' + ', '.join(f'{w}x{h}' for h, w in sorted(native)[:3]) + (' and more' if len(native) > 3 else ''))
     raise DataError(f'the images {shown}; set --config.dataset.image_size=N to train at NxN '
@@ -127,11 +128,11 @@ def load(config: ml_collections.ConfigDict, *, need_train: bool = True) -> Datas
   else:
     count = len(eval_split) + (len(train_split) if need_train else 0)
     cache = _use_cache(source.cache, count, image_shape, transform)
-    train = _examples(train_split, cache, transform, workers) if need_train else None
-    evaluation = _examples(eval_split, cache, transform, workers)
+    train = _examples(train_split, cache, transform, num_workers) if need_train else None
+    evaluation = _examples(eval_split, cache, transform, num_workers)
   dataset = Dataset(train=train, eval=evaluation, class_names=tuple(class_names),
                     image_shape=tuple(image_shape), mean=np.zeros(channels, np.float32),
-                    std=np.ones(channels, np.float32), transform=transform, workers=workers,
+                    std=np.ones(channels, np.float32), transform=transform, workers=num_workers,
                     prefetch=config.input.prefetch, skip_corrupt=source.skip_corrupt)
   if source.normalize == 'standardize' and train is not None:
     mean, std = _statistics(dataset)
@@ -178,13 +179,14 @@ def _cache_side(transform: Transform) -> int:
   return int(np.ceil(transform.size / transform.crop_fraction)) if transform.size else 0
 
 
-def _examples(split: sources.Split, cache: bool, transform: Transform, workers: int) -> Examples:
+def _examples(split: sources.Split, cache: bool, transform: Transform, num_workers: int) -> Examples:
   if not cache:
     return Examples(source=split)
   logging.info('decoding %d images of %r into memory (dataset.cache)', len(split), split.name)
   decoder = _CacheDecoder(split, transform)
   images, labels = [], []
-  for image, label in _run(decoder, range(len(split)), workers, buffer=64, min_items_per_worker=1000):
+  for image, label in workers.run(decoder, range(len(split)), num_workers, buffer=64,
+                                  min_items_per_worker=1000):
     if isinstance(image, _Failure):
       raise DataError(image.message)
     images.append(image)
@@ -203,58 +205,12 @@ def _statistics(dataset: Dataset) -> tuple[np.ndarray, np.ndarray]:
   else:
     sample = np.linspace(0, len(train) - 1, min(len(train), STATISTICS_SAMPLE)).astype(int)
     loader = _EvalLoader(train, dataset.transform, dataset.skip_corrupt)
-    images = [image for image, _ in _run(loader.example, sample, dataset.workers, buffer=64,
-                                         min_items_per_worker=500)]
+    images = [image for image, _ in workers.run(loader.example, sample, dataset.workers, buffer=64,
+                                                min_items_per_worker=500)]
     if failures := [image for image in images if isinstance(image, _Failure)]:
       raise DataError(failures[0].message)
     pixels = np.concatenate([i.reshape(-1, i.shape[-1]) for i in images]).astype(np.float32) / 255.0
   return pixels.mean(axis=0), pixels.std(axis=0) + 1e-6
-
-
-# --- scanning a folder: sizes, and files that are not images --------------------------------
-
-
-SCAN_CHUNK = 512
-
-
-class _HeaderScan:
-  """(width, height) of each file from its header, or the reason it cannot be read."""
-
-  def __init__(self, split: sources.Split):
-    self.split = split
-
-  def __call__(self, chunk: int) -> list:
-    from PIL import Image  # pylint: disable=g-import-not-at-top
-    results = []
-    for index in range(chunk * SCAN_CHUNK, min((chunk + 1) * SCAN_CHUNK, len(self.split))):
-      path, _ = self.split.load(index)
-      try:
-        with Image.open(path) as image:
-          results.append(preprocess.upright_size(image))
-      except PermissionError:
-        results.append(f'cannot read {path} (permission denied); fix its permissions or remove it')
-      except Exception as e:  # pylint: disable=broad-except
-        results.append(f'cannot decode image {path} ({type(e).__name__}: {e}); remove or replace it')
-    return results
-
-
-def _scan_folder_split(split: sources.Split, workers: int,
-                       skip_corrupt: bool) -> tuple[sources.Split, set]:
-  """Reads every header (not the pixels): the distinct sizes, and bad files named or skipped."""
-  chunks = range(-(-len(split) // SCAN_CHUNK))
-  results = [r for chunk in _run(_HeaderScan(split), chunks, workers, buffer=4, min_items_per_worker=4)
-             for r in chunk]
-  bad = [i for i, r in enumerate(results) if isinstance(r, str)]
-  if bad and not skip_corrupt:
-    more = f' ({len(bad) - 1} more files cannot be read either)' if len(bad) > 1 else ''
-    raise DataError(f'{results[bad[0]]}, or set --config.dataset.skip_corrupt=true to skip such '
-                    f'files{more}')
-  if bad:
-    logging.warning('skipping %d of %d files of %r that cannot be read (dataset.skip_corrupt), '
-                    'e.g. %s', len(bad), len(split), split.name, split.describe(bad[0]))
-    keep = np.setdiff1d(np.arange(len(split)), bad)
-    split, results = split.subset(keep), [results[i] for i in keep]
-  return split, {(height, width) for width, height in results}
 
 
 # --- batches ------------------------------------------------------------------------------
@@ -287,15 +243,15 @@ def train_batches(dataset: Dataset, *, seed: int, batch_size: int, first_step: i
   """This process's part of the global batches for steps [first_step, last_step)."""
   rows = process_slice(batch_size, process_index, process_count)
   train = dataset.train
-  if train.cached and isinstance(train.images, np.ndarray):  # CIFAR-size: slicing is all there is
+  if _sliceable(dataset, train):  # CIFAR-size: slicing is all there is
     mask = np.ones(rows.stop - rows.start, bool)
     for step in range(first_step, last_step):
       indices = train_indices(seed, step, len(train), batch_size)[rows]
       yield Batch(train.images[indices], train.labels[indices], mask)
     return
   loader = _TrainLoader(train, dataset.transform, seed, batch_size, rows, dataset.skip_corrupt)
-  yield from _checked(_run(loader, range(first_step, last_step),
-                           0 if train.cached else dataset.workers, dataset.prefetch))
+  yield from _checked(workers.run(loader, range(first_step, last_step),
+                                  0 if train.cached else dataset.workers, dataset.prefetch))
 
 
 def eval_batches(dataset: Dataset, *, batch_size: int, process_index: int = 0,
@@ -304,14 +260,19 @@ def eval_batches(dataset: Dataset, *, batch_size: int, process_index: int = 0,
   rows = process_slice(batch_size, process_index, process_count)
   examples = dataset.eval
   starts = range(0, len(examples), batch_size)
-  if examples.cached and isinstance(examples.images, np.ndarray):
+  if _sliceable(dataset, examples):
     for start in starts:
       indices, mask = _eval_rows(start, batch_size, rows, len(examples))
       yield Batch(examples.images[indices], examples.labels[indices], mask)
     return
   loader = _EvalLoader(examples, dataset.transform, dataset.skip_corrupt, batch_size, rows)
-  yield from _checked(_run(loader, starts, 0 if examples.cached else dataset.workers,
-                           dataset.prefetch))
+  yield from _checked(workers.run(loader, starts, 0 if examples.cached else dataset.workers,
+                                  dataset.prefetch))
+
+
+def _sliceable(dataset: Dataset, examples: Examples) -> bool:
+  """Cached at the size the model sees: a batch is a slice of the array, nothing to decode."""
+  return examples.cached and isinstance(examples.images, np.ndarray) and not dataset.transform.size
 
 
 def _eval_rows(start: int, batch_size: int, rows: slice, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -439,93 +400,6 @@ def _stack(images: list[np.ndarray]) -> np.ndarray:
     raise DataError(f'images of sizes {sorted(shapes)[:3]} in one batch; set '
                     '--config.dataset.image_size=N')
   return np.stack(images)
-
-
-# --- running the work: grain worker processes, or a thread ------------------------------------
-
-
-def _run(function, items, workers: int, buffer: int, min_items_per_worker: int = 1) -> Iterator:
-  """`map(function, items)` in order, computed ahead: in `workers` processes, or one thread if 0.
-
-  Starting a worker costs ~1-2 s (a fresh interpreter): short jobs stay on the thread.
-  """
-  workers = min(workers, len(items) // min_items_per_worker)
-  if workers <= 0:
-    return prefetch(map(function, items), size=buffer)
-  import grain  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  if not flags.FLAGS.is_parsed():  # grain reads its options from absl flags
-    flags.FLAGS.mark_as_parsed()
-  dataset = grain.MapDataset.source(list(items)).map(function).to_iter_dataset()
-  options = grain.MultiprocessingOptions(num_workers=workers,
-                                         per_worker_buffer_size=max(1, buffer // workers))
-  return _closing(iter(dataset.mp_prefetch(options)))
-
-
-def _closing(iterator) -> Iterator:
-  try:
-    yield from iterator
-  finally:
-    iterator.close()  # stops the worker processes, also when the consumer stops early
-
-
-class prefetch:  # pylint: disable=invalid-name  (used like a function: prefetch(iterator))
-  """Runs `iterator` in a background thread, `size` items ahead of the consumer.
-
-  `close()` (or the end of a `with` block) stops the thread and closes the
-  iterator, which stops its worker processes.
-  """
-
-  def __init__(self, iterator: Iterator, size: int = 2):
-    self._buffer: queue.Queue = queue.Queue(maxsize=max(size, 1))
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._produce, args=(iterator,), daemon=True)
-    self._thread.start()
-
-  _DONE = object()
-
-  def _produce(self, iterator: Iterator) -> None:
-    try:
-      for item in iterator:
-        if not self._put(item):
-          break
-      self._put(self._DONE)
-    except BaseException as e:  # pylint: disable=broad-except  (re-raised in the consumer)
-      self._put(e)
-    finally:
-      if hasattr(iterator, 'close'):
-        iterator.close()
-
-  def _put(self, item) -> bool:
-    while not self._stop.is_set():
-      try:
-        self._buffer.put(item, timeout=0.1)
-        return True
-      except queue.Full:
-        continue
-    return False
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    item = self._buffer.get()
-    if item is self._DONE:
-      self._buffer.put(item)  # stay exhausted
-      raise StopIteration
-    if isinstance(item, BaseException):
-      raise item
-    return item
-
-  def close(self) -> None:
-    self._stop.set()
-    self._thread.join(timeout=30)
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    self.close()
 
 
 # --- prediction inputs -----------------------------------------------------------------------

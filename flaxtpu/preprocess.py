@@ -13,6 +13,7 @@ import io
 import math
 from typing import Optional
 
+import cv2
 import numpy as np
 from PIL import Image, ImageOps
 
@@ -61,17 +62,21 @@ def decode(image: Image.Image, channels: int, target: Optional[tuple[int, int]] 
   still covers it (libjpeg's DCT scaling): a 4000x3000 photo bound for
   224x224 decodes at 1/8 scale, several times faster.
   """
+  orientation = _orientation(image)
   if target is not None and image.format == 'JPEG':
-    swap = _orientation(image) in (5, 6, 7, 8)
-    image.draft('RGB' if channels == 3 else 'L', target[::-1] if swap else target)
-  image = ImageOps.exif_transpose(image)
+    stored_target = target[::-1] if orientation in (5, 6, 7, 8) else target
+    if 2 * stored_target[0] <= image.width and 2 * stored_target[1] <= image.height:  # else nothing to gain
+      image.draft('RGB' if channels == 3 else 'L', stored_target)
+  if orientation != 1:  # exif_transpose copies even an upright image: skip it then
+    image = ImageOps.exif_transpose(image)
   if image.mode in ('I;16', 'I;16B', 'I;16L', 'I'):  # 16-bit PNGs: keep the top 8 bits
     image = Image.fromarray((np.asarray(image, np.uint32) >> 8).astype(np.uint8))
   if image.mode in ('RGBA', 'LA', 'PA') or (image.mode == 'P' and 'transparency' in image.info):
     # Transparent pixels become white (as a viewer shows them), not their hidden colour.
     background = Image.new('RGBA', image.size, (255, 255, 255, 255))
     image = Image.alpha_composite(background, image.convert('RGBA'))
-  return image.convert('RGB' if channels == 3 else 'L')
+  mode = 'RGB' if channels == 3 else 'L'
+  return image if image.mode == mode else image.convert(mode)
 
 
 def to_array(image: Image.Image, channels: int) -> np.ndarray:
@@ -112,19 +117,30 @@ def centre_crop_box(width: int, height: int, size: int, crop_fraction: float) ->
   return left, top, left + side, top + side
 
 
-def _resized(image: Image.Image, box: tuple[float, ...], size: int) -> Image.Image:
-  return image.resize((size, size), Image.BILINEAR, box=box, reducing_gap=None)
-
-
 def _cropped(image: Image.Image, box: tuple[float, ...], size: int, channels: int) -> np.ndarray:
-  """Decodes only as finely as the crop needs, then resizes the crop `box` (upright pixels) to size."""
+  """Decodes only as finely as the crop needs, then resizes the crop `box` (upright pixels) to size.
+
+  The resize is OpenCV's: ~6x faster than Pillow's here (0.14 vs 0.89 ms at 224x224), and the
+  resize is most of the per-image cost. Shrinking averages pixels (INTER_AREA), so large crops
+  do not alias; enlarging interpolates (INTER_LINEAR).
+  """
   width, height = upright_size(image)
   target = (math.ceil(size * width / max(box[2] - box[0], 1e-6)),
             math.ceil(size * height / max(box[3] - box[1], 1e-6)))
-  decoded = decode(image, channels, target)
-  scale_x, scale_y = decoded.width / width, decoded.height / height  # < 1 after a JPEG draft
-  scaled = (box[0] * scale_x, box[1] * scale_y, box[2] * scale_x, box[3] * scale_y)
-  return to_array(_resized(decoded, scaled, size), channels)
+  pixels = to_array(decode(image, channels, target), channels)
+  scale_x, scale_y = pixels.shape[1] / width, pixels.shape[0] / height  # < 1 after a JPEG draft
+  left, right = _pixel_span(box[0] * scale_x, box[2] * scale_x, pixels.shape[1])
+  top, bottom = _pixel_span(box[1] * scale_y, box[3] * scale_y, pixels.shape[0])
+  crop = pixels[top:bottom, left:right]
+  shrinking = crop.shape[0] > size or crop.shape[1] > size
+  resized = cv2.resize(crop, (size, size), interpolation=cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR)
+  return resized.reshape(size, size, channels)
+
+
+def _pixel_span(start: float, stop: float, limit: int) -> tuple[int, int]:
+  """Whole pixels [first, last) covering [start, stop), at least one, inside [0, limit)."""
+  first = min(max(int(round(start)), 0), limit - 1)
+  return first, max(min(int(round(stop)), limit), first + 1)
 
 
 def train_image(image: Image.Image, transform: Transform, rng: np.random.Generator) -> np.ndarray:

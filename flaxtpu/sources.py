@@ -14,15 +14,18 @@ of every class (to within one file) and `train[90%:]` holds out the rest.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from typing import Optional
 
 import numpy as np
 
+from flaxtpu import preprocess, workers
 from flaxtpu.errors import UserError
 from flaxtpu.preprocess import IMAGE_EXTENSIONS
 
+ALL = 'all'  # the split name for a folder laid out as root/class/image, without split folders
 FOLDER_ORDER_SEED = 0  # the fixed shuffle within each class; changing it reshuffles every slice
 
 
@@ -128,9 +131,14 @@ def _stratified_order(labels: np.ndarray) -> np.ndarray:
 
 
 def _list_folder_split(root: str, split: str) -> tuple[tuple[str, ...], list[str], list[int]]:
-  split_dir = os.path.join(root, split)
+  # `all` is the root itself when it holds the class folders directly (root/class/image).
+  split_dir = root if split == ALL and not os.path.isdir(os.path.join(root, ALL)) else os.path.join(root, split)
   if not os.path.isdir(split_dir):
     found = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    if found and any(f.lower().endswith(IMAGE_EXTENSIONS) for f in os.listdir(os.path.join(root, found[0]))):
+      raise DataError(f'{root} holds class folders ({", ".join(found[:3])}, ...) with no split folders; '
+                      f"hold out a part with --config.dataset.train_split='{ALL}[:80%]' "
+                      f"--config.dataset.eval_split='{ALL}[80%:]'")
     raise DataError(f'{split_dir} does not exist; splits found in {root}: '
                     f'{", ".join(found) or "none"} (set config.dataset.train_split/eval_split)')
   classes = tuple(sorted(d for d in os.listdir(split_dir) if os.path.isdir(os.path.join(split_dir, d))))
@@ -150,6 +158,54 @@ def _list_folder_split(root: str, split: str) -> tuple[tuple[str, ...], list[str
   return classes, paths, labels
 
 
+# --- scanning a folder: sizes, and files that are not images --------------------------------
+
+
+SCAN_CHUNK = 512  # files per scan task: large enough that a task outweighs handing it to a worker
+
+
+class _HeaderScan:
+  """(width, height) of each file from its header, or the reason it cannot be read."""
+
+  def __init__(self, split: Split):
+    self.split = split
+
+  def __call__(self, chunk: int) -> list:
+    results = []
+    for index in range(chunk * SCAN_CHUNK, min((chunk + 1) * SCAN_CHUNK, len(self.split))):
+      path, _ = self.split.load(index)
+      try:
+        with preprocess.open_image(path) as image:
+          results.append(preprocess.upright_size(image))
+      except PermissionError:
+        results.append(f'cannot read {path} (permission denied); fix its permissions or remove it')
+      except Exception as e:  # pylint: disable=broad-except
+        results.append(f'cannot decode image {path} ({type(e).__name__}: {e}); remove or replace it')
+    return results
+
+
+def scan(split: Split, num_workers: int, skip_corrupt: bool) -> tuple[Split, set]:
+  """Reads every file's header (not its pixels), `num_workers` processes at a time.
+
+  Returns the split without unreadable files (with `skip_corrupt`; else the
+  first is named in a DataError) and the set of (height, width) sizes.
+  """
+  chunks = range(-(-len(split) // SCAN_CHUNK))
+  results = [result for chunk in workers.run(_HeaderScan(split), chunks, num_workers, buffer=4,
+                                             min_items_per_worker=4) for result in chunk]
+  bad = [i for i, r in enumerate(results) if isinstance(r, str)]
+  if bad and not skip_corrupt:
+    more = f' ({len(bad) - 1} more files cannot be read either)' if len(bad) > 1 else ''
+    raise DataError(f'{results[bad[0]]}, or set --config.dataset.skip_corrupt=true to skip such '
+                    f'files{more}')
+  if bad:
+    logging.warning('skipping %d of %d files of %r that cannot be read (dataset.skip_corrupt), '
+                    'e.g. %s', len(bad), len(split), split.name, split.describe(bad[0]))
+    keep = np.setdiff1d(np.arange(len(split)), bad)
+    split, results = split.subset(keep), [results[i] for i in keep]
+  return split, {(height, width) for width, height in results}
+
+
 # --- TFDS -----------------------------------------------------------------------------------
 
 
@@ -164,7 +220,7 @@ def tfds_builder(name: str, data_dir: str):
   """The TFDS builder, prepared (downloaded) if needed, as ArrayRecord so it can stream."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   try:
-    builder = tfds.builder(name, data_dir=data_dir or None, file_format='array_record')
+    builder = tfds.builder(name, data_dir=data_dir or None)
   except tfds.core.registered.DatasetNotFoundError as e:
     raise DataError(f'config.dataset.name={name!r} is not a TFDS dataset; use a name from '
                     'tfds.list_builders() (e.g. cifar10, mnist, imagenet2012) or set '

@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flaxtpu import checkpoint, data, files, metrics, parallel, steps
+from flaxtpu import checkpoint, data, files, metrics, parallel, steps, workers
 from flaxtpu.config import resolved_eval_batch_size, run_length
 from flaxtpu.evaluate import evaluate
 from flaxtpu.signals import StopRequest
@@ -153,7 +153,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
     files.truncate_jsonl(os.path.join(workdir, 'metrics.jsonl'), first_step)
   writer = metrics.create_writer(workdir, is_main_process=is_main)
 
-  batches = data.prefetch(
+  batches = workers.prefetch(
       placement.put_train_batch(tuple(batch)[:2]) for batch in data.train_batches(
           dataset, seed=config.seed, batch_size=config.batch_size, first_step=first_step,
           last_step=length.total_steps, process_index=jax.process_index(),

@@ -10,6 +10,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import psutil
 import pytest
 
 from configs import cifar10_resnet
@@ -104,9 +105,13 @@ def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(uninterrupted, im
   deadline = time.time() + 240
   while not _complete_steps(workdir) and process.poll() is None and time.time() < deadline:
     time.sleep(0.01)
+  input_workers = psutil.Process(process.pid).children(recursive=True)
   process.send_signal(signal.SIGKILL)
   process.wait()
   killed_at = _complete_steps(workdir)
+  # The input workers die with the trainer instead of lingering as orphans.
+  _, alive = psutil.wait_procs(input_workers, timeout=10)
+  assert input_workers and not alive, alive
   assert killed_at, 'the run was killed before its first checkpoint: nothing to resume from'
   restart = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert restart.returncode == 0, restart.stderr[-3000:]

@@ -4,14 +4,29 @@ import sys
 
 import pytest
 
-from configs import cifar10, cifar10_resnet, mnist
+from configs import cifar10, cifar10_resnet, imagenet_resnet50, mnist, photos
 from flaxtpu import config as config_lib
 from flaxtpu import defaults, models
 
 
-@pytest.mark.parametrize('recipe', [defaults, cifar10, cifar10_resnet, mnist])
+@pytest.mark.parametrize('recipe', [defaults, cifar10, cifar10_resnet, mnist, imagenet_resnet50])
 def test_recipes_are_valid(recipe):
   config_lib.validate(recipe.get_config())
+
+
+def test_photos_recipe_needs_only_the_folder():
+  config = photos.get_config()
+  with pytest.raises(config_lib.ConfigError, match='set --config.dataset.folder='):
+    config_lib.validate(config)
+  config.dataset.folder = '/any/folder'
+  config_lib.validate(config)
+
+
+def test_imagenet_recipe_is_the_standard_one():
+  config = imagenet_resnet50.get_config()
+  assert (config.batch_size, config.optimizer.learning_rate, config.num_epochs) == (1024, 0.4, 90.0)
+  assert config.optimizer.nesterov and config.schedule.warmup_epochs == 5.0
+  assert (config.dataset.image_size, config.label_smoothing, config.dtype) == (224, 0.1, 'bfloat16')
 
 
 @pytest.mark.parametrize('key, value, message', [
@@ -40,7 +55,7 @@ def test_bad_values_name_key_value_and_allowed(key, value, message):
 def test_empty_dataset_source_is_an_error():
   config = cifar10.get_config()
   config.dataset.name = ''
-  with pytest.raises(config_lib.ConfigError, match='dataset.name and config.dataset.folder are both empty'):
+  with pytest.raises(config_lib.ConfigError, match='config.dataset.folder and config.dataset.name are both empty; set --config.dataset.folder='):
     config_lib.validate(config)
 
 

@@ -8,7 +8,7 @@ from PIL import Image
 
 from configs import cifar10
 from conftest import make_image_folder, make_mixed_folder
-from flaxtpu import data, sources
+from flaxtpu import data, sources, workers
 
 
 def _config(folder, **overrides):
@@ -121,6 +121,17 @@ def test_percentage_slices_hold_out_a_proportional_validation_set(tmp_path):
   assert (len(dataset.train), len(dataset.eval)) == (80, 20)
 
 
+def test_a_folder_of_class_folders_is_the_split_all(tmp_path):
+  make_image_folder(tmp_path / 'made', classes=('a', 'b'), train_per_class=10, test_per_class=1)
+  os.rename(tmp_path / 'made' / 'train', tmp_path / 'photos')
+  folder = str(tmp_path / 'photos')
+  with pytest.raises(data.DataError, match=r"holds class folders .*train_split='all\[:80%\]'"):
+    data.load(_config(folder))
+  dataset = data.load(_config(folder, **{'dataset.train_split': 'all[:80%]', 'dataset.eval_split': 'all[80%:]'}))
+  assert (len(dataset.train), len(dataset.eval)) == (16, 4)
+  assert np.bincount(dataset.eval.labels).tolist() == [2, 2]
+
+
 @pytest.mark.parametrize('spec, bounds', [
     ('train', [('train', '', '')]),
     ('train[:90%]', [('train', '', '90%')]),
@@ -188,14 +199,14 @@ def test_eval_batches_count_every_example_once_with_a_padded_remainder():
 
 
 def test_prefetch_yields_in_order_reraises_and_closes():
-  assert list(data.prefetch(iter(range(10)))) == list(range(10))
+  assert list(workers.prefetch(iter(range(10)))) == list(range(10))
 
   def broken():
     yield 1
     raise RuntimeError('boom')
 
   with pytest.raises(RuntimeError, match='boom'):
-    list(data.prefetch(broken()))
+    list(workers.prefetch(broken()))
   closed = []
 
   def endless():
@@ -205,7 +216,7 @@ def test_prefetch_yields_in_order_reraises_and_closes():
     finally:
       closed.append(True)
 
-  with data.prefetch(endless(), size=2) as items:
+  with workers.prefetch(endless(), size=2) as items:
     next(items)
   assert closed == [True]
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from configs import cifar10_resnet
-from conftest import ROOT
+from conftest import ROOT, make_mixed_folder
 from flaxtpu import config as config_lib
 from flaxtpu import steps
 
@@ -120,6 +120,19 @@ def test_plan_mode_writes_plan_json(image_folder, tmp_path):
   assert plan['total_bytes'] < plan['argument_bytes'] + plan['output_bytes'] + plan['temp_bytes']
   assert plan['temp_bytes'] > 0 and plan['model'] == 'resnet20'
   assert not os.path.exists(tmp_path / 'checkpoints')
+
+
+def test_imagenet_recipe_plans_on_a_stand_in_folder(tmp_path):
+  folder = make_mixed_folder(tmp_path / 'stand_in', train_per_class=2, test_per_class=2)
+  run_cli('--config=configs/imagenet_resnet50.py', f'--workdir={tmp_path / "plan"}', '--mode=plan',
+          f'--config.dataset.folder={folder}', '--config.dataset.eval_split=test', '--config.batch_size=8',
+          '--config.eval_batch_size=8', '--config.compilation_cache_dir=none')
+  with open(tmp_path / 'plan' / 'plan.json') as f:
+    plan = json.load(f)
+  assert plan['model'] == 'resnet50' and plan['image_shape'] == [224, 224, 3]
+  assert plan['dtype'] == 'bfloat16' and plan['mesh'] == {'data': 8, 'fsdp': 1}
+  # ResNet-50 (3 classes): 23.5M parameters + as much momentum, float32, replicated on each device.
+  assert 180e6 < plan['argument_bytes'] < 200e6 and plan['temp_bytes'] > 0
 
 
 @pytest.mark.parametrize('args, message', [

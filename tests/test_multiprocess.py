@@ -1,4 +1,7 @@
-"""Two processes x 4 CPU devices over loopback (gloo) train like one process x 8 devices."""
+"""Two processes x 4 CPU devices over loopback (gloo) train like one process x 8 devices.
+
+Both stream from disk (no cache), so each process reads and decodes only its own rows.
+"""
 
 import os
 import socket
@@ -15,7 +18,8 @@ pytestmark = pytest.mark.multiprocess
 
 ARGS = ['--config=configs/cifar10_resnet.py', '--config.batch_size=16', '--config.num_train_steps=4',
         '--config.log_every_steps=2', '--config.eval_every_steps=4', '--config.checkpoint_every_steps=4',
-        '--config.compilation_cache_dir=none', '--config.schedule.warmup_epochs=0']
+        '--config.compilation_cache_dir=none', '--config.schedule.warmup_epochs=0',
+        '--config.dataset.cache=none', '--config.input.workers=1']
 
 
 def _free_port():

@@ -1,0 +1,118 @@
+"""Work computed ahead of its consumer: in grain worker processes, or in one background thread.
+
+JAX-free: the workers are fresh interpreters that import only what the work
+needs (numpy, Pillow, TFDS data sources).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import signal
+import sys
+import threading
+from typing import Iterator
+
+
+def run(function, items, workers: int, buffer: int, min_items_per_worker: int = 1) -> Iterator:
+  """`map(function, items)` in order, computed ahead: in `workers` processes, or one thread if 0.
+
+  Starting a worker costs ~1-2 s (a fresh interpreter): short jobs stay on the thread.
+  """
+  workers = min(workers, len(items) // min_items_per_worker)
+  if workers <= 0:
+    return prefetch(map(function, items), size=buffer)
+  import grain  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  if not flags.FLAGS.is_parsed():  # grain reads its options from absl flags
+    flags.FLAGS.mark_as_parsed()
+  source = (grain.MapDataset.range(items.start, items.stop, items.step) if isinstance(items, range)
+            else grain.MapDataset.source(list(items)))
+  # No reader threads or read-ahead inside a worker: each element is a whole batch, and the
+  # per-worker buffer of mp_prefetch already keeps `buffer` of them ready. (grain's defaults,
+  # 16 threads and 500 elements, held gigabytes per worker when the consumer is slower.)
+  # Results come back in shared memory (Python < 3.13 may report those blocks as "leaked" at exit:
+  # a resource-tracker quirk; grain has unlinked them). Through the pipe instead, a worker stopped
+  # mid-write can leave a partial message that blocks close() forever.
+  dataset = source.map(function).to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  options = grain.MultiprocessingOptions(num_workers=workers,
+                                         per_worker_buffer_size=max(1, buffer // workers))
+  return _closing(iter(dataset.mp_prefetch(options, worker_init_fn=_die_with_parent)))
+
+
+def _die_with_parent(worker_index: int, worker_count: int) -> None:
+  """Runs first in each worker: on Linux, the kernel kills the worker when its parent dies.
+
+  Without it, a trainer stopped by kill -9 (or the OOM killer) leaves its
+  workers behind, holding memory and file handles until the machine reboots.
+  """
+  del worker_index, worker_count
+  if sys.platform.startswith('linux'):
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _closing(iterator) -> Iterator:
+  try:
+    yield from iterator
+  finally:
+    iterator.close()  # stops the worker processes, also when the consumer stops early
+
+
+class prefetch:  # pylint: disable=invalid-name  (used like a function: prefetch(iterator))
+  """Runs `iterator` in a background thread, `size` items ahead of the consumer.
+
+  `close()` (or the end of a `with` block) stops the thread and closes the
+  iterator, which stops its worker processes.
+  """
+
+  def __init__(self, iterator: Iterator, size: int = 2):
+    self._buffer: queue.Queue = queue.Queue(maxsize=max(size, 1))
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._produce, args=(iterator,), daemon=True)
+    self._thread.start()
+
+  _DONE = object()
+
+  def _produce(self, iterator: Iterator) -> None:
+    try:
+      for item in iterator:
+        if not self._put(item):
+          break
+      self._put(self._DONE)
+    except BaseException as e:  # pylint: disable=broad-except  (re-raised in the consumer)
+      self._put(e)
+    finally:
+      if hasattr(iterator, 'close'):
+        iterator.close()
+
+  def _put(self, item) -> bool:
+    while not self._stop.is_set():
+      try:
+        self._buffer.put(item, timeout=0.1)
+        return True
+      except queue.Full:
+        continue
+    return False
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    item = self._buffer.get()
+    if item is self._DONE:
+      self._buffer.put(item)  # stay exhausted
+      raise StopIteration
+    if isinstance(item, BaseException):
+      raise item
+    return item
+
+  def close(self) -> None:
+    self._stop.set()
+    self._thread.join(timeout=30)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()

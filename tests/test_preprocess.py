@@ -1,0 +1,91 @@
+"""Host preprocessing: crops in range, any file decoded upright to RGB, reduced-scale JPEG decoding."""
+
+import io
+
+import cv2
+import numpy as np
+import pytest
+from PIL import Image
+
+from flaxtpu import preprocess
+from flaxtpu.preprocess import Transform
+
+
+def test_random_crop_boxes_stay_inside_and_in_range():
+  rng = np.random.default_rng(0)
+  areas, aspects = [], []
+  for _ in range(2000):
+    left, top, right, bottom = preprocess.random_crop_box(rng, 300, 200, (0.08, 1.0), (3 / 4, 4 / 3))
+    assert 0 <= left < right <= 300 and 0 <= top < bottom <= 200
+    areas.append((right - left) * (bottom - top) / (300 * 200))
+    aspects.append((right - left) / (bottom - top))
+  assert 0.07 <= min(areas) and max(areas) <= 1.0
+  assert 0.70 <= min(aspects) and max(aspects) <= 1.42  # rounding to whole pixels
+  # Uniform in area over [0.08, 1], less the large crops that do not fit at the drawn aspect.
+  assert 0.3 < np.median(areas) < 0.55
+
+
+def test_crop_falls_back_to_the_centre_when_nothing_fits():
+  # A 1000x10 strip cannot hold a 3/4..4/3 crop of 50% of its area: centre crop, aspect clipped.
+  box = preprocess.random_crop_box(np.random.default_rng(0), 1000, 10, (0.5, 1.0), (3 / 4, 4 / 3))
+  assert box == (493, 0, 506, 10)
+
+
+def _png(image):
+  buffer = io.BytesIO()
+  image.save(buffer, 'PNG')
+  return buffer.getvalue()
+
+
+def test_eval_image_is_the_centre_of_the_resized_shorter_side():
+  pixels = np.zeros((40, 80, 3), np.uint8)
+  pixels[:, 20:60] = 255  # a white centre square 40x40 on a black 80-wide image
+  out = preprocess.eval_image(preprocess.open_image(_png(Image.fromarray(pixels))),
+                              Transform(size=16, crop_fraction=1.0))
+  assert out.shape == (16, 16, 3) and out[1:-1, 1:-1].min() == 255  # edges blend with the border
+
+
+@pytest.mark.parametrize('mode', ['L', 'CMYK', 'P', 'RGBA', 'LA', 'I;16'])
+def test_every_mode_decodes_to_rgb(mode):
+  rgb = Image.new('RGB', (6, 4), (200, 200, 200))
+  image = Image.fromarray(np.full((4, 6), 200 * 257, np.uint16)) if mode == 'I;16' else rgb.convert(mode)
+  out = preprocess.to_array(preprocess.decode(preprocess.open_image(_png(image) if mode != 'CMYK' else _jpeg(image)), 3), 3)
+  assert out.shape == (4, 6, 3)
+  assert np.all(np.abs(out.astype(int) - 200) <= 6), out[0, 0]  # CMYK JPEG: Pillow's naive conversion
+
+
+def test_transparent_pixels_become_white():
+  image = Image.new('RGBA', (4, 4), (255, 0, 0, 0))
+  out = preprocess.to_array(preprocess.decode(preprocess.open_image(_png(image)), 3), 3)
+  assert out[0, 0].tolist() == [255, 255, 255]
+
+
+def _jpeg(image, **kwargs):
+  buffer = io.BytesIO()
+  image.save(buffer, 'JPEG', quality=95, **kwargs)
+  return buffer.getvalue()
+
+
+def test_exif_rotated_photo_is_decoded_upright():
+  pixels = np.zeros((20, 40, 3), np.uint8)
+  pixels[:, :20] = 255  # left half white, as stored
+  exif = Image.Exif()
+  exif[0x0112] = 6  # "rotate 90 degrees clockwise to view"
+  data = _jpeg(Image.fromarray(pixels), exif=exif)
+  image = preprocess.open_image(data)
+  assert preprocess.upright_size(image) == (20, 40)
+  out = preprocess.to_array(preprocess.decode(image, 3), 3)
+  assert out.shape == (40, 20, 3)
+  assert out[:15].mean() > 200 and out[25:].mean() < 50  # the white half is now on top
+
+
+def test_reduced_scale_jpeg_decoding_matches_a_full_decode():
+  rng = np.random.default_rng(0)
+  blocks = np.kron(rng.integers(0, 255, (30, 40, 3)), np.ones((20, 20, 1))).astype(np.uint8)  # 600x800
+  data = _jpeg(Image.fromarray(cv2.GaussianBlur(blocks, (0, 0), 8)))  # colour fields, soft edges
+  fast = preprocess.eval_image(preprocess.open_image(data), Transform(size=64))
+  full = np.asarray(Image.open(io.BytesIO(data)).convert('RGB'))  # no draft: every pixel decoded
+  left, top, right, bottom = (round(v) for v in preprocess.centre_crop_box(800, 600, 64, 0.875))
+  reference = cv2.resize(full[top:bottom, left:right], (64, 64), interpolation=cv2.INTER_AREA)
+  # Decoded at 1/4 scale (libjpeg's scaled IDCT): within a few levels of the full decode.
+  assert np.abs(fast.astype(int) - reference.astype(int)).mean() < 6

@@ -1,0 +1,105 @@
+"""TFDS datasets: streamed from ArrayRecord, sliced, cached; TFRecord-only datasets explained.
+
+Two tiny TFDS datasets are generated and prepared locally (no download):
+mixed image sizes as ArrayRecord, fixed-size images as TFRecord.
+"""
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from configs import cifar10
+from flaxtpu import data
+
+
+def _examples(count, seed, fixed_size):
+  rng = np.random.default_rng(seed)
+  for i in range(count):
+    label = i % 2
+    height, width = (8, 8) if fixed_size else rng.integers(8, 30, 2)
+    pixels = rng.integers(0, 60, (height, width, 3)) + 120 * label
+    yield i, {'image': pixels.astype(np.uint8), 'label': label}
+
+
+class FlaxtpuToyMixed(tfds.core.GeneratorBasedBuilder):
+  VERSION = tfds.core.Version('1.0.0')
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+        'image': tfds.features.Image(shape=(None, None, 3)),
+        'label': tfds.features.ClassLabel(names=['dark', 'light'])}), supervised_keys=('image', 'label'))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {'train': self._generate_examples(40, 0), 'test': self._generate_examples(12, 1)}
+
+  def _generate_examples(self, count, seed):
+    yield from _examples(count, seed, fixed_size=False)
+
+
+class FlaxtpuToyFixed(FlaxtpuToyMixed):
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+        'image': tfds.features.Image(shape=(8, 8, 3)),
+        'label': tfds.features.ClassLabel(names=['dark', 'light'])}), supervised_keys=('image', 'label'))
+
+  def _generate_examples(self, count, seed):
+    yield from _examples(count, seed, fixed_size=True)
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+  directory = str(tmp_path_factory.mktemp('tfds'))
+  tfds.builder('flaxtpu_toy_mixed', data_dir=directory).download_and_prepare(file_format='array_record')
+  tfds.builder('flaxtpu_toy_fixed', data_dir=directory).download_and_prepare(file_format='tfrecord')
+  return directory
+
+
+def _config(name, data_dir, **overrides):
+  config = cifar10.get_config()
+  config.dataset.name = name
+  config.dataset.data_dir = data_dir
+  config.input.workers = 0
+  config.update_from_flattened_dict(overrides)
+  return config
+
+
+def test_array_record_streams_slices_and_matches_the_cache(data_dir):
+  config = _config('flaxtpu_toy_mixed', data_dir, **{
+      'dataset.image_size': 16, 'dataset.cache': 'none', 'dataset.train_split': 'train[:75%]',
+      'dataset.eval_split': 'train[75%:]+test'})
+  streamed = data.load(config)
+  assert streamed.class_names == ('dark', 'light') and streamed.image_shape == (16, 16, 3)
+  assert (len(streamed.train), len(streamed.eval)) == (30, 22) and not streamed.train.cached
+  batch = next(data.train_batches(streamed, seed=0, batch_size=8, first_step=0, last_step=1))
+  assert batch.images.shape == (8, 16, 16, 3)
+  brightness = batch.images.reshape(8, -1).mean(axis=1)
+  np.testing.assert_array_less(np.abs(brightness - (30 + 120 * batch.labels)), 20)
+  config.dataset.cache = 'memory'
+  cached = data.load(config)
+  assert cached.train.cached
+  for a, b in zip(data.eval_batches(streamed, batch_size=8), data.eval_batches(cached, batch_size=8)):
+    np.testing.assert_array_equal(a.labels, b.labels)
+    np.testing.assert_array_equal(a.mask, b.mask)
+
+
+def test_varying_tfds_sizes_need_image_size(data_dir):
+  with pytest.raises(data.DataError, match='the images vary in size; set --config.dataset.image_size'):
+    data.load(_config('flaxtpu_toy_mixed', data_dir))
+
+
+def test_tfrecord_loads_into_memory_or_explains_array_record(data_dir):
+  dataset = data.load(_config('flaxtpu_toy_fixed', data_dir))
+  assert dataset.train.cached and dataset.train.images.shape == (40, 8, 8, 3)
+  assert np.bincount(dataset.train.labels).tolist() == [20, 20]
+  with pytest.raises(data.DataError, match="prepared as TFRecord.*file_format='array_record'"):
+    data.load(_config('flaxtpu_toy_fixed', data_dir, **{'dataset.cache': 'none'}))
+
+
+def test_unknown_name_and_split_are_named(data_dir):
+  with pytest.raises(data.DataError, match="config.dataset.name='no_such_dataset_xyz' is not a TFDS dataset"):
+    data.load(_config('no_such_dataset_xyz', data_dir))
+  with pytest.raises(data.DataError, match="has no split 'validation'; it has: test, train"):
+    data.load(_config('flaxtpu_toy_mixed', data_dir, **{'dataset.eval_split': 'validation',
+                                                        'dataset.image_size': 16}))
