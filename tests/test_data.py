@@ -308,3 +308,13 @@ def test_read_images_for_predict(tmp_path, image_folder):
   assert cropped.shape == (1, 16, 16, 3) and cropped[0, 8, 8].tolist() == [0, 0, 255]
   with pytest.raises(data.DataError, match='does not exist'):
     data.read_images(str(tmp_path / 'missing.png'), (8, 8, 3), transform)
+
+
+def test_a_cache_decoded_by_workers_holds_private_arrays(tmp_path):
+  # Arrays from grain workers arrive in shared memory, one file descriptor each: a cache that
+  # kept them would run out of descriptors at CIFAR size (50,000 images).
+  folder = make_image_folder(tmp_path, classes=('a', 'b'), train_per_class=500, test_per_class=1)
+  dataset = data.load(_config(folder, **{'dataset.image_size': 8, 'dataset.cache': 'memory',
+                                         'input.workers': 1}))
+  assert len(dataset.train.images) == 1000
+  assert {type(image) for image in dataset.train.images} == {np.ndarray}
