@@ -37,6 +37,7 @@ from flaxtpu.sources import DataError
 # The decoded splits may take this share of host memory before `dataset.cache=auto` streams.
 CACHE_MEMORY_FRACTION = 1 / 8
 CACHE_MAX_BYTES = 4 * 2**30
+CACHE_CHUNK = 500  # images per cache-decoding task: a hand-over to a worker costs several small decodes
 STATISTICS_SAMPLE = 2_000  # images that estimate the per-channel mean/std of a streamed split
 MAX_SUBSTITUTIONS = 100  # skip_corrupt: how far to look for a readable example to stand in
 
@@ -185,12 +186,13 @@ def _examples(split: sources.Split, cache: bool, transform: Transform, num_worke
   logging.info('decoding %d images of %r into memory (dataset.cache)', len(split), split.name)
   decoder = _CacheDecoder(split, transform)
   images, labels = [], []
-  for image, label in workers.run(decoder, range(len(split)), num_workers, buffer=64,
-                                  min_items_per_worker=1000):
-    if isinstance(image, _Failure):
-      raise DataError(image.message)
-    images.append(image)
-    labels.append(label)
+  chunks = range(-(-len(split) // CACHE_CHUNK))
+  for chunk in workers.run(decoder, chunks, num_workers, buffer=8, min_items_per_worker=2):
+    for image, label in chunk:
+      if isinstance(image, _Failure):
+        raise DataError(image.message)
+      images.append(image)
+      labels.append(label)
   if not transform.size:
     images = np.stack(images)
   return Examples(images=images, labels=np.asarray(labels, np.int32))
@@ -377,8 +379,9 @@ class _CacheDecoder(_ExampleReader):
   def __init__(self, split: sources.Split, transform: Transform):
     super().__init__(Examples(source=split), transform, skip_corrupt=False)
 
-  def __call__(self, index: int):
-    return self.read(index, self._cacheable)
+  def __call__(self, chunk: int) -> list:
+    indices = range(chunk * CACHE_CHUNK, min((chunk + 1) * CACHE_CHUNK, len(self.examples)))
+    return [self.read(index, self._cacheable) for index in indices]
 
   def _cacheable(self, image):
     from PIL import Image  # pylint: disable=g-import-not-at-top
