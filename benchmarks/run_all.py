@@ -20,11 +20,14 @@ def main() -> None:
   cases = ['resnet18_32', 'resnet50_224'] if args.full else ['resnet18_32']
   for script, script_args in (
       ('throughput.py', ['--models', *models]),
-      ('input_pipeline.py', []),
+      ('input_pipeline.py', ['--mode', 'cifar']),
       ('startup.py', []),
       ('checkpoint_cost.py', []),
       ('memory_plan.py', ['--cases', *cases]),
   ):
+    if script == 'input_pipeline.py' and not os.environ.get('FLAXTPU_CIFAR10'):
+      print('== benchmarks/input_pipeline.py skipped: set FLAXTPU_CIFAR10 to a CIFAR-10 image folder', flush=True)
+      continue
     print(f'== benchmarks/{script} {" ".join(script_args)}', flush=True)
     subprocess.run([sys.executable, os.path.join(HERE, script), *script_args], check=True)
 
