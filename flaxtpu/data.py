@@ -88,49 +88,48 @@ def load(config: ml_collections.ConfigDict, *, need_train: bool = True) -> Datas
   """The splits named by `config.dataset`, listed (and, when cached, decoded) and checked."""
   source = config.dataset
   num_workers = input_workers(config)
+  train_split = eval_split = tfrecord_arrays = None
   if source.folder:
     eval_split, class_names = sources.folder_split(source.folder, source.eval_split)
     train_split = sources.folder_split(source.folder, source.train_split)[0] if need_train else None
-    splits = [s for s in (train_split, eval_split) if s is not None]
-    sizes = [sources.scan(s, num_workers, source.skip_corrupt) for s in splits]
-    train_split, eval_split = ((sizes[0][0], sizes[1][0]) if need_train else (None, sizes[0][0]))
-    native = set().union(*(shapes for _, shapes in sizes))
     channels = 3  # like tfds.ImageFolder and Keras: grayscale and CMYK files become RGB
-    tfrecord_arrays = None
+    transform = image_transform(config, channels)
+    # A sample of headers sizes the cache; decoding a cached split checks every file anyway.
+    native = set().union(*(sources.sample_sizes(s) for s in (train_split, eval_split) if s))
+    cache = _use_cache(source.cache, _count(train_split, eval_split),
+                       _image_shape(native, transform, channels), transform)
+    if not cache:  # streamed: every header now, so sizes and unreadable files show before step 1
+      train_split, train_sizes = (sources.scan(train_split, num_workers, source.skip_corrupt)
+                                  if need_train else (None, set()))
+      eval_split, eval_sizes = sources.scan(eval_split, num_workers, source.skip_corrupt)
+      native = train_sizes | eval_sizes
   else:
     builder = sources.tfds_builder(source.name, source.data_dir)
     info = sources.tfds_info(builder)
     class_names, channels = info.class_names, info.image_shape[-1]
+    transform = image_transform(config, channels)
     native = {info.image_shape[:2]} if None not in info.image_shape[:2] else {None}
     if info.array_record:
       train_split = sources.tfds_split(builder, source.train_split) if need_train else None
       eval_split = sources.tfds_split(builder, source.eval_split)
-      tfrecord_arrays = None
+      cache = _use_cache(source.cache, _count(train_split, eval_split),
+                         _image_shape(native, transform, channels), transform)
     else:  # TFRecord reads only in sequence: small datasets go to memory, others need ArrayRecord
       specs = [source.eval_split] + ([source.train_split] if need_train else [])
       count = sum(builder.info.splits[spec].num_examples for spec in specs)
-      if None in info.image_shape or not _use_cache(source.cache, count, info.image_shape,
-                                                    image_transform(config, channels)):
+      if None in info.image_shape or not _use_cache(source.cache, count, info.image_shape, transform):
         sources.tfds_split(builder, source.eval_split)  # raises, explaining how to prepare ArrayRecord
       tfrecord_arrays = functools.partial(sources.tfds_arrays, builder)
-      train_split = eval_split = None
-  transform = image_transform(config, channels)
-  if not transform.size and (len(native) > 1 or None in native):
-    shown = 'vary in size' if None in native else (
-        'have ' + ', '.join(f'{w}x{h}' for h, w in sorted(native)[:3]) + (' and more' if len(native) > 3 else ''))
-    raise DataError(f'the images {shown}; set --config.dataset.image_size=N to train at NxN '
-                    '(random-resized crops for training, resize + centre crop for evaluation)')
-  image_shape = ((transform.size, transform.size, channels) if transform.size
-                 else (*next(iter(native)), channels))
+  image_shape = _image_shape(native, transform, channels)
 
   if tfrecord_arrays is not None:
-    train = Examples(*_arrays_examples(tfrecord_arrays(source.train_split))) if need_train else None
-    evaluation = Examples(*_arrays_examples(tfrecord_arrays(source.eval_split)))
+    train = Examples(None, *tfrecord_arrays(source.train_split)) if need_train else None
+    evaluation = Examples(None, *tfrecord_arrays(source.eval_split))
   else:
-    count = len(eval_split) + (len(train_split) if need_train else 0)
-    cache = _use_cache(source.cache, count, image_shape, transform)
-    train = _examples(train_split, cache, transform, num_workers) if need_train else None
-    evaluation = _examples(eval_split, cache, transform, num_workers)
+    examples = functools.partial(_examples, cache=cache, transform=transform, num_workers=num_workers,
+                                 skip_corrupt=source.skip_corrupt)
+    train = examples(train_split) if need_train else None
+    evaluation = examples(eval_split)
   dataset = Dataset(train=train, eval=evaluation, class_names=tuple(class_names),
                     image_shape=tuple(image_shape), mean=np.zeros(channels, np.float32),
                     std=np.ones(channels, np.float32), transform=transform, workers=num_workers,
@@ -139,6 +138,22 @@ def load(config: ml_collections.ConfigDict, *, need_train: bool = True) -> Datas
     mean, std = _statistics(dataset)
     dataset = dataclasses.replace(dataset, mean=mean, std=std)
   return dataset
+
+
+def _count(*splits: Optional[sources.Split]) -> int:
+  return sum(len(split) for split in splits if split is not None)
+
+
+def _image_shape(native: set, transform: Transform, channels: int) -> tuple[int, int, int]:
+  """What the model sees: image_size square, or the one native size (mixed sizes are an error)."""
+  if transform.size:
+    return transform.size, transform.size, channels
+  if len(native) > 1 or None in native:
+    shown = 'vary in size' if None in native else (
+        'have ' + ', '.join(f'{w}x{h}' for h, w in sorted(native)[:3]) + (' and more' if len(native) > 3 else ''))
+    raise DataError(f'the images {shown}; set --config.dataset.image_size=N to train at NxN '
+                    '(random-resized crops for training, resize + centre crop for evaluation)')
+  return (*next(iter(native)), channels)
 
 
 def image_transform(config: ml_collections.ConfigDict, channels: int) -> Transform:
@@ -153,11 +168,6 @@ def input_workers(config: ml_collections.ConfigDict) -> int:
   if config.input.workers >= 0:
     return config.input.workers
   return min(max((os.cpu_count() or 1) - 1, 1), 32)
-
-
-def _arrays_examples(arrays: tuple[np.ndarray, np.ndarray]) -> tuple[None, np.ndarray, np.ndarray]:
-  images, labels = arrays
-  return None, images, labels
 
 
 def _use_cache(cache: str, count: int, image_shape: tuple[int, int, int], transform: Transform) -> bool:
@@ -180,22 +190,23 @@ def _cache_side(transform: Transform) -> int:
   return int(np.ceil(transform.size / transform.crop_fraction)) if transform.size else 0
 
 
-def _examples(split: sources.Split, cache: bool, transform: Transform, num_workers: int) -> Examples:
+def _examples(split: sources.Split, *, cache: bool, transform: Transform, num_workers: int,
+              skip_corrupt: bool) -> Examples:
+  """The split to stream, or decoded into memory (where every file is checked as it decodes)."""
   if not cache:
     return Examples(source=split)
   logging.info('decoding %d images of %r into memory (dataset.cache)', len(split), split.name)
-  decoder = _CacheDecoder(split, transform)
-  images, labels = [], []
   chunks = range(-(-len(split) // CACHE_CHUNK))
-  for chunk in workers.run(decoder, chunks, num_workers, buffer=8, min_items_per_worker=2):
-    for image, label in chunk:
-      if isinstance(image, _Failure):
-        raise DataError(image.message)
-      images.append(image)
-      labels.append(label)
-  if not transform.size:
+  decoded = [example for chunk in workers.run(_CacheDecoder(split, transform), chunks, num_workers,
+                                               buffer=8, min_items_per_worker=2) for example in chunk]
+  _, keep = sources.without_unreadable(
+      split, [image if isinstance(image, str) else None for image, _ in decoded], skip_corrupt)
+  images = [decoded[i][0] for i in keep]
+  labels = np.asarray([decoded[i][1] for i in keep], np.int32)
+  if not transform.size:  # native size: the sampled headers may have missed an odd one
+    _image_shape({image.shape[:2] for image in images}, transform, transform.channels)
     images = np.stack(images)
-  return Examples(images=images, labels=np.asarray(labels, np.int32))
+  return Examples(images=images, labels=labels)
 
 
 def _statistics(dataset: Dataset) -> tuple[np.ndarray, np.ndarray]:
@@ -321,10 +332,9 @@ class _ExampleReader:
         return make_image(preprocess.open_image(item)), label
       except Exception as e:  # pylint: disable=broad-except
         where = examples.source.describe(position) if examples.source else f'cached image {position}'
-        reason = f'cannot decode image {where} ({type(e).__name__}: {e})'
+        reason = sources.unreadable(where, e)
         if not self.skip_corrupt:
-          return _Failure(f'{reason}; remove or replace it, or set '
-                          '--config.dataset.skip_corrupt=true to skip such files'), 0
+          return _Failure(f'{reason}, or set --config.dataset.skip_corrupt=true to skip such files'), 0
         print(f'warning: {reason}; skipped (dataset.skip_corrupt)', file=sys.stderr, flush=True)
     return _Failure(f'no readable image among {MAX_SUBSTITUTIONS} examples from {index} on'), 0
 
@@ -373,15 +383,24 @@ class _EvalLoader(_ExampleReader):
     return Batch(_stack(images), np.asarray(labels, np.int32), mask)
 
 
-class _CacheDecoder(_ExampleReader):
-  """Index -> the image as the cache keeps it: native size, or the shorter side at the eval resize."""
+class _CacheDecoder:
+  """A chunk of indices -> (image as the cache keeps it, or what is wrong with its file; label).
+
+  The cache keeps the native size, or the shorter side at the eval resize.
+  """
 
   def __init__(self, split: sources.Split, transform: Transform):
-    super().__init__(Examples(source=split), transform, skip_corrupt=False)
+    self.split, self.transform = split, transform
 
   def __call__(self, chunk: int) -> list:
-    indices = range(chunk * CACHE_CHUNK, min((chunk + 1) * CACHE_CHUNK, len(self.examples)))
-    return [self.read(index, self._cacheable) for index in indices]
+    examples = []
+    for index in range(chunk * CACHE_CHUNK, min((chunk + 1) * CACHE_CHUNK, len(self.split))):
+      item, label = self.split.load(index)
+      try:
+        examples.append((self._cacheable(preprocess.open_image(item)), label))
+      except Exception as e:  # pylint: disable=broad-except
+        examples.append((sources.unreadable(self.split.describe(index), e), label))
+    return examples
 
   def _cacheable(self, image):
     from PIL import Image  # pylint: disable=g-import-not-at-top

@@ -164,24 +164,33 @@ def _list_folder_split(root: str, split: str) -> tuple[tuple[str, ...], list[str
 SCAN_CHUNK = 512  # files per scan task: large enough that a task outweighs handing it to a worker
 
 
+def unreadable(where: str, error: Exception) -> str:
+  """What is wrong with a file that cannot be opened or decoded, and what to do about it."""
+  if isinstance(error, PermissionError):
+    return f'cannot read {where} (permission denied); fix its permissions or remove it'
+  return f'cannot decode image {where} ({type(error).__name__}: {error}); remove or replace it'
+
+
+def _header_size(split: Split, index: int) -> tuple[int, int] | str:
+  """(height, width) from the file's header (its pixels stay unread), or what is wrong with it."""
+  path, _ = split.load(index)
+  try:
+    with preprocess.open_image(path) as image:
+      width, height = preprocess.upright_size(image)
+      return height, width
+  except Exception as e:  # pylint: disable=broad-except
+    return unreadable(path, e)
+
+
 class _HeaderScan:
-  """(width, height) of each file from its header, or the reason it cannot be read."""
+  """The header sizes of one chunk of a split's files."""
 
   def __init__(self, split: Split):
     self.split = split
 
   def __call__(self, chunk: int) -> list:
-    results = []
-    for index in range(chunk * SCAN_CHUNK, min((chunk + 1) * SCAN_CHUNK, len(self.split))):
-      path, _ = self.split.load(index)
-      try:
-        with preprocess.open_image(path) as image:
-          results.append(preprocess.upright_size(image))
-      except PermissionError:
-        results.append(f'cannot read {path} (permission denied); fix its permissions or remove it')
-      except Exception as e:  # pylint: disable=broad-except
-        results.append(f'cannot decode image {path} ({type(e).__name__}: {e}); remove or replace it')
-    return results
+    return [_header_size(self.split, index)
+            for index in range(chunk * SCAN_CHUNK, min((chunk + 1) * SCAN_CHUNK, len(self.split)))]
 
 
 def scan(split: Split, num_workers: int, skip_corrupt: bool) -> tuple[Split, set]:
@@ -193,17 +202,36 @@ def scan(split: Split, num_workers: int, skip_corrupt: bool) -> tuple[Split, set
   chunks = range(-(-len(split) // SCAN_CHUNK))
   results = [result for chunk in workers.run(_HeaderScan(split), chunks, num_workers, buffer=4,
                                              min_items_per_worker=4) for result in chunk]
-  bad = [i for i, r in enumerate(results) if isinstance(r, str)]
+  split, keep = without_unreadable(split, [r if isinstance(r, str) else None for r in results],
+                                   skip_corrupt)
+  return split, {results[i] for i in keep}
+
+
+def sample_sizes(split: Split, count: int = 32) -> set:
+  """The sizes of `count` evenly spaced files: enough to size a cache without reading every header.
+
+  Files that cannot be read are left out here; decoding or the scan names them.
+  """
+  positions = np.linspace(0, len(split) - 1, min(count, len(split))).astype(int)
+  return {size for size in (_header_size(split, i) for i in positions) if not isinstance(size, str)}
+
+
+def without_unreadable(split: Split, problems: list, skip_corrupt: bool) -> tuple[Split, np.ndarray]:
+  """The split less the files whose `problems` entry is set, and the positions kept.
+
+  Without `skip_corrupt` the first problem is a DataError; with it they are logged and dropped.
+  """
+  bad = [i for i, problem in enumerate(problems) if problem]
   if bad and not skip_corrupt:
     more = f' ({len(bad) - 1} more files cannot be read either)' if len(bad) > 1 else ''
-    raise DataError(f'{results[bad[0]]}, or set --config.dataset.skip_corrupt=true to skip such '
+    raise DataError(f'{problems[bad[0]]}, or set --config.dataset.skip_corrupt=true to skip such '
                     f'files{more}')
+  keep = np.setdiff1d(np.arange(len(split)), bad)
   if bad:
     logging.warning('skipping %d of %d files of %r that cannot be read (dataset.skip_corrupt), '
                     'e.g. %s', len(bad), len(split), split.name, split.describe(bad[0]))
-    keep = np.setdiff1d(np.arange(len(split)), bad)
-    split, results = split.subset(keep), [results[i] for i in keep]
-  return split, {(height, width) for width, height in results}
+    split = split.subset(keep)
+  return split, keep
 
 
 # --- TFDS -----------------------------------------------------------------------------------
