@@ -161,3 +161,29 @@ def run_length(config: ml_collections.ConfigDict, num_train_examples: int) -> Ru
       checkpoint_every_steps=every(config.checkpoint_every_steps),
       warmup_steps=int(round(config.schedule.warmup_epochs * steps_per_epoch)),
   )
+
+
+def from_saved(saved: dict) -> ml_collections.ConfigDict:
+  """The locked config of a run from its saved `config.json`, on top of today's defaults.
+
+  Keys this version no longer knows are skipped (logged by the caller's
+  reader); JSON lists become the tuples the defaults hold.
+  """
+  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  config = defaults.get_config()
+  known = set(config_keys(config))
+
+  def assign(node: dict, prefix: str) -> None:
+    for key, value in node.items():
+      path = f'{prefix}{key}'
+      if isinstance(value, dict) and path not in known:
+        assign(value, f'{path}.')
+      elif path in known:
+        parent_path, _, leaf = path.rpartition('.')
+        parent = config
+        for part in parent_path.split('.') if parent_path else []:
+          parent = parent[part]
+        parent[leaf] = tuple(value) if isinstance(parent[leaf], tuple) else value
+
+  assign(saved, '')
+  return config

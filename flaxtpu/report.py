@@ -1,0 +1,496 @@
+"""What the model learned and where the time went: per-class metrics, confusions, calibration and curves.
+
+JAX-free (numpy + matplotlib only), so `python -m flaxtpu.report WORKDIR` plots a live or finished run's
+curves without starting JAX:
+
+    python -m flaxtpu.report runs/cifar10        # writes runs/cifar10/curves.png and prints its path
+
+`write_eval_report` writes per_class.csv, confusion.png, mistakes.png and reliability.png next to
+eval.json; `write_curves` writes curves.png from metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from flaxtpu import files
+from flaxtpu.errors import UserError
+
+METRICS_FILE = 'metrics.jsonl'
+CURVES_FILE = 'curves.png'
+NUM_CALIBRATION_BINS = 15
+FULL_MATRIX_MAX_CLASSES = 30  # Above this a full heatmap is unreadable: show the top confusions only.
+TOP_CONFUSED_CLASSES = 20
+TOP_CONFUSED_PAIRS = 20
+MAX_MISTAKES = 25
+_CHUNK = 4096  # Rows per pass, so 50,000 x 1,000 logits never need a second full-size copy.
+
+Images = np.ndarray | Callable[[int], np.ndarray]
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+  """Softmax over the last axis, shifted by the row maximum so exp never overflows."""
+  logits = np.asarray(logits, dtype=np.float64)
+  shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+  return shifted / shifted.sum(axis=-1, keepdims=True)
+
+
+def _check_inputs(logits: Any, labels: Any, class_names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+  logits = np.asarray(logits)
+  if logits.dtype not in (np.float32, np.float64):
+    logits = logits.astype(np.float32)  # bfloat16 from the device, or integers; float64 is kept as given.
+  labels = np.asarray(labels)
+  if logits.ndim != 2:
+    raise ValueError(f'logits must be [examples, classes], got shape {logits.shape}')
+  if labels.shape != (logits.shape[0],):
+    raise ValueError(f'labels must be [{logits.shape[0]}] to match logits {logits.shape}, got {labels.shape}')
+  if not np.issubdtype(labels.dtype, np.integer):
+    raise ValueError(f'labels must be integers, got {labels.dtype}')
+  if len(class_names) != logits.shape[1]:
+    raise ValueError(f'{len(class_names)} class names for {logits.shape[1]} logits per example')
+  if logits.shape[0] == 0:
+    raise ValueError('no examples to report on')
+  if labels.min() < 0 or labels.max() >= logits.shape[1]:
+    raise ValueError(f'labels must be in [0, {logits.shape[1]}), got {labels.min()}..{labels.max()}')
+  return logits, labels.astype(np.int64)
+
+
+def _divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+  """numerator / denominator, NaN where the denominator is 0 (undefined, not 0%)."""
+  out = np.full(numerator.shape, np.nan)
+  np.divide(numerator, denominator, out=out, where=denominator > 0)
+  return out
+
+
+def eval_report(logits: np.ndarray, labels: np.ndarray, class_names: Sequence[str]) -> dict[str, Any]:
+  """Per-class and calibration numbers of one evaluation.
+
+  Args:
+    logits: [N, C] float scores (any real scale; softmax is taken here).
+    labels: [N] int true classes in [0, C).
+    class_names: C names, in class-index order.
+
+  Returns a dict of numpy arrays and floats:
+    num_examples, num_classes, class_names, labels [N];
+    predictions [N] (argmax, first index on ties), confidence [N] (max softmax probability);
+    confusion [C, C] counts, rows = true class, columns = predicted class;
+    support, correct, predicted [C] counts;
+    precision, recall, accuracy [C] (accuracy = recall = correct / support; NaN where the denominator is 0);
+    top1_accuracy, top5_accuracy (only when C > 5; tied logits rank in class-index order, as in argmax);
+    ece: sum over 15 equal-width confidence bins (lo, hi] of |B|/N * |accuracy(B) - confidence(B)|;
+    reliability: {bin_lower, bin_upper, count, accuracy, confidence} arrays of the bins (NaN where empty).
+  """
+  logits, labels = _check_inputs(logits, labels, class_names)
+  num_examples, num_classes = logits.shape
+  predictions = np.empty(num_examples, np.int64)
+  confidence = np.empty(num_examples, np.float64)
+  rank = np.empty(num_examples, np.int64)  # Position of the true class in a stable descending sort.
+  class_index = np.arange(num_classes)
+  for start in range(0, num_examples, _CHUNK):
+    rows = slice(start, start + _CHUNK)
+    chunk, chunk_labels = logits[rows].astype(np.float64), labels[rows]
+    predictions[rows] = chunk.argmax(axis=1)
+    # The max softmax probability is 1 / sum(exp(l - max l)): no full probability matrix needed.
+    confidence[rows] = 1.0 / np.exp(chunk - chunk.max(axis=1, keepdims=True)).sum(axis=1)
+    true_logit = chunk[np.arange(len(chunk)), chunk_labels][:, None]
+    rank[rows] = ((chunk > true_logit).sum(axis=1) +
+                  ((chunk == true_logit) & (class_index < chunk_labels[:, None])).sum(axis=1))
+
+  confusion = np.bincount(labels * num_classes + predictions,
+                          minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+  support = confusion.sum(axis=1)
+  predicted = confusion.sum(axis=0)
+  correct = np.diag(confusion).copy()
+  recall = _divide(correct, support)
+  hits = predictions == labels
+
+  edges = np.linspace(0.0, 1.0, NUM_CALIBRATION_BINS + 1)
+  # Bin b holds confidences in (edges[b], edges[b+1]]; the max softmax is always > 0.
+  bins = np.clip(np.digitize(confidence, edges, right=True) - 1, 0, NUM_CALIBRATION_BINS - 1)
+  bin_count = np.bincount(bins, minlength=NUM_CALIBRATION_BINS)
+  bin_accuracy = _divide(np.bincount(bins, weights=hits, minlength=NUM_CALIBRATION_BINS), bin_count)
+  bin_confidence = _divide(np.bincount(bins, weights=confidence, minlength=NUM_CALIBRATION_BINS), bin_count)
+  filled = bin_count > 0
+  gaps = np.abs(bin_accuracy[filled] - bin_confidence[filled])
+  ece = float(np.sum(bin_count[filled] / num_examples * gaps))
+
+  report = {
+      'num_examples': num_examples,
+      'num_classes': num_classes,
+      'class_names': list(class_names),
+      'labels': labels,
+      'predictions': predictions,
+      'confidence': confidence,
+      'confusion': confusion,
+      'support': support,
+      'correct': correct,
+      'predicted': predicted,
+      'precision': _divide(correct, predicted),
+      'recall': recall,
+      'accuracy': recall,
+      'top1_accuracy': float(hits.mean()),
+      'ece': ece,
+      'reliability': {'bin_lower': edges[:-1], 'bin_upper': edges[1:], 'count': bin_count,
+                      'accuracy': bin_accuracy, 'confidence': bin_confidence},
+  }
+  if num_classes > 5:
+    report['top5_accuracy'] = float((rank < 5).mean())
+  return report
+
+
+def most_confused_with(confusion: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Per true class: the other class it is most often predicted as (-1 if never wrong) and that count."""
+  off_diagonal = confusion.copy()
+  np.fill_diagonal(off_diagonal, 0)
+  other = off_diagonal.argmax(axis=1)
+  count = off_diagonal[np.arange(len(other)), other]
+  return np.where(count > 0, other, -1), count
+
+
+def top_confusions(confusion: np.ndarray, k: int) -> list[tuple[int, int, int]]:
+  """The k largest off-diagonal cells as (true, predicted, count), largest first; zero counts left out."""
+  off_diagonal = confusion.copy()
+  np.fill_diagonal(off_diagonal, 0)
+  flat = off_diagonal.ravel()
+  k = min(k, int(np.count_nonzero(flat)))
+  if k == 0:
+    return []
+  top = np.argpartition(-flat, k - 1)[:k]
+  top = top[np.lexsort((top, -flat[top]))]  # Count descending, then cell order: deterministic on ties.
+  size = confusion.shape[1]
+  return [(int(i // size), int(i % size), int(flat[i])) for i in top]
+
+
+def _atomic(path: str, write: Callable[[str], None]) -> None:
+  """Calls write(temporary path), then renames it onto `path`: a crash never leaves half a file."""
+  temporary = f'{path}.tmp.{os.getpid()}'  # Per process: a CLI run and a trainer may write the same file.
+  try:
+    write(temporary)
+    os.replace(temporary, path)
+  finally:
+    if os.path.exists(temporary):
+      os.remove(temporary)
+
+
+def _pyplot():
+  import matplotlib  # Imported here: the numbers above never need it.
+  matplotlib.use('Agg')
+  from matplotlib import pyplot
+  return pyplot
+
+
+def _save_figure(figure, path: str) -> None:
+  pyplot = _pyplot()
+  try:
+    _atomic(path, lambda temporary: figure.savefig(temporary, format='png', dpi=100))
+  finally:
+    pyplot.close(figure)
+
+
+def _short(name: str, width: int = 24) -> str:
+  return name if len(name) <= width else name[:width - 1] + '…'
+
+
+def _csv_number(value: float) -> str:
+  return '' if math.isnan(value) else repr(float(value))
+
+
+def write_per_class_csv(path: str, report: Mapping[str, Any]) -> None:
+  """One row per class: class, support, correct, precision, recall, accuracy, most_confused_with (+ count).
+
+  Undefined precision (never predicted) or recall (no examples) is an empty cell, not 0.
+  """
+  names = report['class_names']
+  other, other_count = most_confused_with(report['confusion'])
+
+  def write(temporary: str) -> None:
+    with open(temporary, 'w', newline='', encoding='utf-8') as f:
+      writer = csv.writer(f)
+      writer.writerow(['class', 'support', 'correct', 'precision', 'recall', 'accuracy',
+                       'most_confused_with', 'most_confused_count'])
+      for c, name in enumerate(names):
+        writer.writerow([name, int(report['support'][c]), int(report['correct'][c]),
+                         _csv_number(report['precision'][c]), _csv_number(report['recall'][c]),
+                         _csv_number(report['accuracy'][c]), names[other[c]] if other[c] >= 0 else '',
+                         int(other_count[c])])
+
+  _atomic(path, write)
+
+
+def _heatmap(axes, confusion: np.ndarray, support: np.ndarray, rows: Sequence[int],
+             names: Sequence[str]) -> None:
+  """Cells of `rows` x `rows` coloured by the fraction of the true class's examples, labelled with counts."""
+  index = np.asarray(rows)
+  counts = confusion[np.ix_(index, index)]
+  fractions = counts / np.maximum(support[index], 1)[:, None]
+  image = axes.imshow(fractions, cmap='Blues', vmin=0.0, vmax=1.0)
+  size = len(index)
+  labels = [_short(names[i]) for i in index]
+  font = max(4, min(9, int(160 / max(size, 1))))
+  axes.set_xticks(range(size), labels, rotation=90, fontsize=font)
+  axes.set_yticks(range(size), labels, fontsize=font)
+  axes.set_xlabel('predicted')
+  axes.set_ylabel('true')
+  for i in range(size):
+    for j in range(size):
+      if counts[i, j]:
+        axes.text(j, i, str(counts[i, j]), ha='center', va='center', fontsize=font,
+                  color='white' if fractions[i, j] > 0.5 else 'black')
+  axes.figure.colorbar(image, ax=axes, fraction=0.046, pad=0.04, label='fraction of true class')
+
+
+def plot_confusion(path: str, report: Mapping[str, Any]) -> None:
+  """The confusion matrix as a PNG, readable at any number of classes.
+
+  Up to 30 classes: the full matrix, rows (true class) coloured by the fraction of that class's examples
+  and every non-zero cell labelled with its count. Above 30 (e.g. ImageNet's 1,000) a full matrix is a
+  grey square, so two panels show where the mistakes are: the 20 classes taken, in order, from the
+  largest off-diagonal cells (similar classes end up next to each other, colours still fractions of the
+  true class's full support), and a ranked bar chart of the top 20 (true -> predicted) pairs with counts.
+  The whole matrix is in the numbers: per_class.csv names each class's most confused partner.
+  """
+  pyplot = _pyplot()
+  confusion, support, names = report['confusion'], report['support'], report['class_names']
+  num_classes = len(names)
+  accuracy = report['top1_accuracy']
+  if num_classes <= FULL_MATRIX_MAX_CLASSES:
+    side = max(5.0, 0.4 * num_classes + 3)
+    figure, axes = pyplot.subplots(figsize=(side + 1, side))
+    _heatmap(axes, confusion, support, range(num_classes), names)
+    axes.set_title(f'confusion matrix ({num_classes} classes, accuracy {accuracy:.2%})')
+    figure.tight_layout()
+    _save_figure(figure, path)
+    return
+
+  pairs = top_confusions(confusion, max(TOP_CONFUSED_PAIRS, 4 * TOP_CONFUSED_CLASSES))
+  classes: list[int] = []
+  for true, predicted, _ in pairs:
+    for c in (true, predicted):
+      if c not in classes and len(classes) < TOP_CONFUSED_CLASSES:
+        classes.append(c)
+  figure, (left, right) = pyplot.subplots(1, 2, figsize=(18, 8.5), gridspec_kw={'width_ratios': [1.1, 1]})
+  if classes:
+    _heatmap(left, confusion, support, classes, names)
+    left.set_title(f'the {len(classes)} most confused classes')
+    shown = pairs[:TOP_CONFUSED_PAIRS]
+    positions = np.arange(len(shown))
+    right.barh(positions, [count for _, _, count in shown], color='tab:red')
+    right.set_yticks(positions, [f'{_short(names[t])} → {_short(names[p])}' for t, p, _ in shown], fontsize=8)
+    right.invert_yaxis()
+    right.set_xlabel('examples')
+    right.set_title(f'top {len(shown)} confusions (true → predicted)')
+    for position, (_, _, count) in zip(positions, shown):
+      right.text(count, position, f' {count}', va='center', fontsize=7)
+    right.grid(axis='x', alpha=0.3)
+  else:
+    for axes in (left, right):
+      axes.axis('off')
+    left.text(0.5, 0.5, 'no mistakes', ha='center', va='center', fontsize=14)
+  figure.suptitle(f'top confusions among {num_classes} classes (accuracy {accuracy:.2%})')
+  figure.tight_layout()
+  _save_figure(figure, path)
+
+
+def _display_image(image: np.ndarray) -> tuple[np.ndarray, str | None]:
+  """An image for imshow: uint8 as is; other dtypes (e.g. normalised floats) stretched to [0, 1]."""
+  image = np.asarray(image)
+  if image.ndim == 3 and image.shape[-1] == 1:
+    image = image[..., 0]
+  if image.dtype != np.uint8:
+    image = image.astype(np.float64)
+    low, high = image.min(), image.max()
+    image = (image - low) / (high - low) if high > low else np.zeros_like(image)
+  return image, ('gray' if image.ndim == 2 else None)
+
+
+def plot_mistakes(path: str, report: Mapping[str, Any], images: Images) -> None:
+  """A grid of the (up to 25) most confident mistakes: the image, true and predicted class, probability.
+
+  `images` is [N, H, W, C] (C = 1 or 3) in example order, or a function example index -> image, so an
+  evaluation need not keep every image in memory.
+  """
+  pyplot = _pyplot()
+  names = report['class_names']
+  labels, predictions, confidence = report['labels'], report['predictions'], report['confidence']
+  wrong = np.flatnonzero(predictions != labels)
+  worst = wrong[np.argsort(-confidence[wrong], kind='stable')][:MAX_MISTAKES]
+  get = images if callable(images) else images.__getitem__
+  columns = max(1, min(5, len(worst)))
+  grid_rows = max(1, math.ceil(len(worst) / columns))
+  figure, axes = pyplot.subplots(grid_rows, columns, figsize=(2.3 * columns, 2.6 * grid_rows), squeeze=False)
+  for axis in axes.ravel():
+    axis.axis('off')
+  if not len(worst):
+    axes[0, 0].text(0.5, 0.5, 'no mistakes', ha='center', va='center', fontsize=12)
+  for axis, example in zip(axes.ravel(), worst):
+    image, cmap = _display_image(get(int(example)))
+    # Grayscale keeps its absolute brightness (imshow would stretch each image's own range).
+    grey_range = {'vmin': 0, 'vmax': 255 if image.dtype == np.uint8 else 1} if cmap else {}
+    axis.imshow(image, cmap=cmap, interpolation='nearest', **grey_range)
+    axis.set_title(f'true: {_short(names[labels[example]], 18)}\n'
+                   f'pred: {_short(names[predictions[example]], 18)} ({confidence[example]:.2f})', fontsize=7)
+  figure.suptitle(f'most confident mistakes ({len(worst)} of {len(wrong)})', fontsize=9)
+  figure.tight_layout()
+  _save_figure(figure, path)
+
+
+def plot_reliability(path: str, report: Mapping[str, Any]) -> None:
+  """Reliability diagram: accuracy per confidence bin against the diagonal, gaps in red; bin counts below."""
+  pyplot = _pyplot()
+  bins = report['reliability']
+  lower, upper, count = bins['bin_lower'], bins['bin_upper'], bins['count']
+  filled = count > 0
+  width = upper - lower
+  centre = (lower + upper) / 2
+  accuracy = np.where(filled, bins['accuracy'], 0.0)
+  confidence = np.where(filled, bins['confidence'], 0.0)
+  figure, (top, bottom) = pyplot.subplots(2, 1, figsize=(5.5, 6.5), sharex=True,
+                                          gridspec_kw={'height_ratios': [3, 1]})
+  top.bar(centre[filled], accuracy[filled], width[filled], color='tab:blue', edgecolor='black',
+          linewidth=0.5, label='accuracy')
+  gap_low = np.minimum(accuracy, confidence)[filled]
+  top.bar(centre[filled], np.abs(confidence - accuracy)[filled], width[filled], bottom=gap_low,
+          color='tab:red', alpha=0.35, edgecolor='tab:red', hatch='//', linewidth=0.5,
+          label='gap to confidence')
+  top.plot([0, 1], [0, 1], '--', color='gray', label='perfect calibration')
+  top.set_xlim(0, 1)
+  top.set_ylim(0, 1)
+  top.set_ylabel('accuracy')
+  top.legend(loc='upper left', fontsize=8)
+  top.set_title(f'reliability (ECE {report["ece"]:.4f}, {NUM_CALIBRATION_BINS} bins)')
+  top.grid(alpha=0.3)
+  bottom.bar(centre, count, width, color='gray', edgecolor='black', linewidth=0.5)
+  bottom.set_xlabel('confidence (max softmax probability)')
+  bottom.set_ylabel('examples')
+  figure.tight_layout()
+  _save_figure(figure, path)
+
+
+def write_eval_report(directory: str, logits: np.ndarray, labels: np.ndarray, class_names: Sequence[str],
+                      images: Images | None = None, suffix: str = '') -> dict[str, Any]:
+  """Writes per_class{suffix}.csv, confusion{suffix}.png, reliability{suffix}.png and, with images,
+  mistakes{suffix}.png into `directory` (each atomically); returns numbers for eval.json.
+
+  The result: eval_ece, eval_top5_accuracy (when there are more than 5 classes) and report_files (the
+  file names written, relative to `directory`). `images` as in `plot_mistakes`.
+  """
+  report = eval_report(logits, labels, class_names)
+  if images is not None and not callable(images) and len(images) != report['num_examples']:
+    raise ValueError(f'{len(images)} images for {report["num_examples"]} examples')
+  os.makedirs(directory, exist_ok=True)
+  written = []
+
+  def path(name: str) -> str:
+    written.append(f'{name}{suffix}.{"csv" if name == "per_class" else "png"}')
+    return os.path.join(directory, written[-1])
+
+  write_per_class_csv(path('per_class'), report)
+  plot_confusion(path('confusion'), report)
+  if images is not None:
+    plot_mistakes(path('mistakes'), report, images)
+  plot_reliability(path('reliability'), report)
+  summary: dict[str, Any] = {'eval_ece': report['ece']}
+  if 'top5_accuracy' in report:
+    summary['eval_top5_accuracy'] = report['top5_accuracy']
+  summary['report_files'] = written
+  return summary
+
+
+def _series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], list[float]]:
+  """(steps, values) of one metric in step order; missing, non-numeric and non-finite values left out."""
+  points = sorted((row['step'], float(row[key])) for row in rows
+                  if isinstance(row.get(key), (int, float)) and not isinstance(row[key], bool)
+                  and math.isfinite(row[key]))
+  return [step for step, _ in points], [value for _, value in points]
+
+
+def _curve_panels(keys: Sequence[str]) -> list[tuple[str, list[str]]]:
+  """(panel title, metric keys) for the panels that have data: loss, accuracy, learning rate, throughput."""
+  def metric(key: str) -> bool:
+    return key.startswith(('train_', 'eval_'))
+
+  panels = [
+      ('loss', [k for k in keys if metric(k) and 'loss' in k]),
+      ('accuracy', [k for k in keys if metric(k) and 'accuracy' in k]),
+      ('learning rate', [k for k in keys if k in ('learning_rate', 'lr')]),
+      ('images / s', [k for k in keys if k.endswith('images_per_sec')]),
+  ]
+  # train_* before eval_*, then by name: the same colours in every run's picture.
+  return [(title, sorted(found, key=lambda k: (not k.startswith('train_'), k)))
+          for title, found in panels if found]
+
+
+def write_curves(workdir: str) -> str:
+  """Writes WORKDIR/curves.png from WORKDIR/metrics.jsonl (live or finished run) and returns its path.
+
+  One panel each for loss (train, eval), accuracy (train, eval and every other eval_*accuracy* series, e.g.
+  eval_top5_accuracy), learning rate and images/s, for those present. A line cut off mid-write is skipped.
+  """
+  if not os.path.isdir(workdir):
+    raise UserError(f'{workdir}: no such run directory')
+  metrics_path = os.path.join(workdir, METRICS_FILE)
+  if not os.path.isfile(metrics_path):
+    raise UserError(f'{metrics_path} not found: is {workdir} a run\'s --workdir? '
+                    '(the file appears at the first log step)')
+  rows = [row for row in files.read_jsonl(metrics_path)
+          if isinstance(row, dict) and isinstance(row.get('step'), (int, float))]
+  keys = sorted({key for row in rows for key in row if key != 'step'})
+  panels = [(title, [(key, _series(rows, key)) for key in found]) for title, found in _curve_panels(keys)]
+  panels = [(title, [(key, series) for key, series in curves if series[0]]) for title, curves in panels]
+  panels = [(title, curves) for title, curves in panels if curves]
+  if not panels:
+    raise UserError(f'{metrics_path} has no loss, accuracy or learning-rate values yet: '
+                    'wait for the first log step')
+
+  pyplot = _pyplot()
+  from matplotlib.ticker import PercentFormatter
+  columns = min(2, len(panels))
+  grid_rows = math.ceil(len(panels) / columns)
+  figure, axes = pyplot.subplots(grid_rows, columns, figsize=(6 * columns, 3.8 * grid_rows), squeeze=False)
+  for axis in axes.ravel()[len(panels):]:
+    axis.axis('off')
+  for axis, (title, curves) in zip(axes.ravel(), panels):
+    for key, (steps, values) in curves:
+      # Eval points are few: markers keep a single point visible.
+      axis.plot(steps, values, label=key, linewidth=1.2, marker='o' if len(steps) < 30 else None,
+                markersize=3)
+    axis.set_title(title)
+    axis.set_xlabel('step')
+    axis.grid(alpha=0.3)
+    if title == 'accuracy':
+      axis.yaxis.set_major_formatter(PercentFormatter(1.0))
+    if title != 'learning rate' or len(curves) > 1:
+      axis.legend(fontsize=8)
+  last_step = max(row['step'] for row in rows)
+  figure.suptitle(f'{os.path.basename(os.path.abspath(workdir))}: step {last_step}', fontsize=11)
+  figure.tight_layout()
+  path = os.path.join(workdir, CURVES_FILE)
+  _save_figure(figure, path)
+  return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """`python -m flaxtpu.report WORKDIR`: writes WORKDIR/curves.png and prints its path; 2 on bad input."""
+  parser = argparse.ArgumentParser(
+      prog='python -m flaxtpu.report',
+      description='Plot a live or finished run\'s curves from WORKDIR/metrics.jsonl into WORKDIR/curves.png.')
+  parser.add_argument('workdir', help='the run\'s --workdir')
+  args = parser.parse_args(argv)
+  try:
+    print(write_curves(args.workdir))
+  except UserError as error:
+    print(f'error: {error}', file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
