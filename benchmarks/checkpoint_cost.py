@@ -26,7 +26,7 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=8)
   parser.add_argument('--saves', type=int, default=3)
   parser.add_argument('--cpu-devices', type=int, default=8)
-  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'checkpoint_cost.json'))
+  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'local', 'checkpoint_cost.json'))
   args = parser.parse_args()
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                              f' --xla_force_host_platform_device_count={args.cpu_devices}')

@@ -122,7 +122,7 @@ def main() -> None:
                       help='config.input.workers (default: the config\'s, one per core but one)')
   parser.add_argument('--interval', type=float, default=0.2, help='seconds between memory samples')
   parser.add_argument('--rounds', type=int, default=1, help='runs per folder, alternating; medians')
-  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'input_memory.json'))
+  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'local', 'input_memory.json'))
   args = parser.parse_args()
 
   runs = {'small': [], 'big': []}

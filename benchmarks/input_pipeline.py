@@ -352,7 +352,7 @@ def main() -> None:
   parser.add_argument('--model', default='resnet20', help='cifar mode: the model whose train step is timed')
   parser.add_argument('--steps', type=int, default=10, help='cifar mode: train steps per round')
   parser.add_argument('--cpu-devices', type=int, default=8, help='cifar mode')
-  parser.add_argument('--out', default=None, help='default: benchmarks/results/input_pipeline.json '
+  parser.add_argument('--out', default=None, help='default: benchmarks/results/local/input_pipeline.json '
                       '(folder mode) or input_pipeline_cifar_MODEL.json (cifar mode)')
   args = parser.parse_args()
   mode = args.mode or ('folder' if args.folder else 'cifar')
@@ -362,7 +362,7 @@ def main() -> None:
     parser.error('cifar mode needs the CIFAR-10 image folder: --data DIR or FLAXTPU_CIFAR10=DIR')
   result = folder_mode(args) if mode == 'folder' else cifar_mode(args)
   name = 'input_pipeline.json' if mode == 'folder' else f'input_pipeline_cifar_{args.model}.json'
-  out = args.out or os.path.join(ROOT, 'benchmarks', 'results', name)
+  out = args.out or os.path.join(ROOT, 'benchmarks', 'results', 'local', name)
   os.makedirs(os.path.dirname(out), exist_ok=True)
   with open(out, 'w', encoding='utf-8') as f:
     json.dump(result, f, indent=2)

@@ -51,7 +51,7 @@ import tensorflow as tf  # noqa: E402
 tf.config.set_visible_devices([], 'GPU')
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_ROOT / 'benchmarks' / 'results' / 'keras_photos.json'
+DEFAULT_OUT = REPO_ROOT / 'benchmarks' / 'results' / 'local' / 'keras_photos.json'
 IMAGE_SIZE = (180, 180)  # the tutorial's img_height, img_width
 BATCH_SIZE = 32
 SPLIT_SEED = 123  # the tutorial's seed for validation_split and file shuffling

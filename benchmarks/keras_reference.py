@@ -30,8 +30,7 @@ import tensorflow as tf  # noqa: E402
 tf.config.set_visible_devices([], 'GPU')
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-DEFAULT_DATA = REPO_ROOT / '..' / 'shared' / 'datasets' / 'cifar10'
-DEFAULT_OUT = REPO_ROOT / 'benchmarks' / 'results' / 'keras_reference.json'
+DEFAULT_OUT = REPO_ROOT / 'benchmarks' / 'results' / 'local' / 'keras_reference.json'
 IMAGE_SIZE = peers.IMAGE_SHAPE[:2]  # what the CNN takes
 BATCH_SIZE = 128
 
@@ -76,14 +75,14 @@ def run_seed(data_dir: pathlib.Path, seed: int, epochs: int) -> dict:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--data', type=pathlib.Path, default=DEFAULT_DATA,
-                      help='image-folder root with train/ and test/')
+  parser.add_argument('--data', type=pathlib.Path, default=pathlib.Path(os.environ.get('FLAXTPU_CIFAR10', '')),
+                      help='CIFAR-10 image-folder root with train/ and test/ (default: $FLAXTPU_CIFAR10)')
   parser.add_argument('--seeds', type=int, nargs='+', default=[0, 1, 2])
   parser.add_argument('--epochs', type=int, default=5)
   parser.add_argument('--out', type=pathlib.Path, default=DEFAULT_OUT)
   args = parser.parse_args()
   if not (args.data / 'train').is_dir() or not (args.data / 'test').is_dir():
-    parser.error(f'--data {args.data} needs train/ and test/ folders (see ../shared/datasets/README.md)')
+    parser.error(f'--data {args.data} needs train/ and test/ folders: pass --data DIR or set FLAXTPU_CIFAR10=DIR')
 
   start = time.perf_counter()
   runs = []

@@ -38,7 +38,7 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=3, help='timed steps per policy')
   parser.add_argument('--cpu-devices', type=int, default=8)
   parser.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'))
-  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'memory_plan.json'))
+  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'local', 'memory_plan.json'))
   args = parser.parse_args()
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                              f' --xla_force_host_platform_device_count={args.cpu_devices}')

@@ -47,7 +47,7 @@ NUM_CLASSES = 10
 DEFAULT_STEPS = {('train', 'cnn'): 30, ('train', 'resnet20'): 6,
                  ('predict', 'cnn'): 50, ('predict', 'resnet20'): 20}
 DEFAULT_BATCH_SIZE = {'train': 128, 'predict': 64}
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / 'results' / 'peers.json'
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / 'results' / 'local' / 'peers.json'
 TORCH_MISSING = 'torch is not installed (pip install torch==2.13.0); skipped'
 
 # --- data and timing, shared by every peer ---------------------------------------

@@ -1,7 +1,13 @@
-"""`make bench`: every side-by-side benchmark, one after another, results in benchmarks/results/.
+"""`make bench`: every side-by-side benchmark, one after another, results in benchmarks/results/local/.
 
     python benchmarks/run_all.py            # the quick set (about 15 minutes on 2 cores)
     python benchmarks/run_all.py --full     # adds resnet20 throughput and ResNet-50 memory plans
+
+Every benchmark runs from a fresh clone with no data beyond the repository
+(the CIFAR-10 input benchmark also runs when FLAXTPU_CIFAR10 names an image
+folder). A benchmark that fails is reported and the rest still run; the exit
+status is 1 if any failed. The committed results in benchmarks/results/ are
+only replaced on purpose: copy them from local/ or pass --out to a script.
 """
 
 import argparse
@@ -18,6 +24,7 @@ def main() -> None:
   args = parser.parse_args()
   models = ['cnn', 'resnet20'] if args.full else ['cnn']
   cases = ['resnet18_32', 'resnet50_224'] if args.full else ['resnet18_32']
+  failed = []
   for script, script_args in (
       ('throughput.py', ['--models', *models]),
       ('input_pipeline.py', ['--mode', 'cifar']),
@@ -29,7 +36,14 @@ def main() -> None:
       print('== benchmarks/input_pipeline.py skipped: set FLAXTPU_CIFAR10 to a CIFAR-10 image folder', flush=True)
       continue
     print(f'== benchmarks/{script} {" ".join(script_args)}', flush=True)
-    subprocess.run([sys.executable, os.path.join(HERE, script), *script_args], check=True)
+    returncode = subprocess.run([sys.executable, os.path.join(HERE, script), *script_args]).returncode
+    if returncode:
+      failed.append(f'{script} (exit {returncode})')
+      print(f'== benchmarks/{script} FAILED with exit status {returncode}; going on', flush=True)
+  if failed:
+    print(f'error: {len(failed)} benchmark(s) failed: {", ".join(failed)}', file=sys.stderr)
+    sys.exit(1)
+  print('== all benchmarks done; results in benchmarks/results/local/', flush=True)
 
 
 if __name__ == '__main__':

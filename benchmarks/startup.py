@@ -1,6 +1,7 @@
 """Time to the first train step, cold and warm, with JAX's persistent compilation cache.
 
-    python benchmarks/startup.py [--config configs/cifar10_resnet.py] [--data ../shared/datasets/cifar10]
+    python benchmarks/startup.py                                  # the embedded digits recipe
+    FLAXTPU_CIFAR10=/path/to/cifar10 python benchmarks/startup.py  # ResNet-20 on a CIFAR-10 folder
 
 Runs the CLI twice on one fresh cache directory (the first run fills it, the
 second reads it), and once more with the cache off, all for one step. Reports
@@ -22,9 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_once(config: str, data: str, cache_dir: str, workdir: str) -> dict:
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   started = time.perf_counter()
+  data_args = [f'--config.dataset.folder={data}', '--config.eval_batch_size=1000'] if data else []
   subprocess.run([sys.executable, '-m', 'flaxtpu.main', f'--config={config}', f'--workdir={workdir}',
-                  f'--config.dataset.folder={data}', '--config.num_train_steps=1',
-                  f'--config.compilation_cache_dir={cache_dir}', '--config.eval_batch_size=1000'],
+                  '--config.num_train_steps=1', f'--config.compilation_cache_dir={cache_dir}', *data_args],
                  cwd=ROOT, env=env, check=True, capture_output=True)
   wall = time.perf_counter() - started
   with open(os.path.join(workdir, 'results.json'), encoding='utf-8') as f:
@@ -35,9 +36,11 @@ def run_once(config: str, data: str, cache_dir: str, workdir: str) -> dict:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--config', default='configs/cifar10_resnet.py')
-  parser.add_argument('--data', default=os.path.join(ROOT, '..', 'shared', 'datasets', 'cifar10'))
-  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'startup.json'))
+  cifar10 = os.environ.get('FLAXTPU_CIFAR10', '')
+  parser.add_argument('--data', default=cifar10, help='an image folder (default: $FLAXTPU_CIFAR10; '
+                      'none: the embedded digits)')
+  parser.add_argument('--config', default='configs/cifar10_resnet.py' if cifar10 else 'configs/digits.py')
+  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'local', 'startup.json'))
   args = parser.parse_args()
   with tempfile.TemporaryDirectory() as tmp:
     cache = os.path.join(tmp, 'cache')

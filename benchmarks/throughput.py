@@ -120,7 +120,7 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=0, help='steps per measurement (default per model)')
   parser.add_argument('--peers', nargs='*', default=['keras_tf', 'keras_tf_nojit', 'keras_jax', 'torch'])
   parser.add_argument('--worker', choices=('step', 'predict'), help=argparse.SUPPRESS)
-  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'throughput.json'))
+  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'local', 'throughput.json'))
   args = parser.parse_args()
   if args.worker:
     print(json.dumps({'value': worker(args.worker, args.models[0], args.steps)}))

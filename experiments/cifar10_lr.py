@@ -1,6 +1,8 @@
 """Peak learning rate x schedule for the ResNet-20 recipe at a CPU-sized budget (9 runs of 1 epoch).
 
     python -m flaxtpu.sweep experiments/cifar10_lr.py --workdir=runs/sweeps/cifar10_lr
+    python -m flaxtpu.sweep experiments/cifar10_lr.py --workdir=runs/sweeps/cifar10_lr \
+        --config.dataset.folder=/path/to/cifar10   # offline: an image folder
     python -m flaxtpu.sweep experiments/cifar10_lr.py --workdir=runs/sweeps/cifar10_lr --report
 
 The recipe's 30-epoch budget is cut to 1 epoch (and its warmup to 0.2 epoch)
@@ -11,13 +13,11 @@ does not help on so few cores). The winner goes back into
 """
 
 from configs import cifar10_resnet
-from experiments import CIFAR10_FOLDER
 from flaxtpu import sweep
 
 
 def get_config():
   config = cifar10_resnet.get_config()
-  config.dataset.folder = CIFAR10_FOLDER
   config.num_epochs = 1.0
   config.schedule.warmup_epochs = 0.2
   return config

@@ -1,6 +1,7 @@
 """Which model for CIFAR-10: the Keras CNN vs CIFAR ResNets of two depths, same data, augmentation and budget.
 
-    python -m flaxtpu.sweep experiments/cifar10_models.py --workdir=runs/sweeps/cifar10_models
+    python -m flaxtpu.sweep experiments/cifar10_models.py --workdir=runs/sweeps/cifar10_models \
+        [--config.dataset.folder=/path/to/cifar10]
 
 Every model gets the ResNet recipe's data pipeline (standardized inputs, crop +
 flip) and 1 epoch; the CNN keeps the optimizer it was designed with (Adam
@@ -11,13 +12,11 @@ buys; on 2 CPU cores its 11M parameters make it ~10x slower per image.
 """
 
 from configs import cifar10_resnet
-from experiments import CIFAR10_FOLDER
 from flaxtpu import sweep
 
 
 def get_config():
   config = cifar10_resnet.get_config()
-  config.dataset.folder = CIFAR10_FOLDER
   config.num_epochs = 1.0
   config.schedule.warmup_epochs = 0.2
   config.eval_every_steps = 130  # three points on each accuracy curve

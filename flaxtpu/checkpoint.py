@@ -8,6 +8,7 @@ it when complete, so a step that is listed is a step that restores.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any, Optional
@@ -30,6 +31,13 @@ ocp.type_handlers.register_type_handler(
 
 class CheckpointError(UserError):
   """A checkpoint that is missing, incomplete, or from another model."""
+
+
+class UnreadableCheckpoint(CheckpointError):
+  """A listed checkpoint whose files cannot be read (truncated, corrupted): an earlier one may be."""
+
+
+UNREADABLE_SUFFIX = '.unreadable'  # an unreadable step directory is renamed aside, never deleted
 
 
 class Checkpoints:
@@ -59,19 +67,46 @@ class Checkpoints:
         ))
 
   def save(self, step: int, state: Any, record: dict, metrics: Optional[dict] = None) -> None:
-    """Starts an asynchronous save; training continues while it is written."""
+    """Starts an asynchronous save; training continues while it is written.
+
+    A save that fails (disk full, permissions) raises CheckpointError, here or
+    from the next save()/wait(); orbax renames a step into place only when it
+    is complete, so the checkpoints before it stay intact.
+    """
     if self._best_metric and metrics is not None and self._best_metric not in metrics:
       metrics = None
-    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                     record=ocp.args.JsonSave(record)),
-                       metrics=metrics, force=True)
+    with self._save_errors(step):
+      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                       record=ocp.args.JsonSave(record)),
+                         metrics=metrics, force=True)
+    self._saving_step = step
 
   def is_saving(self) -> bool:
     """Whether an asynchronous save is still being written."""
     return self._manager.is_saving_in_progress()
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    with self._save_errors(getattr(self, '_saving_step', None)):
+      self._manager.wait_until_finished()
+
+  @contextlib.contextmanager
+  def _save_errors(self, step: Optional[int]):
+    """A failed save as one CheckpointError naming the step that failed and the one that is intact.
+
+    orbax reports an asynchronous save's failure from the next save() or wait():
+    the failed step is then the earlier one, which never became a complete directory.
+    """
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      complete = sorted(int(name) for name in os.listdir(self.directory) if name.isdigit())
+      pending = getattr(self, '_saving_step', None)
+      failed = pending if pending is not None and pending not in complete else step
+      kept = [s for s in complete if s != failed]
+      intact = f'checkpoint step {max(kept)} is intact' if kept else 'no earlier checkpoint exists'
+      raise CheckpointError(
+          f'saving checkpoint step {failed} in {self.directory} failed ({_first_line(e)}); {intact}; '
+          'free disk space or fix permissions, then run the same command to resume') from e
 
   def close(self) -> None:
     self._manager.close()
@@ -112,6 +147,7 @@ class Checkpoints:
               partial: bool = False) -> tuple[Any, dict]:
     """Restores `step` into the shapes and shardings of `abstract_state` (any mesh).
 
+    `abstract_state` may be a function of the checkpoint's record that returns them.
     `expected` holds record fields (model, num_classes, image_shape) that must
     match; a mismatch is reported by name instead of as a shape error. When
     the arrays do not fit, the config keys that changed since the checkpoint
@@ -122,8 +158,9 @@ class Checkpoints:
     try:
       record = self.read_record(step)
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f'checkpoint {path} cannot be read ({_first_line(e)}); delete it to '
-                            'fall back to an earlier one') from e
+      raise UnreadableCheckpoint(f'checkpoint {path} cannot be read ({_first_line(e)})') from e
+    if callable(abstract_state):  # the shapes depend on what the checkpoint holds (evaluation)
+      abstract_state = abstract_state(record)
     for key, value in expected.items():
       if record.get(key) != value:
         raise CheckpointError(f'checkpoint {path} has {key}={record.get(key)!r} but the config '
@@ -140,10 +177,52 @@ class Checkpoints:
             f'checkpoint {path} was written with other settings ({", ".join(changed)}) and its '
             'arrays do not fit this config; train with the original values or use another '
             '--workdir') from e
-      raise CheckpointError(f'checkpoint {path} cannot be restored ({_first_line(e)}); delete it '
-                            'to fall back to an earlier one') from e
+      raise UnreadableCheckpoint(f'checkpoint {path} cannot be restored ({_first_line(e)})') from e
     logging.info('restored checkpoint step %d from %s', step, path)
     return state, record
+
+  def restore_newest_readable(self, abstract_state: Any, expected: dict,
+                              config: Optional[ml_collections.ConfigDict] = None, partial: bool = False,
+                              newest: Optional[int] = None, set_aside: bool = False
+                              ) -> tuple[int, Any, dict]:
+    """Restores the newest step (at most `newest`) that can be read: (step, state, record).
+
+    An unreadable step (truncated or corrupted files) is named in the log and
+    the next older one is tried. With `set_aside` (training), the unreadable
+    steps are renamed STEP.unreadable once a readable one is found, so the run
+    can save those step numbers again; nothing is ever deleted. A checkpoint
+    from another config is an error, not a reason to fall back.
+    """
+    candidates = sorted((s for s in self.all_steps() if newest is None or s <= newest), reverse=True)
+    unreadable = []
+    for step in candidates:
+      try:
+        state, record = self.restore(step, abstract_state, expected, config=config, partial=partial)
+      except UnreadableCheckpoint as e:
+        logging.warning('%s; falling back to an earlier checkpoint', e)
+        unreadable.append((step, e))
+        continue
+      if unreadable:
+        logging.warning('restored step %d, the newest readable checkpoint (unreadable: %s)', step,
+                        ', '.join(str(s) for s, _ in unreadable))
+        if set_aside:
+          self._set_aside([s for s, _ in unreadable])
+      return step, state, record
+    if unreadable:
+      steps = ', '.join(str(s) for s, _ in unreadable)
+      raise CheckpointError(f'no checkpoint in {self.directory} can be read (steps {steps}; newest: '
+                            f'{unreadable[0][1]}); nothing was deleted; restore the files or use '
+                            'another --workdir')
+    raise CheckpointError(f'no complete checkpoint in {self.directory}; train first with the same '
+                          '--workdir')
+
+  def _set_aside(self, steps: list[int]) -> None:
+    if jax.process_index() == 0:
+      for step in steps:
+        path = os.path.join(self.directory, str(step))
+        os.replace(path, path + UNREADABLE_SUFFIX)
+        logging.warning('renamed unreadable checkpoint %s to %s', path, path + UNREADABLE_SUFFIX)
+    self._manager.reload()
 
   def _restore_state(self, path: str, step: int, abstract_state: Any, partial: bool) -> Any:
     if not partial:
@@ -162,9 +241,14 @@ def expected_record(config: ml_collections.ConfigDict, num_classes: int,
 
 
 def changed_keys(saved: dict, current: dict, prefix: str = '') -> list[str]:
-  """`key=old -> new` for every leaf that differs between two config dicts."""
+  """`key=old -> new` for every leaf that differs between two config dicts.
+
+  A key the saved config lacks (added to flaxtpu after it was written) is not a change.
+  """
   changes = []
   for key in sorted(set(saved) | set(current)):
+    if key not in saved:
+      continue
     old, new = saved.get(key), current.get(key)
     if isinstance(old, dict) and isinstance(new, dict):
       changes += changed_keys(old, new, f'{prefix}{key}.')

@@ -88,7 +88,7 @@ def load(config: ml_collections.ConfigDict, *, need_train: bool = True) -> Datas
   """The splits named by `config.dataset`, listed (and, when cached, decoded) and checked."""
   source = config.dataset
   num_workers = input_workers(config)
-  train_split = eval_split = tfrecord_arrays = None
+  train_split = eval_split = in_memory_arrays = None  # in_memory_arrays: spec -> (images, labels)
   if source.folder:
     eval_split, class_names = sources.folder_split(source.folder, source.eval_split)
     train_split = sources.folder_split(source.folder, source.train_split)[0] if need_train else None
@@ -103,6 +103,12 @@ def load(config: ml_collections.ConfigDict, *, need_train: bool = True) -> Datas
                                   if need_train else (None, set()))
       eval_split, eval_sizes = sources.scan(eval_split, num_workers, source.skip_corrupt)
       native = train_sizes | eval_sizes
+  elif source.name in sources.EMBEDDED:  # small, in memory: like a TFRecord dataset below
+    images, labels, class_names = sources.embedded_arrays(source.name, source.eval_split)
+    channels = images.shape[-1]
+    transform = image_transform(config, channels)
+    native = {images.shape[1:3]}
+    in_memory_arrays = lambda spec: sources.embedded_arrays(source.name, spec)[:2]
   else:
     builder = sources.tfds_builder(source.name, source.data_dir)
     info = sources.tfds_info(builder)
@@ -119,12 +125,12 @@ def load(config: ml_collections.ConfigDict, *, need_train: bool = True) -> Datas
       count = sum(builder.info.splits[spec].num_examples for spec in specs)
       if None in info.image_shape or not _use_cache(source.cache, count, info.image_shape, transform):
         sources.tfds_split(builder, source.eval_split)  # raises, explaining how to prepare ArrayRecord
-      tfrecord_arrays = functools.partial(sources.tfds_arrays, builder)
+      in_memory_arrays = functools.partial(sources.tfds_arrays, builder)
   image_shape = _image_shape(native, transform, channels)
 
-  if tfrecord_arrays is not None:
-    train = Examples(None, *tfrecord_arrays(source.train_split)) if need_train else None
-    evaluation = Examples(None, *tfrecord_arrays(source.eval_split))
+  if in_memory_arrays is not None:
+    train = Examples(None, *in_memory_arrays(source.train_split)) if need_train else None
+    evaluation = Examples(None, *in_memory_arrays(source.eval_split))
   else:
     examples = functools.partial(_examples, cache=cache, transform=transform, num_workers=num_workers,
                                  skip_corrupt=source.skip_corrupt)
@@ -281,6 +287,14 @@ def eval_batches(dataset: Dataset, *, batch_size: int, process_index: int = 0,
   loader = _EvalLoader(examples, dataset.transform, dataset.skip_corrupt, batch_size, rows)
   yield from _checked(workers.run(loader, starts, 0 if examples.cached else dataset.workers,
                                   dataset.prefetch))
+
+
+def eval_image(dataset: Dataset, index: int) -> np.ndarray:
+  """Eval example `index` as the model sees it (uint8 HxWxC), e.g. to picture a mistake."""
+  if _sliceable(dataset, dataset.eval):
+    return dataset.eval.images[index]
+  image, _ = _EvalLoader(dataset.eval, dataset.transform, skip_corrupt=True).example(index)
+  return np.zeros(dataset.image_shape, np.uint8) if isinstance(image, _Failure) else image
 
 
 def _sliceable(dataset: Dataset, examples: Examples) -> bool:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import re
 
 import jax
 import ml_collections
 import numpy as np
 
-from flaxtpu import checkpoint, data, files, parallel, steps
+from flaxtpu import checkpoint, data, files, parallel, report, steps
 from flaxtpu.config import resolved_eval_batch_size
 from flaxtpu.errors import UserError
 
@@ -30,6 +31,37 @@ def evaluate(placement: steps.Placement, state, dataset: data.Dataset,
   return result
 
 
+def eval_logits(placement: steps.Placement, state, dataset: data.Dataset,
+                batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """The logits and labels of every eval example, in order (one process)."""
+  logits, labels = [], []
+  for batch in data.eval_batches(dataset, batch_size=batch_size):
+    (images,) = placement.put_eval_batch((batch.images,))
+    logits.append(np.asarray(placement.logits(state, images))[batch.mask])
+    labels.append(batch.labels[batch.mask])
+  return np.concatenate(logits), np.concatenate(labels)
+
+
+def write_report(placement: steps.Placement, state, dataset: data.Dataset, batch_size: int,
+                 directory: str, suffix: str = '') -> dict:
+  """per_class.csv, confusion, mistakes and reliability PNGs of the eval split in `directory`.
+
+  Returns the summary numbers (ECE, top-5 accuracy) for eval.json. The
+  logits of every example are gathered on one host, so a run of many
+  processes leaves the report to `--mode=eval` on one.
+  """
+  if jax.process_count() > 1:
+    logging.info('per-class report skipped: it runs on one process (--mode=eval on one host writes it)')
+    return {}
+  logits, labels = eval_logits(placement, state, dataset, batch_size)
+  summary = report.write_eval_report(directory, logits, labels, list(dataset.class_names),
+                                     images=lambda index: data.eval_image(dataset, index), suffix=suffix)
+  logging.info('eval report: ECE %.4f%s; %s in %s', summary['eval_ece'],
+               f', top-5 accuracy {summary["eval_top5_accuracy"]:.4f}' if 'eval_top5_accuracy' in summary
+               else '', ', '.join(summary['report_files']), directory)
+  return summary
+
+
 def restore(config: ml_collections.ConfigDict, workdir: str):
   """The model of `config.eval.checkpoint` (latest | best | STEP), laid out for these devices.
 
@@ -39,21 +71,35 @@ def restore(config: ml_collections.ConfigDict, workdir: str):
   normalisation statistics come from the checkpoint.
   """
   checkpoints = checkpoint.Checkpoints(workdir, config, read_only=True)
-  step = checkpoints.resolve(str(config.eval.checkpoint))
-  record = checkpoints.read_record(step)
-  task = steps.create_task(config, num_classes=record['num_classes'],
-                           image_shape=tuple(record['image_shape']),
-                           mean=record['normalization']['mean'], std=record['normalization']['std'])
-  placement = steps.place(task, parallel.make_mesh(config), config)
-  saved, record = checkpoints.restore(step, placement.abstract_state, config=config, partial=True,
-                                      expected=checkpoint.expected_record(config, task.num_classes,
-                                                                          task.image_shape))
+  mesh, placements = parallel.make_mesh(config), []
+
+  def abstract_state(record: dict):
+    task = steps.create_task(config, num_classes=record['num_classes'],
+                             image_shape=tuple(record['image_shape']),
+                             mean=record['normalization']['mean'], std=record['normalization']['std'])
+    placements.append(steps.place(task, mesh, config))
+    return placements[-1].abstract_state
+
+  which = str(config.eval.checkpoint)
+  step = checkpoints.resolve(which)
+  expected = {'model': config.model.name}  # classes and image shape come from the checkpoint
+  if which == 'latest':  # an unreadable latest checkpoint falls back to the newest readable one
+    step, saved, record = checkpoints.restore_newest_readable(abstract_state, expected, config=config,
+                                                              partial=True)
+  else:
+    saved, record = checkpoints.restore(step, abstract_state, expected, config=config, partial=True)
   checkpoints.close()
+  placement = placements[-1]
   return placement, placement.from_saveable(saved), step, record
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """--mode=eval: accuracy and loss over every example of the eval split -> WORKDIR/eval.json."""
+  """--mode=eval: accuracy and loss over every example of the eval split -> WORKDIR/eval.json.
+
+  eval.json holds this evaluation at its top level (`split` names what it
+  scored) and, under `splits`, the latest result of every split evaluated, so
+  scoring another split never loses one.
+  """
   placement, state, step, record = restore(config, workdir)
   dataset = data.load(config, need_train=False)
   if dataset.num_classes != record['num_classes'] or dataset.image_shape != tuple(record['image_shape']):
@@ -62,13 +108,23 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
                     f'trained on {record["num_classes"]} classes of {tuple(record["image_shape"])}; '
                     'evaluate on data like the training data')
   results = evaluate(placement, state, dataset, resolved_eval_batch_size(config))
+  # The split the run evaluated while training gets the plain names; another split its own suffix.
+  trained_split = record.get('config', {}).get('dataset', {}).get('eval_split')
+  split = config.dataset.eval_split
+  suffix = '' if split == trained_split else '-' + re.sub(r'[^\w.-]+', '_', split).strip('_')
+  results.update(write_report(placement, state, dataset, resolved_eval_batch_size(config), workdir,
+                              suffix))
   results.update(step=step, split=config.dataset.eval_split,
                  source=config.dataset.folder or config.dataset.name,
                  checkpoint=os.path.join(workdir, 'checkpoints', str(step)))
   logging.info('eval of step %d: loss %.4f  accuracy %.4f  (%d examples)', step,
                results['eval_loss'], results['eval_accuracy'], results['num_examples'])
   if jax.process_index() == 0:
-    files.write_json(os.path.join(workdir, 'eval.json'), results)
+    # The latest evaluation on top; every split's latest result kept under 'splits'.
+    path = os.path.join(workdir, 'eval.json')
+    splits = (files.read_json(path) or {}).get('splits', {})
+    splits[results['split']] = dict(results)
+    files.write_json(path, {**results, 'splits': splits})
   return results
 
 

@@ -28,9 +28,11 @@ config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py or ex
                                 lock_config=True)
 flags.DEFINE_string('workdir', None, 'Run directory: config.json, metrics.jsonl, TensorBoard '
                     'events, checkpoints/, results.json.')
-flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'plan'],
-                  'train (resumes from the workdir), eval or predict (restore a checkpoint), '
-                  'plan (compile the train step and report its memory).')
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'export', 'plan'],
+                  'train (resumes from the workdir); eval, predict or export (restore a checkpoint '
+                  'of --workdir; --config defaults to the one it trained with); plan (compile the '
+                  'train step and report its memory).')
+RESTORING_MODES = ('eval', 'predict', 'export')
 flags.DEFINE_string('coordinator_address', None, 'Many hosts: HOST:PORT of process 0.')
 flags.DEFINE_integer('num_processes', None, 'Many hosts: the number of processes.')
 flags.DEFINE_integer('process_id', None, 'Many hosts: this process\'s index.')
@@ -44,10 +46,35 @@ def _parse_flags(argv):
       _check_config_path(path)
       # Experiments build on recipes (`from configs import ...`): make their project root importable.
       sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(path))))
+  argv = _with_workdir_config(argv)
   try:
     return FLAGS(argv)
   except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError) as e:
     _exit_with_error(_flag_error(e, argv))
+
+
+def _flag_value(argv, name: str):
+  """The value of --NAME=V or --NAME V in argv, before absl has parsed it (None if absent)."""
+  for index, arg in enumerate(argv):
+    if arg.startswith(f'--{name}='):
+      return arg.split('=', 1)[1]
+    if arg == f'--{name}' and index + 1 < len(argv):
+      return argv[index + 1]
+  return None
+
+
+def _with_workdir_config(argv):
+  """Without --config, eval/predict/export use the config the run in --workdir trained with."""
+  if _flag_value(argv, 'config') is not None or _flag_value(argv, 'mode') not in RESTORING_MODES:
+    return argv
+  workdir = _flag_value(argv, 'workdir')
+  if not workdir:
+    _exit_with_error('--workdir is required: the trained run to restore')
+  from flaxtpu import workdir_config  # pylint: disable=g-import-not-at-top
+  if not os.path.isfile(os.path.join(workdir, workdir_config.CONFIG_FILE)):
+    _exit_with_error(f'--workdir={workdir} holds no {workdir_config.CONFIG_FILE} of a training run; '
+                     'point --workdir at a trained run, or pass its --config')
+  return [argv[0], f'--config={workdir_config.__file__}:{workdir}', *argv[1:]]
 
 
 def _check_config_path(path: str) -> None:
@@ -158,10 +185,9 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
 
 
 def _quiet_libraries() -> None:
-  """orbax logs every save (and read-only notes) through absl; keep only its errors."""
-  import logging as std_logging  # pylint: disable=g-import-not-at-top
-  logging.get_absl_handler().addFilter(
-      lambda record: record.levelno >= std_logging.ERROR or 'orbax' not in record.pathname)
+  """orbax logs every save through absl, and a failed save with tracebacks from its threads;
+  flaxtpu reports each checkpoint failure itself in one line, so orbax's own records are dropped."""
+  logging.get_absl_handler().addFilter(lambda record: 'orbax' not in record.pathname)
 
 
 def main(argv):

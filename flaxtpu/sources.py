@@ -17,6 +17,9 @@ import dataclasses
 import logging
 import os
 import re
+import socket
+import threading
+import urllib.parse
 from typing import Optional
 
 import numpy as np
@@ -94,6 +97,29 @@ def slice_bounds(start: str, stop: str, size: int) -> tuple[int, int]:
     return min(max(value + size if value < 0 else value, 0), size)
 
   return position(start, 0), position(stop, size)
+
+
+# --- embedded datasets: ship with flaxtpu, need no download -------------------------------
+
+EMBEDDED = {'digits': 'digits.npz'}  # flaxtpu/datasets/: see its README for source and licence
+
+
+def embedded_arrays(name: str, spec: str) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+  """A split of an embedded dataset as uint8 images, int32 labels and its class names."""
+  path = os.path.join(os.path.dirname(__file__), 'datasets', EMBEDDED[name])
+  images, labels = [], []
+  with np.load(path) as arrays:
+    splits = sorted(key[:-len('_images')] for key in arrays if key.endswith('_images'))
+    for split_name, start, stop in parse_spec(spec):
+      if split_name not in splits:
+        raise DataError(f'dataset {name!r} has no split {split_name!r}; it has: {", ".join(splits)}')
+      first, last = slice_bounds(start, stop, len(arrays[f'{split_name}_labels']))
+      images.append(arrays[f'{split_name}_images'][first:last])
+      labels.append(arrays[f'{split_name}_labels'][first:last])
+    class_names = tuple(str(class_name) for class_name in arrays['class_names'])
+  if not sum(map(len, labels)):
+    raise DataError(f'split {spec!r} of {name!r} holds no examples; widen the slice')
+  return np.concatenate(images), np.concatenate(labels), class_names
 
 
 # --- image folders ------------------------------------------------------------------------
@@ -254,6 +280,11 @@ def tfds_builder(name: str, data_dir: str):
                     'tfds.list_builders() (e.g. cifar10, mnist, imagenet2012) or set '
                     'config.dataset.folder') from e
   if not builder.is_prepared():
+    if (offline := network_problem()) is not None:  # TFDS would retry for minutes before failing
+      raise DataError(
+          f'TFDS dataset {name!r} is not in {builder.data_dir} and this machine cannot download it '
+          f'({offline}); prepare it on a machine that is online and pass --config.dataset.data_dir, or '
+          'train on an image folder with --config.dataset.folder=PATH')
     try:
       builder.download_and_prepare(file_format='array_record')
     except Exception as e:  # pylint: disable=broad-except
@@ -262,6 +293,33 @@ def tfds_builder(name: str, data_dir: str):
           'machine prepare it elsewhere and pass --config.dataset.data_dir, or use '
           '--config.dataset.folder') from e
   return builder
+
+
+DOWNLOAD_HOST = ('storage.googleapis.com', 443)  # where TFDS looks first for prepared datasets
+NETWORK_TIMEOUT_S = 5.0
+
+
+def network_problem() -> Optional[str]:
+  """None if the download host (or the HTTPS proxy) answers within seconds, else why not."""
+  proxy = os.environ.get('HTTPS_PROXY') or os.environ.get('https_proxy')
+  parsed = urllib.parse.urlsplit(proxy if '://' in (proxy or '') else f'http://{proxy}') if proxy else None
+  host, port = (parsed.hostname, parsed.port or 3128) if parsed and parsed.hostname else DOWNLOAD_HOST
+  outcome: list[str] = []
+
+  def connect() -> None:
+    try:
+      socket.create_connection((host, port), timeout=NETWORK_TIMEOUT_S).close()
+      outcome.append('')
+    except OSError as e:
+      outcome.append(f'connecting to {host}:{port} failed: {e.strerror or e}')
+
+  # A resolver without network can hang longer than the connect timeout: bound both.
+  probe = threading.Thread(target=connect, daemon=True)
+  probe.start()
+  probe.join(2 * NETWORK_TIMEOUT_S)
+  if not outcome:
+    return f'no answer from {host}:{port} in {2 * NETWORK_TIMEOUT_S:.0f}s'
+  return outcome[0] or None
 
 
 def tfds_info(builder) -> TfdsInfo:

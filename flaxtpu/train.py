@@ -18,9 +18,9 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flaxtpu import checkpoint, data, files, metrics, parallel, steps, workers
+from flaxtpu import checkpoint, data, files, lock, metrics, parallel, report, steps, workers
 from flaxtpu.config import resolved_eval_batch_size, run_length
-from flaxtpu.evaluate import evaluate
+from flaxtpu.evaluate import evaluate, write_report
 from flaxtpu.signals import StopRequest
 
 
@@ -108,7 +108,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   installed before JAX started; otherwise one is installed here.
   """
   with contextlib.nullcontext(stop) if stop and stop.active else StopRequest() as stop:
-    return _train_and_evaluate(config, workdir, stop)
+    # Process 0 holds the workdir for the run: a second trainer there stops at once.
+    with lock.WorkdirLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
+      return _train_and_evaluate(config, workdir, stop)
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> dict:
@@ -129,10 +131,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   state = steps.create_state(task, placement, config.seed)
   checkpoints = checkpoint.Checkpoints(workdir, config)
   first_step, window, progress = 0, [], {}  # window: per-step train metrics since the last log line
-  if (latest := checkpoints.latest_step()) is not None:
-    saved, record = checkpoints.restore(latest, placement.abstract_state, config=config,
-                                        expected=checkpoint.expected_record(
-                                            config, task.num_classes, task.image_shape))
+  if checkpoints.latest_step() is not None:
+    latest, saved, record = checkpoints.restore_newest_readable(
+        placement.abstract_state, config=config, set_aside=True,
+        expected=checkpoint.expected_record(config, task.num_classes, task.image_shape))
     state, first_step, progress = placement.from_saveable(saved), latest, record.get('progress', {})
     logging.info('resuming from step %d (%s)', latest, os.path.join(checkpoints.directory,
                                                                     str(latest)))
@@ -234,4 +236,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   results = final_results(length.total_steps, current_progress(), config.batch_size)
   if is_main:
     files.write_json(results_path, results)
+    # Pictures of the finished run: per-class report and calibration of the eval split, curves.
+    write_report(placement, state, dataset, eval_batch_size, workdir)
+    logging.info('curves: %s', report.write_curves(workdir))
   return results

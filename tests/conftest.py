@@ -13,7 +13,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from PIL import Image  # noqa: E402
 
-CIFAR10 = os.path.join(ROOT, '..', 'shared', 'datasets', 'cifar10')
+# Real CIFAR-10 as an image folder, for the slow accuracy tests: FLAXTPU_CIFAR10=/path/to/cifar10.
+CIFAR10 = os.environ.get('FLAXTPU_CIFAR10', '')
 
 
 def make_image_folder(root, *, classes=('cat', 'dog', 'frog'), train_per_class=16,

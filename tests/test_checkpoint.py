@@ -15,7 +15,7 @@ import pytest
 
 from configs import cifar10_resnet
 from conftest import ROOT, make_image_folder, restore_checkpoint
-from flaxtpu import checkpoint, data, train
+from flaxtpu import checkpoint, data, lock, train
 
 
 def _config(folder, **overrides):
@@ -109,13 +109,15 @@ def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(uninterrupted, im
   process.send_signal(signal.SIGKILL)
   process.wait()
   killed_at = _complete_steps(workdir)
+  with open(os.path.join(workdir, lock.LOCK_FILE)) as f:  # the dead trainer's lock, left behind ...
+    assert json.load(f)['pid'] == process.pid
   # The input workers die with the trainer instead of lingering as orphans.
   _, alive = psutil.wait_procs(input_workers, timeout=10)
   assert input_workers and not alive, alive
   assert killed_at, 'the run was killed before its first checkpoint: nothing to resume from'
   restart = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert restart.returncode == 0, restart.stderr[-3000:]
-  assert f'resuming from step {killed_at[-1]}' in restart.stderr
+  assert f'resuming from step {killed_at[-1]}' in restart.stderr  # ... does not block the restart
   _assert_same_state(restore_checkpoint(workdir, 12), restore_checkpoint(reference_dir, 12))
   assert _metric_rows(workdir) == _metric_rows(reference_dir)
 
@@ -224,9 +226,10 @@ def test_checkpoint_from_8_devices_evaluates_the_same_on_1(layout, image_folder,
   assert evaluation['eval_loss'] == pytest.approx(results['eval_loss'], rel=1e-4)
 
 
-def _snapshot(directory):
+def _snapshot(directory, ignore=(lock.LOCK_FILE,)):
+  """Every file and its mtime (the lock, which names the last trainer, is not the run's data)."""
   return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
-          for d, _, files in os.walk(directory) for f in files}
+          for d, _, files in os.walk(directory) for f in files if f not in ignore}
 
 
 @pytest.fixture(scope='module')
@@ -273,20 +276,95 @@ def test_checkpoint_for_another_class_count_is_refused(finished, tmp_path):
   assert _snapshot(finished) == before
 
 
-def test_corrupted_checkpoint_is_named_and_kept(finished, image_folder, tmp_path):
-  import shutil
-  workdir = str(tmp_path / 'copy')
-  shutil.copytree(finished, workdir)
-  latest = os.path.join(workdir, 'checkpoints', '6', 'state')
-  for directory, _, files in os.walk(latest):
-    for name in files:
+def _truncate(workdir, step):
+  """Cuts every sizeable file of a checkpoint in half: a disk that filled, a copy cut short."""
+  for directory, _, names in os.walk(os.path.join(workdir, 'checkpoints', str(step), 'state')):
+    for name in names:
       path = os.path.join(directory, name)
       if os.path.getsize(path) > 1000:
         with open(path, 'r+b') as f:
           f.truncate(os.path.getsize(path) // 2)
+
+
+def test_unreadable_latest_checkpoint_falls_back_to_the_newest_readable(finished, image_folder, tmp_path):
+  import shutil
+  workdir = str(tmp_path / 'copy')
+  shutil.copytree(finished, workdir)
+  _truncate(workdir, 6)
+  before = _snapshot(workdir, ignore=(lock.LOCK_FILE, 'eval.json'))
+  result = _eval_cli(workdir, image_folder)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'checkpoints/6 cannot be restored' in result.stderr and 'falling back' in result.stderr
+  with open(os.path.join(workdir, 'eval.json')) as f:
+    assert json.load(f)['step'] == 3
+  assert _snapshot(workdir, ignore=(lock.LOCK_FILE, 'eval.json')) == before  # eval changes nothing
+
+  # Training resumes from step 3, sets the unreadable step aside (kept, renamed) and saves 6 again.
+  command, env = _cli(workdir, image_folder, '--config.num_train_steps=6')
+  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'resuming from step 3' in result.stderr
+  assert os.path.isdir(os.path.join(workdir, 'checkpoints', '6' + checkpoint.UNREADABLE_SUFFIX))
+  assert _complete_steps(workdir) == [3, 6] and int(restore_checkpoint(workdir, 6)['step']) == 6
+
+
+def test_no_readable_checkpoint_is_one_line_and_nothing_is_deleted(finished, image_folder, tmp_path):
+  import shutil
+  workdir = str(tmp_path / 'copy')
+  shutil.copytree(finished, workdir)
+  _truncate(workdir, 3)
+  _truncate(workdir, 6)
   before = _snapshot(workdir)
-  _assert_one_error(_eval_cli(workdir, image_folder), 'checkpoints/6', 'cannot be restored')
+  _assert_one_error(_eval_cli(workdir, image_folder), 'no checkpoint in', 'can be read (steps 6, 3',
+                    'nothing was deleted')
+  command, env = _cli(workdir, image_folder, '--config.num_train_steps=6')
+  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  _assert_one_error(result, 'no checkpoint in', 'nothing was deleted')
   assert _snapshot(workdir) == before
+
+
+def test_a_failed_save_stops_with_one_line_and_keeps_the_previous_checkpoint(image_folder, tmp_path,
+                                                                             monkeypatch):
+  import errno
+
+  import orbax.checkpoint as ocp
+  real_save = ocp.handlers.JsonCheckpointHandler._save_fn
+
+  async def disk_full_at_step_6(self, item, directory):
+    if isinstance(item, dict) and item.get('data_position', {}).get('next_step') == 6:
+      raise OSError(errno.ENOSPC, 'No space left on device')
+    return await real_save(self, item, directory)
+
+  monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, '_save_fn', disk_full_at_step_6)
+  workdir = str(tmp_path)
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r'saving checkpoint step 6 in .* failed \(.*No space left on device\); '
+                           r'checkpoint step 3 is intact'):
+    train.train_and_evaluate(_config(image_folder, num_train_steps=9), workdir)
+  assert _complete_steps(workdir) == [3]
+  assert int(restore_checkpoint(workdir, 3)['step']) == 3
+  assert not os.path.exists(os.path.join(workdir, 'results.json'))
+
+
+def test_one_trainer_per_workdir_and_eval_alongside(image_folder, tmp_path):
+  workdir = str(tmp_path)
+  command, env = _cli(workdir, image_folder, '--config.num_train_steps=100000')
+  process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+  for line in process.stderr:
+    if 'step 4/100000' in line:
+      break
+  try:
+    second = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    _assert_one_error(second, f'--workdir={workdir} is in use by a live trainer (pid {process.pid} on host')
+    while not _complete_steps(workdir):
+      time.sleep(0.1)
+    evaluation = _eval_cli(workdir, image_folder)  # reading a live run's checkpoints is allowed
+    assert evaluation.returncode == 0, evaluation.stderr[-3000:]
+  finally:
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=120)
+  assert process.returncode == 0
 
 
 def test_missing_checkpoint_step_and_unwritable_workdir(finished, image_folder, tmp_path):

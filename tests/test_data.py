@@ -8,7 +8,8 @@ from PIL import Image
 
 from configs import cifar10
 from conftest import make_image_folder, make_mixed_folder
-from flaxtpu import data, sources, workers
+from flaxtpu import data, defaults, sources, workers
+from flaxtpu.sources import DataError
 
 
 def _config(folder, **overrides):
@@ -318,3 +319,17 @@ def test_a_cache_decoded_by_workers_holds_private_arrays(tmp_path):
                                          'input.workers': 1}))
   assert len(dataset.train.images) == 1000
   assert {type(image) for image in dataset.train.images} == {np.ndarray}
+
+
+def test_embedded_digits_load_without_a_download():
+  config = defaults.get_config()
+  config.dataset.name = 'digits'
+  config.dataset.train_split = 'train[:1000]'
+  dataset = data.load(config)
+  assert (len(dataset.train), len(dataset.eval)) == (1000, 359)
+  assert dataset.image_shape == (8, 8, 1) and dataset.class_names == tuple('0123456789')
+  assert dataset.train.images.dtype == np.uint8 and dataset.train.images.max() == 255
+  assert np.bincount(dataset.eval.labels).tolist() == [36, 36, 35, 37, 36, 36, 36, 36, 35, 36]
+  config.dataset.eval_split = 'validation'
+  with pytest.raises(DataError, match="'digits' has no split 'validation'; it has: test, train"):
+    data.load(config)

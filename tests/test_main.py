@@ -84,6 +84,32 @@ def test_eval_mode_counts_every_example_on_one_device(trained, image_folder):
   assert evaluation['eval_loss'] == pytest.approx(results['eval_loss'], rel=1e-5)
 
 
+def test_eval_needs_only_the_workdir_and_keeps_each_splits_result(trained):
+  workdir, _ = trained
+  run_cli(f'--workdir={workdir}', '--mode=eval')  # the config it trained with, from the workdir
+  run_cli(f'--workdir={workdir}', '--mode=eval', '--config.dataset.eval_split=train[:10]')
+  with open(os.path.join(workdir, 'eval.json')) as f:
+    evaluation = json.load(f)
+  assert (evaluation['split'], evaluation['num_examples']) == ('train[:10]', 10)
+  assert sorted(evaluation['splits']) == ['test', 'train[:10]']
+  assert evaluation['splits']['test']['num_examples'] == 21
+  result = run_cli(f'--workdir={workdir}/nothing_here', '--mode=eval', check=False)
+  assert result.returncode == 2 and result.stderr.strip() == (
+      f'error: --workdir={workdir}/nothing_here holds no config.json of a training run; point --workdir '
+      'at a trained run, or pass its --config')
+
+
+def test_make_train_default_learns_the_embedded_digits(tmp_path):
+  workdir = str(tmp_path)
+  run_cli('--config=configs/digits.py', f'--workdir={workdir}')  # what `make train` runs
+  with open(os.path.join(workdir, 'results.json')) as f:
+    results = json.load(f)
+  assert results['step'] == 880 and results['eval_accuracy'] >= 0.95
+  assert os.listdir(os.path.join(workdir, 'checkpoints'))
+  assert any(f.startswith('events.out.tfevents') for f in os.listdir(workdir))
+  assert len(_rows(os.path.join(workdir, 'metrics.jsonl'))) >= 40
+
+
 def test_predict_mode_prints_top_classes_and_writes_csv(trained, image_folder, tmp_path):
   workdir, _ = trained
   csv_path = tmp_path / 'predictions.csv'

@@ -174,7 +174,7 @@ def test_shipped_experiments_expand_against_their_configs(in_repo_root):
   config, runs_overrides = runner.load_experiment('experiments/cifar10_lr.py')
   assert len(runs_overrides) == 9
   assert {overrides['schedule.name'] for overrides in runs_overrides} == {'cosine', 'onecycle'}
-  assert config.dataset.folder == str(REPO_ROOT.parent / 'shared' / 'datasets' / 'cifar10')
+  assert (config.dataset.name, config.dataset.folder) == ('cifar10', '')  # TFDS; a folder comes from the CLI
   config, runs_overrides = runner.load_experiment('experiments/cifar10_models.py')
   models = [overrides['model.name'] for overrides in runs_overrides]
   assert models == ['cnn', 'resnet20', 'resnet32']
@@ -319,3 +319,30 @@ def test_tiny_sweep_end_to_end_records_a_failure_and_skips_finished_runs_on_reru
     assert launches(workdir / name) == 1
   # The failed run is launched again (the trainer would resume it) and fails again.
   assert launches(workdir / 'model.name=nonexistent') == 2
+
+
+def test_a_missing_data_folder_stops_the_sweep_before_any_run(tmp_path, in_repo_root, capsys, image_folder):
+  experiment = write_experiment(tmp_path, TWO_KEY_EXPERIMENT)
+  workdir = tmp_path / 'sweep'
+  assert cli.main([str(experiment), f'--workdir={workdir}', '--config.dataset.folder=/no/such/dir']) == 2
+  assert capsys.readouterr().err == ("error: dataset.folder='/no/such/dir' is not a directory; pass an image "
+                                     'folder laid out as split/class/image with --config.dataset.folder=PATH\n')
+  assert not workdir.exists()
+  config, runs_overrides = runner.load_experiment(str(experiment))
+  runner.check_data_folders(config, runs_overrides, [f'--config.dataset.folder={image_folder}'])
+
+
+def test_parallel_runs_split_the_gpus_or_are_refused(monkeypatch):
+  monkeypatch.setattr(runner.glob, 'glob', lambda pattern: [])
+  monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '0,1,2,3')
+  assert runner.device_groups(2) == [{'CUDA_VISIBLE_DEVICES': '0,1'}, {'CUDA_VISIBLE_DEVICES': '2,3'}]
+  assert runner.device_groups(3) == [{'CUDA_VISIBLE_DEVICES': d} for d in ('0', '1', '2')]
+  assert runner.device_groups(1) == [{}]
+  with pytest.raises(sweep.SweepError, match=r'--parallel=5 but this host has 4 GPU\(s\)'):
+    runner.device_groups(5)
+  monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '')
+  monkeypatch.setattr(runner.shutil, 'which', lambda name: None)
+  assert runner.device_groups(2) == [{}, {}]  # CPU only: the runs share the cores
+  monkeypatch.setattr(runner.glob, 'glob', lambda pattern: ['/dev/accel0'] if 'accel' in pattern else [])
+  with pytest.raises(sweep.SweepError, match='--parallel=2 on a TPU host'):
+    runner.device_groups(2)

@@ -103,3 +103,22 @@ def test_unknown_name_and_split_are_named(data_dir):
   with pytest.raises(data.DataError, match="has no split 'validation'; it has: test, train"):
     data.load(_config('flaxtpu_toy_mixed', data_dir, **{'dataset.eval_split': 'validation',
                                                         'dataset.image_size': 16}))
+
+
+def test_offline_tfds_fails_within_seconds_with_one_line(tmp_path, monkeypatch):
+  import socket
+  import time
+
+  from flaxtpu import sources
+  with socket.socket() as closed:  # a port nothing listens on: what an offline machine answers
+    closed.bind(('127.0.0.1', 0))
+    port = closed.getsockname()[1]
+  monkeypatch.setattr(sources, 'DOWNLOAD_HOST', ('127.0.0.1', port))
+  for proxy in ('HTTPS_PROXY', 'https_proxy'):
+    monkeypatch.delenv(proxy, raising=False)
+  started = time.time()
+  with pytest.raises(sources.DataError, match=r"'flaxtpu_toy_fixed' is not in .* cannot download it "
+                     r'\(connecting to 127\.0\.0\.1:\d+ failed.*--config\.dataset\.folder'):
+    data.load(_config('flaxtpu_toy_fixed', str(tmp_path / 'empty')))
+  assert time.time() - started < 10
+  assert not (tmp_path / 'empty' / 'downloads').exists()

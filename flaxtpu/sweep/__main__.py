@@ -53,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     swept_keys = {key for overrides in runs_overrides for key in overrides}
     extra_overrides = runner.parse_extra_overrides(config, config_args, swept_keys)
     runs = runner.make_runs(args.experiment, args.workdir, runs_overrides, extra_overrides)
+    if not args.dry_run and not args.report:
+      runner.check_data_folders(config, runs_overrides, extra_overrides)
+      runner.device_groups(args.parallel)  # refuses a --parallel the accelerators cannot split
   except sweep.SweepError as error:
     print(f'error: {error}', file=sys.stderr)
     return 2

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import glob
 import hashlib
 import importlib.util
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -174,6 +176,51 @@ def parse_extra_overrides(config: ml_collections.ConfigDict, args: Sequence[str]
   return normalised
 
 
+def check_data_folders(config: ml_collections.ConfigDict, runs_overrides: Sequence[Overrides],
+                       extra_overrides: Sequence[str]) -> None:
+  """Every run's `dataset.folder` must be a directory: caught before any run starts, not once per run."""
+  extra = dict(arg[len('--config.'):].split('=', 1) for arg in extra_overrides)
+  for overrides in runs_overrides:
+    folder = str(overrides.get('dataset.folder', extra.get('dataset.folder', config.dataset.folder)))
+    if folder and not os.path.isdir(folder):
+      raise SweepError(f'dataset.folder={folder!r} is not a directory; pass an image folder laid out as '
+                       'split/class/image with --config.dataset.folder=PATH')
+
+
+# --- devices: each parallel run gets its own accelerators --------------------------
+
+
+def device_groups(parallel: int) -> list[dict[str, str]]:
+  """The environment that gives each of `parallel` concurrent runs its own devices.
+
+  On CPU every run shares the cores. On a GPU host the GPUs are split evenly
+  (CUDA_VISIBLE_DEVICES); JAX would otherwise have every run grab all of them.
+  TPU chips cannot be shared by processes this way, so --parallel > 1 is refused.
+  """
+  if parallel == 1:
+    return [{}]
+  if glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'):
+    raise SweepError(f'--parallel={parallel} on a TPU host: each run needs every TPU chip; use --parallel=1')
+  gpus = visible_gpus()
+  if not gpus:
+    return [{} for _ in range(parallel)]
+  if len(gpus) < parallel:
+    raise SweepError(f'--parallel={parallel} but this host has {len(gpus)} GPU(s); runs cannot share a '
+                     f'GPU: use --parallel={len(gpus)} or fewer')
+  per_run = len(gpus) // parallel
+  return [{'CUDA_VISIBLE_DEVICES': ','.join(gpus[i * per_run:(i + 1) * per_run])} for i in range(parallel)]
+
+
+def visible_gpus() -> list[str]:
+  """GPU indices this process may use: CUDA_VISIBLE_DEVICES if set, else what nvidia-smi lists."""
+  if 'CUDA_VISIBLE_DEVICES' in os.environ:
+    return [gpu for gpu in os.environ['CUDA_VISIBLE_DEVICES'].split(',') if gpu.strip()]
+  if not shutil.which('nvidia-smi'):
+    return []
+  listing = subprocess.run(['nvidia-smi', '-L'], capture_output=True, text=True, check=False).stdout
+  return [str(index) for index, line in enumerate(listing.splitlines()) if line.startswith('GPU ')]
+
+
 # --- the sweep record -----------------------------------------------------------
 
 
@@ -289,6 +336,8 @@ def run_sweep(experiment_path: str, workdir: str, runs: list[Run], parallel: int
     print(f'[sweep] {len(runs) - len(pending)} run(s) already finished, skipping them', flush=True)
 
   environment = _child_environment()
+  free_devices = device_groups(parallel)  # one group per slot, returned when its run ends
+  devices_of: dict[str, dict[str, str]] = {}
   sweep_start = time.monotonic()
   started: dict[str, float] = {}
   processes: dict[str, tuple[subprocess.Popen, Any]] = {}
@@ -303,7 +352,8 @@ def run_sweep(experiment_path: str, workdir: str, runs: list[Run], parallel: int
     while pending or processes:
       while pending and len(processes) < parallel:
         run = pending.pop(0)
-        processes[run.name] = _launch(run, workdir, environment)
+        devices_of[run.name] = free_devices.pop()
+        processes[run.name] = _launch(run, workdir, {**environment, **devices_of[run.name]})
         started[run.name] = time.monotonic()
         run.status = RUNNING
         print(f'[sweep] start {run.name} (log: {os.path.join(workdir, run.name, LOG_FILE)})', flush=True)
@@ -314,6 +364,7 @@ def run_sweep(experiment_path: str, workdir: str, runs: list[Run], parallel: int
           continue
         process, log = processes.pop(run.name)
         log.close()
+        free_devices.append(devices_of.pop(run.name))
         _record_exit(run, process.returncode, time.monotonic() - started[run.name], workdir)
         if run.status == DONE:
           finished_durations.append(run.wall_time_s)
