@@ -180,8 +180,11 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
     print(json.dumps(plan, indent=2))
   elif mode == 'eval':
     evaluate.evaluate_checkpoint(config, workdir)
-  else:
+  elif mode == 'predict':
     evaluate.predict(config, workdir)
+  else:
+    from flaxtpu import export  # pylint: disable=g-import-not-at-top
+    export.export_checkpoint(config, workdir)
 
 
 def _quiet_libraries() -> None:

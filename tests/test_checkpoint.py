@@ -165,6 +165,25 @@ def test_sigterm_during_the_final_save_still_writes_results(image_folder, tmp_pa
   assert _complete_steps(workdir)[-1] == 6
 
 
+@pytest.mark.parametrize('phase', ['compile', 'final_eval'])
+def test_sigterm_while_compiling_or_in_the_final_eval_leaves_a_resumable_workdir(phase, image_folder, tmp_path,
+                                                                                  monkeypatch):
+  from flaxtpu import steps
+  workdir = str(tmp_path)
+  config = _config(image_folder, num_train_steps=6)
+  if phase == 'compile':  # the compiled step runs once, and that state is saved
+    _signal_when(monkeypatch, steps.Placement, 'compile_train_step')
+    assert train.train_and_evaluate(config, workdir) == {'stopped_at_step': 1}
+    assert _complete_steps(workdir) == [1]
+  else:  # the last step's eval runs, then the final checkpoint and results are written
+    _signal_when(monkeypatch, train, 'evaluate')
+    results = train.train_and_evaluate(config, workdir)
+    assert results['step'] == 6 and _complete_steps(workdir)[-1] == 6
+  monkeypatch.undo()
+  resumed = train.train_and_evaluate(config, workdir)
+  assert resumed['step'] == 6 and os.path.exists(os.path.join(workdir, 'results.json'))
+
+
 def test_sigterm_saves_a_complete_checkpoint_and_exits_cleanly(image_folder, tmp_path):
   workdir = str(tmp_path)
   command, env = _cli(workdir, image_folder, '--config.num_train_steps=100000')
