@@ -43,6 +43,24 @@ def _positive(key: str, value, allow: tuple = ()) -> None:
     raise ConfigError(f'config.{key}={value!r} must be > 0{extra}')
 
 
+def _check_model_options(model: ml_collections.ConfigDict) -> None:
+  """The ViT/ConvNeXt keys: valid values, and left at their defaults for models that ignore them."""
+  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  if model.patch_size < 0:
+    raise ConfigError(f'config.model.patch_size={model.patch_size} must be >= 0 (0 = the published size)')
+  _one_of('model.pool', model.pool, models.POOLS)
+  for key in ('dropout', 'drop_path'):
+    if not 0.0 <= model[key] < 1.0:
+      raise ConfigError(f'config.model.{key}={model[key]!r} must be in [0, 1)')
+  options = models.get_spec(model.name).options
+  default = defaults.get_config().model
+  for key in ('patch_size', 'pool', 'dropout', 'drop_path'):
+    if key not in options and model[key] != default[key]:
+      takers = [name for name in models.NAMES if key in models.get_spec(name).options]
+      raise ConfigError(f'config.model.{key}={model[key]!r} has no effect on model.name={model.name!r}; '
+                        f'leave it at {default[key]!r} or pick a model that takes it: {", ".join(takers)}')
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError naming the first key whose value cannot work."""
   if not config.dataset.folder and not config.dataset.name:

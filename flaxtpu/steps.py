@@ -48,7 +48,9 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
   """The model and preprocessing a config describes; with a run `length`, also its optimizer."""
   model = models.create(
       config.model.name, num_classes=num_classes, dtype=config.dtype, remat=config.model.remat,
-      bn_axis_name=parallel.PMAP_AXIS if config.parallelism == 'pmap' else None)
+      bn_axis_name=parallel.PMAP_AXIS if config.parallelism == 'pmap' else None,
+      patch_size=config.model.patch_size, pool=config.model.pool, dropout=config.model.dropout,
+      drop_path=config.model.drop_path, image_shape=image_shape)
   optimizer, schedule = optim.create_optimizer(config, length) if length else (None, None)
   standardize = config.dataset.normalize == 'standardize'
   return Task(model=model, num_classes=num_classes, image_shape=tuple(image_shape),
@@ -100,6 +102,19 @@ def _mean(x, axis_name: Optional[str]):
   return x if axis_name is None else jax.lax.pmean(x, axis_name)
 
 
+# Augmentation folds example positions (< 2**31) into the step key; dropout's key is this tag beyond them.
+_DROPOUT_STREAM = 2**32 - 1
+
+
+def _dropout_key(step_key: jax.Array, axis_name: Optional[str]) -> jax.Array:
+  """Dropout/drop-path randomness, a function of (seed, step): resumed runs replay it bit for bit.
+
+  Under pmap each device draws its own masks, as different rows of one global batch do under jit.
+  """
+  key = jax.random.fold_in(step_key, _DROPOUT_STREAM)
+  return key if axis_name is None else jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+
+
 def train_step(state: TrainState, batch, *, task: Task, axis_name: Optional[str] = None):
   """One optimizer step on a batch of (uint8 images, labels) -> (new state, clu metrics).
 
@@ -111,10 +126,11 @@ def train_step(state: TrainState, batch, *, task: Task, axis_name: Optional[str]
   images = augment.augment_batch(key, images, _batch_positions(len(images), axis_name), task.augment)
   images = augment.normalize(images, task.mean, task.std)
   targets = optax.smooth_labels(jax.nn.one_hot(labels, task.num_classes), task.label_smoothing)
+  rngs = {'dropout': _dropout_key(key, axis_name)}  # unused (and compiled away) without dropout
 
   def loss_fn(params):
     logits, updates = task.model.apply({'params': params, 'batch_stats': state.batch_stats},
-                                       images, train=True, mutable=['batch_stats'])
+                                       images, train=True, mutable=['batch_stats'], rngs=rngs)
     loss = optax.softmax_cross_entropy(logits, targets).mean()
     return loss, (logits, updates.get('batch_stats', state.batch_stats))
 

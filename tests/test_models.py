@@ -1,9 +1,14 @@
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
-from flaxtpu import models
+from flaxtpu import config as config_lib
+from flaxtpu import defaults, models, steps
 from flaxtpu.errors import UserError
+from flaxtpu.models import convnext, vit
 
 # Parameter counts at 10 classes (CIFAR family with projection shortcuts).
 EXPECTED_PARAMS = {
@@ -35,14 +40,16 @@ def test_cnn_layers_match_keras():
 @pytest.mark.parametrize('name', models.NAMES)
 @pytest.mark.parametrize('shape, classes', [((2, 32, 32, 3), 10), ((2, 28, 28, 1), 7)])
 def test_output_shapes(name, shape, classes):
-  if name in ('resnet101', 'resnet152', 'resnet110') and shape[1] == 28:
+  if name in ('resnet101', 'resnet152', 'resnet110', 'vit_b') and shape[1] == 28:
     pytest.skip('deep variants: one input shape is enough')
-  model = models.create(name, num_classes=classes)
+  # Patches of 4 pixels tile both 32x32 and 28x28 (ViT and ConvNeXt; the others take no patches).
+  patch_size = 4 if 'patch_size' in models.get_spec(name).options else 0
+  model = models.create(name, num_classes=classes, patch_size=patch_size, image_shape=shape[1:])
   variables = _init(model, shape)
   logits = jax.eval_shape(lambda v: model.apply(v, jnp.zeros(shape), train=False), variables)
   assert logits.shape == (shape[0], classes)
   assert logits.dtype == jnp.float32
-  assert ('batch_stats' in variables) == (name != 'cnn')
+  assert ('batch_stats' in variables) == name.startswith('resnet')
 
 
 def test_unknown_model_lists_valid_names():
@@ -57,3 +64,174 @@ def test_bfloat16_model_keeps_float32_params_and_logits():
   logits, updates = model.apply(variables, jnp.ones((2, 32, 32, 3)), train=True, mutable=['batch_stats'])
   assert logits.dtype == jnp.float32
   assert {x.dtype for x in jax.tree.leaves(updates)} == {jnp.dtype('float32')}
+
+
+# --- ViT and ConvNeXt -------------------------------------------------------------
+
+# Published sizes at 224x224 and 1000 classes (ViT: the paper's class token; DeiT's table for
+# Ti/S), in millions, and the exact counts of timm's vit_*_patch16_224 and convnext_tiny.
+PUBLISHED_PARAMS = {
+    'vit_ti': (5.7, 5_717_416),
+    'vit_s': (22.1, 22_050_664),
+    'vit_b': (86.6, 86_567_656),
+    'convnext_t': (28.6, 28_589_128),
+}
+
+
+def _count(variables) -> int:
+  return sum(x.size for x in jax.tree.leaves(variables['params']))
+
+
+@pytest.mark.parametrize('name, published', PUBLISHED_PARAMS.items())
+def test_published_parameter_counts(name, published):
+  millions, timm_count = published
+  pool = 'tok' if name.startswith('vit') else 'gap'
+  count = _count(_init(models.create(name, num_classes=1000, pool=pool), (1, 224, 224, 3)))
+  assert round(count / 1e6, 1) == millions
+  assert count == timm_count
+  if name.startswith('vit'):
+    # Pooling by the mean has no class token and one position embedding fewer.
+    width = models.get_spec(name).widths[0]
+    assert _count(_init(models.create(name, num_classes=1000), (1, 224, 224, 3))) == count - 2 * width
+
+
+def _tiny_vit(**kwargs):
+  return vit.ViT(num_classes=10, patch_size=4, width=32, depth=2, num_heads=2, mlp_dim=64, **kwargs)
+
+
+def _tiny_convnext(**kwargs):
+  return convnext.ConvNeXt(num_classes=10, stage_sizes=(1, 2), stage_widths=(8, 16), patch_size=2,
+                           **kwargs)
+
+
+IMAGES = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16, 16, 3)), jnp.float32)
+LABELS = jnp.arange(8) % 10
+
+
+def _random_params(model):
+  """Random parameters of the model's shapes, drawn by numpy (no compiled init); unlike the
+  initial ones, no zero ViT head or 1e-6 ConvNeXt layer scale that would hide the body."""
+  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), IMAGES, train=False))['params']
+  rng = np.random.default_rng(0)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.asarray((path[-1].key == 'scale') + 0.2 * rng.normal(size=x.shape), jnp.float32),
+      shapes)
+
+
+TINY = {
+    'vit': lambda block=vit.EncoderBlock: _tiny_vit(dropout=0.1, drop_path=0.3, block=block),
+    'vit_tok': lambda block=vit.EncoderBlock: _tiny_vit(pool='tok', drop_path=0.3, block=block),
+    'convnext': lambda block=convnext.ConvNeXtBlock: _tiny_convnext(drop_path=0.5, block=block),
+}
+
+
+@pytest.mark.parametrize('family', TINY)
+def test_dropout_and_drop_path_act_in_train_only(family):
+  model = TINY[family]()
+  params = _random_params(model)
+  apply = jax.jit(lambda seed, train: model.apply({'params': params}, IMAGES, train=train,
+                                                  rngs={'dropout': jax.random.PRNGKey(seed)}),
+                  static_argnums=1)
+  np.testing.assert_array_equal(apply(0, False), apply(1, False))
+  np.testing.assert_array_equal(apply(2, True), apply(2, True))
+  assert not np.allclose(apply(2, True), apply(3, True))
+  assert not np.allclose(apply(2, True), apply(2, False))
+
+
+def test_drop_path_grows_linearly_over_the_blocks():
+  model = vit.ViT(num_classes=10, patch_size=4, width=8, depth=5, num_heads=2, mlp_dim=16, drop_path=0.2)
+  rates = {}
+
+  def record(next_fun, args, kwargs, context):
+    if isinstance(context.module, vit.EncoderBlock) and context.method_name == '__call__':
+      rates[context.module.name] = context.module.drop_path
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), IMAGES, train=False))
+  assert rates == pytest.approx({f'block{i + 1}': 0.05 * i for i in range(5)})
+
+
+@pytest.mark.parametrize('family, remat', [('vit', 'full'), ('convnext', 'dots_saveable')])
+def test_remat_gives_the_same_gradients(family, remat):
+  block = {'vit': vit.EncoderBlock, 'convnext': convnext.ConvNeXtBlock}[family]
+  plain, rematted = TINY[family](), TINY[family](nn.remat(block, policy=models.remat_policy(remat)))
+  params = _random_params(plain)
+  # Explicit block names: checkpoints load into either.
+  assert jax.tree.structure(params) == jax.tree.structure(
+      jax.eval_shape(lambda: rematted.init(jax.random.PRNGKey(0), IMAGES, train=False))['params'])
+
+  def grad(model):
+    def loss(params):
+      logits = model.apply({'params': params}, IMAGES, train=True, rngs={'dropout': jax.random.PRNGKey(5)})
+      return optax.softmax_cross_entropy_with_integer_labels(logits, LABELS).mean()
+    return jax.jit(jax.grad(loss))(params)
+
+  for x, y in zip(jax.tree.leaves(grad(plain)), jax.tree.leaves(grad(rematted))):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('name', ['vit_ti', 'convnext_t'])
+def test_bfloat16_vit_and_convnext_keep_float32_params_and_logits(name):
+  model = models.create(name, num_classes=10, dtype='bfloat16', patch_size=4)
+  variables = _init(model, (2, 32, 32, 3))
+  assert {x.dtype for x in jax.tree.leaves(variables)} == {jnp.dtype('float32')}
+  logits = jax.eval_shape(lambda v: model.apply(v, jnp.zeros((2, 32, 32, 3)), train=False), variables)
+  assert logits.dtype == jnp.float32
+
+
+@pytest.mark.parametrize('name, patch_size, shape, shown', [
+    ('vit_s', 5, (32, 32, 3), 'config.model.patch_size=5 does not divide the 32x32 images; '
+                              'choose one of 1, 2, 4, 8, 16, 32'),
+    ('vit_ti', 0, (28, 28, 1), 'config.model.patch_size=0 (= 16, the published size for vit_ti) '
+                               'does not divide the 28x28 images'),
+    ('convnext_t', 3, (32, 32, 3), 'config.model.patch_size=3 does not divide the 32x32 images'),
+])
+def test_patches_that_do_not_tile_the_image_name_the_key(name, patch_size, shape, shown):
+  with pytest.raises(UserError) as error:
+    models.create(name, num_classes=10, patch_size=patch_size, image_shape=shape)
+  assert str(error.value).startswith(shown) and '\n' not in str(error.value)
+  config = defaults.get_config()
+  config.model.name, config.model.patch_size = name, patch_size
+  with pytest.raises(UserError, match='config.model.patch_size'):  # as the trainer builds it
+    steps.create_task(config, num_classes=10, image_shape=shape, mean=None, std=None)
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (dict(name='vit_b', patch_size=4, pool='tok', dropout=0.1, drop_path=0.1), None),
+    (dict(name='convnext_t', patch_size=2, drop_path=0.1), None),
+    (dict(name='vit_ti', pool='cls'), "config.model.pool='cls' is not valid; choose one of: 'gap', 'tok'"),
+    (dict(name='vit_ti', patch_size=-1), 'config.model.patch_size=-1 must be >= 0'),
+    (dict(name='vit_ti', dropout=1.0), r'config.model.dropout=1.0 must be in \[0, 1\)'),
+    (dict(name='convnext_t', drop_path=-0.1), r'config.model.drop_path=-0.1 must be in \[0, 1\)'),
+    (dict(name='resnet20', drop_path=0.1),
+     "config.model.drop_path=0.1 has no effect on model.name='resnet20'; leave it at 0.0 or pick a "
+     'model that takes it: vit_ti, vit_s, vit_b, convnext_t'),
+    (dict(name='cnn', patch_size=4), "config.model.patch_size=4 has no effect on model.name='cnn'"),
+    (dict(name='convnext_t', pool='tok'), "config.model.pool='tok' has no effect on model.name='convnext_t'"),
+    (dict(name='convnext_t', dropout=0.1), "config.model.dropout=0.1 has no effect"),
+])
+def test_config_validates_model_keys(overrides, message):
+  config = defaults.get_config()
+  config.model.update(overrides)
+  if message is None:
+    config_lib.validate(config)
+  else:
+    with pytest.raises(config_lib.ConfigError, match=message):
+      config_lib.validate(config)
+
+
+def test_train_step_dropout_is_a_function_of_seed_and_step():
+  """Dropout keys come from the state's (seed-derived) key and its step: a resumed run replays them."""
+  task = steps.Task(model=TINY['vit'](), num_classes=10, image_shape=(16, 16, 3),
+                    augment=defaults.get_config().augment, label_smoothing=0.0, mean=None, std=None,
+                    optimizer=optax.sgd(0.1))
+  params = _random_params(task.model)
+  state = steps.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats={},
+                           opt_state=task.optimizer.init(params), rng=jax.random.PRNGKey(0))
+  batch = (jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 16, 16, 3)), jnp.uint8), LABELS)
+  loss = jax.jit(lambda state: steps.train_step(state, batch, task=task)[1].loss.total)
+  restored = state.replace(rng=jnp.array(np.asarray(state.rng)))  # the same key, as a checkpoint holds it
+  assert loss(state) == loss(restored)
+  assert loss(state) != loss(state.replace(step=state.step + 1))
+  assert loss(state) != loss(state.replace(rng=jax.random.PRNGKey(1)))

@@ -1,8 +1,8 @@
 """The model registry: `create(name, num_classes=..., ...)` builds any model by name.
 
 `NAMES` is the one list of valid model names. This file imports no JAX or
-Flax at module level, so the CLI validates `model.name` against it before
-JAX starts; `create` imports the model code.
+Flax at module level, so the CLI validates `model.name` (and which options a
+model takes) before JAX starts; `create` imports the model code.
 """
 
 from __future__ import annotations
@@ -15,9 +15,19 @@ from flaxtpu.errors import UserError
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  family: str  # 'cnn' | 'cifar_resnet' | 'imagenet_resnet'
-  stage_sizes: tuple[int, ...] = ()
+  family: str  # 'cnn' | 'cifar_resnet' | 'imagenet_resnet' | 'vit' | 'convnext'
+  stage_sizes: tuple[int, ...] = ()  # blocks per stage (ResNet, ConvNeXt); (depth,) for ViT
   bottleneck: bool = False
+  widths: tuple[int, ...] = ()  # channels per stage (ConvNeXt); (width,) for ViT
+  num_heads: int = 0  # ViT
+  mlp_dim: int = 0  # ViT
+  patch_size: int = 0  # the published patch (ViT) or stem stride (ConvNeXt); 0 = no patches
+
+  @property
+  def options(self) -> tuple[str, ...]:
+    """The `create` options (config.model.* keys) this model reads; the others must keep their defaults."""
+    return {'vit': ('patch_size', 'pool', 'dropout', 'drop_path'),
+            'convnext': ('patch_size', 'drop_path')}.get(self.family, ())
 
 
 _SPECS = {
@@ -32,8 +42,20 @@ _SPECS = {
     'resnet50': Spec('imagenet_resnet', (3, 4, 6, 3), bottleneck=True),
     'resnet101': Spec('imagenet_resnet', (3, 4, 23, 3), bottleneck=True),
     'resnet152': Spec('imagenet_resnet', (3, 8, 36, 3), bottleneck=True),
+    'vit_ti': Spec('vit', (12,), widths=(192,), num_heads=3, mlp_dim=768, patch_size=16),
+    'vit_s': Spec('vit', (12,), widths=(384,), num_heads=6, mlp_dim=1536, patch_size=16),
+    'vit_b': Spec('vit', (12,), widths=(768,), num_heads=12, mlp_dim=3072, patch_size=16),
+    'convnext_t': Spec('convnext', (3, 3, 9, 3), widths=(96, 192, 384, 768), patch_size=4),
 }
 NAMES = tuple(_SPECS)
+POOLS = ('gap', 'tok')
+
+
+def get_spec(name: str) -> Spec:
+  """The spec of model `name`, or a UserError listing the valid names."""
+  if name not in _SPECS:
+    raise UserError(f'unknown model {name!r}; choose one of: {", ".join(NAMES)}')
+  return _SPECS[name]
 
 
 def remat_policy(name: str):
@@ -42,26 +64,52 @@ def remat_policy(name: str):
   return None if name == 'full' else getattr(jax.checkpoint_policies, name)
 
 
+def check_image_shape(name: str, image_shape: tuple[int, ...], patch_size: int = 0) -> None:
+  """Raises UserError naming config.model.patch_size when the patches do not tile the images."""
+  patch = patch_size or get_spec(name).patch_size
+  height, width = image_shape[:2]
+  if patch and (height % patch or width % patch):
+    divisors = [d for d in range(1, min(height, width) + 1) if height % d == 0 and width % d == 0]
+    shown = f'{patch_size}' if patch_size else f'0 (= {patch}, the published size for {name})'
+    raise UserError(f'config.model.patch_size={shown} does not divide the {height}x{width} images; '
+                    f'choose one of {", ".join(map(str, divisors))} (or change config.dataset.image_size)')
+
+
 def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 'none',
-           bn_axis_name: Optional[str] = None):
-  """Builds model `name`; `remat` wraps each block (ResNet) or stage (CNN) in jax.checkpoint.
+           bn_axis_name: Optional[str] = None, patch_size: int = 0, pool: str = 'gap',
+           dropout: float = 0.0, drop_path: float = 0.0,
+           image_shape: Optional[tuple[int, ...]] = None):
+  """Builds model `name`; `remat` wraps each block (ResNet, ViT, ConvNeXt) or stage (CNN) in jax.checkpoint.
 
   `bn_axis_name` makes BatchNorm average its statistics over that pmap axis,
-  so that pmap computes the same statistics as one global batch.
+  so that pmap computes the same statistics as one global batch. `patch_size`
+  (0 = the published one), `pool`, `dropout` and `drop_path` configure ViT and
+  ConvNeXt (`Spec.options` says which); given `image_shape`, the patches are
+  checked to tile it.
   """
   # pylint: disable=g-import-not-at-top
   import flax.linen as nn
   import jax.numpy as jnp
 
-  from flaxtpu.models import cnn, resnet
-  if name not in _SPECS:
-    raise UserError(f'unknown model {name!r}; choose one of: {", ".join(NAMES)}')
-  spec = _SPECS[name]
+  from flaxtpu.models import cnn, convnext, resnet, vit
+  spec = get_spec(name)
+  if image_shape is not None:
+    check_image_shape(name, image_shape, patch_size)
   wrap = (lambda unit: unit) if remat == 'none' else (
       lambda unit: nn.remat(unit, policy=remat_policy(remat)))
+  dtype = jnp.dtype(dtype)
   if spec.family == 'cnn':
-    return cnn.CNN(num_classes=num_classes, dtype=jnp.dtype(dtype), stage=wrap(cnn.ConvStage))
+    return cnn.CNN(num_classes=num_classes, dtype=dtype, stage=wrap(cnn.ConvStage))
+  if spec.family == 'vit':
+    return vit.ViT(num_classes=num_classes, patch_size=patch_size or spec.patch_size,
+                   width=spec.widths[0], depth=spec.stage_sizes[0], num_heads=spec.num_heads,
+                   mlp_dim=spec.mlp_dim, block=wrap(vit.EncoderBlock), pool=pool, dropout=dropout,
+                   drop_path=drop_path, dtype=dtype)
+  if spec.family == 'convnext':
+    return convnext.ConvNeXt(num_classes=num_classes, stage_sizes=spec.stage_sizes,
+                             stage_widths=spec.widths, block=wrap(convnext.ConvNeXtBlock),
+                             patch_size=patch_size or spec.patch_size, drop_path=drop_path, dtype=dtype)
   block = resnet.BottleneckBlock if spec.bottleneck else resnet.BasicBlock
   stem, width = ('cifar', 16) if spec.family == 'cifar_resnet' else ('imagenet', 64)
   return resnet.ResNet(stage_sizes=spec.stage_sizes, block=wrap(block), stem=stem, width=width,
-                       num_classes=num_classes, dtype=jnp.dtype(dtype), bn_axis_name=bn_axis_name)
+                       num_classes=num_classes, dtype=dtype, bn_axis_name=bn_axis_name)
