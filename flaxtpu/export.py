@@ -1,0 +1,254 @@
+"""--mode=export: a checkpoint as a TensorFlow SavedModel and a TFLite model that run without JAX.
+
+`export_checkpoint(config, workdir)` writes
+
+    WORKDIR/export/
+      saved_model/      saved_model.pb + variables/ + assets/class_names.txt
+      model.tflite      the same model for TFLite / LiteRT (when the converter can produce it)
+      class_names.txt   one class name a line, in logit order (also next to a deployed model.tflite)
+      export.json       step, paths, input signature, class names, tolerances, measured differences
+
+The `serving_default` signature takes `images`: uint8 [batch, H, W, C] (any
+batch size, H x W x C the model's input size) and returns float32 `logits`
+and `probabilities` [batch, num_classes]; the checkpoint's normalisation is
+built in. Images must already be at the model's input size: for
+`dataset.image_size > 0` runs, resize and centre-crop them as eval does
+(flaxtpu/preprocess.py). Class names are an asset and a string variable
+(`loaded.class_names`).
+
+Before anything appears under WORKDIR/export, both models are run on eval
+images and compared with flaxtpu's own predict; a difference beyond the
+tolerance raises UserError and leaves the previous export (or none) as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import time
+import uuid
+import warnings
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from flaxtpu import data, evaluate, files, parallel, steps
+from flaxtpu.config import resolved_eval_batch_size
+from flaxtpu.errors import UserError
+
+EXPORT_DIR = 'export'
+# The serialized StableHLO is lowered for every platform, so a model exported on a TPU serves on a CPU.
+PLATFORMS = ('cpu', 'cuda', 'tpu')
+CHECK_IMAGES = 256
+# Allowed max |exported - predict| logits, relative to max(1, max |predict logits|). The SavedModel runs
+# the same StableHLO through XLA (only the device count and fusion differ); TFLite re-lowers it to its
+# own kernels (XNNPACK), whose sums run in another order; bfloat16 models round every activation.
+TOLERANCES = {'float32': {'saved_model': 1e-4, 'tflite': 1e-3},
+              'bfloat16': {'saved_model': 3e-2, 'tflite': 5e-2}}
+
+
+def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Exports the checkpoint `config.eval.checkpoint` names to WORKDIR/export; returns export.json's contents.
+
+  Runs on one process (like --mode=predict). Raises UserError when the
+  exported models disagree with flaxtpu's predict on the eval images.
+  """
+  if jax.process_count() > 1:
+    raise UserError('--mode=export runs on one process; start it without --num_processes')
+  tf = _import_tensorflow()
+  placement, state, step, record = evaluate.restore(config, workdir)
+  images = _check_images(config, record)
+  expected = evaluate.predict_logits(placement, state, images, resolved_eval_batch_size(config))
+  # Sharded (fsdp) or per-device (pmap) parameters -> one numpy copy on the host.
+  host_state = parallel.host_copy(placement.to_saveable(state))
+  task = steps.create_task(config, num_classes=record['num_classes'],
+                           image_shape=tuple(record['image_shape']), mean=record['normalization']['mean'],
+                           std=record['normalization']['std'])
+  final = os.path.join(workdir, EXPORT_DIR)
+  staging = os.path.join(workdir, f'.{EXPORT_DIR}-{uuid.uuid4().hex[:12]}')  # not mkdtemp: its mode is 0700
+  os.makedirs(staging)
+  try:
+    summary = _export_into(tf, staging, task, host_state, record['class_names'], images, expected,
+                           TOLERANCES[config.dtype])
+    summary.update(
+        step=step, model=record['model'], dtype=config.dtype, directory=os.path.abspath(final),
+        checkpoint=os.path.join(workdir, 'checkpoints', str(step)),
+        preprocessing=('uint8 images at the model input size; normalisation is inside the model' + (
+            f'; resize and centre-crop photos to {task.image_shape[0]}x{task.image_shape[1]} as eval does '
+            '(flaxtpu/preprocess.py)' if config.dataset.image_size else '')),
+        normalization=record['normalization'], class_names=list(record['class_names']))
+    summary['check'].update(num_images=len(images), split=config.dataset.eval_split)
+    files.write_json(os.path.join(staging, 'export.json'), summary)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)  # nothing half-written stays behind
+    raise
+  _move_into_place(staging, final)
+  checks = summary['check']
+  logging.info('exported step %d to %s: SavedModel max |logit diff| %.2g; %s', step, final,
+               checks['saved_model']['max_abs_diff'],
+               f'TFLite {checks["tflite"]["max_abs_diff"]:.2g}' if summary['tflite'] else
+               f'no TFLite: {summary["tflite_error"]}')
+  return summary
+
+
+def _export_into(tf, directory: str, task: steps.Task, host_state: steps.ModelState, class_names: list[str],
+                 images: np.ndarray, expected: np.ndarray, tolerances: dict[str, float]) -> dict[str, Any]:
+  """Writes and checks the SavedModel, then the TFLite model, in `directory`."""
+  started = time.perf_counter()
+  class_names_file = os.path.join(directory, 'class_names.txt')
+  with open(class_names_file, 'w', encoding='utf-8') as f:
+    f.writelines(f'{name}\n' for name in class_names)
+  saved_model_dir = os.path.join(directory, 'saved_model')
+  _save(tf, saved_model_dir, task, host_state, class_names, class_names_file)
+  serve = tf.saved_model.load(saved_model_dir).signatures['serving_default']
+  checks = {'saved_model': _check('SavedModel', lambda x: serve(images=tf.constant(x))['logits'].numpy(),
+                                  images, expected, tolerances['saved_model'])}
+  tflite_path = os.path.join(directory, 'model.tflite')
+  if task.model.dtype == jnp.float32:
+    tflite_error, tflite_flex = _write_tflite(tf, saved_model_dir, tflite_path)
+  else:  # TFLite has no bfloat16 convolutions: the same weights, computing in float32
+    source = os.path.join(directory, 'float32_saved_model')
+    _save(tf, source, dataclasses.replace(task, model=task.model.clone(dtype=jnp.float32)), host_state,
+          class_names, class_names_file)
+    tflite_error, tflite_flex = _write_tflite(tf, source, tflite_path)
+    shutil.rmtree(source)
+  if tflite_error is None:
+    checks['tflite'] = _check('TFLite', _tflite_runner(tflite_path), images, expected, tolerances['tflite'])
+  else:
+    logging.warning('export: no TFLite model: %s', tflite_error)
+  height, width, channels = task.image_shape
+  tensor = lambda dtype, shape: {'dtype': dtype, 'shape': shape}
+  return {
+      'saved_model': 'saved_model', 'tflite': None if tflite_error else 'model.tflite',
+      'tflite_error': tflite_error, 'tflite_needs_flex_ops': tflite_flex,
+      'tflite_compute_dtype': None if tflite_error else 'float32',  # bfloat16 models too: see above
+      'class_names_file': 'class_names.txt', 'platforms': list(PLATFORMS),
+      'signature': {'name': 'serving_default',
+                    'inputs': {'images': tensor('uint8', [None, height, width, channels])},
+                    'outputs': {'logits': tensor('float32', [None, task.num_classes]),
+                                'probabilities': tensor('float32', [None, task.num_classes])}},
+      'check': {'tolerance_rule': 'max |logits - predict| <= tolerance x max(1, max |predict logits|)',
+                **checks},
+      'export_seconds': round(time.perf_counter() - started, 3),
+  }
+
+
+def _import_tensorflow():
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  with contextlib.suppress(RuntimeError):  # already initialised: its devices are set already
+    tf.config.set_visible_devices([], 'GPU')  # accelerator memory stays JAX's
+  return tf
+
+
+def _check_images(config: ml_collections.ConfigDict, record: dict) -> np.ndarray:
+  """The first CHECK_IMAGES eval images, at the model's input size, as predict sees them."""
+  dataset = data.load(config, need_train=False)
+  if dataset.image_shape != tuple(record['image_shape']) or len(dataset.eval) == 0:
+    raise UserError(f'export checks the model on the eval split of {config.dataset.folder or config.dataset.name}'
+                    f', which has {len(dataset.eval)} images of {dataset.image_shape}, but the checkpoint '
+                    f'takes {tuple(record["image_shape"])}; point the config at data like the training data')
+  batch = next(data.eval_batches(dataset, batch_size=min(CHECK_IMAGES, len(dataset.eval))))
+  return batch.images[batch.mask]
+
+
+def _logits_function(task: steps.Task) -> Callable:
+  """(variables, uint8 images) -> float32 logits: predict's own `logits_fn`, normalisation included."""
+
+  def logits(variables: dict, images: jax.Array) -> jax.Array:
+    state = steps.ModelState(params=variables['params'], batch_stats=variables['batch_stats'])
+    return steps.logits_fn(state, images, task=task).astype(jnp.float32)
+
+  return logits
+
+
+def _save(tf, path: str, task: steps.Task, host_state: steps.ModelState, class_names: list[str],
+          class_names_file: str) -> None:
+  """The task's logits as a SavedModel: `serving_default`, the weights as variables, the class names."""
+  from jax.experimental import jax2tf  # pylint: disable=g-import-not-at-top
+  height, width, channels = task.image_shape
+  converted = jax2tf.convert(_logits_function(task), with_gradient=False,
+                             polymorphic_shapes=[None, f'(b, {height}, {width}, {channels})'],
+                             native_serialization_platforms=PLATFORMS)
+  module = tf.Module()
+  # Variables, not constants: the weights stay out of the graph proto, which is capped at 2 GiB.
+  module.model_variables = tf.nest.map_structure(
+      lambda x: tf.Variable(x, trainable=False),
+      {'params': host_state.params, 'batch_stats': host_state.batch_stats})
+  module.class_names = tf.Variable(list(class_names), trainable=False, dtype=tf.string)
+  module.class_names_file = tf.saved_model.Asset(class_names_file)  # copied to saved_model/assets/
+
+  @tf.function(autograph=False, input_signature=[
+      tf.TensorSpec([None, height, width, channels], tf.uint8, name='images')])
+  def serve(images):
+    logits = converted(module.model_variables, images)
+    return {'logits': logits, 'probabilities': tf.nn.softmax(logits, axis=-1)}
+
+  module.serve = serve
+  tf.saved_model.save(module, path, signatures={'serving_default': serve})
+
+
+def _write_tflite(tf, saved_model_dir: str, path: str) -> tuple[str | None, bool]:
+  """Converts the SavedModel to TFLite -> (None or why it could not, in one line; needs Flex ops).
+
+  TFLite builtins alone first (they run on every TFLite runtime); only if they cannot express the
+  model, builtins plus TensorFlow kernels (Flex), which a runtime must link in.
+  """
+  errors = []
+  for flex in (False, True):
+    converter = tf.lite.TFLiteConverter.from_saved_model(saved_model_dir)
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS] + (
+        [tf.lite.OpsSet.SELECT_TF_OPS] if flex else [])
+    try:
+      model = converter.convert()
+    except Exception as e:  # pylint: disable=broad-except  # the converter raises many types
+      lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+      errors.append(f'{type(e).__name__}: {lines[0][:300] if lines else ""}')
+      continue
+    with open(path, 'wb') as f:
+      f.write(model)
+    return None, flex
+  return f'the TFLite converter of TensorFlow {tf.__version__} failed: {errors[-1]}', False
+
+
+def _tflite_runner(path: str) -> Callable[[np.ndarray], np.ndarray]:
+  """The TFLite model's serving_default as images -> logits, on LiteRT when installed, else tf.lite."""
+  try:
+    from ai_edge_litert.interpreter import Interpreter  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    Interpreter = tf.lite.Interpreter  # noqa: N806  # deprecated in favour of LiteRT, still in TF 2.21
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore')
+    runner = Interpreter(model_path=path).get_signature_runner('serving_default')
+  return lambda images: runner(images=images)['logits']
+
+
+def _check(what: str, run: Callable[[np.ndarray], np.ndarray], images: np.ndarray,
+           expected: np.ndarray, tolerance: float) -> dict[str, Any]:
+  """Runs the exported model on all images in one batch and on the first alone (another batch size)."""
+  outputs = run(images)
+  first = run(images[:1])
+  max_diff = float(max(np.abs(outputs - expected).max(), np.abs(first - expected[:1]).max()))
+  scale = max(1.0, float(np.abs(expected).max()))
+  allowed = tolerance * scale
+  if not max_diff <= allowed:  # also catches NaN
+    raise UserError(f'export check failed: the {what} logits differ from flaxtpu predict by up to '
+                    f'{max_diff:.3g} on {len(images)} eval images, more than the {allowed:.3g} allowed '
+                    f'({tolerance:g} x max(1, max |logit| = {scale:.3g})); nothing was exported')
+  return {'max_abs_diff': max_diff, 'tolerance': tolerance, 'allowed_abs_diff': allowed,
+          'batch_sizes': [len(images), 1]}
+
+
+def _move_into_place(staging: str, final: str) -> None:
+  """Swaps the checked export in; a previous export is replaced whole, never merged."""
+  previous = f'{staging}-previous'
+  if os.path.exists(final):
+    os.rename(final, previous)
+  os.rename(staging, final)
+  shutil.rmtree(previous, ignore_errors=True)
