@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 from typing import Sequence
 
@@ -83,7 +84,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _positive('input.prefetch', config.input.prefetch)
   _one_of('model.name', config.model.name, models.NAMES)
   _one_of('model.remat', config.model.remat, REMAT_POLICIES)
+  _check_model_options(config.model)
   _one_of('dtype', config.dtype, DTYPES)
+  _one_of('wandb.mode', config.wandb.mode, ('online', 'offline'))
+  if config.wandb.project and importlib.util.find_spec('wandb') is None:
+    raise ConfigError(f'config.wandb.project={config.wandb.project!r} needs Weights & Biases: '
+                      "pip install 'flaxtpu[wandb]' (or leave wandb.project empty)")
+  if config.profile_steps < 0 or config.log_every_secs < 0:
+    raise ConfigError('config.profile_steps and config.log_every_secs must be >= 0 (0 = off)')
   _one_of('optimizer.name', config.optimizer.name, OPTIMIZERS)
   _one_of('schedule.name', config.schedule.name, SCHEDULES)
   _one_of('parallelism', config.parallelism, PARALLELISMS)

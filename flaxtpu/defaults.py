@@ -94,7 +94,9 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- loop -------------------------------------------------------------
   config.seed = 0  # Seeds parameters, data order and augmentation.
-  config.log_every_steps = 100  # Progress line and train metrics every N steps.
+  config.log_every_steps = 100  # Progress line and train metrics every N steps ...
+  config.log_every_secs = 0.0  # ... and also when this many seconds passed since the last one (0 = off; one process only).
+  config.profile_steps = 0  # Trace this many train steps with jax.profiler after 5 warm-up steps into WORKDIR/profile (0 = off).
   config.eval_every_steps = -1  # Evaluate every N steps (-1 = once per epoch; the end always evaluates).
   config.checkpoint_every_steps = -1  # Checkpoint every N steps (-1 = once per epoch; the end always saves).
 
@@ -110,6 +112,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.predict.input = ''  # --mode=predict: an image file or a folder of images.
   config.predict.top_k = 3  # Classes printed per image.
   config.predict.output_csv = ''  # Also write predictions here ('' = print only).
+
+  config.wandb = ml_collections.ConfigDict()
+  config.wandb.project = ''  # Also log to Weights & Biases in this project ('' = off; pip install 'flaxtpu[wandb]').
+  config.wandb.entity = ''  # W&B team or user ('' = your default).
+  config.wandb.mode = 'online'  # online | offline (written under WORKDIR/wandb, `wandb sync` later).
 
   config.compilation_cache_dir = ''  # JAX persistent compile cache ('' = ~/.cache/flaxtpu/jax; 'none' = off).
   config.lock()

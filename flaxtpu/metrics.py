@@ -2,6 +2,7 @@
 
 
 import functools
+import hashlib
 import json
 import os
 from typing import Any, Mapping
@@ -87,11 +88,71 @@ class JsonlWriter(metric_writers.MetricWriter):
     self._file.close()
 
 
-def create_writer(workdir: str, *, is_main_process: bool) -> metric_writers.MetricWriter:
-  """TensorBoard events + metrics.jsonl from process 0; nothing from the others."""
+class WandbWriter(metric_writers.MetricWriter):
+  """Weights & Biases as one more metric writer: scalars, images, texts and the config.
+
+  One W&B run per workdir (its id is derived from the workdir), so a resumed
+  training run keeps appending to the same W&B run.
+  """
+
+  def __init__(self, workdir: str, project: str, entity: str, mode: str, config: Mapping[str, Any]):
+    import wandb  # pylint: disable=g-import-not-at-top
+    self._wandb = wandb
+    run_id = hashlib.sha1(os.path.abspath(workdir).encode()).hexdigest()[:16]
+    self._run = wandb.init(project=project, entity=entity or None, mode=mode, dir=workdir, id=run_id,
+                           name=os.path.basename(os.path.abspath(workdir)), resume='allow',
+                           config=dict(config))
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    self._run.log({k: float(v) for k, v in scalars.items()}, step=int(step))
+
+  def write_images(self, step: int, images: Mapping[str, Any]):
+    self._run.log({k: [self._wandb.Image(np.asarray(image)) for image in v] for k, v in images.items()},
+                  step=int(step))
+
+  def write_texts(self, step: int, texts: Mapping[str, str]):
+    self._run.log({k: self._wandb.Html(f'<pre>{v}</pre>') for k, v in texts.items()}, step=int(step))
+
+  def write_hparams(self, hparams: Mapping[str, Any]):
+    self._run.config.update(dict(hparams), allow_val_change=True)
+
+  def write_summaries(self, step, values, metadata=None):
+    pass
+
+  def write_videos(self, step, videos):
+    pass
+
+  def write_audios(self, step, audios, *, sample_rate):
+    pass
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    pass
+
+  def flush(self):
+    pass
+
+  def close(self):
+    self._run.finish()
+
+
+def flat_hparams(config: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
+  """The config as {'optimizer.learning_rate': 0.1, ...}: the scalars TensorBoard's HParams plugin takes."""
+  flat = {}
+  for key, value in config.items():
+    if isinstance(value, Mapping):
+      flat.update(flat_hparams(value, f'{prefix}{key}.'))
+    else:
+      flat[f'{prefix}{key}'] = value if isinstance(value, (bool, int, float, str)) else str(value)
+  return flat
+
+
+def create_writer(workdir: str, *, is_main_process: bool,
+                  config: Mapping[str, Any] | None = None) -> metric_writers.MetricWriter:
+  """TensorBoard events + metrics.jsonl (+ W&B when config.wandb.project is set) from process 0."""
   if not is_main_process:
     return metric_writers.MultiWriter([])
-  return metric_writers.MultiWriter([
-      metric_writers.SummaryWriter(workdir),
-      JsonlWriter(os.path.join(workdir, 'metrics.jsonl')),
-  ])
+  writers = [metric_writers.SummaryWriter(workdir), JsonlWriter(os.path.join(workdir, 'metrics.jsonl'))]
+  if config is not None and config.wandb.project:
+    writers.append(WandbWriter(workdir, config.wandb.project, config.wandb.entity, config.wandb.mode,
+                               flat_hparams(config.to_dict())))
+  return metric_writers.MultiWriter(writers)

@@ -145,6 +145,14 @@ def train_step(state: TrainState, batch, *, task: Task, axis_name: Optional[str]
   return new_state, step_metrics
 
 
+def augmented_sample(task: Task, seed: int, step: int, images: np.ndarray) -> np.ndarray:
+  """The first images of step `step`'s batch as its train step augments them (for TensorBoard)."""
+  _, data_key = jax.random.split(jax.random.PRNGKey(seed))  # TrainState.rng, as init_state draws it
+  key = jax.random.fold_in(data_key, step)
+  return np.asarray(augment.augment_batch(key, jnp.asarray(images), jnp.arange(len(images)),
+                                          task.augment))
+
+
 def logits_fn(state: TrainState | ModelState, images, *, task: Task):
   """Inference: uint8 images -> float32 logits (BatchNorm uses its running statistics)."""
   images = augment.normalize(images, task.mean, task.std)

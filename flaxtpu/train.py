@@ -16,6 +16,7 @@ from typing import Optional
 import jax
 import ml_collections
 import numpy as np
+from clu import parameter_overview
 from jax.experimental import multihost_utils
 
 from flaxtpu import checkpoint, data, files, lock, metrics, parallel, report, steps, workers
@@ -36,35 +37,110 @@ def stop_requested(stop: StopRequest, check_all_processes: bool) -> bool:
 
 
 class TrainClock:
-  """Times training steps only: compiling, evaluating and saving are paused out.
+  """Times training steps apart from compiling, evaluating and saving, and splits a step's time.
 
   Its totals go into every checkpoint, so a resumed run reports the images/s
-  of all its steps, not only of the last attempt.
+  of all its steps, not only of the last attempt. Pauses are timed by kind
+  ('eval', 'save'), so the ETA counts the evaluations and saves still to
+  come. Within a lap, `input` is the time spent waiting for the next batch
+  and `step` the time in the train step and waiting for its results.
   """
 
   def __init__(self, first_step: int, progress: dict):
     self._lap_start, self._lap_step = time.time(), first_step
     self.train_seconds = progress.get('train_seconds', 0.0)
     self.train_steps = progress.get('train_steps', 0)
+    self.seconds_per_step = 0.0
+    self._pauses: dict[str, list[float]] = {}
+    self._split = {'input': 0.0, 'step': 0.0}
 
   @contextlib.contextmanager
-  def paused(self, state=None):
+  def paused(self, kind: str = '', state=None):
     jax.block_until_ready(state)  # charge the steps already queued to training, not to the pause
     paused_at = time.time()
     yield
-    self._lap_start += time.time() - paused_at
+    seconds = time.time() - paused_at
+    self._lap_start += seconds
+    self._pauses.setdefault(kind, []).append(seconds)
 
-  def lap(self, step: int, batch_size: int, total_steps: int) -> tuple[float, float]:
-    """Images/s since the last lap and the ETA in seconds."""
+  @contextlib.contextmanager
+  def timing(self, part: str):
+    """Charges the time inside to `part` ('input' or 'step') of the current lap."""
+    started = time.time()
+    yield
+    self._split[part] += time.time() - started
+
+  def lap(self, step: int, batch_size: int) -> tuple[float, dict[str, float]]:
+    """Images/s since the last lap and the share of its time each part took."""
     seconds, steps_done = time.time() - self._lap_start, step - self._lap_step
     self.train_seconds += seconds
     self.train_steps += steps_done
+    self.seconds_per_step = seconds / max(steps_done, 1)
+    shares = {part: spent / max(seconds, 1e-9) for part, spent in self._split.items()}
+    shares['other'] = max(0.0, 1.0 - sum(shares.values()))
     self._lap_start, self._lap_step = time.time(), step
-    return (steps_done * batch_size / max(seconds, 1e-9),
-            (total_steps - step) * seconds / max(steps_done, 1))
+    self._split = dict.fromkeys(self._split, 0.0)
+    return steps_done * batch_size / max(seconds, 1e-9), shares
+
+  def eta(self, step: int, length) -> float:
+    """Seconds left: the train steps, and the evaluations and saves they still pass."""
+
+    def still_to_come(every: int) -> int:  # multiples of `every` after `step`, plus the final one
+      total = length.total_steps
+      return total // every - step // every + (1 if total % every and step < total else 0)
+
+    mean = lambda kind: float(np.mean(self._pauses[kind])) if self._pauses.get(kind) else 0.0
+    return ((length.total_steps - step) * self.seconds_per_step
+            + still_to_come(length.eval_every_steps) * mean('eval')
+            + still_to_come(length.checkpoint_every_steps) * mean('save'))
 
   def images_per_sec(self, batch_size: int) -> float:
     return self.train_steps * batch_size / max(self.train_seconds, 1e-9)
+
+
+class StepProfiler:
+  """`profile_steps` steps traced with jax.profiler into WORKDIR/profile, after warm-up steps."""
+  WARMUP_STEPS = 5
+
+  def __init__(self, workdir: str, first_step: int, num_steps: int, total_steps: int):
+    self.directory = os.path.join(workdir, 'profile')
+    start = min(first_step + self.WARMUP_STEPS, max(first_step, total_steps - num_steps))
+    self._steps = range(start + 1, min(start + num_steps, total_steps) + 1) if num_steps else range(0)
+    self._tracing = False
+
+  def before_step(self, step: int) -> None:
+    if self._steps and step == self._steps.start:
+      jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+      self._tracing = True
+
+  def after_step(self, step: int, state) -> None:
+    if self._tracing and step == self._steps[-1]:
+      self.stop(state)
+
+  def stop(self, state) -> None:
+    if self._tracing:
+      jax.block_until_ready(state)
+      jax.profiler.stop_trace()
+      self._tracing = False
+      logging.info('profile of steps %d-%d in %s: open it with `tensorboard --logdir %s` (Profile '
+                   'tab) or the *.trace.json.gz in https://ui.perfetto.dev', self._steps.start,
+                   self._steps[-1], self.directory, self.directory)
+
+
+def log_run_overview(writer, config: ml_collections.ConfigDict, task: steps.Task, placement,
+                     state, dataset: data.Dataset, first_step: int) -> None:
+  """TensorBoard (and W&B) extras at the start: the config as HParams, the parameter
+  table, and the first training images as the train step augments them."""
+  writer.write_hparams(metrics.flat_hparams(config.to_dict()))
+  overview = parameter_overview.get_parameter_overview(placement.to_saveable(state).params,
+                                                       include_stats=False)
+  logging.info('parameters:\n%s', overview)
+  writer.write_texts(first_step, {'parameters': f'<pre>{overview}</pre>'})
+  if jax.process_count() == 1:  # the first local batch is the whole global batch only on one process
+    first = next(iter(data.train_batches(dataset, seed=config.seed, batch_size=config.batch_size,
+                                         first_step=first_step, last_step=first_step + 1)))
+    sample = steps.augmented_sample(task, config.seed, first_step, first.images[:16])
+    writer.write_images(first_step, {'train_images': sample})
 
 
 def checkpoint_record(config: ml_collections.ConfigDict, task: steps.Task, step: int,
@@ -153,7 +229,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   if is_main:  # only once the checkpoint has proven to belong to this config
     files.write_json(os.path.join(workdir, 'config.json'), config.to_dict())
     files.truncate_jsonl(os.path.join(workdir, 'metrics.jsonl'), first_step)
-  writer = metrics.create_writer(workdir, is_main_process=is_main)
+  writer = metrics.create_writer(workdir, is_main_process=is_main, config=config)
+  if is_main:
+    log_run_overview(writer, config, task, placement, state, dataset, first_step)
 
   batches = workers.prefetch(
       placement.put_train_batch(tuple(batch)[:2]) for batch in data.train_batches(
@@ -175,39 +253,55 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
             'wall_time_s': previous_wall_time + time.time() - started, 'memory_plan': memory_plan}
 
   step, memory_plan = first_step, progress.get('memory_plan', {})
+  profiler = StepProfiler(workdir, first_step, config.profile_steps, length.total_steps)
+  # Seconds-triggered progress lines need every process to agree on the step: one process only.
+  log_every_secs = config.log_every_secs if jax.process_count() == 1 else 0.0
+  last_log_time = time.time()
   # A signal during start-up (data, init, restore) stops before any step: nothing new to save.
   stopping = stop_requested(stop, check_all_processes=True)
   while step < length.total_steps and not stopping:
     step += 1
-    batch = next(batches)
+    with clock.timing('input'):
+      batch = next(batches)
     if train_step_fn is None:  # compile once, ahead of time, and report its memory plan
-      with clock.paused():
+      with clock.paused('compile'):
         train_step_fn, memory_plan = placement.compile_train_step(state, batch)
       logging.info('compiled train step in %.1fs; per-device memory plan: %s',
                    memory_plan['compile_seconds'], steps.format_plan(memory_plan))
-    state, step_metrics = train_step_fn(state, batch)
-    if one_step_in_flight or time_to_first_step is None:
-      jax.block_until_ready(step_metrics)
+    profiler.before_step(step)
+    with clock.timing('step'):
+      state, step_metrics = train_step_fn(state, batch)
+      if one_step_in_flight or time_to_first_step is None:
+        jax.block_until_ready(step_metrics)
+    with clock.paused('profile'):  # writing the trace is not training time
+      profiler.after_step(step, state)
     if time_to_first_step is None:
       time_to_first_step = time.time() - started
       logging.info('first step done %.1fs after start (data, init, compile)', time_to_first_step)
     window.append(step_metrics)
     is_last = step == length.total_steps
 
-    if step % config.log_every_steps == 0 or is_last:  # fetching metrics waits for the step
-      last_train = {f'train_{k}': float(v) for k, v in merged_window().compute().items()}
-      images_per_sec, eta = clock.lap(step, config.batch_size, length.total_steps)
-      last_train.update(images_per_sec=images_per_sec, learning_rate=float(task.schedule(step - 1)))
-      logging.info('step %d/%d  loss %.4f  accuracy %.4f  %.0f img/s  lr %.3g  ETA %s', step,
-                   length.total_steps, last_train['train_loss'], last_train['train_accuracy'],
-                   images_per_sec, last_train['learning_rate'], files.format_duration(eta))
+    log_now = (step % config.log_every_steps == 0 or is_last
+               or (log_every_secs and time.time() - last_log_time >= log_every_secs))
+    if log_now:  # fetching metrics waits for the step
+      with clock.timing('step'):
+        last_train = {f'train_{k}': float(v) for k, v in merged_window().compute().items()}
+      images_per_sec, shares = clock.lap(step, config.batch_size)
+      last_train.update(images_per_sec=images_per_sec, learning_rate=float(task.schedule(step - 1)),
+                        input_wait_fraction=shares['input'])
+      logging.info('step %d/%d (epoch %.2f)  loss %.4f  accuracy %.4f  %.0f img/s  lr %.3g  '
+                   '[input %.0f%% step %.0f%% other %.0f%%]  ETA %s', step, length.total_steps,
+                   step / length.steps_per_epoch, last_train['train_loss'],
+                   last_train['train_accuracy'], images_per_sec, last_train['learning_rate'],
+                   100 * shares['input'], 100 * shares['step'], 100 * shares['other'],
+                   files.format_duration(clock.eta(step, length)))
       writer.write_scalars(step, last_train)
       writer.flush()
-      window = []
+      window, last_log_time = [], time.time()
 
     evaluate_now = step % length.eval_every_steps == 0 or is_last
     if evaluate_now:
-      with clock.paused(state):
+      with clock.paused('eval', state):
         eval_results = evaluate(placement, state, dataset, eval_batch_size)
       num_examples = eval_results.pop('num_examples')
       logging.info('eval at step %d: loss %.4f  accuracy %.4f  (%d examples)', step,
@@ -217,12 +311,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
 
     stopping = stop_requested(stop, check_all_processes=step % config.log_every_steps == 0)
     if step % length.checkpoint_every_steps == 0 or is_last or stopping:
-      with clock.paused(state):
+      with clock.paused('save', state):
         record = checkpoint_record(config, task, step, dataset, current_progress())
         record['train_metrics_window'] = metrics.window_to_json(merged_window() if window else None)
         checkpoints.save(step, placement.to_saveable(state), record,
                          metrics=eval_results if evaluate_now else None)
 
+  profiler.stop(state)
   batches.close()
   checkpoints.wait()
   checkpoints.close()

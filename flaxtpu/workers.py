@@ -7,13 +7,32 @@ needs (numpy, Pillow, TFDS data sources).
 from __future__ import annotations
 
 import ctypes
+import logging
 import queue
 import signal
 import sys
 import threading
-from typing import Iterator
+import time
+from typing import Iterable, Iterator
 
 import numpy as np
+
+
+def with_progress(chunks: Iterable[list], total: int, what: str, every_s: float = 10.0) -> Iterator[list]:
+  """Yields `chunks` (lists of results), logging `what`: done/total and an ETA every `every_s` seconds.
+
+  Long preparation (a header scan or cache decode of a large split) then shows that it advances.
+  """
+  started = last = time.time()
+  done = 0
+  for chunk in chunks:
+    done += len(chunk)
+    now = time.time()
+    if now - last >= every_s and done < total:
+      logging.info('%s: %d/%d (%.0f%%), %.0fs, about %.0fs left', what, done, total, 100 * done / total,
+                   now - started, (now - started) * (total - done) / done)
+      last = now
+    yield chunk
 
 
 def run(function, items, workers: int, buffer: int, min_items_per_worker: int = 1) -> Iterator:

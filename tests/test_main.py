@@ -64,7 +64,48 @@ def test_train_writes_every_workdir_file(trained):
   assert train_rows[-1]['train_loss'] == results['train_loss']
   assert all(r['images_per_sec'] > 0 for r in train_rows)
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['3', '6']
-  assert 'step 6/6' in result.stderr and 'ETA' in result.stderr
+  assert 'step 6/6 (epoch ' in result.stderr and 'ETA' in result.stderr and '[input ' in result.stderr
+  # The finished run's pictures, and its per-class report for the eval split.
+  for name in ('per_class.csv', 'confusion.png', 'mistakes.png', 'reliability.png', 'curves.png'):
+    assert os.path.getsize(os.path.join(workdir, name)) > 1000 or name == 'per_class.csv', name
+  with open(os.path.join(workdir, 'per_class.csv')) as f:
+    assert sum(int(row.split(',')[1]) for row in f.readlines()[1:]) == 21  # every test example once
+  tags = _tensorboard_tags(workdir)
+  assert {'train_images', 'parameters', 'train_loss', 'eval_accuracy', '_hparams_/session_start_info'} <= tags
+
+
+def _tensorboard_tags(workdir):
+  import tensorflow as tf
+  tags = set()
+  for name in os.listdir(workdir):
+    if name.startswith('events.out.tfevents'):
+      for event in tf.compat.v1.train.summary_iterator(os.path.join(workdir, name)):
+        tags |= {value.tag for value in event.summary.value}
+  return tags
+
+
+def test_profile_wandb_and_progress_by_seconds(image_folder, tmp_path):
+  workdir = str(tmp_path)
+  result = run_cli('--config=configs/cifar10.py', f'--workdir={workdir}', f'--config.dataset.folder={image_folder}',
+                   *TINY, '--config.num_train_steps=9', '--config.log_every_steps=100',
+                   '--config.log_every_secs=1e-9', '--config.profile_steps=2',
+                   '--config.wandb.project=flaxtpu-test', '--config.wandb.mode=offline')
+  # Every step passes the seconds trigger: one progress line and metrics row per step.
+  assert [r['step'] for r in _rows(os.path.join(workdir, 'metrics.jsonl')) if 'train_loss' in r] == list(range(1, 10))
+  profile = os.path.join(workdir, 'profile')
+  traces = [os.path.join(d, f) for d, _, names in os.walk(profile) for f in names]
+  assert any(t.endswith('.xplane.pb') for t in traces) and any(t.endswith('.trace.json.gz') for t in traces)
+  assert f'profile of steps 6-7 in {profile}' in result.stderr
+  # W&B in offline mode: one run log under the workdir, holding the final numbers as its history values.
+  with open(os.path.join(workdir, 'results.json')) as f:
+    results = json.load(f)
+  logs = [os.path.join(d, f) for d, _, names in os.walk(os.path.join(workdir, 'wandb')) for f in names
+          if f.endswith('.wandb') and 'latest-run' not in d]
+  assert len(logs) == 1
+  with open(logs[0], 'rb') as f:
+    history = f.read()
+  for key in ('eval_accuracy', 'train_loss'):
+    assert json.dumps(results[key]).encode() in history, key
 
 
 def test_eval_mode_counts_every_example_on_one_device(trained, image_folder):

@@ -8,7 +8,7 @@ import pytest
 
 from configs import cifar10_resnet
 from flaxtpu import config as config_lib
-from flaxtpu import data, parallel, steps
+from flaxtpu import data, parallel, steps, train
 from flaxtpu.errors import UserError
 
 STEPS = 5
@@ -123,3 +123,21 @@ def test_batch_that_does_not_divide_over_devices_is_named(key):
                            std=np.ones(3))
   with pytest.raises(UserError, match=f'config.{key}=12 does not divide over 8 devices'):
     steps.place(task, _mesh(8), config)
+
+
+def test_eta_counts_the_evaluations_and_saves_still_to_come(monkeypatch):
+  from flaxtpu.config import RunLength
+  clock_time = [1000.0]
+  monkeypatch.setattr(train.time, 'time', lambda: clock_time[0])
+  clock = train.TrainClock(first_step=0, progress={})
+  length = RunLength(total_steps=100, steps_per_epoch=10, eval_every_steps=25, checkpoint_every_steps=10,
+                     warmup_steps=0)
+  clock_time[0] += 20.0  # 20 steps take 20 s
+  images_per_sec, shares = clock.lap(20, batch_size=8)
+  assert images_per_sec == 8.0 and shares['other'] == 1.0
+  for kind, seconds in (('eval', 6.0), ('eval', 4.0), ('save', 1.0)):
+    with clock.paused(kind):
+      clock_time[0] += seconds
+  # 80 steps x 1 s + evals at 25, 50, 75, 100 x 5 s + saves at 30, ..., 100 x 1 s.
+  assert clock.eta(20, length) == 80 + 4 * 5 + 8 * 1
+  assert clock.eta(100, length) == 0
