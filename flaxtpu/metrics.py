@@ -21,6 +21,12 @@ class Metrics(metrics.Collection):
   accuracy: metrics.Average.from_output('accuracy')
 
 
+@metrics.flax.struct.dataclass
+class EvalMetrics(Metrics):
+  """Evaluation with more than 5 classes also counts the true class among the 5 highest logits."""
+  top5_accuracy: metrics.Average.from_output('top5_accuracy')
+
+
 @jax.jit
 def merge_window(window: list[Metrics]) -> Metrics:
   """Merges a log window's per-step metrics in one compiled call, not one dispatch per step."""

@@ -166,9 +166,14 @@ def eval_step(state: TrainState | ModelState, batch, *, task: Task, axis_name: O
   logits = logits_fn(state, images, task=task)
   outputs = dict(loss=optax.softmax_cross_entropy_with_integer_labels(logits, labels),
                  accuracy=(jnp.argmax(logits, -1) == labels).astype(jnp.float32), mask=mask)
+  collection = metrics.Metrics
+  if task.num_classes > 5:
+    top5 = jax.lax.top_k(logits, 5)[1]
+    outputs['top5_accuracy'] = jnp.any(top5 == labels[:, None], axis=-1).astype(jnp.float32)
+    collection = metrics.EvalMetrics
   if axis_name is None:
-    return metrics.Metrics.single_from_model_output(**outputs)
-  return metrics.Metrics.gather_from_model_output(axis_name=axis_name, **outputs)
+    return collection.single_from_model_output(**outputs)
+  return collection.gather_from_model_output(axis_name=axis_name, **outputs)
 
 
 # --- placing the steps on the devices ----------------------------------------------

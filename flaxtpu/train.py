@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from typing import Optional
@@ -21,6 +22,7 @@ from jax.experimental import multihost_utils
 
 from flaxtpu import checkpoint, data, files, lock, metrics, parallel, report, steps, workers
 from flaxtpu.config import resolved_eval_batch_size, run_length
+from flaxtpu.errors import UserError
 from flaxtpu.evaluate import evaluate, write_report
 from flaxtpu.signals import StopRequest
 
@@ -143,6 +145,28 @@ def log_run_overview(writer, config: ml_collections.ConfigDict, task: steps.Task
     writer.write_images(first_step, {'train_images': sample})
 
 
+class TrainingDiverged(UserError):
+  """The loss became NaN or infinite: the state from that step on is not worth saving."""
+
+
+def first_non_finite_step(placement: steps.Placement, window: list, last_step: int) -> Optional[int]:
+  """The step of the first NaN/Inf loss among the per-step metrics of `window` (ending at `last_step`)."""
+  losses = [float(placement.to_host_metrics(step_metrics).compute()['loss']) for step_metrics in window]
+  bad = [index for index, loss in enumerate(losses) if not math.isfinite(loss)]
+  return last_step - len(window) + 1 + bad[0] if bad else None
+
+
+def divergence_message(config: ml_collections.ConfigDict, step: int, checkpoints) -> str:
+  saved = checkpoints.all_steps()
+  last_good = (f'the last good checkpoint, step {max(saved)} in {checkpoints.directory}, is intact: '
+               'change the config and run the same command to resume from it' if saved
+               else 'no checkpoint was saved before it')
+  return (f'the training loss became NaN/Inf at step {step}; likely causes: a learning rate too high '
+          f'(optimizer.learning_rate={config.optimizer.learning_rate}: lower it, add warmup or '
+          f'optimizer.grad_clip_norm) or a {config.dtype} overflow (try dtype=float32); nothing from that '
+          f'step on was saved; {last_good}')
+
+
 def checkpoint_record(config: ml_collections.ConfigDict, task: steps.Task, step: int,
                       dataset: data.Dataset, progress: dict) -> dict:
   """What a checkpoint says besides the arrays: what it is, the data position, the config,
@@ -252,7 +276,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
             'train_steps': clock.train_steps, 'time_to_first_step_s': time_to_first_step,
             'wall_time_s': previous_wall_time + time.time() - started, 'memory_plan': memory_plan}
 
-  step, memory_plan = first_step, progress.get('memory_plan', {})
+  step, memory_plan, diverged_at = first_step, progress.get('memory_plan', {}), None
   profiler = StepProfiler(workdir, first_step, config.profile_steps, length.total_steps)
   # Seconds-triggered progress lines need every process to agree on the step: one process only.
   log_every_secs = config.log_every_secs if jax.process_count() == 1 else 0.0
@@ -286,6 +310,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
     if log_now:  # fetching metrics waits for the step
       with clock.timing('step'):
         last_train = {f'train_{k}': float(v) for k, v in merged_window().compute().items()}
+      if not math.isfinite(last_train['train_loss']):
+        diverged_at = first_non_finite_step(placement, window, step)
+        break
       images_per_sec, shares = clock.lap(step, config.batch_size)
       last_train.update(images_per_sec=images_per_sec, learning_rate=float(task.schedule(step - 1)),
                         input_wait_fraction=shares['input'])
@@ -311,6 +338,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
 
     stopping = stop_requested(stop, check_all_processes=step % config.log_every_steps == 0)
     if step % length.checkpoint_every_steps == 0 or is_last or stopping:
+      # Never save a diverged state: the steps since the last log line are checked first.
+      if window and (diverged_at := first_non_finite_step(placement, window, step)) is not None:
+        break
       with clock.paused('save', state):
         record = checkpoint_record(config, task, step, dataset, current_progress())
         record['train_metrics_window'] = metrics.window_to_json(merged_window() if window else None)
@@ -322,6 +352,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   checkpoints.wait()
   checkpoints.close()
   writer.close()
+  if diverged_at is not None:
+    raise TrainingDiverged(divergence_message(config, diverged_at, checkpoints))
   if step < length.total_steps:
     saved = (f'checkpoint complete in {checkpoints.directory}' if step > first_step
              else 'nothing new to save')

@@ -395,3 +395,23 @@ def test_missing_checkpoint_step_and_unwritable_workdir(finished, image_folder, 
   result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   _assert_one_error(result, f'--workdir={blocker}/run cannot be created')
   assert blocker.read_text() == 'not a directory'
+
+
+def test_a_nan_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(image_folder, tmp_path):
+  from configs import cifar10
+  config = cifar10.get_config()
+  config.dataset.folder = image_folder
+  config.update_from_flattened_dict({
+      'batch_size': 16, 'num_train_steps': 9, 'log_every_steps': 4, 'checkpoint_every_steps': 2,
+      'eval_every_steps': 100, 'optimizer.name': 'sgd', 'optimizer.learning_rate': 1e30,
+      'schedule.warmup_epochs': 1.0, 'compilation_cache_dir': 'none'})  # lr 0 at step 1, then huge
+  workdir = str(tmp_path)
+  with pytest.raises(train.TrainingDiverged,
+                     match=r'loss became NaN/Inf at step 3; likely causes: a learning rate too high '
+                           r'\(optimizer.learning_rate=1e\+30.*the last good checkpoint, step 2 in .* is intact'):
+    train.train_and_evaluate(config, workdir)
+  assert _complete_steps(workdir) == [2]
+  state = restore_checkpoint(workdir, 2)
+  assert int(state['step']) == 2
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(state['params']))
+  assert not os.path.exists(os.path.join(workdir, 'results.json'))
