@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # `configs` is importable as in the CLI
 
 
-def _config(path: str, data: str, steps: int):
+def _config(path: str, data: str, steps: int, eval_images: int):
   import importlib.util  # pylint: disable=g-import-not-at-top
   spec = importlib.util.spec_from_file_location('benchmark_config', os.path.join(ROOT, path))
   module = importlib.util.module_from_spec(spec)
@@ -34,7 +34,7 @@ def _config(path: str, data: str, steps: int):
   config = module.get_config()
   if data:
     config.dataset.folder = data
-    config.dataset.train_split, config.dataset.eval_split = 'train[:512]', 'test[:256]'
+    config.dataset.train_split, config.dataset.eval_split = 'train[:512]', f'test[:{eval_images}]'
   config.num_train_steps = steps
   config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = steps
   config.cpu_devices = 1
@@ -47,7 +47,7 @@ def measure(config, workdir: str, *, batch_size: int = 64, repeats: int = 50) ->
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import evaluate, export  # pylint: disable=g-import-not-at-top
+  from flaxtpu import data, evaluate, export  # pylint: disable=g-import-not-at-top
 
   directory = os.path.join(workdir, export.EXPORT_DIR)
   if not os.path.isfile(os.path.join(directory, 'export.json')):
@@ -67,6 +67,16 @@ def measure(config, workdir: str, *, batch_size: int = 64, repeats: int = 50) ->
       interpreter = tf.lite.Interpreter(model_path=os.path.join(directory, summary['tflite']))
     tflite = interpreter.get_signature_runner('serving_default')
     runners['tflite'] = lambda: tflite(images=images)['logits']
+  # Agreement on real images: the first eval images, through each model, against predict.
+  dataset = data.load(config, need_train=False)
+  eval_images = next(data.eval_batches(dataset, batch_size=len(dataset.eval))).images
+  reference = evaluate.predict_logits(placement, state, eval_images, batch_size)
+  max_diff = {'saved_model_tf': float(np.max(np.abs(
+      serve(images=tf.constant(eval_images))['logits'].numpy() - reference)))}
+  if 'tflite' in runners:
+    interpreter.resize_tensor_input(interpreter.get_input_details()[0]['index'], eval_images.shape)
+    tflite_all = interpreter.get_signature_runner('serving_default')
+    max_diff['tflite'] = float(np.max(np.abs(tflite_all(images=eval_images)['logits'] - reference)))
   times = {name: [] for name in runners}
   for name, run in runners.items():  # compile / trace / allocate outside the timings
     for _ in range(3):
@@ -79,6 +89,7 @@ def measure(config, workdir: str, *, batch_size: int = 64, repeats: int = 50) ->
   medians = {name: statistics.median(values) for name, values in times.items()}
   return {'model': record['model'], 'dtype': config.dtype, 'image_shape': record['image_shape'],
           'step': step, 'batch_size': batch_size, 'repeats': repeats, 'median_ms': medians,
+          'agreement_images': len(eval_images), 'max_abs_logit_diff_vs_predict': max_diff,
           'saved_model_over_flaxtpu': medians['saved_model_tf'] / medians['flaxtpu_predict'],
           'tflite_over_flaxtpu': (medians['tflite'] / medians['flaxtpu_predict']
                                   if 'tflite' in medians else None)}
@@ -92,6 +103,8 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=5)
   parser.add_argument('--batch-size', type=int, default=64)
   parser.add_argument('--repeats', type=int, default=50)
+  parser.add_argument('--eval-images', type=int, default=1000,
+                      help='with --data: the first N test images the models must agree on')
   parser.add_argument('--out-dir', default=os.path.join(ROOT, 'benchmarks', 'results', 'local'))
   args = parser.parse_args()
   # One CPU device, as --mode=predict uses (latency-bound); read when JAX starts.
@@ -103,7 +116,7 @@ def main() -> None:
 
   from flaxtpu import train  # pylint: disable=g-import-not-at-top
 
-  config = _config(args.config, args.data, args.steps)
+  config = _config(args.config, args.data, args.steps, args.eval_images)
   with tempfile.TemporaryDirectory() as tmp:
     workdir = args.workdir or os.path.join(tmp, 'run')
     if not args.workdir:
@@ -112,6 +125,8 @@ def main() -> None:
   result.update(config=args.config, jax=jax.__version__, tensorflow=tf.__version__,
                 devices=str(jax.devices()), cpu_count=os.cpu_count())
   medians = result['median_ms']
+  print(f'max |logit difference| against flaxtpu predict on {result["agreement_images"]} eval images: '
+        + '  '.join(f'{k} {v:.2e}' for k, v in result['max_abs_logit_diff_vs_predict'].items()))
   print(f'predict latency, {result["model"]} {result["image_shape"]}, batch {args.batch_size} '
         f'(median of {args.repeats}, ms): ' + '  '.join(f'{k} {v:.2f}' for k, v in medians.items()))
   print(f'SavedModel (TF) / flaxtpu predict = {result["saved_model_over_flaxtpu"]:.2f}x'

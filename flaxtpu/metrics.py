@@ -22,8 +22,10 @@ class Metrics(metrics.Collection):
 
 
 @metrics.flax.struct.dataclass
-class EvalMetrics(Metrics):
+class EvalMetrics(metrics.Collection):
   """Evaluation with more than 5 classes also counts the true class among the 5 highest logits."""
+  loss: metrics.Average.from_output('loss')
+  accuracy: metrics.Average.from_output('accuracy')
   top5_accuracy: metrics.Average.from_output('top5_accuracy')
 
 
