@@ -5,9 +5,10 @@
     python benchmarks/profile_ops.py runs/prof/profile [--top 15]
 
 Reads the Perfetto/Chrome trace (`*.trace.json.gz`) that jax.profiler wrote and
-sums the duration of every complete event on the XLA device threads by name,
-so fusions, convolutions and collectives rank by the time they took across
-the traced steps. Host-side Python and runtime events are listed apart.
+sums the self time (duration minus nested events) of every complete event on
+XLA's op threads by name, so collectives, waits and the thunks that run
+fusions and convolutions rank by the time they took across the traced steps.
+Host-side Python and runtime events are listed apart.
 """
 
 import argparse
@@ -27,28 +28,70 @@ def load_events(profile_dir: str) -> list[dict]:
   return trace['traceEvents'] if isinstance(trace, dict) else trace
 
 
+def by_thread(events: list[dict]) -> dict:
+  complete = collections.defaultdict(list)
+  for event in events:
+    if event.get('ph') == 'X' and 'dur' in event:
+      complete[(event.get('pid'), event.get('tid'))].append(event)
+  return complete
+
+
+def self_times(events: list[dict]):
+  """(name, duration minus the events nested inside it) for one thread: nothing is counted twice."""
+  events = sorted(events, key=lambda e: (e['ts'], -e['dur']))
+  stack: list[list] = []  # [name, end, self time]
+  for event in events:
+    while stack and event['ts'] >= stack[-1][1]:
+      name, _, own = stack.pop()
+      yield name, own
+    if stack:
+      stack[-1][2] -= event['dur']
+    stack.append([event['name'], event['ts'] + event['dur'], event['dur']])
+  for name, _, own in stack:
+    yield name, own
+
+
+def is_device_thread(process: str, thread: str) -> bool:
+  """XLA's op threads: the Eigen pool that runs XLA:CPU thunks, or an accelerator's device lines."""
+  return 'XLAEigen' in thread or process.startswith('/device:')
+
+
+def category(name: str) -> str:
+  if name.startswith(('all-reduce', 'all-gather', 'reduce-scatter', 'collective', 'Rendezvous', 'Wait')):
+    return 'collectives and waiting for the other devices'
+  if name.startswith('ThunkExecutor'):
+    return 'thunk execution (fusions, convolutions, dots: not itemised by XLA:CPU)'
+  return 'other ops'
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('profile_dir')
   parser.add_argument('--top', type=int, default=15)
   args = parser.parse_args()
   events = load_events(args.profile_dir)
-  thread_names = {(e.get('pid'), e.get('tid')): e['args']['name'] for e in events
-                  if e.get('ph') == 'M' and e.get('name') == 'thread_name'}
-  process_names = {e.get('pid'): e['args']['name'] for e in events
-                   if e.get('ph') == 'M' and e.get('name') == 'process_name'}
-  device, host = collections.Counter(), collections.Counter()
-  for event in events:
-    if event.get('ph') != 'X' or 'dur' not in event:
-      continue
-    where = f'{process_names.get(event.get("pid"), "")} {thread_names.get((event.get("pid"), event.get("tid")), "")}'
-    on_device = '/device:' in where or 'XLA Ops' in where or 'TFRT_CPU' in where.upper()
-    (device if on_device else host)[event['name']] += event['dur']
-  for title, totals in (('XLA ops (device threads)', device), ('host events', host)):
-    overall = sum(totals.values())
-    print(f'{title}: {overall / 1e3:.1f} ms in all')
-    for name, micros in totals.most_common(args.top):
-      print(f'  {micros / 1e3:10.1f} ms  {100 * micros / max(overall, 1):5.1f}%  {name[:100]}')
+  threads = {(e.get('pid'), e.get('tid')): e['args']['name'] for e in events
+             if e.get('ph') == 'M' and e.get('name') == 'thread_name'}
+  processes = {e.get('pid'): e['args']['name'] for e in events
+               if e.get('ph') == 'M' and e.get('name') == 'process_name'}
+  ops, host = collections.Counter(), collections.Counter()
+  for (pid, tid), thread_events in by_thread(events).items():
+    on_device = is_device_thread(processes.get(pid, ''), threads.get((pid, tid), ''))
+    for name, micros in self_times(thread_events):
+      (ops if on_device else host)[name] += micros
+  overall = sum(ops.values())
+  print(f'XLA op threads: {overall / 1e3:.1f} ms of thread time in all')
+  by_category = collections.Counter()
+  for name, micros in ops.items():
+    by_category[category(name)] += micros
+  for name, micros in by_category.most_common():
+    print(f'  {micros / 1e3:10.1f} ms  {100 * micros / max(overall, 1):5.1f}%  {name}')
+  print(f'top {args.top} ops:')
+  for name, micros in ops.most_common(args.top):
+    print(f'  {micros / 1e3:10.1f} ms  {100 * micros / max(overall, 1):5.1f}%  {name[:100]}')
+  print(f'top {args.top // 2} host events:')
+  for name, micros in host.most_common(args.top // 2):
+    print(f'  {micros / 1e3:10.1f} ms  {name[:100]}')
 
 
 if __name__ == '__main__':
