@@ -205,8 +205,8 @@ def _examples(split: sources.Split, *, cache: bool, transform: Transform, num_wo
   chunks = range(-(-len(split) // CACHE_CHUNK))
   chunk_results = workers.run(_CacheDecoder(split, transform), chunks, num_workers, buffer=8,
                               min_items_per_worker=2)
-  decoded = [example for chunk in workers.with_progress(chunk_results, len(split), f'decoding {split.name!r}')
-             for example in chunk]
+  chunk_results = workers.with_progress(chunk_results, len(split), f'decoding {split.name!r}')
+  decoded = [example for chunk in chunk_results for example in chunk]
   _, keep = sources.without_unreadable(
       split, [image if isinstance(image, str) else None for image, _ in decoded], skip_corrupt)
   images = [decoded[i][0] for i in keep]

@@ -227,8 +227,8 @@ def scan(split: Split, num_workers: int, skip_corrupt: bool) -> tuple[Split, set
   """
   chunks = range(-(-len(split) // SCAN_CHUNK))
   scanned = workers.run(_HeaderScan(split), chunks, num_workers, buffer=4, min_items_per_worker=4)
-  results = [result for chunk in workers.with_progress(scanned, len(split), f'reading the headers of {split.name!r}')
-             for result in chunk]
+  scanned = workers.with_progress(scanned, len(split), f'reading the headers of {split.name!r}')
+  results = [result for chunk in scanned for result in chunk]
   split, keep = without_unreadable(split, [r if isinstance(r, str) else None for r in results],
                                    skip_corrupt)
   return split, {results[i] for i in keep}
