@@ -16,6 +16,7 @@ from typing import Any, Optional
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
+from etils import epath
 
 from flaxtpu.errors import UserError
 
@@ -120,8 +121,8 @@ class Checkpoints:
   def best_step(self) -> Optional[int]:
     return self._manager.best_step()
 
-  def resolve(self, which: str) -> int:
-    """'latest' | 'best' | a step number -> a step that exists, or CheckpointError."""
+  def resolve(self, which: str, key: str = 'eval.checkpoint') -> int:
+    """'latest' | 'best' | a step number -> a step that exists, or CheckpointError naming config.`key`."""
     steps = self.all_steps()
     if not steps:
       raise CheckpointError(f'no complete checkpoint in {self.directory}; train first with the '
@@ -132,10 +133,10 @@ class Checkpoints:
       best = self.best_step()
       if best is None:
         raise CheckpointError(f'no checkpoint in {self.directory} has metrics to pick the best '
-                              'from; use --config.eval.checkpoint=latest')
+                              f'from; use --config.{key}=latest')
       return best
     if not which.isdigit() or int(which) not in steps:
-      raise CheckpointError(f'config.eval.checkpoint={which!r} is not a saved step in '
+      raise CheckpointError(f'config.{key}={which!r} is not a saved step in '
                             f'{self.directory}; saved steps: {steps} (or latest, best)')
     return int(which)
 
@@ -215,6 +216,32 @@ class Checkpoints:
                             'another --workdir')
     raise CheckpointError(f'no complete checkpoint in {self.directory}; train first with the same '
                           '--workdir')
+
+  def array_shapes(self, step: int, collections: tuple[str, ...]) -> dict[str, dict[str, tuple]]:
+    """{collection: {'/'-joined array path: shape}} of the state saved at `step`, read from metadata only."""
+    path = os.path.join(self.directory, str(step), 'state')
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+      metadata = handler.metadata(epath.Path(path))
+    except Exception as e:  # pylint: disable=broad-except
+      raise UnreadableCheckpoint(f'checkpoint {path} cannot be read ({_first_line(e)})') from e
+    finally:
+      handler.close()
+    shapes = {}
+    for collection in collections:
+      leaves = jax.tree_util.tree_leaves_with_path(metadata[collection]) if collection in metadata else []
+      shapes[collection] = {'/'.join(str(key.key) for key in keys): tuple(leaf.shape)
+                            for keys, leaf in leaves}
+    return shapes
+
+  def restore_subset(self, step: int, abstract: Any) -> Any:
+    """Only the arrays named in `abstract` (a nested dict of the saved state's keys, any subset),
+    read into its shapes and shardings (any mesh): e.g. parameters without the optimizer."""
+    path = os.path.join(self.directory, str(step))
+    try:
+      return self._restore_state(path, step, abstract, partial=True)
+    except Exception as e:  # pylint: disable=broad-except
+      raise UnreadableCheckpoint(f'checkpoint {path} cannot be restored ({_first_line(e)})') from e
 
   def _set_aside(self, steps: list[int]) -> None:
     if jax.process_index() == 0:

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import re
 from typing import Sequence
 
 import ml_collections
@@ -129,6 +130,55 @@ def validate(config: ml_collections.ConfigDict) -> None:
               'augment.crop_padding', 'augment.cutout'):
     if config[key] < 0:
       raise ConfigError(f'config.{key}={config[key]!r} must be >= 0')
+  _check_fine_tuning(config)
+
+
+def _check_patterns(key: str, patterns) -> None:
+  """A tuple of regexes: each must compile."""
+  if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+    raise ConfigError(f'config.{key}={patterns!r} must be a tuple of regex strings, e.g. '
+                      f"--config.{key}=\"('^stage1', 'Dense_0')\"")
+  for pattern in patterns:
+    try:
+      re.compile(pattern)
+    except re.error as e:
+      raise ConfigError(f'config.{key} pattern {pattern!r} is not a valid regex ({e})') from e
+
+
+def parse_lr_multipliers(entries) -> list[tuple[str, float]]:
+  """('^stage1=0.1', 'Dense_0=10') -> [('^stage1', 0.1), ('Dense_0', 10.0)]; bad entries are ConfigError.
+
+  A tuple of 'regex=factor' strings, not a dict: the config is locked and
+  `--config.optimizer.lr_multipliers=...` can only override a key that exists.
+  The factor follows the last '=', so a regex may contain '='.
+  """
+  if isinstance(entries, str):
+    entries = (entries,)
+  parsed = []
+  for entry in entries:
+    pattern, _, factor = str(entry).rpartition('=')
+    try:
+      value = float(factor)
+    except ValueError:
+      value = -1.0
+    if not pattern or not value >= 0 or math.isinf(value):
+      raise ConfigError(f'config.optimizer.lr_multipliers entry {entry!r} must be \'regex=factor\' with '
+                        "a factor >= 0, e.g. --config.optimizer.lr_multipliers=\"('^stage1=0.1',)\"")
+    parsed.append((pattern, value))
+  _check_patterns('optimizer.lr_multipliers', [pattern for pattern, _ in parsed])
+  return parsed
+
+
+def _check_fine_tuning(config: ml_collections.ConfigDict) -> None:
+  _check_patterns('optimizer.freeze', config.optimizer.freeze)
+  parse_lr_multipliers(config.optimizer.lr_multipliers)
+  _check_patterns('init_from.skip', config.init_from.skip)
+  step = str(config.init_from.step)
+  if step not in ('latest', 'best') and not step.isdigit():
+    raise ConfigError(f'config.init_from.step={step!r} is not valid; choose latest, best or a step number')
+  if not config.init_from.checkpoint and (config.init_from.skip or step != 'latest'):
+    raise ConfigError('config.init_from.skip and config.init_from.step have no effect without '
+                      'config.init_from.checkpoint; set it to a workdir (or WORKDIR/checkpoints/STEP)')
 
 
 def resolved_eval_batch_size(config: ml_collections.ConfigDict) -> int:

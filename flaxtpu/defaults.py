@@ -75,6 +75,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.eps = 1e-7  # adam/adamw: denominator epsilon (Keras' default).
   config.optimizer.weight_decay = 0.0  # sgd/adam: L2 added to the gradient; adamw: decoupled. Never on biases or norm scales.
   config.optimizer.grad_clip_norm = 0.0  # Clip gradients to this global norm (0 = off).
+  # Patterns below are regexes searched in '/'-joined parameter paths ('stage1_block1/Conv_0/kernel'; the
+  # classifier is 'Dense_0' in cnn/resnet, 'head' in vit/convnext). On the command line: one pattern,
+  # --config.optimizer.freeze='^stage1', or a tuple, --config.optimizer.freeze="('^stage1', '^stage2')".
+  config.optimizer.freeze = ()  # Parameters that never change (no update, no optimizer state; their BatchNorm statistics stay too).
+  config.optimizer.lr_multipliers = ()  # 'regex=factor' strings: those parameters learn at factor x the rate ('^stage1=0.1'; first match wins; 0 = freeze).
 
   config.schedule = ml_collections.ConfigDict()
   config.schedule.name = 'constant'  # constant | cosine | linear | onecycle.
@@ -82,6 +87,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.schedule.final_lr_fraction = 0.0  # Final LR as a fraction of the peak (cosine, linear).
 
   config.label_smoothing = 0.0  # Label smoothing in [0, 1).
+
+  # --- fine-tuning ------------------------------------------------------
+  config.init_from = ml_collections.ConfigDict()
+  config.init_from.checkpoint = ''  # A fresh run starts from this run's weights: a workdir or WORKDIR/checkpoints/STEP ('' = off).
+  config.init_from.step = 'latest'  # Of a workdir: latest | best | a step number.
+  config.init_from.skip = ()  # Regexes on parameter paths to re-initialise instead (the classifier is re-initialised anyway when the classes differ).
 
   # --- parallelism ------------------------------------------------------
   config.parallelism = 'jit'  # jit (jax.jit over a device mesh) | pmap.

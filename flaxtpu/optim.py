@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from typing import Any
+
 import jax
 import ml_collections
 import optax
 
-from flaxtpu.config import RunLength
+from flaxtpu.config import RunLength, parse_lr_multipliers
+from flaxtpu.errors import UserError
+
+FROZEN = 'frozen'  # the label of parameters that get no update and no optimizer state
+DEFAULT = repr(1.0)  # the label of parameters at the peak learning rate
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict, length: RunLength) -> optax.Schedule:
@@ -34,13 +42,129 @@ def decay_mask(params):
   return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
+def path_name(path) -> str:
+  """A key path of a parameter tree as the '/'-joined name patterns match: 'stage1_block1/Conv_0/kernel'."""
+  return '/'.join(str(getattr(key, 'key', getattr(key, 'name', getattr(key, 'idx', key)))) for key in path)
+
+
+def named_leaves(tree) -> dict[str, Any]:
+  """{'/'-joined path: leaf} of a parameter (or BatchNorm statistics) tree."""
+  return {path_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGroups:
+  """Which parameters train at which learning rate: `optimizer.freeze` and `optimizer.lr_multipliers`.
+
+  Patterns are regexes searched (`re.search`) in '/'-joined parameter paths.
+  Freezing wins over multipliers; among multipliers the first matching one
+  wins. A multiplier of 0 is a freeze (no update, no optimizer state, BatchNorm
+  statistics kept), so both give the same parameters bit for bit.
+  """
+  freeze: tuple[str, ...] = ()
+  multipliers: tuple[tuple[str, float], ...] = ()
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> 'ParamGroups':
+    return cls(freeze=tuple(config.optimizer.freeze),
+               multipliers=tuple(parse_lr_multipliers(config.optimizer.lr_multipliers)))
+
+  def __bool__(self) -> bool:
+    return bool(self.freeze or self.multipliers)
+
+  def label(self, name: str) -> str:
+    """FROZEN, or the learning-rate multiplier as a string ('0.1'; DEFAULT = '1.0')."""
+    if any(re.search(pattern, name) for pattern in self.freeze):
+      return FROZEN
+    for pattern, factor in self.multipliers:
+      if re.search(pattern, name):
+        return FROZEN if factor == 0 else repr(float(factor))
+    return DEFAULT
+
+  def labels(self, params):
+    """The label of every leaf of `params` (a tree of the same structure; masked leaves stay masked)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: self.label(path_name(path)), params)
+
+  def keep_frozen(self, old_params, new_params, old_stats, new_stats):
+    """(params, BatchNorm statistics) after a step, with the frozen ones taken from before it.
+
+    The frozen parameters' update is zero, but `p + 0` turns a -0.0 into +0.0:
+    keeping the old arrays makes "frozen" exact. A BatchNorm module whose
+    parameters are all frozen keeps its running mean and variance too, or a
+    frozen backbone would still drift at inference time.
+    """
+    frozen_modules: dict[str, bool] = {}
+    for name in named_leaves(old_params):
+      module = name.rpartition('/')[0]
+      frozen_modules[module] = frozen_modules.get(module, True) and self.label(name) == FROZEN
+    keep = lambda frozen, old, new: old if frozen else new
+    params = jax.tree.map(keep, jax.tree.map(lambda label: label == FROZEN, self.labels(old_params)),
+                          old_params, new_params)
+    stats_frozen = jax.tree_util.tree_map_with_path(
+        lambda path, _: frozen_modules.get(path_name(path).rpartition('/')[0], False), old_stats)
+    return params, jax.tree.map(keep, stats_frozen, old_stats, new_stats)
+
+  def check(self, params) -> dict[str, list[str]]:
+    """{label: parameter names}; a pattern that matches no parameter is a UserError naming it."""
+    names = list(named_leaves(params))
+    for key, patterns in (('freeze', self.freeze), ('lr_multipliers', [p for p, _ in self.multipliers])):
+      for pattern in patterns:
+        if not any(re.search(pattern, name) for name in names):
+          modules = sorted({name.partition('/')[0] for name in names})
+          raise UserError(f'config.optimizer.{key} pattern {pattern!r} matches no parameter; the '
+                          f'top-level modules are: {", ".join(modules)} (paths look like {names[0]!r})')
+    groups: dict[str, list[str]] = {}
+    for name in names:
+      groups.setdefault(self.label(name), []).append(name)
+    return groups
+
+
+def describe_groups(groups: dict[str, list[str]]) -> str:
+  """One log line: how many arrays train at each learning-rate multiplier, and which are frozen."""
+  parts = [f'{len(names)} arrays at lr x{label}' for label, names in groups.items() if label != FROZEN]
+  if FROZEN in groups:
+    frozen = groups[FROZEN]
+    parts.append(f'{len(frozen)} frozen ({", ".join(frozen[:6])}{", ..." if len(frozen) > 6 else ""})')
+  return '; '.join(parts)
+
+
 def create_optimizer(config: ml_collections.ConfigDict,
                      length: RunLength) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """The optax chain: [clip] -> [L2 / decoupled decay] -> sgd|adam|adamw with the schedule.
 
   sgd and adam add `weight_decay * w` to the gradient (classic L2, as in
   PyTorch's SGD); adamw decays the weights after the Adam update (decoupled).
+  With `optimizer.freeze` / `optimizer.lr_multipliers`, see `with_param_groups`.
   """
+  chain, schedule = _base_chain(config, length)
+  return with_param_groups(chain, ParamGroups.from_config(config)), schedule
+
+
+def with_param_groups(inner: optax.GradientTransformation,
+                      groups: ParamGroups) -> optax.GradientTransformation:
+  """`inner` for the trainable parameters only, its updates scaled per multiplier; frozen ones get zeros.
+
+  The frozen parameters are masked out before `inner` sees them: gradient
+  clipping measures the trainable gradients only, and no optimizer state
+  (momentum, Adam moments) is kept for frozen arrays. Scaling the final
+  update by a factor is scaling that parameter's learning rate, decoupled
+  weight decay included. Without groups `inner` is returned unchanged, so the
+  optimizer state (and existing checkpoints) keep their structure.
+  """
+  if not groups:
+    return inner
+  factors = {repr(float(factor)) for _, factor in groups.multipliers if factor} | {DEFAULT}
+  if factors != {DEFAULT}:
+    # The labels are recomputed from the (masked) tree the inner chain receives.
+    inner = optax.chain(inner, optax.multi_transform(
+        {label: optax.scale(float(label)) for label in factors}, groups.labels))
+  trainable = lambda params: jax.tree.map(lambda label: FROZEN if label == FROZEN else 'trainable',
+                                          groups.labels(params))
+  return optax.multi_transform({'trainable': inner, FROZEN: optax.set_to_zero()}, trainable)
+
+
+def _base_chain(config: ml_collections.ConfigDict,
+                length: RunLength) -> tuple[optax.GradientTransformation, optax.Schedule]:
   opt = config.optimizer
   schedule = learning_rate_schedule(config, length)
   chain = []

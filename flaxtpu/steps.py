@@ -40,6 +40,7 @@ class Task:
   std: Optional[np.ndarray]
   optimizer: Optional[optax.GradientTransformation] = None  # None: inference only
   schedule: Optional[optax.Schedule] = None
+  param_groups: optim.ParamGroups = optim.ParamGroups()  # frozen parameters keep their BatchNorm statistics
 
 
 def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
@@ -57,7 +58,7 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
               augment=config.augment, label_smoothing=config.label_smoothing,
               mean=np.asarray(mean, np.float32) if standardize else None,
               std=np.asarray(std, np.float32) if standardize else None,
-              optimizer=optimizer, schedule=schedule)
+              optimizer=optimizer, schedule=schedule, param_groups=optim.ParamGroups.from_config(config))
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -137,8 +138,12 @@ def train_step(state: TrainState, batch, *, task: Task, axis_name: Optional[str]
   (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   grads = _mean(grads, axis_name)
   updates, opt_state = task.optimizer.update(grads, state.opt_state, state.params)
-  new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                            batch_stats=batch_stats, opt_state=opt_state)
+  params = optax.apply_updates(state.params, updates)
+  if task.param_groups:  # frozen arrays and their modules' BatchNorm statistics carried over as they are
+    params, batch_stats = task.param_groups.keep_frozen(state.params, params, state.batch_stats,
+                                                        batch_stats)
+  new_state = state.replace(step=state.step + 1, params=params, batch_stats=batch_stats,
+                            opt_state=opt_state)
   accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
   step_metrics = metrics.Metrics.single_from_model_output(
       loss=_mean(loss, axis_name), accuracy=_mean(accuracy, axis_name))

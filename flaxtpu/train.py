@@ -20,7 +20,7 @@ import numpy as np
 from clu import parameter_overview
 from jax.experimental import multihost_utils
 
-from flaxtpu import checkpoint, data, files, lock, metrics, parallel, report, steps, workers
+from flaxtpu import checkpoint, data, files, finetune, lock, metrics, optim, parallel, report, steps, workers
 from flaxtpu.config import resolved_eval_batch_size, run_length
 from flaxtpu.errors import UserError
 from flaxtpu.evaluate import evaluate, write_report
@@ -228,9 +228,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std, length=length)
   placement = steps.place(task, mesh, config)
+  if task.param_groups:  # a pattern that matches nothing is a typo: stop before any work
+    logging.info('optimizer: %s', optim.describe_groups(task.param_groups.check(
+        placement.abstract_state.params)))
   state = steps.create_state(task, placement, config.seed)
   checkpoints = checkpoint.Checkpoints(workdir, config)
   first_step, window, progress = 0, [], {}  # window: per-step train metrics since the last log line
+  initialised_from = None  # what init_from loaded, kept in every checkpoint record of the run
   if checkpoints.latest_step() is not None:
     latest, saved, record = checkpoints.restore_newest_readable(
         placement.abstract_state, config=config, set_aside=True,
@@ -240,6 +244,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
                                                                     str(latest)))
     if (saved_window := metrics.window_from_json(record.get('train_metrics_window'))) is not None:
       window = [placement.from_saveable(saved_window)]
+    initialised_from = record.get('init_from')
+  elif config.init_from.checkpoint:  # only a fresh run: a resumed one continues from its own checkpoint
+    state, initialised_from = finetune.init_from(config, task, placement, state, dataset.class_names)
   results_path = os.path.join(workdir, 'results.json')
   if first_step >= length.total_steps:
     # Finished; results.json is rebuilt from the last checkpoint if a kill came before it was written.
@@ -344,6 +351,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
       with clock.paused('save', state):
         record = checkpoint_record(config, task, step, dataset, current_progress())
         record['train_metrics_window'] = metrics.window_to_json(merged_window() if window else None)
+        record['init_from'] = initialised_from
         checkpoints.save(step, placement.to_saveable(state), record,
                          metrics=eval_results if evaluate_now else None)
 
