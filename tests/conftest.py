@@ -65,6 +65,18 @@ def make_mixed_folder(root, *, classes=('cat', 'dog', 'frog'), train_per_class=1
   return str(root)
 
 
+def tiny_dataset():
+  """64 in-memory 8x8 images of 3 brightness classes: a dataset without files, for step-level tests."""
+  from flaxtpu import data
+  rng = np.random.default_rng(0)
+  labels = rng.integers(0, 3, 64).astype(np.int32)
+  images = (rng.integers(0, 80, (64, 8, 8, 3)) + labels[:, None, None, None] * 80).astype(np.uint8)
+  examples = data.Examples(images=images, labels=labels)
+  return data.Dataset(train=examples, eval=examples, class_names=('a', 'b', 'c'), image_shape=(8, 8, 3),
+                      mean=np.full(3, 0.4, np.float32), std=np.full(3, 0.3, np.float32),
+                      transform=data.Transform())
+
+
 @pytest.fixture(scope='session')
 def image_folder(tmp_path_factory):
   return make_image_folder(tmp_path_factory.mktemp('images'))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from configs import cifar10_resnet
-from conftest import make_image_folder, restore_checkpoint
+from conftest import make_image_folder, restore_checkpoint, tiny_dataset
 from flaxtpu import checkpoint, data, finetune, optim, parallel, steps, train
 from flaxtpu import config as config_lib
 from flaxtpu.errors import UserError
@@ -203,20 +203,10 @@ def test_a_stopped_fine_tuning_run_resumes_from_its_own_checkpoint(source, folde
 # --- optimizer.freeze and optimizer.lr_multipliers ------------------------------------------------
 
 
-def _tiny_dataset():
-  rng = np.random.default_rng(0)
-  labels = rng.integers(0, 3, 64).astype(np.int32)
-  images = (rng.integers(0, 80, (64, 8, 8, 3)) + labels[:, None, None, None] * 80).astype(np.uint8)
-  examples = data.Examples(images=images, labels=labels)
-  return data.Dataset(train=examples, eval=examples, class_names=('a', 'b', 'c'), image_shape=(8, 8, 3),
-                      mean=np.full(3, 0.4, np.float32), std=np.full(3, 0.3, np.float32),
-                      transform=data.Transform())
-
-
 def _train_steps(num_steps, **overrides):
   """ResNet-20 trained `num_steps` from the seed on 8 devices: (initial, final) host states by name."""
   config = _config('', num_train_steps=num_steps, **overrides)
-  dataset = _tiny_dataset()
+  dataset = tiny_dataset()
   task = steps.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=dataset.mean, std=dataset.std,
                            length=config_lib.run_length(config, len(dataset.train)))
   # One device compiles fastest; the fine-tuning run above trains frozen arrays on eight.

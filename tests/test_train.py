@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from configs import cifar10_resnet
+from conftest import tiny_dataset
 from flaxtpu import config as config_lib
 from flaxtpu import data, parallel, steps, train
 from flaxtpu.errors import UserError
@@ -24,19 +25,9 @@ def _config(**overrides):
   return config
 
 
-def _dataset():
-  rng = np.random.default_rng(0)
-  labels = rng.integers(0, 3, 64).astype(np.int32)
-  images = (rng.integers(0, 80, (64, 8, 8, 3)) + labels[:, None, None, None] * 80).astype(np.uint8)
-  examples = data.Examples(images=images, labels=labels)
-  return data.Dataset(train=examples, eval=examples, class_names=('a', 'b', 'c'), image_shape=(8, 8, 3),
-                      mean=np.full(3, 0.4, np.float32), std=np.full(3, 0.3, np.float32),
-                      transform=data.Transform())
-
-
 def run_steps(config, mesh, dataset=None, num_steps=STEPS):
   """Trains `num_steps` steps from the seed; returns (losses, host params, host batch stats, state)."""
-  dataset = dataset or _dataset()
+  dataset = dataset or tiny_dataset()
   length = config_lib.run_length(config, len(dataset.train))
   task = steps.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=dataset.mean,
                            std=dataset.std, length=length)
@@ -65,7 +56,7 @@ def _assert_trees_close(a, b, atol):
 def test_training_lowers_the_loss_on_a_fixed_batch():
   config = _config(**{'model.name': 'cnn', 'optimizer.name': 'adam', 'optimizer.learning_rate': 0.01,
                       'augment.crop_padding': 0, 'augment.flip': False, 'label_smoothing': 0.0})
-  dataset = _dataset()
+  dataset = tiny_dataset()
   fixed = data.Examples(images=dataset.train.images[:16], labels=dataset.train.labels[:16])
   dataset = dataclasses.replace(dataset, train=fixed, eval=fixed)
   losses, *_ = run_steps(config, _mesh(8), dataset, num_steps=30)
