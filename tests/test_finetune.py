@@ -157,16 +157,18 @@ def test_no_checkpoint_and_another_model_are_one_line_errors(source, five_class,
                   "--config.init_from.skip='(\"^BatchNorm_0/\", \"^Conv_0/\"")
 
 
-def _signal_at_step(monkeypatch, step_to_signal):
-  real = data.train_batches
+def _signal_at_first_save(monkeypatch):
+  """SIGTERM as the first checkpoint is written (from the training thread, so the stop step is exact;
+  a signal from the input pipeline's prefetch thread could come before step 1)."""
+  real = checkpoint.Checkpoints.save
 
-  def batches(*args, **kwargs):
-    for step, batch in enumerate(real(*args, **kwargs), kwargs['first_step'] + 1):
-      if step == step_to_signal:
-        os.kill(os.getpid(), signal.SIGTERM)
-      yield batch
+  def save(self, *args, **kwargs):
+    if not getattr(save, 'signalled', False):
+      save.signalled = True
+      os.kill(os.getpid(), signal.SIGTERM)
+    return real(self, *args, **kwargs)
 
-  monkeypatch.setattr(data, 'train_batches', batches)
+  monkeypatch.setattr(checkpoint.Checkpoints, 'save', save)
 
 
 def test_a_stopped_fine_tuning_run_resumes_from_its_own_checkpoint(source, folders, tmp_path, monkeypatch,
@@ -176,9 +178,9 @@ def test_a_stopped_fine_tuning_run_resumes_from_its_own_checkpoint(source, folde
                    **{'init_from.checkpoint': source, 'optimizer.freeze': ('^stage1_',),
                       'optimizer.lr_multipliers': ('^stage2_=0.5',)})
   workdir = str(tmp_path / 'finetune')
-  _signal_at_step(monkeypatch, 2)
+  _signal_at_first_save(monkeypatch)
   stopped = train.train_and_evaluate(config, workdir)
-  assert stopped['stopped_at_step'] < 4
+  assert stopped['stopped_at_step'] == 3  # saved step 2, then stopped and saved after step 3
   monkeypatch.undo()
   moved = source + '.moved'  # the source is gone: a resume that read it would fail
   os.rename(source, moved)
