@@ -279,6 +279,9 @@ def changed_keys(saved: dict, current: dict, prefix: str = '') -> list[str]:
     old, new = saved.get(key), current.get(key)
     if isinstance(old, dict) and isinstance(new, dict):
       changes += changed_keys(old, new, f'{prefix}{key}.')
+    elif isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)):  # JSON keeps tuples as lists
+      if list(old) != list(new):
+        changes.append(f'{prefix}{key}={old!r} -> {new!r}')
     elif old != new:
       changes.append(f'{prefix}{key}={old!r} -> {new!r}')
   return changes
