@@ -369,7 +369,8 @@ def test_a_failed_save_stops_with_one_line_and_keeps_the_previous_checkpoint(ima
 
 def test_one_trainer_per_workdir_and_eval_alongside(image_folder, tmp_path):
   workdir = str(tmp_path)
-  command, env = _cli(workdir, image_folder, '--config.num_train_steps=100000')
+  # Keep every checkpoint: the live run must not delete the one the evaluation is reading.
+  command, env = _cli(workdir, image_folder, '--config.num_train_steps=100000', '--config.checkpoint.keep=100000')
   process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
   for line in process.stderr:
