@@ -1,4 +1,4 @@
-"""Jittable preprocessing of device batches: normalisation and train-time augmentation.
+"""Jittable preprocessing of device batches: normalisation, train-time augmentation, mixup/CutMix.
 
 Each example draws its randomness from a key folded from (step key, its
 position in the global batch), so the augmented batch is the same whether it
@@ -11,6 +11,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+
+from flaxtpu import randaugment
+
+# Streams folded into an example's key beyond the crop/flip/cutout split, so that turning
+# one of these on leaves the others' draws (and earlier runs' augmentation) unchanged.
+_POLICY_STREAM = 1
+_MIX_STREAM = 2**31 - 1
 
 
 def normalize(images: jax.Array, mean: np.ndarray | None, std: np.ndarray | None) -> jax.Array:
@@ -49,11 +56,16 @@ def cutout(key: jax.Array, image: jax.Array, size: int) -> jax.Array:
 
 
 def augment_image(key: jax.Array, image: jax.Array, config: ml_collections.ConfigDict) -> jax.Array:
+  """Crop, flip, RandAugment/TrivialAugment, cutout: each when the config turns it on."""
   crop_key, flip_key, cutout_key = jax.random.split(key, 3)
   if config.crop_padding:
     image = random_crop(crop_key, image, config.crop_padding)
   if config.flip:
     image = random_flip(flip_key, image)
+  if config.policy:
+    image = randaugment.apply(jax.random.fold_in(key, _POLICY_STREAM), image, policy=config.policy,
+                              num_layers=config.randaugment_layers,
+                              magnitude=config.randaugment_magnitude)
   if config.cutout:
     image = cutout(cutout_key, image, config.cutout)
   return image
@@ -62,7 +74,68 @@ def augment_image(key: jax.Array, image: jax.Array, config: ml_collections.Confi
 def augment_batch(key: jax.Array, images: jax.Array, positions: jax.Array,
                   config: ml_collections.ConfigDict) -> jax.Array:
   """Augments each image with a key from `key` and its global batch position."""
-  if not (config.crop_padding or config.flip or config.cutout):
+  if not (config.crop_padding or config.flip or config.cutout or config.policy):
     return images
   keys = jax.vmap(lambda position: jax.random.fold_in(key, position))(positions)
   return jax.vmap(lambda k, image: augment_image(k, image, config))(keys, images)
+
+
+def mixes(config: ml_collections.ConfigDict) -> bool:
+  return bool(config.mixup_alpha or config.cutmix_alpha)
+
+
+def partner(x: jax.Array) -> jax.Array:
+  """Rows 2i and 2i+1 swapped: whom each example is mixed with.
+
+  Batches are shuffled, so a neighbour is as random a partner as any; and a
+  pair never spans two devices while each device holds an even number of
+  rows, so the mix needs no communication and is the same under jit and pmap.
+  """
+  return x.reshape(-1, 2, *x.shape[1:])[:, ::-1].reshape(x.shape)
+
+
+def cutmix_box(key: jax.Array, height: int, width: int, keep: jax.Array) -> jax.Array:
+  """A [H, W] bool box of about (1 - keep) of the image, centred at a random pixel, clipped at the border."""
+  cut = jnp.sqrt(1.0 - keep)
+  half_h, half_w = (jnp.floor(height * cut) / 2).astype(jnp.int32), (jnp.floor(width * cut) / 2).astype(jnp.int32)
+  centre_y, centre_x = jax.random.randint(key, (2,), 0, jnp.array([height, width]))
+  rows = (jnp.arange(height) >= centre_y - half_h) & (jnp.arange(height) < centre_y + half_h)
+  cols = (jnp.arange(width) >= centre_x - half_w) & (jnp.arange(width) < centre_x + half_w)
+  return rows[:, None] & cols[None, :]
+
+
+def mix_example(key: jax.Array, image: jax.Array, other: jax.Array,
+                config: ml_collections.ConfigDict) -> tuple[jax.Array, jax.Array]:
+  """(mixed image, weight of its own label) for one example and its partner.
+
+  With probability `mix_prob` the example is mixed: CutMix with probability
+  `mix_switch_prob` when both alphas are set, else the one that is. mixup
+  blends the pixels at lambda ~ Beta(alpha, alpha); CutMix pastes a box of the
+  partner and weighs the labels by the area actually kept (after clipping).
+  """
+  use_key, switch_key, mixup_key, cutmix_key, box_key = jax.random.split(key, 5)
+  mixed, keep = image, jnp.float32(1.0)
+  if config.mixup_alpha:
+    lam = jax.random.beta(mixup_key, config.mixup_alpha, config.mixup_alpha)
+    mixed, keep = lam * image + (1.0 - lam) * other, lam
+  if config.cutmix_alpha:
+    lam = jax.random.beta(cutmix_key, config.cutmix_alpha, config.cutmix_alpha)
+    box = cutmix_box(box_key, image.shape[0], image.shape[1], lam)
+    cut_image = jnp.where(box[:, :, None], other, image)
+    cut_keep = 1.0 - jnp.mean(box.astype(jnp.float32))
+    use_cutmix = jax.random.bernoulli(switch_key, config.mix_switch_prob) if config.mixup_alpha else True
+    mixed, keep = jnp.where(use_cutmix, cut_image, mixed), jnp.where(use_cutmix, cut_keep, keep)
+  use = jax.random.bernoulli(use_key, config.mix_prob)
+  return jnp.where(use, mixed, image), jnp.where(use, keep, 1.0)
+
+
+def mix_batch(key: jax.Array, images: jax.Array, targets: jax.Array, positions: jax.Array,
+              config: ml_collections.ConfigDict) -> tuple[jax.Array, jax.Array]:
+  """mixup/CutMix of float images and their [B, classes] targets; the label mass stays 1 per example."""
+  if not mixes(config):
+    return images, targets
+  keys = jax.vmap(lambda position: jax.random.fold_in(jax.random.fold_in(key, _MIX_STREAM), position))(
+      positions)
+  mixed, keep = jax.vmap(lambda k, image, other: mix_example(k, image, other, config))(
+      keys, images, partner(images))
+  return mixed, keep[:, None] * targets + (1.0 - keep[:, None]) * partner(targets)

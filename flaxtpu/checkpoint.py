@@ -170,7 +170,7 @@ class Checkpoints:
       state = self._restore_state(path, step, abstract_state, partial)
     except Exception as e:  # pylint: disable=broad-except
       # Only model and optimizer keys shape the saved arrays (an inference restore reads no optimizer).
-      shaping = ('model.',) if partial else ('model.', 'optimizer.')
+      shaping = ('model.', 'ema.decay') if partial else ('model.', 'optimizer.', 'ema.decay')
       changed = [change for change in changed_keys(record.get('config', {}), config.to_dict())
                  if change.startswith(shaping)] if config else []
       if changed:

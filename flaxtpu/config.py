@@ -99,7 +99,17 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _one_of('require_platform', config.require_platform, PLATFORMS)
   _one_of('checkpoint.best_mode', config.checkpoint.best_mode, ('max', 'min'))
   _one_of('checkpoint.best_metric', config.checkpoint.best_metric,
-          ('', 'eval_accuracy', 'eval_loss'))
+          ('', 'eval_accuracy', 'eval_loss', 'eval_accuracy_ema', 'eval_loss_ema'))
+  if config.checkpoint.best_metric.endswith('_ema') and not config.ema.decay:
+    raise ConfigError(f'config.checkpoint.best_metric={config.checkpoint.best_metric!r} needs an EMA of the '
+                      'weights; set --config.ema.decay (e.g. 0.999) or pick eval_accuracy')
+  if isinstance(config.dataset.eval_splits, str) or not all(
+      isinstance(split, str) and split for split in config.dataset.eval_splits):
+    raise ConfigError(f'config.dataset.eval_splits={config.dataset.eval_splits!r} must be a tuple of split '
+                      "names, e.g. --config.dataset.eval_splits=\"('train[:5000]',)\"")
+  _check_augment(config)
+  if not 0.0 <= config.ema.decay < 1.0:
+    raise ConfigError(f'config.ema.decay={config.ema.decay!r} must be in [0, 1) (0 = off; e.g. 0.999)')
   _positive('batch_size', config.batch_size)
   _positive('eval_batch_size', config.eval_batch_size, allow=(-1,))
   _positive('num_epochs', config.num_epochs)
@@ -110,6 +120,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _positive('checkpoint_every_steps', config.checkpoint_every_steps, allow=(-1,))
   _positive('checkpoint.keep', config.checkpoint.keep)
   _positive('predict.top_k', config.predict.top_k)
+  _positive('optimizer.accumulate_steps', config.optimizer.accumulate_steps)
   _positive('mesh.data', config.mesh.data, allow=(-1,))
   _positive('mesh.fsdp', config.mesh.fsdp, allow=(-1,))
   if config.mesh.data == -1 and config.mesh.fsdp == -1:
@@ -131,6 +142,25 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if config[key] < 0:
       raise ConfigError(f'config.{key}={config[key]!r} must be >= 0')
   _check_fine_tuning(config)
+
+
+def _check_augment(config: ml_collections.ConfigDict) -> None:
+  augment = config.augment
+  _one_of('augment.policy', augment.policy, ('', 'randaugment', 'trivialaugment'))
+  if augment.policy == 'randaugment':
+    _positive('augment.randaugment_layers', augment.randaugment_layers)
+    if not 0.0 <= augment.randaugment_magnitude <= 30.0:
+      raise ConfigError(f'config.augment.randaugment_magnitude={augment.randaugment_magnitude!r} must be '
+                        'in [0, 30] (9-10 is the usual strength)')
+  for key in ('mixup_alpha', 'cutmix_alpha'):
+    if augment[key] < 0:
+      raise ConfigError(f'config.augment.{key}={augment[key]!r} must be >= 0 (0 = off)')
+  for key in ('mix_prob', 'mix_switch_prob'):
+    if not 0.0 <= augment[key] <= 1.0:
+      raise ConfigError(f'config.augment.{key}={augment[key]!r} must be a probability in [0, 1]')
+  if (augment.mixup_alpha or augment.cutmix_alpha) and config.batch_size % 2:
+    raise ConfigError(f'config.batch_size={config.batch_size} must be even with mixup/CutMix (examples are '
+                      'mixed in pairs); use an even batch size')
 
 
 def _check_patterns(key: str, patterns) -> None:
@@ -214,6 +244,11 @@ class RunLength:
   eval_every_steps: int
   checkpoint_every_steps: int
   warmup_steps: int
+  accumulate_steps: int = 1  # batches per optimizer update: the schedule counts updates
+
+  @property
+  def total_updates(self) -> int:
+    return self.total_steps // self.accumulate_steps
 
 
 def run_length(config: ml_collections.ConfigDict, num_train_examples: int) -> RunLength:
@@ -226,6 +261,9 @@ def run_length(config: ml_collections.ConfigDict, num_train_examples: int) -> Ru
     total_steps = config.num_train_steps
   else:
     total_steps = max(1, math.ceil(config.num_epochs * steps_per_epoch))
+  # The run ends on an update: a last partial accumulation would be work thrown away.
+  accumulate = config.optimizer.accumulate_steps
+  total_steps = accumulate * max(1, math.ceil(total_steps / accumulate))
 
   def every(value: int) -> int:
     return min(steps_per_epoch if value == -1 else value, total_steps)
@@ -236,6 +274,7 @@ def run_length(config: ml_collections.ConfigDict, num_train_examples: int) -> Ru
       eval_every_steps=every(config.eval_every_steps),
       checkpoint_every_steps=every(config.checkpoint_every_steps),
       warmup_steps=int(round(config.schedule.warmup_epochs * steps_per_epoch)),
+      accumulate_steps=accumulate,
   )
 
 

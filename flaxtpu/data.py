@@ -20,6 +20,7 @@ masked.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -32,6 +33,7 @@ import numpy as np
 
 from flaxtpu import preprocess, sources, workers
 from flaxtpu.preprocess import IMAGE_EXTENSIONS, Transform
+from flaxtpu.errors import UserError
 from flaxtpu.sources import DataError
 
 # The decoded splits may take this share of host memory before `dataset.cache=auto` streams.
@@ -144,6 +146,26 @@ def load(config: ml_collections.ConfigDict, *, need_train: bool = True) -> Datas
     mean, std = _statistics(dataset)
     dataset = dataclasses.replace(dataset, mean=mean, std=std)
   return dataset
+
+
+def load_eval_splits(config: ml_collections.ConfigDict, dataset: Dataset) -> list[tuple[str, Dataset]]:
+  """(split, Dataset) for each of `dataset.eval_splits`, the splits evaluated besides `eval_split`.
+
+  Each is read like the eval split (same transform, cache rule and checks)
+  and must hold the classes of `dataset`.
+  """
+  loaded = []
+  for split in config.dataset.eval_splits:
+    split_config = copy.deepcopy(config)
+    split_config.dataset.eval_split = split
+    other = load(split_config, need_train=False)
+    if other.class_names != dataset.class_names or other.image_shape != dataset.image_shape:
+      raise UserError(f'config.dataset.eval_splits entry {split!r} has classes {list(other.class_names)[:5]} '
+                      f'of {other.image_shape} images, unlike the eval split ({list(dataset.class_names)[:5]}, '
+                      f'{dataset.image_shape}); list splits of the same dataset')
+    logging.info('eval split %r: %d examples', split, len(other.eval))
+    loaded.append((split, other))
+  return loaded
 
 
 def _count(*splits: Optional[sources.Split]) -> int:

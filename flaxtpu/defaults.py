@@ -30,6 +30,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset.data_dir = ''  # TFDS data_dir ('' = TFDS default, ~/tensorflow_datasets).
   config.dataset.train_split = 'train'  # Split to train on; TFDS-style slices work: 'train[:90%]'.
   config.dataset.eval_split = 'test'  # Split to evaluate on (every example counted once), e.g. 'train[90%:]'.
+  config.dataset.eval_splits = ()  # More splits evaluated with it during training, e.g. ('train[:5000]',): logged as eval_train_5000_accuracy; eval_split picks the best checkpoint.
   config.dataset.image_size = 0  # Square side the model sees; 0 = the native size (every image must share it).
   config.dataset.crop_fraction = 0.875  # Eval at image_size > 0: resize the shorter side to image_size / this, take the centre.
   config.dataset.cache = 'auto'  # auto | memory | none: decode once into host memory (auto: when it fits 1/8 of RAM, at most 4 GiB) or stream from disk.
@@ -47,7 +48,15 @@ def get_config() -> ml_collections.ConfigDict:
   # On the device, after the crop:
   config.augment.crop_padding = 0  # Random crop after zero-padding by this many pixels (0 = off).
   config.augment.flip = False  # Random horizontal flip.
+  config.augment.policy = ''  # '' | randaugment | trivialaugment (TrivialAugment-Wide), after crop and flip.
+  config.augment.randaugment_layers = 2  # randaugment: ops applied per image (N).
+  config.augment.randaugment_magnitude = 9.0  # randaugment: strength M on the 0..30 scale of torchvision/timm.
   config.augment.cutout = 0  # Side of a random square zeroed per image (0 = off).
+  # mixup/CutMix: each example is mixed with a neighbour in the batch (per example: lambda, box, which one).
+  config.augment.mixup_alpha = 0.0  # mixup lambda ~ Beta(alpha, alpha) (0 = off; 0.2-0.8 usual).
+  config.augment.cutmix_alpha = 0.0  # CutMix box area ~ Beta(alpha, alpha) (0 = off; 1.0 usual).
+  config.augment.mix_prob = 1.0  # Probability that an example is mixed at all.
+  config.augment.mix_switch_prob = 0.5  # With both alphas set: probability of CutMix instead of mixup.
 
   # --- model ------------------------------------------------------------
   config.model = ml_collections.ConfigDict()
@@ -75,6 +84,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.eps = 1e-7  # adam/adamw: denominator epsilon (Keras' default).
   config.optimizer.weight_decay = 0.0  # sgd/adam: L2 added to the gradient; adamw: decoupled. Never on biases or norm scales.
   config.optimizer.grad_clip_norm = 0.0  # Clip gradients to this global norm (0 = off).
+  # Gradient accumulation: average the gradients of this many consecutive batches, then update once, as
+  # one batch of batch_size x accumulate_steps would. Steps, epochs and eval/checkpoint intervals count
+  # batches; the learning-rate schedule (warmup included) counts updates. The run ends on an update.
+  config.optimizer.accumulate_steps = 1
   # Patterns below are regexes searched in '/'-joined parameter paths ('stage1_block1/Conv_0/kernel'; the
   # classifier is 'Dense_0' in cnn/resnet, 'head' in vit/convnext). On the command line: one pattern,
   # --config.optimizer.freeze='^stage1', or a tuple, --config.optimizer.freeze="('^stage1', '^stage2')".
@@ -87,6 +100,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.schedule.final_lr_fraction = 0.0  # Final LR as a fraction of the peak (cosine, linear).
 
   config.label_smoothing = 0.0  # Label smoothing in [0, 1).
+
+  # Exponential moving average of the weights and BatchNorm statistics, updated after every optimizer
+  # update: evaluated next to the raw weights (eval_accuracy_ema, ...) and saved in checkpoints.
+  config.ema = ml_collections.ConfigDict()
+  config.ema.decay = 0.0  # 0 = off; e.g. 0.999 (about the last 1000 updates).
+  config.ema.warmup = True  # Decay min(decay, (1 + n) / (10 + n)) after n updates (TF's num_updates).
 
   # --- fine-tuning ------------------------------------------------------
   config.init_from = ml_collections.ConfigDict()
@@ -118,6 +137,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.eval = ml_collections.ConfigDict()
   config.eval.checkpoint = 'latest'  # --mode=eval/predict restores: latest | best | a step number.
+  config.eval.ema = False  # --mode=eval/predict/export (and the end-of-run report) use the EMA weights.
 
   config.predict = ml_collections.ConfigDict()
   config.predict.input = ''  # --mode=predict: an image file or a folder of images.

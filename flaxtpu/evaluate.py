@@ -31,6 +31,32 @@ def evaluate(placement: steps.Placement, state, dataset: data.Dataset,
   return result
 
 
+def metric_prefix(split: str, first: bool) -> str:
+  """'eval_' for the first eval split; 'eval_train_5000_' for 'train[:5000]' among the others."""
+  return 'eval_' if first else 'eval_' + re.sub(r'[^\w]+', '_', split).strip('_') + '_'
+
+
+def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str, data.Dataset]],
+                    batch_size: int) -> dict[str, float]:
+  """Every eval split, with the raw weights and (when the state has them) the EMA weights.
+
+  The first split's metrics are `eval_loss`, `eval_accuracy`, ... (they pick
+  the best checkpoint); another split's carry its name (`eval_train_5000_accuracy`);
+  the EMA weights' end in `_ema`. `num_examples` counts the first split.
+  """
+  views = [('', state)] + ([('_ema', steps.ema_view(state))] if getattr(state, 'ema', None) else [])
+  results = {}
+  for index, (split, dataset) in enumerate(eval_sets):
+    prefix = metric_prefix(split, first=index == 0)
+    for suffix, weights in views:
+      scores = evaluate(placement, weights, dataset, batch_size)
+      count = scores.pop('num_examples')
+      if index == 0 and not suffix:
+        results['num_examples'] = count
+      results.update({prefix + name[len('eval_'):] + suffix: value for name, value in scores.items()})
+  return results
+
+
 def eval_logits(placement: steps.Placement, state, dataset: data.Dataset,
                 batch_size: int) -> tuple[np.ndarray, np.ndarray]:
   """The logits and labels of every eval example, in order (one process)."""
@@ -80,15 +106,27 @@ def restore(config: ml_collections.ConfigDict, workdir: str):
     placements.append(steps.place(task, mesh, config))
     return placements[-1].abstract_state
 
+  def abstract_ema(record: dict):  # the saved state's `ema` subtree, read into a ModelState's layout
+    if not record.get('config', {}).get('ema', {}).get('decay'):
+      raise checkpoint.CheckpointError(
+          f'config.eval.ema=True but the run in {workdir} was trained without an EMA of its weights '
+          '(ema.decay=0); drop --config.eval.ema or train with --config.ema.decay=0.999')
+    model = abstract_state(record)
+    return {'ema': {'params': model.params, 'batch_stats': model.batch_stats}}
+
   which = str(config.eval.checkpoint)
   step = checkpoints.resolve(which)
   expected = {'model': config.model.name}  # classes and image shape come from the checkpoint
+  target = abstract_ema if config.eval.ema else abstract_state
   if which == 'latest':  # an unreadable latest checkpoint falls back to the newest readable one
-    step, saved, record = checkpoints.restore_newest_readable(abstract_state, expected, config=config,
+    step, saved, record = checkpoints.restore_newest_readable(target, expected, config=config,
                                                               partial=True)
   else:
-    saved, record = checkpoints.restore(step, abstract_state, expected, config=config, partial=True)
+    saved, record = checkpoints.restore(step, target, expected, config=config, partial=True)
   checkpoints.close()
+  if config.eval.ema:
+    saved = steps.ModelState(params=saved['ema']['params'], batch_stats=saved['ema']['batch_stats'])
+    logging.info('using the EMA weights of checkpoint step %d', step)
   placement = placements[-1]
   return placement, placement.from_saveable(saved), step, record
 
@@ -97,8 +135,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   """--mode=eval: accuracy and loss over every example of the eval split -> WORKDIR/eval.json.
 
   eval.json holds this evaluation at its top level (`split` names what it
-  scored) and, under `splits`, the latest result of every split evaluated, so
-  scoring another split never loses one.
+  scored, `weights` raw or ema) and, under `splits`, the latest result of
+  every split evaluated ('test', 'test:ema'), so scoring another never loses one.
   """
   placement, state, step, record = restore(config, workdir)
   dataset = data.load(config, need_train=False)
@@ -112,9 +150,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   trained_split = record.get('config', {}).get('dataset', {}).get('eval_split')
   split = config.dataset.eval_split
   suffix = '' if split == trained_split else '-' + re.sub(r'[^\w.-]+', '_', split).strip('_')
+  suffix += '-ema' if config.eval.ema else ''
   results.update(write_report(placement, state, dataset, resolved_eval_batch_size(config), workdir,
                               suffix))
-  results.update(step=step, split=config.dataset.eval_split,
+  results.update(step=step, split=config.dataset.eval_split, weights='ema' if config.eval.ema else 'raw',
                  source=config.dataset.folder or config.dataset.name,
                  checkpoint=os.path.join(workdir, 'checkpoints', str(step)))
   logging.info('eval of step %d: loss %.4f  accuracy %.4f  (%d examples)', step,
@@ -123,7 +162,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
     # The latest evaluation on top; every split's latest result kept under 'splits'.
     path = os.path.join(workdir, 'eval.json')
     splits = (files.read_json(path) or {}).get('splits', {})
-    splits[results['split']] = dict(results)
+    splits[results['split'] + (':ema' if config.eval.ema else '')] = dict(results)
     files.write_json(path, {**results, 'splits': splits})
   return results
 

@@ -129,6 +129,8 @@ def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: st
   merged = {collection: jax.tree_util.tree_map_with_path(
       lambda keys, leaf, c=collection: loaded.get(f'{c}/{optim.path_name(keys)}', leaf),
       getattr(fresh, collection)) for collection in COLLECTIONS}
+  if fresh.ema:  # the average starts at the loaded weights, not at the seed's
+    merged['ema'] = {'params': merged['params'], 'batch_stats': merged['batch_stats']}
   state = placement.from_saveable(fresh.replace(**merged))
 
   counts = {collection: f'{len(load[collection])} of {len(target[collection])}' for collection in COLLECTIONS}

@@ -18,18 +18,23 @@ DEFAULT = repr(1.0)  # the label of parameters at the peak learning rate
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict, length: RunLength) -> optax.Schedule:
-  """constant | cosine | linear (each after a linear warmup from 0) | onecycle."""
+  """constant | cosine | linear (each after a linear warmup from 0) | onecycle, over optimizer updates.
+
+  With gradient accumulation an update takes `accumulate_steps` batches; the
+  schedule's argument is the update count (what optax's inner state counts).
+  """
   peak = config.optimizer.learning_rate
-  warmup = min(length.warmup_steps, length.total_steps - 1)
+  total = length.total_updates
+  warmup = min(length.warmup_steps // length.accumulate_steps, total - 1)
   final = peak * config.schedule.final_lr_fraction
   name = config.schedule.name
   if name == 'onecycle':
     # Warm up for warmup_epochs (30% of the run when 0), then anneal to ~0.
-    pct_start = warmup / length.total_steps if warmup else 0.3
-    return optax.cosine_onecycle_schedule(length.total_steps, peak, pct_start=pct_start)
+    pct_start = warmup / total if warmup else 0.3
+    return optax.cosine_onecycle_schedule(total, peak, pct_start=pct_start)
   if name == 'cosine':
-    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, length.total_steps, final)
-  decay_steps = max(1, length.total_steps - warmup)
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, total, final)
+  decay_steps = max(1, total - warmup)
   after_warmup = (optax.constant_schedule(peak) if name == 'constant'
                   else optax.linear_schedule(peak, final, decay_steps))
   if not warmup:
@@ -134,10 +139,25 @@ def create_optimizer(config: ml_collections.ConfigDict,
 
   sgd and adam add `weight_decay * w` to the gradient (classic L2, as in
   PyTorch's SGD); adamw decays the weights after the Adam update (decoupled).
-  With `optimizer.freeze` / `optimizer.lr_multipliers`, see `with_param_groups`.
+  With `optimizer.accumulate_steps` > 1 the chain sees the mean gradient of
+  that many batches (`optax.MultiSteps`; clipping applies to the mean). With
+  `optimizer.freeze` / `optimizer.lr_multipliers`, see `with_param_groups`.
+  Returns the optimizer and the learning rate as a function of the train step.
   """
   chain, schedule = _base_chain(config, length)
-  return with_param_groups(chain, ParamGroups.from_config(config)), schedule
+  accumulate = length.accumulate_steps
+  if accumulate > 1:
+    chain = optax.MultiSteps(chain, every_k_schedule=accumulate).gradient_transformation()
+  lr_at_step = schedule if accumulate == 1 else lambda step: schedule(step // accumulate)
+  return with_param_groups(chain, ParamGroups.from_config(config)), lr_at_step
+
+
+def updated(optimizer_state) -> jax.Array:
+  """Whether the step that produced `optimizer_state` changed the parameters (False while accumulating)."""
+  for node in jax.tree.leaves(optimizer_state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState)):
+    if isinstance(node, optax.MultiStepsState):
+      return node.mini_step == 0
+  return jax.numpy.bool_(True)
 
 
 def with_param_groups(inner: optax.GradientTransformation,

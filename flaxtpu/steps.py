@@ -24,6 +24,7 @@ import optax
 
 from flaxtpu import augment, metrics, models, optim, parallel
 from flaxtpu.config import RunLength, resolved_eval_batch_size, run_length
+from flaxtpu.errors import UserError
 
 # --- the task and its state ---------------------------------------------------
 
@@ -41,6 +42,9 @@ class Task:
   optimizer: Optional[optax.GradientTransformation] = None  # None: inference only
   schedule: Optional[optax.Schedule] = None
   param_groups: optim.ParamGroups = optim.ParamGroups()  # frozen parameters keep their BatchNorm statistics
+  ema_decay: float = 0.0  # 0: no EMA of the weights
+  ema_warmup: bool = False
+  accumulate_steps: int = 1  # batches per optimizer update
 
 
 def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
@@ -58,7 +62,9 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
               augment=config.augment, label_smoothing=config.label_smoothing,
               mean=np.asarray(mean, np.float32) if standardize else None,
               std=np.asarray(std, np.float32) if standardize else None,
-              optimizer=optimizer, schedule=schedule, param_groups=optim.ParamGroups.from_config(config))
+              optimizer=optimizer, schedule=schedule, param_groups=optim.ParamGroups.from_config(config),
+              ema_decay=config.ema.decay, ema_warmup=config.ema.warmup,
+              accumulate_steps=config.optimizer.accumulate_steps)
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -68,6 +74,7 @@ class TrainState(flax.struct.PyTreeNode):
   batch_stats: Any  # BatchNorm running statistics ({} for models without BatchNorm)
   opt_state: Any
   rng: jax.Array  # base key: step `s` augments with fold_in(rng, s), so resuming replays it
+  ema: Any  # {'params', 'batch_stats'}: exponential moving averages of both ({} without ema.decay)
 
 
 class ModelState(flax.struct.PyTreeNode):
@@ -85,9 +92,36 @@ def init_model(task: Task, seed: int) -> ModelState:
 def init_state(task: Task, seed: int) -> TrainState:
   model = init_model(task, seed)
   _, data_key = jax.random.split(jax.random.PRNGKey(seed))
+  ema = {'params': model.params, 'batch_stats': model.batch_stats} if task.ema_decay else {}
   return TrainState(step=jnp.zeros((), jnp.int32), params=model.params,
                     batch_stats=model.batch_stats, opt_state=task.optimizer.init(model.params),
-                    rng=data_key)
+                    rng=data_key, ema=ema)
+
+
+def ema_view(state: TrainState) -> TrainState:
+  """`state` with its EMA weights and statistics in place of the raw ones: what eval_step scores."""
+  return state.replace(params=state.ema['params'], batch_stats=state.ema['batch_stats'])
+
+
+def ema_decay(task: Task, updates_before: jax.Array) -> jax.Array:
+  """The decay of the update after `updates_before` optimizer updates.
+
+  With `ema.warmup` it is min(decay, (1 + n) / (10 + n)), as TensorFlow's
+  ExponentialMovingAverage with num_updates: early averages follow the fast-
+  moving weights instead of staying near the random initialisation.
+  """
+  decay = jnp.float32(task.ema_decay)
+  if task.ema_warmup:
+    updates = updates_before.astype(jnp.float32)
+    decay = jnp.minimum(decay, (1.0 + updates) / (10.0 + updates))
+  return decay
+
+
+def update_ema(task: Task, state: TrainState, new_variables: dict, did_update: jax.Array) -> dict:
+  """The EMA after one train step: moved toward the new weights only on steps that updated them."""
+  decay = ema_decay(task, state.step // task.accumulate_steps)
+  moved = jax.tree.map(lambda average, new: decay * average + (1.0 - decay) * new, state.ema, new_variables)
+  return jax.tree.map(lambda m, old: jnp.where(did_update, m, old), moved, state.ema)
 
 
 # --- pure steps ------------------------------------------------------------------
@@ -124,9 +158,11 @@ def train_step(state: TrainState, batch, *, task: Task, axis_name: Optional[str]
   """
   images, labels = batch
   key = jax.random.fold_in(state.rng, state.step)
-  images = augment.augment_batch(key, images, _batch_positions(len(images), axis_name), task.augment)
+  positions = _batch_positions(len(images), axis_name)
+  images = augment.augment_batch(key, images, positions, task.augment)
   images = augment.normalize(images, task.mean, task.std)
   targets = optax.smooth_labels(jax.nn.one_hot(labels, task.num_classes), task.label_smoothing)
+  images, targets = augment.mix_batch(key, images, targets, positions, task.augment)
   rngs = {'dropout': _dropout_key(key, axis_name)}  # unused (and compiled away) without dropout
 
   def loss_fn(params):
@@ -144,6 +180,9 @@ def train_step(state: TrainState, batch, *, task: Task, axis_name: Optional[str]
                                                         batch_stats)
   new_state = state.replace(step=state.step + 1, params=params, batch_stats=batch_stats,
                             opt_state=opt_state)
+  if task.ema_decay:
+    new_state = new_state.replace(ema=update_ema(
+        task, state, {'params': params, 'batch_stats': batch_stats}, optim.updated(opt_state)))
   accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
   step_metrics = metrics.Metrics.single_from_model_output(
       loss=_mean(loss, axis_name), accuracy=_mean(accuracy, axis_name))
@@ -237,6 +276,12 @@ def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict
   """
   parallel.check_batch_size('batch_size', config.batch_size)
   parallel.check_batch_size('eval_batch_size', resolved_eval_batch_size(config))
+  if augment.mixes(config.augment) and config.parallelism == 'pmap' and (
+      config.batch_size // jax.device_count()) % 2:
+    per_device = config.batch_size // jax.device_count()
+    raise UserError(f'config.batch_size={config.batch_size} gives {per_device} examples per device, and pmap '
+                    'mixes (mixup/CutMix) pairs on one device: use a multiple of '
+                    f'{2 * jax.device_count()} or parallelism=jit')
   init = init_state if task.optimizer else init_model
   abstract_state = jax.eval_shape(functools.partial(init, task), config.seed)
   state_shardings = parallel.state_shardings(abstract_state, mesh, config)

@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 from flaxtpu import checkpoint, data, files, finetune, lock, metrics, optim, parallel, report, steps, workers
 from flaxtpu.config import resolved_eval_batch_size, run_length
 from flaxtpu.errors import UserError
-from flaxtpu.evaluate import evaluate, write_report
+from flaxtpu.evaluate import evaluate_splits, write_report
 from flaxtpu.signals import StopRequest
 
 
@@ -224,6 +224,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   logging.info('data: %d train / %d eval examples of %s, %d classes; %d steps (%d per epoch)',
                len(dataset.train), len(dataset.eval), dataset.image_shape, dataset.num_classes,
                length.total_steps, length.steps_per_epoch)
+  if length.accumulate_steps > 1:
+    logging.info('gradient accumulation: %d batches of %d per update (an effective batch of %d); '
+                 '%d updates', length.accumulate_steps, config.batch_size,
+                 length.accumulate_steps * config.batch_size, length.total_updates)
+  eval_sets = [(config.dataset.eval_split, dataset)] + data.load_eval_splits(config, dataset)
 
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std, length=length)
@@ -336,10 +341,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
     evaluate_now = step % length.eval_every_steps == 0 or is_last
     if evaluate_now:
       with clock.paused('eval', state):
-        eval_results = evaluate(placement, state, dataset, eval_batch_size)
+        eval_results = evaluate_splits(placement, state, eval_sets, eval_batch_size)
       num_examples = eval_results.pop('num_examples')
-      logging.info('eval at step %d: loss %.4f  accuracy %.4f  (%d examples)', step,
-                   eval_results['eval_loss'], eval_results['eval_accuracy'], num_examples)
+      logging.info('eval at step %d: loss %.4f  accuracy %.4f  (%d examples)%s', step,
+                   eval_results['eval_loss'], eval_results['eval_accuracy'], num_examples,
+                   ''.join(f'  {name} {value:.4f}' for name, value in eval_results.items()
+                           if name not in ('eval_loss', 'eval_accuracy')))
       writer.write_scalars(step, eval_results)
       writer.flush()
 
@@ -372,6 +379,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   if is_main:
     files.write_json(results_path, results)
     # Pictures of the finished run: per-class report and calibration of the eval split, curves.
-    write_report(placement, state, dataset, eval_batch_size, workdir)
+    write_report(placement, steps.ema_view(state) if config.eval.ema else state, dataset,
+                 eval_batch_size, workdir)
     logging.info('curves: %s', report.write_curves(workdir))
   return results

@@ -99,6 +99,21 @@ def test_fsdp_shards_large_kernels_and_matches(reference):
   assert state.params['Dense_0']['bias'].sharding.spec == jax.sharding.PartitionSpec()
 
 
+RECIPE_PARTS = {'augment.policy': 'randaugment', 'augment.mixup_alpha': 0.4, 'augment.cutmix_alpha': 1.0,
+                'ema.decay': 0.9, 'optimizer.accumulate_steps': 2}
+
+
+@pytest.mark.parametrize('parallelism', ['jit', 'pmap'])
+def test_randaugment_mixing_ema_and_accumulation_are_the_same_on_8_devices(parallelism):
+  """Per-example randomness comes from (seed, step, position): 8 devices see the batch 1 device does."""
+  one = run_steps(_config(**RECIPE_PARTS), _mesh(1), num_steps=4)
+  eight = run_steps(_config(parallelism=parallelism, **RECIPE_PARTS), _mesh(8), num_steps=4)
+  np.testing.assert_allclose(eight[0], one[0], rtol=1e-5)
+  _assert_trees_close(eight[1], one[1], atol=1e-5)
+  _assert_trees_close(eight[3].ema, one[3].ema, atol=1e-5)
+  assert not np.allclose(one[0], run_steps(_config(), _mesh(1), num_steps=4)[0])  # the parts act
+
+
 def test_bfloat16_loss_stays_close_to_float32(reference):
   losses, params, batch_stats, _ = run_steps(_config(dtype='bfloat16'), _mesh(8))
   # Same steps, same batches: bf16 activations move the loss by well under 5%.

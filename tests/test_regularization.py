@@ -1,0 +1,252 @@
+"""The modern-recipe parts: gradient accumulation, EMA, mixup/CutMix, several eval splits."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from conftest import restore_checkpoint, tiny_dataset
+from flaxtpu import augment, defaults, evaluate, optim, steps, train
+from flaxtpu import config as config_lib
+from flaxtpu.config import ConfigError
+
+
+def _config(**overrides):
+  config = defaults.get_config()
+  config.update_from_flattened_dict({
+      'model.name': 'cnn', 'optimizer.name': 'sgd', 'optimizer.learning_rate': 0.05,
+      'schedule.name': 'cosine', 'compilation_cache_dir': 'none', **overrides})
+  return config
+
+
+def _task(config, num_examples=64):
+  dataset = tiny_dataset()
+  return steps.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=dataset.mean,
+                           std=dataset.std, length=config_lib.run_length(config, num_examples))
+
+
+def _run(task, batches, seed=0):
+  """The train step on one device over `batches`; the states after each step."""
+  state = steps.init_state(task, seed)
+  step = jax.jit(lambda state, batch: steps.train_step(state, batch, task=task))
+  states = []
+  for batch in batches:
+    state, _ = step(state, batch)
+    states.append(state)
+  return states
+
+
+def _batches(num, size, seed=1):
+  dataset = tiny_dataset()
+  rng = np.random.default_rng(seed)
+  rows = [rng.choice(len(dataset.train), size, replace=False) for _ in range(num)]
+  return [(dataset.train.images[r], dataset.train.labels[r]) for r in rows]
+
+
+# --- gradient accumulation ------------------------------------------------------
+
+
+def test_accumulating_k_batches_equals_one_batch_k_times_larger():
+  big = _batches(3, 16)
+  halves = [(images[start:start + 8], labels[start:start + 8])
+            for images, labels in big for start in (0, 8)]
+  # 3 updates either way: a cosine schedule over 3 updates, counted in updates, not batches.
+  one = _task(_config(batch_size=16, num_train_steps=3, **{'optimizer.momentum': 0.9}))
+  two = _task(_config(batch_size=8, num_train_steps=6, **{'optimizer.momentum': 0.9,
+                                                          'optimizer.accumulate_steps': 2}))
+  large = _run(one, big)
+  accumulated = _run(two, halves)
+  for update in range(3):
+    expected, got = large[update], accumulated[2 * update + 1]
+    for x, y in zip(jax.tree.leaves(expected.params), jax.tree.leaves(got.params)):
+      np.testing.assert_allclose(x, y, atol=2e-6, rtol=1e-5)
+  # Between updates the parameters stand still; the step counts batches.
+  for x, y in zip(jax.tree.leaves(accumulated[2].params), jax.tree.leaves(accumulated[1].params)):
+    np.testing.assert_array_equal(x, y)
+  assert int(accumulated[-1].step) == 6
+  assert [bool(optim.updated(s.opt_state)) for s in accumulated] == [False, True] * 3
+  # The logged learning rate of batch s is the schedule at update s // 2.
+  assert [float(two.schedule(s)) for s in range(6)] == pytest.approx(
+      [float(one.schedule(u)) for u in (0, 0, 1, 1, 2, 2)])
+  assert float(one.schedule(1)) != pytest.approx(float(one.schedule(0)))
+
+
+def test_the_run_length_rounds_up_to_a_whole_update():
+  config = _config(batch_size=8, num_epochs=1.0, **{'optimizer.accumulate_steps': 3,
+                                                    'schedule.warmup_epochs': 0.5})
+  length = config_lib.run_length(config, 64)  # 8 batches per epoch -> 9, 3 updates
+  assert (length.total_steps, length.total_updates, length.warmup_steps) == (9, 3, 4)
+  with pytest.raises(ConfigError, match='accumulate_steps=0 must be > 0'):
+    config_lib.validate(_config(**{'optimizer.accumulate_steps': 0}))
+
+
+# --- EMA ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('warmup', [False, True])
+def test_ema_is_the_stated_average_of_the_weights_after_each_update(warmup):
+  task = _task(_config(batch_size=8, num_train_steps=4, **{'ema.decay': 0.9, 'ema.warmup': warmup}))
+  initial = steps.init_state(task, 0)
+  states = _run(task, _batches(4, 8))
+  expected = jax.tree.map(np.asarray, {'params': initial.params, 'batch_stats': initial.batch_stats})
+  for n, state in enumerate(states):
+    decay = min(0.9, (1 + n) / (10 + n)) if warmup else 0.9
+    expected = jax.tree.map(lambda e, p: decay * e + (1 - decay) * np.asarray(p), expected,
+                            {'params': state.params, 'batch_stats': state.batch_stats})
+    for x, y in zip(jax.tree.leaves(expected), jax.tree.leaves(state.ema)):
+      np.testing.assert_allclose(x, y, atol=1e-7, rtol=1e-5)
+  # The average trails the weights: it differs from them, and from the start.
+  first = jax.tree.leaves(states[-1].params)[0]
+  assert not np.allclose(jax.tree.leaves(states[-1].ema['params'])[0], first)
+
+
+def test_ema_moves_only_on_updates_when_accumulating():
+  task = _task(_config(batch_size=8, num_train_steps=4, **{
+      'ema.decay': 0.5, 'ema.warmup': False, 'optimizer.accumulate_steps': 2}))
+  states = _run(task, _batches(4, 8))
+  leaf = lambda state: np.asarray(jax.tree.leaves(state.ema['params'])[-1])
+  np.testing.assert_array_equal(leaf(states[0]), np.asarray(jax.tree.leaves(steps.init_state(task, 0).params)[-1]))
+  np.testing.assert_array_equal(leaf(states[2]), leaf(states[1]))
+  params = lambda state: np.asarray(jax.tree.leaves(state.params)[-1])
+  np.testing.assert_allclose(leaf(states[3]), 0.5 * leaf(states[1]) + 0.5 * params(states[3]), rtol=1e-6)
+
+
+def test_no_ema_keeps_the_state_as_before():
+  state = steps.init_state(_task(_config(batch_size=8, num_train_steps=2)), 0)
+  assert state.ema == {}
+
+
+# --- mixup / CutMix -------------------------------------------------------------------
+
+
+def _mix_config(**overrides):
+  config = defaults.get_config().augment
+  config.update_from_flattened_dict(overrides)
+  return config
+
+
+def _one_hot_batch(size=8, side=6, num_classes=4):
+  rng = np.random.default_rng(0)
+  images = jnp.asarray(rng.normal(size=(size, side, side, 3)).astype(np.float32))
+  labels = rng.integers(0, num_classes, size)
+  return images, jax.nn.one_hot(labels, num_classes)
+
+
+def test_mixup_blends_each_example_with_its_neighbour_and_its_labels_alike():
+  images, targets = _one_hot_batch()
+  mixed, mixed_targets = augment.mix_batch(jax.random.PRNGKey(3), images, targets, jnp.arange(8),
+                                           _mix_config(mixup_alpha=0.4))
+  np.testing.assert_allclose(mixed_targets.sum(-1), 1.0, rtol=1e-6)
+  partner = np.array([1, 0, 3, 2, 5, 4, 7, 6])
+  for i in range(8):
+    # The image is lam * own + (1 - lam) * partner's, with the lam its label mass gives.
+    lam = float(jnp.sum(mixed_targets[i] * targets[i]) if not np.array_equal(targets[i], targets[partner[i]])
+                else np.nan)
+    if np.isnan(lam):
+      continue
+    np.testing.assert_allclose(mixed[i], lam * images[i] + (1 - lam) * images[partner[i]], atol=1e-5)
+    assert 0.0 < lam < 1.0
+
+
+def test_cutmix_pastes_a_box_and_weighs_the_labels_by_the_area_kept():
+  images, targets = _one_hot_batch(side=10)
+  mixed, mixed_targets = augment.mix_batch(jax.random.PRNGKey(5), images, targets, jnp.arange(8),
+                                           _mix_config(cutmix_alpha=1.0))
+  np.testing.assert_allclose(mixed_targets.sum(-1), 1.0, rtol=1e-6)
+  partner = [1, 0, 3, 2, 5, 4, 7, 6]
+  boxes = 0
+  for i in range(8):
+    from_partner = np.all(np.asarray(mixed[i]) == np.asarray(images[partner[i]]), axis=-1)
+    from_self = np.all(np.asarray(mixed[i]) == np.asarray(images[i]), axis=-1)
+    assert np.all(from_partner | from_self)  # every pixel is one image's or the other's
+    kept = 1.0 - from_partner.mean()
+    expected = kept * targets[i] + (1 - kept) * targets[partner[i]]
+    np.testing.assert_allclose(mixed_targets[i], expected, atol=1e-6)
+    rows, cols = np.nonzero(from_partner)
+    if len(rows):  # a rectangle
+      boxes += 1
+      assert from_partner[rows.min():rows.max() + 1, cols.min():cols.max() + 1].all()
+  assert boxes >= 4
+
+
+def test_mixing_is_deterministic_per_example_and_off_by_probability():
+  images, targets = _one_hot_batch()
+  config = _mix_config(mixup_alpha=0.4, cutmix_alpha=1.0)
+  first = augment.mix_batch(jax.random.PRNGKey(1), images, targets, jnp.arange(8), config)
+  again = augment.mix_batch(jax.random.PRNGKey(1), images, targets, jnp.arange(8), config)
+  np.testing.assert_array_equal(first[0], again[0])
+  # Rows 2-3 of a batch seen as positions 2-3 of the global batch (one pmap shard) mix the same.
+  shard = augment.mix_batch(jax.random.PRNGKey(1), images[2:4], targets[2:4], jnp.arange(2, 4), config)
+  np.testing.assert_array_equal(shard[0], first[0][2:4])
+  np.testing.assert_array_equal(shard[1], first[1][2:4])
+  unmixed = augment.mix_batch(jax.random.PRNGKey(1), images, targets, jnp.arange(8),
+                              _mix_config(mixup_alpha=0.4, mix_prob=0.0))
+  np.testing.assert_array_equal(unmixed[0], images)
+  np.testing.assert_array_equal(unmixed[1], targets)
+
+
+def test_mixing_needs_an_even_batch():
+  with pytest.raises(ConfigError, match='batch_size=15 must be even with mixup/CutMix'):
+    config_lib.validate(_config(batch_size=15, **{'augment.mixup_alpha': 0.2}))
+  with pytest.raises(ConfigError, match='mix_prob=1.5 must be a probability'):
+    config_lib.validate(_config(**{'augment.mix_prob': 1.5}))
+
+
+# --- training with all of it; several eval splits; EMA for eval/predict ------------------
+
+
+def test_a_run_with_ema_mixing_accumulation_and_two_eval_splits(tmp_path):
+  config = _config(**{
+      'dataset.name': 'digits', 'dataset.train_split': 'train[:512]', 'dataset.eval_split': 'test',
+      'dataset.eval_splits': ('train[:100]',), 'batch_size': 32, 'num_train_steps': 16,
+      'optimizer.name': 'adam', 'optimizer.learning_rate': 3e-3, 'optimizer.accumulate_steps': 2,
+      'ema.decay': 0.9, 'augment.mixup_alpha': 0.2, 'augment.cutmix_alpha': 1.0,
+      'augment.policy': 'trivialaugment', 'eval_every_steps': 8, 'checkpoint_every_steps': 8,
+      'checkpoint.best_metric': 'eval_accuracy_ema'})
+  config_lib.validate(config)
+  workdir = str(tmp_path)
+  results = train.train_and_evaluate(config, workdir)
+  for name in ('eval_accuracy', 'eval_accuracy_ema', 'eval_loss_ema', 'eval_top5_accuracy_ema',
+               'eval_train_100_accuracy', 'eval_train_100_accuracy_ema', 'eval_train_100_loss'):
+    assert 0.0 <= results[name] <= (1.0 if 'accuracy' in name else 10.0), name
+  assert results['eval_accuracy_ema'] != results['eval_accuracy']
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  assert [row['step'] for row in rows if 'eval_train_100_accuracy' in row] == [8, 16]
+  # 8 updates of an effective batch of 64: the schedule is that of 8 updates.
+  saved = restore_checkpoint(workdir, 16)
+  assert int(saved['step']) == 16 and set(saved['ema']) == {'params', 'batch_stats'}
+
+  # --mode=eval with the EMA weights scores what training logged for them.
+  config.eval.ema = True
+  scored = evaluate.evaluate_checkpoint(config, workdir)
+  assert scored['eval_accuracy'] == pytest.approx(results['eval_accuracy_ema'], abs=1e-6)
+  assert scored['weights'] == 'ema'
+  with open(os.path.join(workdir, 'eval.json')) as f:
+    assert set(json.load(f)['splits']) == {'test:ema'}
+  config.eval.ema = False
+  raw = evaluate.evaluate_checkpoint(config, workdir)
+  assert raw['eval_accuracy'] == pytest.approx(results['eval_accuracy'], abs=1e-6)
+
+
+def test_eval_ema_of_a_run_without_ema_is_one_line(tmp_path):
+  config = _config(**{'dataset.name': 'digits', 'dataset.train_split': 'train[:64]', 'batch_size': 32,
+                      'num_train_steps': 2})
+  workdir = str(tmp_path)
+  train.train_and_evaluate(config, workdir)
+  config.eval.ema = True
+  with pytest.raises(Exception, match=r'config.eval.ema=True but the run in .* was trained without an EMA'):
+    evaluate.evaluate_checkpoint(config, workdir)
+
+
+def test_eval_split_names_and_a_bad_one():
+  assert evaluate.metric_prefix('train[:5000]', first=False) == 'eval_train_5000_'
+  assert evaluate.metric_prefix('test', first=True) == 'eval_'
+  with pytest.raises(ConfigError, match='eval_splits'):
+    config_lib.validate(_config(**{'dataset.eval_splits': ('',)}))
+  with pytest.raises(ConfigError, match='needs an EMA of the weights'):
+    config_lib.validate(_config(**{'checkpoint.best_metric': 'eval_accuracy_ema'}))
