@@ -45,6 +45,7 @@ class Task:
   ema_decay: float = 0.0  # 0: no EMA of the weights
   ema_warmup: bool = False
   accumulate_steps: int = 1  # batches per optimizer update
+  flip_tta: bool = False  # inference averages the logits of each image and its mirror
 
 
 def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
@@ -64,7 +65,7 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
               std=np.asarray(std, np.float32) if standardize else None,
               optimizer=optimizer, schedule=schedule, param_groups=optim.ParamGroups.from_config(config),
               ema_decay=config.ema.decay, ema_warmup=config.ema.warmup,
-              accumulate_steps=config.optimizer.accumulate_steps)
+              accumulate_steps=config.optimizer.accumulate_steps, flip_tta=config.eval.flip_tta)
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -198,10 +199,16 @@ def augmented_sample(task: Task, seed: int, step: int, images: np.ndarray) -> np
 
 
 def logits_fn(state: TrainState | ModelState, images, *, task: Task):
-  """Inference: uint8 images -> float32 logits (BatchNorm uses its running statistics)."""
+  """Inference: uint8 images -> float32 logits (BatchNorm uses its running statistics).
+
+  With `eval.flip_tta` the logits are the mean of the image's and its mirror's.
+  """
   images = augment.normalize(images, task.mean, task.std)
-  return task.model.apply({'params': state.params, 'batch_stats': state.batch_stats}, images,
-                          train=False)
+  apply = lambda x: task.model.apply({'params': state.params, 'batch_stats': state.batch_stats}, x,
+                                     train=False)
+  if task.flip_tta:
+    return 0.5 * (apply(images) + apply(images[:, :, ::-1]))
+  return apply(images)
 
 
 def eval_step(state: TrainState | ModelState, batch, *, task: Task, axis_name: Optional[str] = None):

@@ -4,14 +4,25 @@ import sys
 
 import pytest
 
-from configs import cifar10, cifar10_resnet, imagenet_resnet50, mnist, photos
+from configs import cifar10, cifar10_fast, cifar10_resnet, digits, imagenet_resnet50, mnist, photos
+from experiments import cifar10_fast_ablation
 from flaxtpu import config as config_lib
 from flaxtpu import defaults, models
 
 
-@pytest.mark.parametrize('recipe', [defaults, cifar10, cifar10_resnet, mnist, imagenet_resnet50])
+@pytest.mark.parametrize('recipe', [defaults, cifar10, cifar10_resnet, cifar10_fast, digits, mnist,
+                                    imagenet_resnet50])
 def test_recipes_are_valid(recipe):
   config_lib.validate(recipe.get_config())
+
+
+def test_every_run_of_the_fast_ablation_is_valid_and_differs_in_one_part():
+  runs = cifar10_fast_ablation.get_sweep()
+  assert runs[0] == {} and len(runs) == 7
+  for overrides in runs:
+    config = cifar10_fast_ablation.get_config()
+    config.update_from_flattened_dict(overrides)
+    config_lib.validate(config)
 
 
 def test_photos_recipe_needs_only_the_folder():

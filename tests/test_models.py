@@ -13,6 +13,8 @@ from flaxtpu.models import convnext, vit
 # Parameter counts at 10 classes (CIFAR family with projection shortcuts).
 EXPECTED_PARAMS = {
     'cnn': 20_042,  # == the Keras model's model.count_params()
+    'fastnet_s': 75_280,  # stem 432 + 32, blocks 4,672 + 13,952 + 55,552, head 640 (by hand)
+    'fastnet': 1_973_176,  # airbench94's widths: stem 696, blocks 50,944 + 738,304 + 1,180,672, head 2,560
     'resnet20': 272_474,
     'resnet32': 466_906,
     'resnet56': 855_770,
@@ -49,7 +51,22 @@ def test_output_shapes(name, shape, classes):
   logits = jax.eval_shape(lambda v: model.apply(v, jnp.zeros(shape), train=False), variables)
   assert logits.shape == (shape[0], classes)
   assert logits.dtype == jnp.float32
-  assert ('batch_stats' in variables) == name.startswith('resnet')
+  assert ('batch_stats' in variables) == name.startswith(('resnet', 'fastnet'))
+
+
+def test_fastnet_pools_to_a_few_pixels_and_scales_its_logits():
+  model = models.create('fastnet_s', num_classes=10)
+  variables = model.init(jax.random.PRNGKey(0), jnp.zeros((2, 28, 28, 3)), train=False)
+  shapes = {'/'.join(k.key for k in path): leaf.shape
+            for path, leaf in jax.tree_util.tree_leaves_with_path(variables['params'])}
+  assert shapes['block3/Conv_1/kernel'] == (3, 3, 64, 64) and shapes['head/kernel'] == (64, 10)
+  _, intermediates = model.apply(variables, jnp.ones((2, 28, 28, 3)), train=False,
+                                 capture_intermediates=lambda module, _: module.name == 'block3')
+  assert intermediates['intermediates']['block3']['__call__'][0].shape == (2, 3, 3, 64)  # 28 -> 14 -> 7 -> 3
+  unscaled = models.fastnet.FastNet(num_classes=10, stem_width=16, widths=(16, 32, 64), logit_scale=1.0)
+  images = jax.random.uniform(jax.random.PRNGKey(1), (2, 28, 28, 3))
+  np.testing.assert_allclose(model.apply(variables, images, train=False) * 9,
+                             unscaled.apply(variables, images, train=False), rtol=1e-5, atol=1e-6)
 
 
 def test_unknown_model_lists_valid_names():

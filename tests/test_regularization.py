@@ -250,3 +250,26 @@ def test_eval_split_names_and_a_bad_one():
     config_lib.validate(_config(**{'dataset.eval_splits': ('',)}))
   with pytest.raises(ConfigError, match='needs an EMA of the weights'):
     config_lib.validate(_config(**{'checkpoint.best_metric': 'eval_accuracy_ema'}))
+
+
+def test_flip_tta_averages_the_logits_of_each_image_and_its_mirror():
+  plain = _task(_config(batch_size=8, num_train_steps=2))
+  tta = _task(_config(batch_size=8, num_train_steps=2, **{'eval.flip_tta': True}))
+  state = steps.init_model(plain, 0)
+  images, _ = _batches(1, 8)[0]
+  expected = 0.5 * (steps.logits_fn(state, images, task=plain) + steps.logits_fn(state, images[:, :, ::-1], task=plain))
+  np.testing.assert_allclose(steps.logits_fn(state, images, task=tta), expected, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(expected, steps.logits_fn(state, images, task=plain), atol=1e-6)
+  symmetric = np.concatenate([images[:, :, :4], images[:, :, :4][:, :, ::-1]], axis=2)
+  np.testing.assert_allclose(steps.logits_fn(state, symmetric, task=tta),
+                             steps.logits_fn(state, symmetric, task=plain), rtol=1e-5, atol=1e-6)
+
+
+def test_the_mnist_recipe_learns_the_embedded_digits(tmp_path):
+  """configs/mnist.py's model, optimizer and schedule on the 8x8 digits (MNIST itself needs a download)."""
+  from configs import mnist
+  config = mnist.get_config()
+  config.update_from_flattened_dict({'dataset.name': 'digits', 'num_epochs': 15.0,
+                                     'augment.crop_padding': 1, 'compilation_cache_dir': 'none'})
+  results = train.train_and_evaluate(config, str(tmp_path))
+  assert results['eval_accuracy'] >= 0.93, results

@@ -15,10 +15,10 @@ from flaxtpu.errors import UserError
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  family: str  # 'cnn' | 'cifar_resnet' | 'imagenet_resnet' | 'vit' | 'convnext'
+  family: str  # 'cnn' | 'fastnet' | 'cifar_resnet' | 'imagenet_resnet' | 'vit' | 'convnext'
   stage_sizes: tuple[int, ...] = ()  # blocks per stage (ResNet, ConvNeXt); (depth,) for ViT
   bottleneck: bool = False
-  widths: tuple[int, ...] = ()  # channels per stage (ConvNeXt); (width,) for ViT
+  widths: tuple[int, ...] = ()  # channels per stage (ConvNeXt); (stem, block...) for FastNet; (width,) for ViT
   num_heads: int = 0  # ViT
   mlp_dim: int = 0  # ViT
   patch_size: int = 0  # the published patch (ViT) or stem stride (ConvNeXt); 0 = no patches
@@ -32,6 +32,8 @@ class Spec:
 
 _SPECS = {
     'cnn': Spec('cnn'),
+    'fastnet_s': Spec('fastnet', widths=(16, 16, 32, 64)),
+    'fastnet': Spec('fastnet', widths=(24, 64, 256, 256)),
     'resnet20': Spec('cifar_resnet', (3, 3, 3)),
     'resnet32': Spec('cifar_resnet', (5, 5, 5)),
     'resnet44': Spec('cifar_resnet', (7, 7, 7)),
@@ -91,7 +93,7 @@ def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 
   import flax.linen as nn
   import jax.numpy as jnp
 
-  from flaxtpu.models import cnn, convnext, resnet, vit
+  from flaxtpu.models import cnn, convnext, fastnet, resnet, vit
   spec = get_spec(name)
   if image_shape is not None:
     check_image_shape(name, image_shape, patch_size)
@@ -100,6 +102,9 @@ def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 
   dtype = jnp.dtype(dtype)
   if spec.family == 'cnn':
     return cnn.CNN(num_classes=num_classes, dtype=dtype, stage=wrap(cnn.ConvStage))
+  if spec.family == 'fastnet':
+    return fastnet.FastNet(num_classes=num_classes, stem_width=spec.widths[0], widths=spec.widths[1:],
+                           block=wrap(fastnet.ConvBlock), dtype=dtype, bn_axis_name=bn_axis_name)
   if spec.family == 'vit':
     return vit.ViT(num_classes=num_classes, patch_size=patch_size or spec.patch_size,
                    width=spec.widths[0], depth=spec.stage_sizes[0], num_heads=spec.num_heads,
