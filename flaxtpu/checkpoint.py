@@ -9,6 +9,7 @@ it when complete, so a step that is listed is a step that restores.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from typing import Any, Optional
@@ -167,7 +168,16 @@ class Checkpoints:
         raise CheckpointError(f'checkpoint {path} has {key}={record.get(key)!r} but the config '
                               f'gives {value!r}; use a matching config or another --workdir')
     try:
-      state = self._restore_state(path, step, abstract_state, partial)
+      try:
+        state = self._restore_state(path, step, abstract_state, partial)
+      except ValueError:
+        # A train state without an EMA reads only what it holds: checkpoints written before
+        # flaxtpu had an EMA restore, and so does a run that turns its EMA off.
+        if partial or getattr(abstract_state, 'ema', None) != {}:
+          raise
+        fields = {field.name: getattr(abstract_state, field.name)
+                  for field in dataclasses.fields(abstract_state) if field.name != 'ema'}
+        state = abstract_state.replace(**self._restore_state(path, step, fields, partial=True))
     except Exception as e:  # pylint: disable=broad-except
       # Only model and optimizer keys shape the saved arrays (an inference restore reads no optimizer).
       shaping = ('model.', 'ema.decay') if partial else ('model.', 'optimizer.', 'ema.decay')

@@ -273,3 +273,20 @@ def test_the_mnist_recipe_learns_the_embedded_digits(tmp_path):
                                      'augment.crop_padding': 1, 'compilation_cache_dir': 'none'})
   results = train.train_and_evaluate(config, str(tmp_path))
   assert results['eval_accuracy'] >= 0.93, results
+
+
+def test_a_run_can_turn_its_ema_off_but_not_on_when_resuming(tmp_path):
+  from flaxtpu.checkpoint import CheckpointError
+  base = {'dataset.name': 'digits', 'dataset.train_split': 'train[:256]', 'batch_size': 32,
+          'checkpoint_every_steps': 3, 'eval_every_steps': 100}
+  with_ema = str(tmp_path / 'with_ema')
+  train.train_and_evaluate(_config(**base, num_train_steps=3, **{'ema.decay': 0.9}), with_ema)
+  # Off: the saved EMA is left unread (as are checkpoints written before flaxtpu had one).
+  resumed = train.train_and_evaluate(_config(**base, num_train_steps=6), with_ema)
+  assert resumed['step'] == 6 and 'eval_accuracy_ema' not in resumed
+  assert restore_checkpoint(with_ema, 6)['ema'] == {}
+  # On: there is no average to continue from; the changed key is named.
+  without = str(tmp_path / 'without')
+  train.train_and_evaluate(_config(**base, num_train_steps=3), without)
+  with pytest.raises(CheckpointError, match=r'other settings \(ema.decay=0.0 -> 0.9\)'):
+    train.train_and_evaluate(_config(**base, num_train_steps=6, **{'ema.decay': 0.9}), without)
