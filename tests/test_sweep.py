@@ -209,7 +209,7 @@ def test_report_tables_and_plots_hold_each_runs_numbers(tmp_path, in_repo_root):
   numbers = {
       'optimizer.learning_rate=0.1,schedule.name=cosine': dict(
           step=40, eval_accuracy=0.8123456789, eval_loss=0.61234567, train_loss=0.4321,
-          train_images_per_sec=1234.5678, wall_time_s=61.25),
+          train_images_per_sec=1234.5678, wall_time_s=61.25, eval_accuracy_ema=0.83456),
       'optimizer.learning_rate=0.1,schedule.name=constant': dict(
           step=40, eval_accuracy=0.7012345, eval_loss=0.8, train_loss=0.5,
           train_images_per_sec=1200.0, wall_time_s=60.0),
@@ -248,7 +248,10 @@ def test_report_tables_and_plots_hold_each_runs_numbers(tmp_path, in_repo_root):
 
   markdown = (workdir / 'results.md').read_text()
   first_row = next(line for line in markdown.splitlines() if line.startswith('| 0.1 | cosine'))
-  assert first_row == '| 0.1 | cosine | 0.8123 | 0.8223 | 0.6123 | 0.4321 | 40 | 1235 | 61 | done |'
+  # A run with EMA weights adds their column, next to eval accuracy ('-' for runs without).
+  assert first_row == '| 0.1 | cosine | 0.8123 | 0.8346 | 0.8223 | 0.6123 | 0.4321 | 40 | 1235 | 61 | done |'
+  assert '| 0.2 | cosine | 0.7500 | - | ' in markdown
+  assert float(rows[0]['eval_accuracy_ema']) == 0.83456 and rows[1]['eval_accuracy_ema'] == ''
   assert f"- `{failed}`: error: model.name='x' is unknown" in markdown
 
   plots = sorted(path.name for path in (workdir / 'plots').iterdir())

@@ -18,6 +18,8 @@ PLOTS_DIR = 'plots'
 
 REPORT_COLUMNS = ('eval_accuracy', 'best_eval_accuracy', 'eval_loss', 'train_loss', 'step',
                   'train_images_per_sec', 'wall_time_s')
+# Shown after eval_accuracy when some run has them (EMA weights, more than 5 classes).
+OPTIONAL_COLUMNS = ('eval_accuracy_ema', 'eval_top5_accuracy')
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
@@ -57,7 +59,7 @@ def collect_results(workdir: str, runs: Sequence[Run],
         status = 'incomplete'
       error = recorded.get(run.name, {}).get('error', '')
     row = {'run': run.name, **base_values, **run.overrides}
-    row.update({column: results.get(column) for column in REPORT_COLUMNS})
+    row.update({column: results.get(column) for column in REPORT_COLUMNS + OPTIONAL_COLUMNS})
     row['best_eval_accuracy'] = max(eval_accuracies) if eval_accuracies else None
     row.update(status=status, error=error, _order=order)
     rows.append(row)
@@ -75,7 +77,7 @@ def _swept_keys(runs: Sequence[Run]) -> list[str]:
   return keys
 
 
-ROUNDED_COLUMNS = ('eval_accuracy', 'best_eval_accuracy', 'eval_loss', 'train_loss')
+ROUNDED_COLUMNS = ('eval_accuracy', 'best_eval_accuracy', 'eval_loss', 'train_loss') + OPTIONAL_COLUMNS
 
 
 def _markdown_cell(column: str, value: Any) -> str:
@@ -91,7 +93,9 @@ def _markdown_cell(column: str, value: Any) -> str:
 def write_tables(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, Any]], title: str) -> None:
   """DIR/results.csv (exact numbers) and DIR/results.md (rounded; failed runs' errors below the table)."""
   keys = _swept_keys(runs)
-  columns = ['run'] + keys + list(REPORT_COLUMNS) + ['status', 'error']
+  optional = [column for column in OPTIONAL_COLUMNS if any(row.get(column) is not None for row in rows)]
+  metrics = [REPORT_COLUMNS[0], *optional, *REPORT_COLUMNS[1:]]
+  columns = ['run'] + keys + metrics + ['status', 'error']
   with open(os.path.join(workdir, 'results.csv'), 'w', newline='') as f:
     writer = csv.writer(f)
     writer.writerow(columns)
@@ -101,8 +105,9 @@ def write_tables(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, 
                        for column in columns])
   headers = {'eval_accuracy': 'eval acc', 'best_eval_accuracy': 'best eval acc', 'eval_loss': 'eval loss',
              'train_loss': 'train loss', 'step': 'steps', 'train_images_per_sec': 'images/s',
-             'wall_time_s': 'wall s', 'status': 'status'}
-  table_columns = keys + list(REPORT_COLUMNS) + ['status']
+             'wall_time_s': 'wall s', 'status': 'status', 'eval_accuracy_ema': 'eval acc (EMA)',
+             'eval_top5_accuracy': 'eval top-5'}
+  table_columns = keys + metrics + ['status']
   lines = [f'# {title}', '', '| ' + ' | '.join(headers.get(c, c) for c in table_columns) + ' |',
            '|' + '|'.join('---' for _ in table_columns) + '|']
   for row in rows:
