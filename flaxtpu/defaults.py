@@ -65,7 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.patch_size = 0  # vit/convnext: patch side (convnext: stem stride); 0 = published, 16/4 (on 32x32: 4/2).
   config.model.pool = 'gap'  # vit: gap (mean of the tokens; big_vision's default) | tok (a class token, as in the paper).
   config.model.dropout = 0.0  # vit: dropout rate (after the embeddings, in the MLP, on each residual branch).
-  config.model.drop_path = 0.0  # vit/convnext: stochastic depth of the last block (0 at the first, linear between).
+  config.model.drop_path = 0.0  # vit/convnext/resnet: stochastic depth of the last block (0 at the first, linear between).
   config.dtype = 'float32'  # Compute dtype: float32 | bfloat16 (params, optimizer, BN stats stay float32).
 
   # --- optimization -----------------------------------------------------

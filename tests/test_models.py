@@ -169,6 +169,33 @@ def test_drop_path_grows_linearly_over_the_blocks():
   assert rates == pytest.approx({f'block{i + 1}': 0.05 * i for i in range(5)})
 
 
+def test_resnet_stochastic_depth_drops_branches_in_train_only_at_linear_rates():
+  model = models.create('resnet20', num_classes=10, drop_path=0.4)
+  params = _random_params(model)
+  stats = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), IMAGES, train=False))['batch_stats']
+  stats = jax.tree.map(lambda x: jnp.full(x.shape, 0.5, jnp.float32), stats)
+  variables = {'params': params, 'batch_stats': stats}
+  apply = jax.jit(lambda seed, train: model.apply(variables, IMAGES, train=train, mutable=['batch_stats'],
+                                                  rngs={'dropout': jax.random.PRNGKey(seed)})[0],
+                  static_argnums=1)
+  np.testing.assert_array_equal(apply(0, False), apply(1, False))
+  np.testing.assert_array_equal(apply(2, True), apply(2, True))
+  assert not np.allclose(apply(2, True), apply(3, True))
+  rates = {}
+
+  def record(next_fun, args, kwargs, context):
+    if context.module.name and context.module.name.startswith('stage') and context.method_name == '__call__':
+      rates[context.module.name] = context.module.drop_path
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), IMAGES, train=False))
+  names = [f'stage{s}_block{b}' for s in (1, 2, 3) for b in (1, 2, 3)]
+  assert rates == pytest.approx({name: 0.05 * i for i, name in enumerate(names)})
+  # Without it the parameter tree is the same: checkpoints load either way.
+  assert jax.tree.structure(params) == jax.tree.structure(_random_params(models.create('resnet20', num_classes=10)))
+
+
 @pytest.mark.parametrize('family, remat', [('vit', 'full'), ('convnext', 'dots_saveable')])
 def test_remat_gives_the_same_gradients(family, remat):
   block = {'vit': vit.EncoderBlock, 'convnext': convnext.ConvNeXtBlock}[family]
@@ -217,13 +244,14 @@ def test_patches_that_do_not_tile_the_image_name_the_key(name, patch_size, shape
 @pytest.mark.parametrize('overrides, message', [
     (dict(name='vit_b', patch_size=4, pool='tok', dropout=0.1, drop_path=0.1), None),
     (dict(name='convnext_t', patch_size=2, drop_path=0.1), None),
+    (dict(name='resnet50', drop_path=0.1), None),
     (dict(name='vit_ti', pool='cls'), "config.model.pool='cls' is not valid; choose one of: 'gap', 'tok'"),
     (dict(name='vit_ti', patch_size=-1), 'config.model.patch_size=-1 must be >= 0'),
     (dict(name='vit_ti', dropout=1.0), r'config.model.dropout=1.0 must be in \[0, 1\)'),
     (dict(name='convnext_t', drop_path=-0.1), r'config.model.drop_path=-0.1 must be in \[0, 1\)'),
-    (dict(name='resnet20', drop_path=0.1),
-     "config.model.drop_path=0.1 has no effect on model.name='resnet20'; leave it at 0.0 or pick a "
-     'model that takes it: vit_ti, vit_s, vit_b, convnext_t'),
+    (dict(name='fastnet', drop_path=0.1),
+     "config.model.drop_path=0.1 has no effect on model.name='fastnet'; leave it at 0.0 or pick a "
+     'model that takes it: resnet20, resnet32, '),
     (dict(name='cnn', patch_size=4), "config.model.patch_size=4 has no effect on model.name='cnn'"),
     (dict(name='convnext_t', pool='tok'), "config.model.pool='tok' has no effect on model.name='convnext_t'"),
     (dict(name='convnext_t', dropout=0.1), "config.model.dropout=0.1 has no effect"),

@@ -27,7 +27,8 @@ class Spec:
   def options(self) -> tuple[str, ...]:
     """The `create` options (config.model.* keys) this model reads; the others must keep their defaults."""
     return {'vit': ('patch_size', 'pool', 'dropout', 'drop_path'),
-            'convnext': ('patch_size', 'drop_path')}.get(self.family, ())
+            'convnext': ('patch_size', 'drop_path'),
+            'cifar_resnet': ('drop_path',), 'imagenet_resnet': ('drop_path',)}.get(self.family, ())
 
 
 _SPECS = {
@@ -117,4 +118,4 @@ def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 
   block = resnet.BottleneckBlock if spec.bottleneck else resnet.BasicBlock
   stem, width = ('cifar', 16) if spec.family == 'cifar_resnet' else ('imagenet', 64)
   return resnet.ResNet(stage_sizes=spec.stage_sizes, block=wrap(block), stem=stem, width=width,
-                       num_classes=num_classes, dtype=dtype, bn_axis_name=bn_axis_name)
+                       num_classes=num_classes, dtype=dtype, bn_axis_name=bn_axis_name, drop_path=drop_path)

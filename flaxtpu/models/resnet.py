@@ -2,7 +2,10 @@
 
 Both take any input size: the CIFAR stem is one 3x3 convolution; the ImageNet
 stem (7x7 stride 2 + max pool) also runs on 32x32 inputs, down to a 1x1 map.
-Projection shortcuts (1x1 conv + BN) wherever the shape changes.
+Projection shortcuts (1x1 conv + BN) wherever the shape changes. With
+`drop_path`, a block's residual branch is dropped per example (stochastic
+depth, Huang et al. 2016, as timm's ResNets do), at a rate growing linearly
+from 0 in the first block to `drop_path` in the last.
 """
 
 import functools
@@ -10,6 +13,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
+
+from flaxtpu.models.vit import stochastic_depth
 
 
 def batch_norm(train: bool, dtype: Any, axis_name: Optional[str]):
@@ -25,6 +30,7 @@ class Block(nn.Module):
   train: bool
   dtype: Any = jnp.float32
   bn_axis_name: Optional[str] = None
+  drop_path: float = 0.0  # probability of dropping the residual branch (stochastic depth)
 
   def layers(self):
     return (functools.partial(nn.Conv, use_bias=False, dtype=self.dtype),
@@ -41,7 +47,7 @@ class BasicBlock(Block):
     y = norm(scale_init=nn.initializers.zeros)(conv(self.features, (3, 3))(y))
     if x.shape != y.shape:
       x = norm()(conv(self.features, (1, 1), self.strides)(x))
-    return nn.relu(x + y)
+    return nn.relu(x + stochastic_depth(y, self.drop_path, self.train))
 
 
 class BottleneckBlock(Block):
@@ -55,7 +61,7 @@ class BottleneckBlock(Block):
     y = norm(scale_init=nn.initializers.zeros)(conv(self.features * 4, (1, 1))(y))
     if x.shape != y.shape:
       x = norm()(conv(self.features * 4, (1, 1), self.strides)(x))
-    return nn.relu(x + y)
+    return nn.relu(x + stochastic_depth(y, self.drop_path, self.train))
 
 
 class ResNet(nn.Module):
@@ -66,10 +72,12 @@ class ResNet(nn.Module):
   width: int = 64
   dtype: Any = jnp.float32
   bn_axis_name: Optional[str] = None
+  drop_path: float = 0.0  # the last block's rate; 0 in the first, linear in between
 
   @nn.compact
   def __call__(self, x, train: bool = True):
     norm = batch_norm(train, self.dtype, self.bn_axis_name)
+    total_blocks, block_index = sum(self.stage_sizes), 0
     x = x.astype(self.dtype)
     if self.stem == 'cifar':
       x = nn.relu(norm()(nn.Conv(self.width, (3, 3), use_bias=False, dtype=self.dtype)(x)))
@@ -82,6 +90,9 @@ class ResNet(nn.Module):
         strides = 2 if stage > 0 and index == 0 else 1
         # Explicit names: the same parameter tree with and without remat.
         x = self.block(self.width * 2**stage, strides, train, dtype=self.dtype,
-                       bn_axis_name=self.bn_axis_name, name=f'stage{stage + 1}_block{index + 1}')(x)
+                       bn_axis_name=self.bn_axis_name,
+                       drop_path=self.drop_path * block_index / max(total_blocks - 1, 1),
+                       name=f'stage{stage + 1}_block{index + 1}')(x)
+        block_index += 1
     x = jnp.mean(x, axis=(1, 2))
     return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
