@@ -31,7 +31,7 @@ def main() -> None:
       ('startup.py', []),
       ('checkpoint_cost.py', []),
       ('memory_plan.py', ['--cases', *cases]),
-  ):
+  ) + ((('conv_lowering.py', []),) if args.full else ()):
     if script == 'input_pipeline.py' and not os.environ.get('FLAXTPU_CIFAR10'):
       print('== benchmarks/input_pipeline.py skipped: set FLAXTPU_CIFAR10 to a CIFAR-10 image folder', flush=True)
       continue
