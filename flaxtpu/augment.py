@@ -14,8 +14,9 @@ import numpy as np
 
 from flaxtpu import randaugment
 
-# Streams folded into an example's key beyond the crop/flip/cutout split, so that turning
-# one of these on leaves the others' draws (and earlier runs' augmentation) unchanged.
+# Streams apart from the crop/flip/cutout draws, so that turning one of these on leaves the
+# others' draws (and earlier runs' augmentation) unchanged: the policy's is folded into an
+# example's key, the mix's into the step key (then each example's position into it).
 _POLICY_STREAM = 1
 _MIX_STREAM = 2**31 - 1
 

@@ -171,13 +171,9 @@ class Checkpoints:
       try:
         state = self._restore_state(path, step, abstract_state, partial)
       except ValueError:
-        # A train state without an EMA reads only what it holds: checkpoints written before
-        # flaxtpu had an EMA restore, and so does a run that turns its EMA off.
         if partial or getattr(abstract_state, 'ema', None) != {}:
           raise
-        fields = {field.name: getattr(abstract_state, field.name)
-                  for field in dataclasses.fields(abstract_state) if field.name != 'ema'}
-        state = abstract_state.replace(**self._restore_state(path, step, fields, partial=True))
+        state = self._restore_without_ema(path, step, abstract_state)
     except Exception as e:  # pylint: disable=broad-except
       # Only model and optimizer keys shape the saved arrays (an inference restore reads no optimizer).
       shaping = ('model.', 'ema.decay') if partial else ('model.', 'optimizer.', 'ema.decay')
@@ -227,16 +223,37 @@ class Checkpoints:
     raise CheckpointError(f'no complete checkpoint in {self.directory}; train first with the same '
                           '--workdir')
 
-  def array_shapes(self, step: int, collections: tuple[str, ...]) -> dict[str, dict[str, tuple]]:
-    """{collection: {'/'-joined array path: shape}} of the state saved at `step`, read from metadata only."""
+  def _metadata(self, step: int):
+    """The saved state's tree of array metadata (shapes, dtypes), read without the arrays."""
     path = os.path.join(self.directory, str(step), 'state')
     handler = ocp.PyTreeCheckpointHandler()
     try:
-      metadata = handler.metadata(epath.Path(path))
+      return handler.metadata(epath.Path(path))
     except Exception as e:  # pylint: disable=broad-except
       raise UnreadableCheckpoint(f'checkpoint {path} cannot be read ({_first_line(e)})') from e
     finally:
       handler.close()
+
+  def _restore_without_ema(self, path: str, step: int, abstract_state: Any) -> Any:
+    """A train state without an EMA from a checkpoint that differs from it in the EMA only.
+
+    Checkpoints written before flaxtpu had an EMA hold no `ema` field; a run
+    that turns its EMA off meets a saved one, which is read and dropped. Every
+    other field is restored strictly: any other difference still fails.
+    """
+    fields = {field.name: getattr(abstract_state, field.name) for field in dataclasses.fields(abstract_state)}
+    if 'ema' in self._metadata(step):
+      fields['ema'] = {'params': abstract_state.params, 'batch_stats': abstract_state.batch_stats}
+    else:
+      del fields['ema']
+    restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(fields)))['state']
+    restored['ema'] = {}
+    logging.info('checkpoint %s: its EMA (or its lack of one) is not used by this run', path)
+    return abstract_state.replace(**restored)
+
+  def array_shapes(self, step: int, collections: tuple[str, ...]) -> dict[str, dict[str, tuple]]:
+    """{collection: {'/'-joined array path: shape}} of the state saved at `step`, read from metadata only."""
+    metadata = self._metadata(step)
     shapes = {}
     for collection in collections:
       leaves = jax.tree_util.tree_leaves_with_path(metadata[collection]) if collection in metadata else []
@@ -277,18 +294,23 @@ def expected_record(config: ml_collections.ConfigDict, num_classes: int,
   return {'model': config.model.name, 'num_classes': num_classes, 'image_shape': list(image_shape)}
 
 
-def changed_keys(saved: dict, current: dict, prefix: str = '') -> list[str]:
+def changed_keys(saved: dict, current: dict, prefix: str = '', defaults: Optional[dict] = None) -> list[str]:
   """`key=old -> new` for every leaf that differs between two config dicts.
 
-  A key the saved config lacks (added to flaxtpu after it was written) is not a change.
+  A key the saved config lacks was added to flaxtpu after it was written: the
+  run had its default, so it is a change only where the current value differs
+  from the default.
   """
+  if defaults is None:
+    from flaxtpu import defaults as defaults_module  # pylint: disable=g-import-not-at-top
+    defaults = defaults_module.get_config().to_dict()
   changes = []
   for key in sorted(set(saved) | set(current)):
-    if key not in saved:
+    if key not in saved and key not in defaults:
       continue
-    old, new = saved.get(key), current.get(key)
+    old, new = saved.get(key, defaults.get(key)), current.get(key)
     if isinstance(old, dict) and isinstance(new, dict):
-      changes += changed_keys(old, new, f'{prefix}{key}.')
+      changes += changed_keys(old, new, f'{prefix}{key}.', defaults.get(key) or {})
     elif isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)):  # JSON keeps tuples as lists
       if list(old) != list(new):
         changes.append(f'{prefix}{key}={old!r} -> {new!r}')

@@ -100,6 +100,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _one_of('checkpoint.best_mode', config.checkpoint.best_mode, ('max', 'min'))
   _one_of('checkpoint.best_metric', config.checkpoint.best_metric,
           ('', 'eval_accuracy', 'eval_loss', 'eval_accuracy_ema', 'eval_loss_ema'))
+  if config.eval.ema and not config.ema.decay:
+    raise ConfigError('config.eval.ema=True needs an EMA of the weights (config.ema.decay > 0); set '
+                      '--config.eval.ema=false or --config.ema.decay=0.999')
   if config.checkpoint.best_metric.endswith('_ema') and not config.ema.decay:
     raise ConfigError(f'config.checkpoint.best_metric={config.checkpoint.best_metric!r} needs an EMA of the '
                       'weights; set --config.ema.decay (e.g. 0.999) or pick eval_accuracy')
@@ -108,6 +111,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f'config.dataset.eval_splits={config.dataset.eval_splits!r} must be a tuple of split '
                       "names, e.g. --config.dataset.eval_splits=\"('train[:5000]',)\"")
   _check_augment(config)
+  _check_eval_split_names(config.dataset.eval_split, config.dataset.eval_splits)
   if not 0.0 <= config.ema.decay < 1.0:
     raise ConfigError(f'config.ema.decay={config.ema.decay!r} must be in [0, 1) (0 = off; e.g. 0.999)')
   _positive('batch_size', config.batch_size)
@@ -142,6 +146,24 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if config[key] < 0:
       raise ConfigError(f'config.{key}={config[key]!r} must be >= 0')
   _check_fine_tuning(config)
+
+
+def eval_metric_prefix(split: str, first: bool) -> str:
+  """'eval_' for the first eval split; 'eval_train_5000_' for 'train[:5000]' among the others."""
+  return 'eval_' if first else 'eval_' + re.sub(r'[^\w]+', '_', split).strip('_') + '_'
+
+
+def _check_eval_split_names(first: str, others) -> None:
+  """The extra eval splits' metric names must differ from each other and from the first split's."""
+  seen = {}
+  for split in others:
+    prefix = eval_metric_prefix(split, first=False)
+    if prefix in seen or prefix.startswith(('eval_top5_', 'eval_loss_', 'eval_accuracy_')):
+      clash = f'with {seen[prefix]!r} ' if prefix in seen else ''
+      raise ConfigError(f'config.dataset.eval_splits entry {split!r} would log as {prefix}accuracy, which clashes '
+                        f'{clash}with another metric; list each split once, written so the names differ '
+                        "(e.g. 'train[:5000]', 'train[45000:]')")
+    seen[prefix] = split
 
 
 def _check_augment(config: ml_collections.ConfigDict) -> None:

@@ -85,11 +85,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.weight_decay = 0.0  # sgd/adam: L2 added to the gradient; adamw: decoupled. Never on biases or norm scales.
   config.optimizer.grad_clip_norm = 0.0  # Clip gradients to this global norm (0 = off).
   # Gradient accumulation: average the gradients of this many consecutive batches, then update once, as
-  # one batch of batch_size x accumulate_steps would. Steps, epochs and eval/checkpoint intervals count
-  # batches; the learning-rate schedule (warmup included) counts updates. The run ends on an update.
+  # one batch of batch_size x accumulate_steps would (BatchNorm aside: it normalises each batch by its own
+  # statistics). Steps, epochs and eval/checkpoint intervals count batches; the learning-rate schedule
+  # (warmup included) counts updates. The run ends on an update; a resumed run keeps its value.
   config.optimizer.accumulate_steps = 1
   # Patterns below are regexes searched in '/'-joined parameter paths ('stage1_block1/Conv_0/kernel'; the
-  # classifier is 'Dense_0' in cnn/resnet, 'head' in vit/convnext). On the command line: one pattern,
+  # classifier is 'Dense_0' in cnn/resnet, 'head' in fastnet/vit/convnext). On the command line: one pattern,
   # --config.optimizer.freeze='^stage1', or a tuple, --config.optimizer.freeze="('^stage1', '^stage2')".
   config.optimizer.freeze = ()  # Parameters that never change (no update, no optimizer state; their BatchNorm statistics stay too).
   config.optimizer.lr_multipliers = ()  # 'regex=factor' strings: those parameters learn at factor x the rate ('^stage1=0.1'; first match wins; 0 = freeze).
@@ -137,7 +138,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.eval = ml_collections.ConfigDict()
   config.eval.checkpoint = 'latest'  # --mode=eval/predict restores: latest | best | a step number.
-  config.eval.ema = False  # --mode=eval/predict/export (and the end-of-run report) use the EMA weights.
+  config.eval.ema = False  # --mode=eval/predict/export (and the end-of-run report) use the EMA weights; eval.checkpoint=best picks by checkpoint.best_metric, so pair it with eval_accuracy_ema.
   config.eval.flip_tta = False  # Every evaluation (and predict/export) averages the logits of each image and its mirror.
 
   config.predict = ml_collections.ConfigDict()

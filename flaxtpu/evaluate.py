@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 
 from flaxtpu import checkpoint, data, files, parallel, report, steps
-from flaxtpu.config import resolved_eval_batch_size
+from flaxtpu.config import eval_metric_prefix, resolved_eval_batch_size
 from flaxtpu.errors import UserError
 
 
@@ -31,11 +31,6 @@ def evaluate(placement: steps.Placement, state, dataset: data.Dataset,
   return result
 
 
-def metric_prefix(split: str, first: bool) -> str:
-  """'eval_' for the first eval split; 'eval_train_5000_' for 'train[:5000]' among the others."""
-  return 'eval_' if first else 'eval_' + re.sub(r'[^\w]+', '_', split).strip('_') + '_'
-
-
 def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str, data.Dataset]],
                     batch_size: int) -> dict[str, float]:
   """Every eval split, with the raw weights and (when the state has them) the EMA weights.
@@ -47,7 +42,7 @@ def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str
   views = [('', state)] + ([('_ema', steps.ema_view(state))] if getattr(state, 'ema', None) else [])
   results = {}
   for index, (split, dataset) in enumerate(eval_sets):
-    prefix = metric_prefix(split, first=index == 0)
+    prefix = eval_metric_prefix(split, first=index == 0)
     for suffix, weights in views:
       scores = evaluate(placement, weights, dataset, batch_size)
       count = scores.pop('num_examples')

@@ -19,6 +19,7 @@ import re
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from flax import traverse_util
 
@@ -129,8 +130,8 @@ def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: st
   merged = {collection: jax.tree_util.tree_map_with_path(
       lambda keys, leaf, c=collection: loaded.get(f'{c}/{optim.path_name(keys)}', leaf),
       getattr(fresh, collection)) for collection in COLLECTIONS}
-  if fresh.ema:  # the average starts at the loaded weights, not at the seed's
-    merged['ema'] = {'params': merged['params'], 'batch_stats': merged['batch_stats']}
+  if fresh.ema:  # the average starts at the loaded weights (copies: the train step donates both)
+    merged['ema'] = jax.tree.map(jnp.copy, {'params': merged['params'], 'batch_stats': merged['batch_stats']})
   state = placement.from_saveable(fresh.replace(**merged))
 
   counts = {collection: f'{len(load[collection])} of {len(target[collection])}' for collection in COLLECTIONS}

@@ -25,7 +25,8 @@ def learning_rate_schedule(config: ml_collections.ConfigDict, length: RunLength)
   """
   peak = config.optimizer.learning_rate
   total = length.total_updates
-  warmup = min(length.warmup_steps // length.accumulate_steps, total - 1)
+  warmup = length.warmup_steps // length.accumulate_steps
+  warmup = min(max(warmup, 1) if length.warmup_steps else 0, total - 1)  # a warmup asked for is never lost
   final = peak * config.schedule.final_lr_fraction
   name = config.schedule.name
   if name == 'onecycle':

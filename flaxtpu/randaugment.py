@@ -11,14 +11,17 @@ pipeline: the host stays a plain uint8 loader, and the result is deterministic
 per (seed, step, example). `apply` takes one image and its own key, and the
 caller vmaps it over the batch with keys folded from (step key, position in the
 global batch), so each example depends only on its own key and image: the
-batch is the same bit for bit under one device, `jit` sharding or `pmap`.
+batch is the same under one device, `jit` sharding or `pmap` (bit for bit, but
+for the rare Rotate tie below).
 
 Bit-exact across compilations: float32 blends truncated to uint8 came out one
 apart between eager and jit(vmap) runs of the same example (XLA compiles the
 arithmetic differently), so the ops work in exact arithmetic instead: op levels
 are snapped to multiples of 1/4096 (at most 1/8192 of the op's unit away),
 blends, grayscale and smoothing are integer fixed-point, and warp sample points
-are snapped to 1/256 pixel before rounding.
+are snapped to 1/256 pixel before rounding. Shear and translate are then exact;
+Rotate's cos/sin can still differ in the last bit between compilations, which
+the snapping turns into a different pixel only in rare exact-tie cases.
 
 Choices (documented differences from torchvision):
   * Geometric ops fill the area outside the source image with FILL = 128 (mid

@@ -152,7 +152,8 @@ def _dropout_key(step_key: jax.Array, axis_name: Optional[str]) -> jax.Array:
 
 
 def train_step(state: TrainState, batch, *, task: Task, axis_name: Optional[str] = None):
-  """One optimizer step on a batch of (uint8 images, labels) -> (new state, clu metrics).
+  """One batch of (uint8 images, labels) -> (new state, clu metrics): an optimizer update, or
+  one of `optimizer.accumulate_steps` batches whose mean gradient makes one.
 
   `axis_name` is None under jit (XLA sees the global batch); under pmap it
   names the device axis that gradients and metrics are averaged over.
@@ -191,7 +192,8 @@ def train_step(state: TrainState, batch, *, task: Task, axis_name: Optional[str]
 
 
 def augmented_sample(task: Task, seed: int, step: int, images: np.ndarray) -> np.ndarray:
-  """The first images of step `step`'s batch as its train step augments them (for TensorBoard)."""
+  """The first images of step `step`'s batch as its train step augments them, before mixup/CutMix
+  (for TensorBoard)."""
   _, data_key = jax.random.split(jax.random.PRNGKey(seed))  # TrainState.rng, as init_state draws it
   key = jax.random.fold_in(data_key, step)
   return np.asarray(augment.augment_batch(key, jnp.asarray(images), jnp.arange(len(images)),
@@ -283,7 +285,7 @@ def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict
   """
   parallel.check_batch_size('batch_size', config.batch_size)
   parallel.check_batch_size('eval_batch_size', resolved_eval_batch_size(config))
-  if augment.mixes(config.augment) and config.parallelism == 'pmap' and (
+  if task.optimizer and augment.mixes(config.augment) and config.parallelism == 'pmap' and (
       config.batch_size // jax.device_count()) % 2:
     per_device = config.batch_size // jax.device_count()
     raise UserError(f'config.batch_size={config.batch_size} gives {per_device} examples per device, and pmap '

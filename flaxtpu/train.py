@@ -244,6 +244,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
     latest, saved, record = checkpoints.restore_newest_readable(
         placement.abstract_state, config=config, set_aside=True,
         expected=checkpoint.expected_record(config, task.num_classes, task.image_shape))
+    saved_accumulation = record.get('config', {}).get('optimizer', {}).get('accumulate_steps', 1)
+    if saved_accumulation != config.optimizer.accumulate_steps:
+      # Same arrays, other meaning: the optimizer's update count and the schedule assume the old k.
+      raise checkpoint.CheckpointError(
+          f'checkpoint step {latest} in {checkpoints.directory} was trained with optimizer.accumulate_steps='
+          f'{saved_accumulation}, and its optimizer state counts updates of that many batches; resume with '
+          f'--config.optimizer.accumulate_steps={saved_accumulation} or use another --workdir')
     state, first_step, progress = placement.from_saveable(saved), latest, record.get('progress', {})
     logging.info('resuming from step %d (%s)', latest, os.path.join(checkpoints.directory,
                                                                     str(latest)))

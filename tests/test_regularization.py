@@ -244,8 +244,15 @@ def test_eval_ema_of_a_run_without_ema_is_one_line(tmp_path):
 
 
 def test_eval_split_names_and_a_bad_one():
-  assert evaluate.metric_prefix('train[:5000]', first=False) == 'eval_train_5000_'
-  assert evaluate.metric_prefix('test', first=True) == 'eval_'
+  assert config_lib.eval_metric_prefix('train[:5000]', first=False) == 'eval_train_5000_'
+  assert config_lib.eval_metric_prefix('test', first=True) == 'eval_'
+  with pytest.raises(ConfigError, match=r"entry 'train\[50%:\]' would log as eval_train_50_accuracy, which clashes "
+                                        r"with 'train\[:50%\]'"):
+    config_lib.validate(_config(**{'dataset.eval_splits': ('train[:50%]', 'train[50%:]')}))
+  with pytest.raises(ConfigError, match='clashes with another metric'):
+    config_lib.validate(_config(**{'dataset.eval_splits': ('top5',)}))
+  with pytest.raises(ConfigError, match=r'config.eval.ema=True needs an EMA of the weights'):
+    config_lib.validate(_config(**{'eval.ema': True}))
   with pytest.raises(ConfigError, match='eval_splits'):
     config_lib.validate(_config(**{'dataset.eval_splits': ('',)}))
   with pytest.raises(ConfigError, match='needs an EMA of the weights'):
@@ -290,3 +297,53 @@ def test_a_run_can_turn_its_ema_off_but_not_on_when_resuming(tmp_path):
   train.train_and_evaluate(_config(**base, num_train_steps=3), without)
   with pytest.raises(CheckpointError, match=r'other settings \(ema.decay=0.0 -> 0.9\)'):
     train.train_and_evaluate(_config(**base, num_train_steps=6, **{'ema.decay': 0.9}), without)
+
+
+def test_fine_tuning_with_ema_starts_the_average_at_the_loaded_weights(tmp_path):
+  base = {'dataset.name': 'digits', 'dataset.train_split': 'train[:256]', 'batch_size': 32,
+          'eval_every_steps': 100}
+  source = str(tmp_path / 'source')
+  train.train_and_evaluate(_config(**base, num_train_steps=3), source)
+  tuned = str(tmp_path / 'tuned')
+  # One step at a zero learning rate: the weights stay the loaded ones, and so must their average.
+  config = _config(**base, num_train_steps=1, **{'init_from.checkpoint': source, 'ema.decay': 0.9,
+                                                 'optimizer.freeze': ('.',)})
+  results = train.train_and_evaluate(config, tuned)
+  loaded, saved = restore_checkpoint(source, 3), restore_checkpoint(tuned, 1)
+  for x, y in zip(jax.tree.leaves(loaded['params']), jax.tree.leaves(saved['ema']['params'])):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+  assert results['eval_accuracy_ema'] == pytest.approx(results['eval_accuracy'])
+
+
+def test_resuming_with_another_accumulation_is_one_line(tmp_path):
+  from flaxtpu.checkpoint import CheckpointError
+  base = {'dataset.name': 'digits', 'dataset.train_split': 'train[:256]', 'batch_size': 32,
+          'eval_every_steps': 100, 'checkpoint_every_steps': 2}
+  workdir = str(tmp_path)
+  train.train_and_evaluate(_config(**base, num_train_steps=2, **{'optimizer.accumulate_steps': 2}), workdir)
+  with pytest.raises(CheckpointError, match=r'was trained with optimizer.accumulate_steps=2.*resume with '
+                                            r'--config.optimizer.accumulate_steps=2'):
+    train.train_and_evaluate(_config(**base, num_train_steps=8, **{'optimizer.accumulate_steps': 4}), workdir)
+
+
+def test_a_checkpoint_written_before_the_ema_existed_resumes(tmp_path):
+  from flaxtpu import checkpoint
+  config = _config(**{'dataset.name': 'digits', 'dataset.train_split': 'train[:256]', 'batch_size': 32,
+                      'eval_every_steps': 100, 'num_train_steps': 2})
+  new = str(tmp_path / 'new')
+  train.train_and_evaluate(config, new)
+  # The same state as the code before the EMA saved it: no `ema` field at all.
+  state = restore_checkpoint(new, 2)
+  del state['ema']
+  record = checkpoint.Checkpoints(new, config, read_only=True).read_record(2)
+  old = str(tmp_path / 'old')
+  writer = checkpoint.Checkpoints(old, config)
+  writer.save(2, state, record)
+  writer.wait()
+  writer.close()
+  config.num_train_steps = 4
+  assert train.train_and_evaluate(config, old)['step'] == 4
+  # Turning the EMA on for it names the key, as for any run without one.
+  config.ema.decay, config.num_train_steps = 0.9, 6
+  with pytest.raises(checkpoint.CheckpointError, match=r'other settings \(ema.decay=0.0 -> 0.9\)'):
+    train.train_and_evaluate(config, old)

@@ -68,9 +68,15 @@ def remat_policy(name: str):
 
 
 def check_image_shape(name: str, image_shape: tuple[int, ...], patch_size: int = 0) -> None:
-  """Raises UserError naming config.model.patch_size when the patches do not tile the images."""
-  patch = patch_size or get_spec(name).patch_size
+  """Raises UserError naming config.model.patch_size when the patches do not tile the images,
+  or config.dataset.image_size when the images are too small for the model's pooling."""
+  spec = get_spec(name)
+  patch = patch_size or spec.patch_size
   height, width = image_shape[:2]
+  smallest = 2 ** (len(spec.widths) - 1) if spec.family == 'fastnet' else 1  # each block halves the side
+  if min(height, width) < smallest:
+    raise UserError(f'{name} pools {height}x{width} images to nothing: it needs at least {smallest}x{smallest}; '
+                    f'set --config.dataset.image_size={smallest} (or larger) or pick another model')
   if patch and (height % patch or width % patch):
     divisors = [d for d in range(1, min(height, width) + 1) if height % d == 0 and width % d == 0]
     shown = f'{patch_size}' if patch_size else f'0 (= {patch}, the published size for {name})'
