@@ -63,7 +63,7 @@ def augment_image(key: jax.Array, image: jax.Array, config: ml_collections.Confi
     image = random_crop(crop_key, image, config.crop_padding)
   if config.flip:
     image = random_flip(flip_key, image)
-  if config.policy:
+  if config.get('policy'):
     image = randaugment.apply(jax.random.fold_in(key, _POLICY_STREAM), image, policy=config.policy,
                               num_layers=config.randaugment_layers,
                               magnitude=config.randaugment_magnitude)
@@ -75,14 +75,14 @@ def augment_image(key: jax.Array, image: jax.Array, config: ml_collections.Confi
 def augment_batch(key: jax.Array, images: jax.Array, positions: jax.Array,
                   config: ml_collections.ConfigDict) -> jax.Array:
   """Augments each image with a key from `key` and its global batch position."""
-  if not (config.crop_padding or config.flip or config.cutout or config.policy):
+  if not (config.crop_padding or config.flip or config.cutout or config.get('policy')):
     return images
   keys = jax.vmap(lambda position: jax.random.fold_in(key, position))(positions)
   return jax.vmap(lambda k, image: augment_image(k, image, config))(keys, images)
 
 
 def mixes(config: ml_collections.ConfigDict) -> bool:
-  return bool(config.mixup_alpha or config.cutmix_alpha)
+  return bool(config.get('mixup_alpha') or config.get('cutmix_alpha'))
 
 
 def partner(x: jax.Array) -> jax.Array:

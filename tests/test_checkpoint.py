@@ -177,7 +177,7 @@ def test_sigterm_while_compiling_or_in_the_final_eval_leaves_a_resumable_workdir
     assert train.train_and_evaluate(config, workdir) == {'stopped_at_step': 1}
     assert _complete_steps(workdir) == [1]
   else:  # the last step's eval runs, then the final checkpoint and results are written
-    _signal_when(monkeypatch, train, 'evaluate')
+    _signal_when(monkeypatch, train, 'evaluate_splits')
     results = train.train_and_evaluate(config, workdir)
     assert results['step'] == 6 and _complete_steps(workdir)[-1] == 6
   monkeypatch.undo()

@@ -70,7 +70,7 @@ def test_fastnet_pools_to_a_few_pixels_and_scales_its_logits():
 
 
 def test_unknown_model_lists_valid_names():
-  with pytest.raises(UserError, match="unknown model 'vgg16'; choose one of: cnn, resnet20"):
+  with pytest.raises(UserError, match="unknown model 'vgg16'; choose one of: cnn, fastnet_s, fastnet, resnet20"):
     models.create('vgg16', num_classes=10)
 
 
@@ -272,7 +272,7 @@ def test_train_step_dropout_is_a_function_of_seed_and_step():
                     augment=defaults.get_config().augment, label_smoothing=0.0, mean=None, std=None,
                     optimizer=optax.sgd(0.1))
   params = _random_params(task.model)
-  state = steps.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats={},
+  state = steps.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats={}, ema={},
                            opt_state=task.optimizer.init(params), rng=jax.random.PRNGKey(0))
   batch = (jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 16, 16, 3)), jnp.uint8), LABELS)
   loss = jax.jit(lambda state: steps.train_step(state, batch, task=task)[1].loss.total)
