@@ -285,9 +285,8 @@ def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict
   """
   parallel.check_batch_size('batch_size', config.batch_size)
   parallel.check_batch_size('eval_batch_size', resolved_eval_batch_size(config))
-  if task.optimizer and augment.mixes(config.augment) and config.parallelism == 'pmap' and (
-      config.batch_size // jax.device_count()) % 2:
-    per_device = config.batch_size // jax.device_count()
+  per_device = config.batch_size // jax.device_count()
+  if task.optimizer and augment.mixes(config.augment) and config.parallelism == 'pmap' and per_device % 2:
     raise UserError(f'config.batch_size={config.batch_size} gives {per_device} examples per device, and pmap '
                     'mixes (mixup/CutMix) pairs on one device: use a multiple of '
                     f'{2 * jax.device_count()} or parallelism=jit')
