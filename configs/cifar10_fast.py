@@ -1,14 +1,19 @@
-"""The fastest route to a high CIFAR-10 accuracy here: airbench's recipe shape (Jordan 2024) in flaxtpu.
+"""The fastest route to a high CIFAR-10 accuracy here: airbench94's recipe (Jordan 2024) in flaxtpu.
 
     python -m flaxtpu.main --config=configs/cifar10_fast.py --workdir=runs/cifar10_fast
     python -m flaxtpu.sweep experiments/cifar10_fast_ablation.py --workdir=runs/sweeps/fast  # what each part adds
 
-FastNet (widths 64/256/256, global max pool, logits / 9), large batches, SGD
-with Nesterov momentum on a one-cycle schedule, label smoothing 0.2, 2-pixel
-translations and flips, an EMA of the weights, and flip test-time
-augmentation. airbench94 reaches 94% in ~10 epochs on an A100 with a frozen
-whitening stem, BatchNorm-bias learning-rate scaling and Lookahead, which
-flaxtpu leaves out (see experiments/README.md for what was measured here).
+airbench94's network (`fastnet_whiten`: a frozen 2x2 whitening stem fitted to
+the train images, widths 64/256/256, BatchNorm without scale, partial
+identity initialisation, global max pool, logits / 9) and its optimizer, its
+hyperparameters converted to a mean loss: batch 1024, SGD with Nesterov
+momentum 0.85 at 1.5, L2 weight decay 1.33e-3 on kernels, a linear warmup
+over the first 20% to a linear decay to 7%; label smoothing 0.2; 2-pixel
+translations and flips; flip test-time augmentation; 7 epochs (airbench: 9.9)
+to fit an hour of a 2-core CPU. Left out: Lookahead, the 64x learning rate of
+the biases (it needs airbench's weight decay on biases: without it, 57.5% vs
+66.1% after one epoch here), the whitening bias' early freeze, alternating
+flips and multi-crop TTA.
 """
 
 from flaxtpu import defaults
@@ -20,20 +25,20 @@ def get_config():
   config.dataset.normalize = 'standardize'
   config.augment.crop_padding = 2
   config.augment.flip = True
-  config.model.name = 'fastnet'
-  config.batch_size = 512
-  config.num_epochs = 10.0
+  config.model.name = 'fastnet_whiten'
+  config.batch_size = 1024
+  config.num_epochs = 7.0  # ~55 minutes on 2 CPU cores
   config.optimizer.name = 'sgd'
-  config.optimizer.learning_rate = 0.4
-  config.optimizer.momentum = 0.9
+  config.optimizer.learning_rate = 1.5
+  config.optimizer.momentum = 0.85
   config.optimizer.nesterov = True
-  config.optimizer.weight_decay = 5e-4
-  config.schedule.name = 'onecycle'
-  config.schedule.warmup_epochs = 2.0
+  config.optimizer.weight_decay = 1.33e-3
+  config.optimizer.freeze = ('^stem/kernel$',)  # the whitening stays what the data made it
+  config.schedule.name = 'linear'
+  config.schedule.warmup_epochs = 1.4  # 20% of the run
+  config.schedule.final_lr_fraction = 0.07
   config.label_smoothing = 0.2
-  config.ema.decay = 0.99
-  config.checkpoint.best_metric = 'eval_accuracy_ema'
   config.eval.flip_tta = True
-  config.eval.ema = True  # the end-of-run report scores the EMA weights
-  config.log_every_steps = 20
+  config.eval_every_steps = 96  # ~2 epochs: each evaluation costs ~40 s of a 2-core CPU
+  config.log_every_steps = 10
   return config

@@ -246,14 +246,24 @@ def _statistics(dataset: Dataset) -> tuple[np.ndarray, np.ndarray]:
     pixels = train.images.reshape(-1, train.images.shape[-1])
     pixels = pixels[:: max(1, len(pixels) // 2_000_000)].astype(np.float32) / 255.0
   else:
-    sample = np.linspace(0, len(train) - 1, min(len(train), STATISTICS_SAMPLE)).astype(int)
-    loader = _EvalLoader(train, dataset.transform, dataset.skip_corrupt)
-    images = [image for image, _ in workers.run(loader.example, sample, dataset.workers, buffer=64,
-                                                min_items_per_worker=500)]
-    if failures := [image for image in images if isinstance(image, _Failure)]:
-      raise DataError(failures[0].message)
+    images = train_sample(dataset, STATISTICS_SAMPLE)
     pixels = np.concatenate([i.reshape(-1, i.shape[-1]) for i in images]).astype(np.float32) / 255.0
   return pixels.mean(axis=0), pixels.std(axis=0) + 1e-6
+
+
+def train_sample(dataset: Dataset, count: int) -> list[np.ndarray] | np.ndarray:
+  """`count` train images spread evenly over the split, as evaluation shows them (uint8 [H, W, C] each).
+
+  The same on every host and in every run: the images at fixed positions, no randomness.
+  """
+  train = dataset.train
+  positions = np.linspace(0, len(train) - 1, min(len(train), count)).astype(int)
+  loader = _EvalLoader(train, dataset.transform, dataset.skip_corrupt)
+  images = [image for image, _ in workers.run(loader.example, positions, dataset.workers, buffer=64,
+                                              min_items_per_worker=500)]
+  if failures := [image for image in images if isinstance(image, _Failure)]:
+    raise DataError(failures[0].message)
+  return images
 
 
 # --- batches ------------------------------------------------------------------------------

@@ -90,8 +90,30 @@ def init_model(task: Task, seed: int) -> ModelState:
   return ModelState(params=variables['params'], batch_stats=variables.get('batch_stats', {}))
 
 
-def init_state(task: Task, seed: int) -> TrainState:
+DATA_FIT_IMAGES = 5_000  # train images that a data-fitted layer (the whitening stem) is estimated from
+
+
+def fits_to_data(task: Task) -> bool:
+  """Whether a fresh run sets some parameters from training images before step 1 (`fit_to_data`)."""
+  return bool(getattr(task.model, 'whiten', False))
+
+
+def fit_to_data(task: Task, images: np.ndarray) -> dict[str, np.ndarray]:
+  """{parameter name: value} fitted to uint8 train `images` [N, H, W, C]: the whitening stem's kernel.
+
+  The images are normalised as the train step normalises them (augmentation aside).
+  """
+  from flaxtpu.models import fastnet  # pylint: disable=g-import-not-at-top
+  pixels = np.asarray(augment.normalize(jnp.asarray(images), task.mean, task.std))
+  return {'stem/kernel': fastnet.whitening_kernel(pixels)}
+
+
+def init_state(task: Task, seed: int, fitted: Optional[dict] = None) -> TrainState:
+  """A fresh state; `fitted` ({parameter name: value}, from `fit_to_data`) replaces initial values."""
   model = init_model(task, seed)
+  if fitted:
+    model = model.replace(params=jax.tree_util.tree_map_with_path(
+        lambda path, leaf: fitted.get(optim.path_name(path), leaf), model.params))
   _, data_key = jax.random.split(jax.random.PRNGKey(seed))
   ema = {'params': model.params, 'batch_stats': model.batch_stats} if task.ema_decay else {}
   return TrainState(step=jnp.zeros((), jnp.int32), params=model.params,
@@ -328,10 +350,10 @@ def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict
       to_host_metrics=lambda collection: collection.unreplicate())
 
 
-def create_state(task: Task, placement: Placement, seed: int) -> TrainState:
+def create_state(task: Task, placement: Placement, seed: int, fitted: Optional[dict] = None) -> TrainState:
   """Initialises the state straight into its shardings: no full copy on one device first."""
   state = jax.jit(functools.partial(init_state, task), static_argnums=0,
-                  out_shardings=placement.state_shardings)(seed)
+                  out_shardings=placement.state_shardings)(seed, fitted)
   return placement.from_saveable(state)
 
 

@@ -236,8 +236,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   if task.param_groups:  # a pattern that matches nothing is a typo: stop before any work
     logging.info('optimizer: %s', optim.describe_groups(task.param_groups.check(
         placement.abstract_state.params)))
-  state = steps.create_state(task, placement, config.seed)
   checkpoints = checkpoint.Checkpoints(workdir, config)
+  fitted = None  # parameters set from the train images (a whitening stem): fresh runs only
+  if checkpoints.latest_step() is None and steps.fits_to_data(task):
+    sample = np.stack(data.train_sample(dataset, steps.DATA_FIT_IMAGES))
+    fitted = steps.fit_to_data(task, sample)
+    logging.info('fitted %s to %d train images', ', '.join(fitted), len(sample))
+  state = steps.create_state(task, placement, config.seed, fitted)
   first_step, window, progress = 0, [], {}  # window: per-step train metrics since the last log line
   initialised_from = None  # what init_from loaded, kept in every checkpoint record of the run
   if checkpoints.latest_step() is not None:

@@ -15,6 +15,7 @@ EXPECTED_PARAMS = {
     'cnn': 20_042,  # == the Keras model's model.count_params()
     'fastnet_s': 75_280,  # stem 432 + 32, blocks 4,672 + 13,952 + 55,552, head 640 (by hand)
     'fastnet': 1_973_176,  # airbench94's widths: stem 696, blocks 50,944 + 738,304 + 1,180,672, head 2,560
+    'fastnet_whiten': 1_971_640,  # whitening stem 288 + 24, blocks (no BN scale) 50,816 + 737,792 + 1,180,160, head 2,560
     'resnet20': 272_474,
     'resnet32': 466_906,
     'resnet56': 855_770,

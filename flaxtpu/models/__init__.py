@@ -22,6 +22,7 @@ class Spec:
   num_heads: int = 0  # ViT
   mlp_dim: int = 0  # ViT
   patch_size: int = 0  # the published patch (ViT) or stem stride (ConvNeXt); 0 = no patches
+  whiten: bool = False  # FastNet: airbench94's data-fitted whitening stem and initialisation
 
   @property
   def options(self) -> tuple[str, ...]:
@@ -35,6 +36,7 @@ _SPECS = {
     'cnn': Spec('cnn'),
     'fastnet_s': Spec('fastnet', widths=(16, 16, 32, 64)),
     'fastnet': Spec('fastnet', widths=(24, 64, 256, 256)),
+    'fastnet_whiten': Spec('fastnet', widths=(24, 64, 256, 256), whiten=True),
     'resnet20': Spec('cifar_resnet', (3, 3, 3)),
     'resnet32': Spec('cifar_resnet', (5, 5, 5)),
     'resnet44': Spec('cifar_resnet', (7, 7, 7)),
@@ -73,7 +75,8 @@ def check_image_shape(name: str, image_shape: tuple[int, ...], patch_size: int =
   spec = get_spec(name)
   patch = patch_size or spec.patch_size
   height, width = image_shape[:2]
-  smallest = 2 ** (len(spec.widths) - 1) if spec.family == 'fastnet' else 1  # each block halves the side
+  # Each FastNet block halves the side; the whitening stem's unpadded 2x2 kernel takes one pixel.
+  smallest = 2 ** (len(spec.widths) - 1) + spec.whiten if spec.family == 'fastnet' else 1
   if min(height, width) < smallest:
     raise UserError(f'{name} pools {height}x{width} images to nothing: it needs at least {smallest}x{smallest}; '
                     f'set --config.dataset.image_size={smallest} (or larger) or pick another model')
@@ -111,7 +114,8 @@ def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 
     return cnn.CNN(num_classes=num_classes, dtype=dtype, stage=wrap(cnn.ConvStage))
   if spec.family == 'fastnet':
     return fastnet.FastNet(num_classes=num_classes, stem_width=spec.widths[0], widths=spec.widths[1:],
-                           block=wrap(fastnet.ConvBlock), dtype=dtype, bn_axis_name=bn_axis_name)
+                           block=wrap(fastnet.ConvBlock), dtype=dtype, bn_axis_name=bn_axis_name,
+                           whiten=spec.whiten)
   if spec.family == 'vit':
     return vit.ViT(num_classes=num_classes, patch_size=patch_size or spec.patch_size,
                    width=spec.widths[0], depth=spec.stage_sizes[0], num_heads=spec.num_heads,

@@ -6,19 +6,69 @@
 
 Three pooling blocks take 32x32 (or 28x28) images to 4x4 (3x3). Few, wide,
 plain layers do more per FLOP on any hardware than deep residual stacks at
-this size: `fastnet` (widths 64/256/256, airbench94's) is the cifar10_fast
-recipe's model, `fastnet_s` (16/32/64) the MNIST recipe's. Differences from
-airbench: the stem is a learned 3x3 convolution instead of a frozen 2x2
-whitening layer fitted to the data, and BatchNorm keeps its scale.
+this size: `fastnet` (widths 64/256/256, airbench94's) with a learned 3x3
+stem, `fastnet_s` (16/32/64) the MNIST recipe's.
+
+`fastnet_whiten` (`whiten=True`) is airbench94's network in full, the
+cifar10_fast recipe's model:
+  - the stem is a 2x2 convolution without padding whose kernel whitens 2x2
+    patches of the training images (`whitening_kernel`: the eigenvectors of
+    their covariance scaled by 1/sqrt(eigenvalue), and their negatives), set
+    before step 1 and frozen by the recipe (`optimizer.freeze`), then GELU;
+  - BatchNorm learns a bias only (no scale);
+  - each block's convolutions start as partial identities (the first
+    min(in, out) output channels pass their input channel through, as
+    torch.nn.init.dirac_), the rest as usual.
 """
 
 import functools
 from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flaxtpu.models.resnet import batch_norm
+
+
+WHITEN_PATCH = 2  # the whitening stem's kernel side
+WHITEN_EPSILON = 5e-4  # added to the eigenvalues: the flattest directions are not amplified without bound
+
+
+def whitening_kernel(images: np.ndarray) -> np.ndarray:
+  """The stem kernel [2, 2, C, 8C] that whitens the 2x2 patches of `images` (float [N, H, W, C], normalised).
+
+  Output channel k < 4C projects a patch on the covariance's k-th eigenvector
+  (largest first) divided by sqrt(its eigenvalue + epsilon); channel 4C + k
+  is its negative, so that the GELU after the stem keeps both signs.
+  """
+  images = np.asarray(images, np.float64)
+  n, height, width, channels = images.shape
+  side = WHITEN_PATCH
+  patches = np.stack([images[:, i:height - side + 1 + i, j:width - side + 1 + j, :]
+                      for i in range(side) for j in range(side)], axis=3)  # [N, H', W', 4, C]
+  patches = patches.reshape(-1, side * side * channels)  # (row, column, channel) order, as a kernel
+  covariance = patches.T @ patches / len(patches)  # second moments about 0, as airbench
+  eigenvalues, eigenvectors = np.linalg.eigh(covariance)
+  order = np.argsort(eigenvalues)[::-1]
+  scaled = eigenvectors[:, order] / np.sqrt(eigenvalues[order] + WHITEN_EPSILON)  # [4C, 4C], columns
+  kernel = np.concatenate([scaled, -scaled], axis=1)
+  return kernel.reshape(side, side, channels, 2 * side * side * channels).astype(np.float32)
+
+
+def partial_dirac(base=nn.initializers.lecun_normal()):
+  """`base`, but the first min(in, out) output channels copy their input channel through (the centre tap)."""
+
+  def init(key, shape, dtype=jnp.float32):
+    kernel = base(key, shape, dtype)
+    height, width, inputs, outputs = shape
+    identity = min(inputs, outputs)
+    dirac = jnp.zeros((height, width, inputs, identity), dtype)
+    dirac = dirac.at[height // 2, width // 2].set(jnp.eye(inputs, identity, dtype=dtype))
+    return kernel.at[..., :identity].set(dirac)
+
+  return init
 
 
 class ConvBlock(nn.Module):
@@ -27,11 +77,15 @@ class ConvBlock(nn.Module):
   train: bool
   dtype: Any = jnp.float32
   bn_axis_name: Optional[str] = None
+  airbench_init: bool = False  # partial identity kernels, BatchNorm without scale
 
   @nn.compact
   def __call__(self, x):
-    conv = functools.partial(nn.Conv, self.features, (3, 3), use_bias=False, dtype=self.dtype)
-    norm = batch_norm(self.train, self.dtype, self.bn_axis_name)
+    kernel_init = partial_dirac() if self.airbench_init else nn.initializers.lecun_normal()
+    conv = functools.partial(nn.Conv, self.features, (3, 3), use_bias=False, dtype=self.dtype,
+                             kernel_init=kernel_init)
+    norm = functools.partial(batch_norm(self.train, self.dtype, self.bn_axis_name),
+                             use_scale=not self.airbench_init)
     x = nn.max_pool(conv()(x), (2, 2), strides=(2, 2))
     x = nn.gelu(norm()(x))
     return nn.gelu(norm()(conv()(x)))
@@ -45,15 +99,22 @@ class FastNet(nn.Module):
   dtype: Any = jnp.float32
   bn_axis_name: Optional[str] = None
   logit_scale: float = 1 / 9  # airbench's: small initial logits train faster with a high learning rate
+  whiten: bool = False  # airbench94's whitening stem and initialisation (module docstring); ignores stem_width
 
   @nn.compact
   def __call__(self, x, train: bool = True):
-    norm = batch_norm(train, self.dtype, self.bn_axis_name)
-    x = nn.Conv(self.stem_width, (3, 3), use_bias=False, dtype=self.dtype, name='stem')(x.astype(self.dtype))
-    x = nn.gelu(norm(name='stem_bn')(x))
+    x = x.astype(self.dtype)
+    if self.whiten:  # kernel: whitening_kernel(train images), set before training (steps.fit_to_data)
+      side, channels = WHITEN_PATCH, x.shape[-1]
+      x = nn.gelu(nn.Conv(2 * side * side * channels, (side, side), padding='VALID', dtype=self.dtype,
+                          name='stem')(x))
+    else:
+      norm = batch_norm(train, self.dtype, self.bn_axis_name)
+      x = nn.Conv(self.stem_width, (3, 3), use_bias=False, dtype=self.dtype, name='stem')(x)
+      x = nn.gelu(norm(name='stem_bn')(x))
     for index, width in enumerate(self.widths):
       x = self.block(width, train=train, dtype=self.dtype, bn_axis_name=self.bn_axis_name,
-                     name=f'block{index + 1}')(x)
+                     airbench_init=self.whiten, name=f'block{index + 1}')(x)
     x = jnp.max(x, axis=(1, 2))
     logits = nn.Dense(self.num_classes, use_bias=False, dtype=self.dtype, name='head')(x)
     return (logits * self.logit_scale).astype(jnp.float32)
