@@ -251,7 +251,7 @@ def _statistics(dataset: Dataset) -> tuple[np.ndarray, np.ndarray]:
   return pixels.mean(axis=0), pixels.std(axis=0) + 1e-6
 
 
-def train_sample(dataset: Dataset, count: int) -> list[np.ndarray] | np.ndarray:
+def train_sample(dataset: Dataset, count: int) -> list[np.ndarray]:
   """`count` train images spread evenly over the split, as evaluation shows them (uint8 [H, W, C] each).
 
   The same on every host and in every run: the images at fixed positions, no randomness.

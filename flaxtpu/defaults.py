@@ -60,7 +60,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- model ------------------------------------------------------------
   config.model = ml_collections.ConfigDict()
-  config.model.name = 'cnn'  # cnn | fastnet_s | fastnet | resnet20/32/44/56/110 | resnet18/34/50/101/152 | vit_ti/s/b | convnext_t.
+  config.model.name = 'cnn'  # cnn | fastnet_s | fastnet | fastnet_whiten | resnet20/32/44/56/110 | resnet18/34/50/101/152 | vit_ti/s/b | convnext_t.
   config.model.remat = 'none'  # none | full | a jax.checkpoint_policies name (dots_saveable, ...).
   config.model.patch_size = 0  # vit/convnext: patch side (convnext: stem stride); 0 = published, 16/4 (on 32x32: 4/2).
   config.model.pool = 'gap'  # vit: gap (mean of the tokens; big_vision's default) | tok (a class token, as in the paper).

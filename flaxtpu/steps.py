@@ -104,7 +104,9 @@ def fit_to_data(task: Task, images: np.ndarray) -> dict[str, np.ndarray]:
   The images are normalised as the train step normalises them (augmentation aside).
   """
   from flaxtpu.models import fastnet  # pylint: disable=g-import-not-at-top
-  pixels = np.asarray(augment.normalize(jnp.asarray(images), task.mean, task.std))
+  pixels = images.astype(np.float32) / np.float32(255.0)  # augment.normalize's arithmetic, on the host
+  if task.mean is not None:
+    pixels = (pixels - task.mean) / task.std
   return {'stem/kernel': fastnet.whitening_kernel(pixels)}
 
 
@@ -112,6 +114,9 @@ def init_state(task: Task, seed: int, fitted: Optional[dict] = None) -> TrainSta
   """A fresh state; `fitted` ({parameter name: value}, from `fit_to_data`) replaces initial values."""
   model = init_model(task, seed)
   if fitted:
+    shapes = {name: leaf.shape for name, leaf in optim.named_leaves(model.params).items()}
+    for name, value in fitted.items():  # a programming error, not a user's: fail loudly
+      assert shapes.get(name) == value.shape, f'fitted {name} {value.shape} vs parameter {shapes.get(name)}'
     model = model.replace(params=jax.tree_util.tree_map_with_path(
         lambda path, leaf: fitted.get(optim.path_name(path), leaf), model.params))
   _, data_key = jax.random.split(jax.random.PRNGKey(seed))

@@ -1,6 +1,6 @@
 """A VGG-like network built for time-to-accuracy: airbench's shape (Jordan 2024) as a Flax model.
 
-    stem: 3x3 conv (no bias) -> BatchNorm -> GELU
+    stem: 3x3 conv (no bias) -> BatchNorm -> GELU  (fastnet_whiten: a frozen 2x2 whitening conv -> GELU)
     per block: 3x3 conv -> 2x2 max pool -> BatchNorm -> GELU -> 3x3 conv -> BatchNorm -> GELU
     head: global max pool -> Dense without bias, logits scaled by 1/9
 
@@ -15,10 +15,13 @@ cifar10_fast recipe's model:
     patches of the training images (`whitening_kernel`: the eigenvectors of
     their covariance scaled by 1/sqrt(eigenvalue), and their negatives), set
     before step 1 and frozen by the recipe (`optimizer.freeze`), then GELU;
-  - BatchNorm learns a bias only (no scale);
+  - BatchNorm learns a bias only (no scale), with running statistics of
+    momentum 0.6 and epsilon 1e-12;
   - each block's convolutions start as partial identities (the first
     min(in, out) output channels pass their input channel through, as
-    torch.nn.init.dirac_), the rest as usual.
+    torch.nn.init.dirac_), the rest and the head as PyTorch initialises them.
+Not airbench's: the GELU is tanh-approximated (Flax's default), and the
+whitening bias trains all run long at the base learning rate.
 """
 
 import functools
@@ -36,28 +39,44 @@ WHITEN_PATCH = 2  # the whitening stem's kernel side
 WHITEN_EPSILON = 5e-4  # added to the eigenvalues: the flattest directions are not amplified without bound
 
 
-def whitening_kernel(images: np.ndarray) -> np.ndarray:
+# PyTorch's default for convolutions and dense layers (kaiming_uniform with a=sqrt(5)): variance
+# 1/(3 fan_in). airbench's learning rates assume it; with BatchNorm after every convolution a
+# kernel's scale sets its effective learning rate.
+TORCH_DEFAULT_INIT = nn.initializers.variance_scaling(1 / 3, 'fan_in', 'uniform')
+
+
+def whitening_kernel(images, chunk: int = 250) -> np.ndarray:
   """The stem kernel [2, 2, C, 8C] that whitens the 2x2 patches of `images` (float [N, H, W, C], normalised).
 
   Output channel k < 4C projects a patch on the covariance's k-th eigenvector
-  (largest first) divided by sqrt(its eigenvalue + epsilon); channel 4C + k
-  is its negative, so that the GELU after the stem keeps both signs.
+  (largest first, its largest entry positive: the same kernel from any LAPACK)
+  divided by sqrt(its eigenvalue + epsilon); channel 4C + k is its negative,
+  so that the GELU after the stem keeps both signs. The covariance is summed
+  over chunks of images: memory stays small at any image size.
   """
-  images = np.asarray(images, np.float64)
-  n, height, width, channels = images.shape
   side = WHITEN_PATCH
-  patches = np.stack([images[:, i:height - side + 1 + i, j:width - side + 1 + j, :]
-                      for i in range(side) for j in range(side)], axis=3)  # [N, H', W', 4, C]
-  patches = patches.reshape(-1, side * side * channels)  # (row, column, channel) order, as a kernel
-  covariance = patches.T @ patches / len(patches)  # second moments about 0, as airbench
-  eigenvalues, eigenvectors = np.linalg.eigh(covariance)
+  channels = images.shape[-1]
+  dims = side * side * channels
+  moments, count = np.zeros((dims, dims)), 0
+  for start in range(0, len(images), chunk):
+    block = np.asarray(images[start:start + chunk], np.float64)
+    _, height, width, _ = block.shape
+    patches = np.stack([block[:, i:height - side + 1 + i, j:width - side + 1 + j, :]
+                        for i in range(side) for j in range(side)], axis=3)  # [n, H', W', 4, C]
+    patches = patches.reshape(-1, dims)  # (row, column, channel) order, as a kernel
+    moments += patches.T @ patches  # second moments about 0, as airbench
+    count += len(patches)
+  eigenvalues, eigenvectors = np.linalg.eigh(moments / count)
   order = np.argsort(eigenvalues)[::-1]
-  scaled = eigenvectors[:, order] / np.sqrt(eigenvalues[order] + WHITEN_EPSILON)  # [4C, 4C], columns
+  eigenvalues, eigenvectors = eigenvalues[order], eigenvectors[:, order]
+  largest = np.argmax(np.abs(eigenvectors), axis=0)
+  eigenvectors = eigenvectors * np.sign(eigenvectors[largest, np.arange(dims)])
+  scaled = eigenvectors / np.sqrt(eigenvalues + WHITEN_EPSILON)  # [4C, 4C], one direction per column
   kernel = np.concatenate([scaled, -scaled], axis=1)
-  return kernel.reshape(side, side, channels, 2 * side * side * channels).astype(np.float32)
+  return kernel.reshape(side, side, channels, 2 * dims).astype(np.float32)
 
 
-def partial_dirac(base=nn.initializers.lecun_normal()):
+def partial_dirac(base=TORCH_DEFAULT_INIT):
   """`base`, but the first min(in, out) output channels copy their input channel through (the centre tap)."""
 
   def init(key, shape, dtype=jnp.float32):
@@ -84,8 +103,9 @@ class ConvBlock(nn.Module):
     kernel_init = partial_dirac() if self.airbench_init else nn.initializers.lecun_normal()
     conv = functools.partial(nn.Conv, self.features, (3, 3), use_bias=False, dtype=self.dtype,
                              kernel_init=kernel_init)
-    norm = functools.partial(batch_norm(self.train, self.dtype, self.bn_axis_name),
-                             use_scale=not self.airbench_init)
+    norm = batch_norm(self.train, self.dtype, self.bn_axis_name)
+    if self.airbench_init:  # airbench's BatchNorm: a bias only, statistics that follow the weights quickly
+      norm = functools.partial(norm, use_scale=False, momentum=0.6, epsilon=1e-12)
     x = nn.max_pool(conv()(x), (2, 2), strides=(2, 2))
     x = nn.gelu(norm()(x))
     return nn.gelu(norm()(conv()(x)))
@@ -116,5 +136,7 @@ class FastNet(nn.Module):
       x = self.block(width, train=train, dtype=self.dtype, bn_axis_name=self.bn_axis_name,
                      airbench_init=self.whiten, name=f'block{index + 1}')(x)
     x = jnp.max(x, axis=(1, 2))
-    logits = nn.Dense(self.num_classes, use_bias=False, dtype=self.dtype, name='head')(x)
+    head_init = TORCH_DEFAULT_INIT if self.whiten else nn.initializers.lecun_normal()
+    logits = nn.Dense(self.num_classes, use_bias=False, dtype=self.dtype, kernel_init=head_init,
+                      name='head')(x)
     return (logits * self.logit_scale).astype(jnp.float32)
