@@ -29,7 +29,7 @@ def get_sweep():
   return [
       {},  # the recipe
       learned_stem,
-      {'optimizer.lr_multipliers': ('/bias$=64',)},  # airbench's bias learning rate (without its bias decay)
+      {'optimizer.lr_multipliers': (r'BatchNorm_\d+/bias$=64',)},  # airbench's BN-bias learning rate (not its bias decay)
       {'eval.flip_tta': False},
       {'label_smoothing': 0.0},
       {'augment.flip': False},

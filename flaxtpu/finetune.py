@@ -138,7 +138,8 @@ def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: st
   logging.info('init_from: loaded %s parameter arrays and %s BatchNorm statistics from %s (%s, %d classes)',
                counts['params'], counts['batch_stats'], path, record.get('model'), record.get('num_classes'))
   for reason, reinitialised in reasons.items():
-    logging.info('init_from: re-initialised from the seed (%s): %s', reason, ', '.join(reinitialised))
+    logging.info('init_from: not loaded, kept as initialised (from the seed or fitted to the data) (%s): %s',
+                 reason, ', '.join(reinitialised))
   return state, {'checkpoint': path, 'step': step, 'model': record.get('model'),
                  'class_names': record.get('class_names'),
                  'loaded': sum(len(arrays) for arrays in load.values()),

@@ -242,6 +242,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
     sample = np.stack(data.train_sample(dataset, steps.DATA_FIT_IMAGES))
     fitted = steps.fit_to_data(task, sample)
     logging.info('fitted %s to %d train images', ', '.join(fitted), len(sample))
+    if any(task.param_groups.label(name) != optim.FROZEN for name in fitted):
+      logging.warning('%s will train (and decay) from its fitted value; airbench freezes it: '
+                      "--config.optimizer.freeze='^stem/kernel$' (as configs/cifar10_fast.py)",
+                      ', '.join(fitted))
   state = steps.create_state(task, placement, config.seed, fitted)
   first_step, window, progress = 0, [], {}  # window: per-step train metrics since the last log line
   initialised_from = None  # what init_from loaded, kept in every checkpoint record of the run

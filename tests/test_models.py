@@ -71,7 +71,8 @@ def test_fastnet_pools_to_a_few_pixels_and_scales_its_logits():
 
 
 def test_unknown_model_lists_valid_names():
-  with pytest.raises(UserError, match="unknown model 'vgg16'; choose one of: cnn, fastnet_s, fastnet, resnet20"):
+  with pytest.raises(UserError, match="unknown model 'vgg16'; choose one of: cnn, fastnet_s, fastnet, "
+                                      "fastnet_whiten, resnet20"):
     models.create('vgg16', num_classes=10)
 
 
