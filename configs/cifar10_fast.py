@@ -13,7 +13,8 @@ translations and flips; flip test-time augmentation; 7 epochs (airbench: 9.9)
 to fit an hour of a 2-core CPU. Left out: Lookahead, the 64x learning rate of
 the biases (it needs airbench's weight decay on biases: without it, 57.5% vs
 66.1% after one epoch here), the whitening bias' early freeze, alternating
-flips and multi-crop TTA.
+flips and multi-crop TTA. Measured here (seed 0, 2 CPU cores): 88.46% in 60.5
+minutes; README.md has the curve.
 """
 
 from flaxtpu import defaults

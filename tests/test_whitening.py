@@ -99,7 +99,8 @@ def test_a_fresh_run_fits_the_stem_freezes_it_and_a_resume_keeps_it(photos, tmp_
   pixels = np.asarray(augment.normalize(jnp.asarray(sample), dataset.mean, dataset.std))
   expected = fastnet.whitening_kernel(pixels)
   saved = restore_checkpoint(workdir, 3)
-  np.testing.assert_allclose(saved['params']['stem']['kernel'], expected, rtol=1e-5, atol=1e-6)
+  # XLA's division by std rounds its own way; the whitening amplifies that in the flattest directions.
+  np.testing.assert_allclose(saved['params']['stem']['kernel'], expected, rtol=1e-3, atol=1e-3)
   assert np.abs(saved['params']['stem']['bias']).max() > 0  # the stem's bias trains (from 0)
 
   # A resumed run continues from its checkpoint: nothing is fitted again.
