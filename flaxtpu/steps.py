@@ -104,9 +104,7 @@ def fit_to_data(task: Task, images: np.ndarray) -> dict[str, np.ndarray]:
   The images are normalised as the train step normalises them (augmentation aside).
   """
   from flaxtpu.models import fastnet  # pylint: disable=g-import-not-at-top
-  pixels = images.astype(np.float32) / np.float32(255.0)  # augment.normalize's arithmetic, on the host
-  if task.mean is not None:
-    pixels = (pixels - task.mean) / task.std
+  pixels = augment.normalize(images, task.mean, task.std)  # on a numpy array it stays numpy, on the host
   return {'stem/kernel': fastnet.whitening_kernel(pixels)}
 
 

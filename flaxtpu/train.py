@@ -237,8 +237,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
     logging.info('optimizer: %s', optim.describe_groups(task.param_groups.check(
         placement.abstract_state.params)))
   checkpoints = checkpoint.Checkpoints(workdir, config)
+  resuming = checkpoints.latest_step() is not None
   fitted = None  # parameters set from the train images (a whitening stem): fresh runs only
-  if checkpoints.latest_step() is None and steps.fits_to_data(task):
+  if not resuming and steps.fits_to_data(task):
     sample = np.stack(data.train_sample(dataset, steps.DATA_FIT_IMAGES))
     fitted = steps.fit_to_data(task, sample)
     logging.info('fitted %s to %d train images', ', '.join(fitted), len(sample))
@@ -249,7 +250,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   state = steps.create_state(task, placement, config.seed, fitted)
   first_step, window, progress = 0, [], {}  # window: per-step train metrics since the last log line
   initialised_from = None  # what init_from loaded, kept in every checkpoint record of the run
-  if checkpoints.latest_step() is not None:
+  if resuming:
     latest, saved, record = checkpoints.restore_newest_readable(
         placement.abstract_state, config=config, set_aside=True,
         expected=checkpoint.expected_record(config, task.num_classes, task.image_shape))
