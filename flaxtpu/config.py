@@ -135,14 +135,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
                       'replicates parameters (set --config.mesh.fsdp=1 or --config.parallelism=jit)')
   if config.cpu_devices < 0:
     raise ConfigError(f'config.cpu_devices={config.cpu_devices} must be >= 0 (0 = XLA default)')
-  for key in ('optimizer.momentum', 'optimizer.b1', 'optimizer.b2', 'label_smoothing'):
+  for key in ('optimizer.momentum', 'optimizer.b1', 'optimizer.b2', 'optimizer.lookahead_decay',
+              'label_smoothing'):
     if not 0.0 <= config[key] < 1.0:
       raise ConfigError(f'config.{key}={config[key]!r} must be in [0, 1)')
   if not 0.0 <= config.schedule.final_lr_fraction <= 1.0:
     raise ConfigError(f'config.schedule.final_lr_fraction={config.schedule.final_lr_fraction!r} '
                       'must be in [0, 1]')
-  for key in ('optimizer.weight_decay', 'optimizer.grad_clip_norm', 'schedule.warmup_epochs',
-              'augment.crop_padding', 'augment.cutout'):
+  for key in ('optimizer.weight_decay', 'optimizer.bias_weight_decay', 'optimizer.lookahead_every',
+              'optimizer.lookahead_decay_power', 'optimizer.grad_clip_norm', 'schedule.warmup_epochs',
+              'augment.crop_padding', 'augment.cutout', 'eval.translate_tta'):
     if config[key] < 0:
       raise ConfigError(f'config.{key}={config[key]!r} must be >= 0')
   _check_fine_tuning(config)

@@ -82,7 +82,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.b1 = 0.9  # adam/adamw: first-moment decay.
   config.optimizer.b2 = 0.999  # adam/adamw: second-moment decay.
   config.optimizer.eps = 1e-7  # adam/adamw: denominator epsilon (Keras' default).
-  config.optimizer.weight_decay = 0.0  # sgd/adam: L2 added to the gradient; adamw: decoupled. Never on biases or norm scales.
+  config.optimizer.weight_decay = 0.0  # sgd/adam: L2 added to the gradient; adamw: decoupled. On kernels (arrays of 2+ dims) only.
+  config.optimizer.bias_weight_decay = 0.0  # The same, for biases and norm scales (1-dim arrays); 0 = none, as usual.
   config.optimizer.grad_clip_norm = 0.0  # Clip gradients to this global norm (0 = off).
   # Gradient accumulation: average the gradients of this many consecutive batches, then update once, as
   # one batch of batch_size x accumulate_steps would (BatchNorm aside: it normalises each batch by its own
@@ -94,6 +95,14 @@ def get_config() -> ml_collections.ConfigDict:
   # --config.optimizer.freeze='^stage1', or a tuple, --config.optimizer.freeze="('^stage1', '^stage2')".
   config.optimizer.freeze = ()  # Parameters that never change (no update, no optimizer state; their BatchNorm statistics stay too).
   config.optimizer.lr_multipliers = ()  # 'regex=factor' strings: those parameters learn at factor x the rate ('^stage1=0.1'; first match wins; 0 = freeze).
+  # Lookahead (Zhang et al. 2019): every `lookahead_every` updates the slow weights move (1 - decay) of the
+  # way to the trained ("fast") ones, and training continues from the slow weights; the last update syncs
+  # too, so the run ends on them. decay = lookahead_decay x (update / total updates) ** lookahead_decay_power:
+  # power 0 is the paper's constant (decay 0.5 = its alpha 0.5); airbench ramps it up (0.95**5, power 3).
+  # BatchNorm statistics follow the fast weights.
+  config.optimizer.lookahead_every = 0  # 0 = off; e.g. 5.
+  config.optimizer.lookahead_decay = 0.5
+  config.optimizer.lookahead_decay_power = 0.0
 
   config.schedule = ml_collections.ConfigDict()
   config.schedule.name = 'constant'  # constant | cosine | linear | onecycle.
@@ -140,6 +149,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval.checkpoint = 'latest'  # --mode=eval/predict restores: latest | best | a step number.
   config.eval.ema = False  # --mode=eval/predict/export (and the end-of-run report) use the EMA weights; eval.checkpoint=best picks by checkpoint.best_metric, so pair it with eval_accuracy_ema.
   config.eval.flip_tta = False  # Every evaluation (and predict/export) averages the logits of each image and its mirror.
+  config.eval.translate_tta = 0  # ... and of the image shifted this many pixels diagonally each way (weights 1/2, 1/4, 1/4; 0 = off; costs 3x).
 
   config.predict = ml_collections.ConfigDict()
   config.predict.input = ''  # --mode=predict: an image file or a folder of images.

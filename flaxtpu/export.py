@@ -79,6 +79,7 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
     summary.update(
         step=step, model=record['model'], dtype=config.dtype, directory=os.path.abspath(final),
         weights='ema' if config.eval.ema else 'raw', flip_tta=bool(config.eval.flip_tta),
+        translate_tta=int(config.eval.translate_tta),
         checkpoint=os.path.join(workdir, 'checkpoints', str(step)),
         preprocessing=('uint8 images at the model input size; normalisation is inside the model' + (
             f'; resize and centre-crop photos to {task.image_shape[0]}x{task.image_shape[1]} as eval does '

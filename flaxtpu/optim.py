@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -44,8 +45,13 @@ def learning_rate_schedule(config: ml_collections.ConfigDict, length: RunLength)
 
 
 def decay_mask(params):
-  """Weight decay applies to kernels only, never to biases or normalisation scales (ndim 1)."""
+  """`optimizer.weight_decay` applies to kernels only (ndim > 1)."""
   return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+def bias_decay_mask(params):
+  """`optimizer.bias_weight_decay` applies to biases and normalisation scales (ndim <= 1)."""
+  return jax.tree.map(lambda p: p.ndim <= 1, params)
 
 
 def path_name(path) -> str:
@@ -136,10 +142,11 @@ def describe_groups(groups: dict[str, list[str]]) -> str:
 
 def create_optimizer(config: ml_collections.ConfigDict,
                      length: RunLength) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """The optax chain: [clip] -> [L2 / decoupled decay] -> sgd|adam|adamw with the schedule.
+  """The optax chain: [clip] -> [L2 / decoupled decay] -> sgd|adam|adamw with the schedule [-> lookahead].
 
   sgd and adam add `weight_decay * w` to the gradient (classic L2, as in
   PyTorch's SGD); adamw decays the weights after the Adam update (decoupled).
+  Biases and norm scales decay at `bias_weight_decay` (0 by default).
   With `optimizer.accumulate_steps` > 1 the chain sees the mean gradient of
   that many batches (`optax.MultiSteps`; clipping applies to the mean). With
   `optimizer.freeze` / `optimizer.lr_multipliers`, see `with_param_groups`.
@@ -150,7 +157,13 @@ def create_optimizer(config: ml_collections.ConfigDict,
   if accumulate > 1:
     chain = optax.MultiSteps(chain, every_k_schedule=accumulate).gradient_transformation()
   lr_at_step = schedule if accumulate == 1 else lambda step: schedule(step // accumulate)
-  return with_param_groups(chain, ParamGroups.from_config(config)), lr_at_step
+  chain = with_param_groups(chain, ParamGroups.from_config(config))
+  opt = config.optimizer
+  if opt.lookahead_every:
+    total = length.total_updates
+    decay = lambda update: opt.lookahead_decay * (update / total) ** opt.lookahead_decay_power
+    chain = lookahead(chain, every=opt.lookahead_every, decay=decay, total_updates=total)
+  return chain, lr_at_step
 
 
 def updated(optimizer_state) -> jax.Array:
@@ -159,6 +172,41 @@ def updated(optimizer_state) -> jax.Array:
     if isinstance(node, optax.MultiStepsState):
       return node.mini_step == 0
   return jax.numpy.bool_(True)
+
+
+class LookaheadState(NamedTuple):
+  inner: Any  # the wrapped optimizer's state
+  slow: Any  # the slow weights (taken from the parameters at the first update)
+  updates: jax.Array  # optimizer updates so far (accumulating batches do not count)
+
+
+def lookahead(inner: optax.GradientTransformation, *, every: int, decay: Callable[[jax.Array], jax.Array],
+              total_updates: int) -> optax.GradientTransformation:
+  """Lookahead around `inner`: every `every` updates, and at the last, slow += (1 - decay(n)) (fast - slow)
+  and the parameters become the slow weights; between syncs `inner`'s updates pass unchanged.
+
+  It wraps the whole optimizer (learning-rate multipliers and freezing
+  included), so the sync sees the weights each update produced. The slow
+  weights start from the parameters at the first update, not at `init`: a
+  fine-tuning run loads its weights after the optimizer state is built.
+  """
+  def init(params):
+    return LookaheadState(inner.init(params), jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.int32))
+
+  def update(grads, state, params):
+    updates, inner_state = inner.update(grads, state.inner, params)
+    did_update = updated(inner_state)
+    count = state.updates + did_update.astype(jnp.int32)
+    slow = jax.tree.map(lambda s, p: jnp.where(state.updates == 0, p, s), state.slow, params)
+    sync = did_update & ((count % every == 0) | (count == total_updates))
+    keep = decay(count)
+    fast = optax.apply_updates(params, updates)
+    synced = jax.tree.map(lambda s, f: s + (1.0 - keep) * (f - s), slow, fast)
+    updates = jax.tree.map(lambda u, new, p: jnp.where(sync, new - p, u), updates, synced, params)
+    slow = jax.tree.map(lambda new, s: jnp.where(sync, new, s), synced, slow)
+    return updates, LookaheadState(inner_state, slow, count)
+
+  return optax.GradientTransformation(init, update)
 
 
 def with_param_groups(inner: optax.GradientTransformation,
@@ -191,12 +239,17 @@ def _base_chain(config: ml_collections.ConfigDict,
   chain = []
   if opt.grad_clip_norm:
     chain.append(optax.clip_by_global_norm(opt.grad_clip_norm))
-  if opt.name == 'adamw':
+  decays = [optax.add_decayed_weights(opt.weight_decay, mask=decay_mask)] if opt.weight_decay else []
+  if opt.bias_weight_decay:
+    decays.append(optax.add_decayed_weights(opt.bias_weight_decay, mask=bias_decay_mask))
+  if opt.name == 'adamw' and not opt.bias_weight_decay:
     chain.append(optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
                              weight_decay=opt.weight_decay, mask=decay_mask))
+  elif opt.name == 'adamw':  # optax.adamw, with a second (bias) decay after the Adam scaling
+    chain += [optax.scale_by_adam(b1=opt.b1, b2=opt.b2, eps=opt.eps), *decays,
+              optax.scale_by_learning_rate(schedule)]
   else:
-    if opt.weight_decay:
-      chain.append(optax.add_decayed_weights(opt.weight_decay, mask=decay_mask))
+    chain += decays
     if opt.name == 'sgd':
       chain.append(optax.sgd(schedule, momentum=opt.momentum or None, nesterov=opt.nesterov))
     else:

@@ -46,12 +46,16 @@ class Task:
   ema_warmup: bool = False
   accumulate_steps: int = 1  # batches per optimizer update
   flip_tta: bool = False  # inference averages the logits of each image and its mirror
+  translate_tta: int = 0  # ... and of copies shifted this many pixels diagonally both ways (0 = none)
 
 
 def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
                 image_shape: tuple[int, int, int], mean, std,
                 length: Optional[RunLength] = None) -> Task:
   """The model and preprocessing a config describes; with a run `length`, also its optimizer."""
+  if config.eval.translate_tta >= min(image_shape[:2]):
+    raise UserError(f'config.eval.translate_tta={config.eval.translate_tta} must be smaller than the '
+                    f'{image_shape[0]}x{image_shape[1]} images (airbench uses 1)')
   model = models.create(
       config.model.name, num_classes=num_classes, dtype=config.dtype, remat=config.model.remat,
       bn_axis_name=parallel.PMAP_AXIS if config.parallelism == 'pmap' else None,
@@ -65,7 +69,8 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
               std=np.asarray(std, np.float32) if standardize else None,
               optimizer=optimizer, schedule=schedule, param_groups=optim.ParamGroups.from_config(config),
               ema_decay=config.ema.decay, ema_warmup=config.ema.warmup,
-              accumulate_steps=config.optimizer.accumulate_steps, flip_tta=config.eval.flip_tta)
+              accumulate_steps=config.optimizer.accumulate_steps, flip_tta=config.eval.flip_tta,
+              translate_tta=config.eval.translate_tta)
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -229,13 +234,21 @@ def logits_fn(state: TrainState | ModelState, images, *, task: Task):
   """Inference: uint8 images -> float32 logits (BatchNorm uses its running statistics).
 
   With `eval.flip_tta` the logits are the mean of the image's and its mirror's.
+  With `eval.translate_tta` = t they are half the image's, plus a quarter each
+  of the image shifted t pixels down-right and up-left (edges reflected), each
+  view flip-averaged too with flip_tta: airbench's multi-crop TTA.
   """
   images = augment.normalize(images, task.mean, task.std)
   apply = lambda x: task.model.apply({'params': state.params, 'batch_stats': state.batch_stats}, x,
                                      train=False)
-  if task.flip_tta:
-    return 0.5 * (apply(images) + apply(images[:, :, ::-1]))
-  return apply(images)
+  view = (lambda x: 0.5 * (apply(x) + apply(x[:, :, ::-1]))) if task.flip_tta else apply
+  t = task.translate_tta
+  if not t:
+    return view(images)
+  height, width = images.shape[1:3]
+  padded = jnp.pad(images, ((0, 0), (t, t), (t, t), (0, 0)), mode='reflect')
+  shifted = [padded[:, :height, :width], padded[:, 2 * t:, 2 * t:]]
+  return 0.5 * view(images) + 0.25 * (view(shifted[0]) + view(shifted[1]))
 
 
 def eval_step(state: TrainState | ModelState, batch, *, task: Task, axis_name: Optional[str] = None):

@@ -7,12 +7,14 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
 from conftest import restore_checkpoint, tiny_dataset
 from flaxtpu import augment, defaults, evaluate, optim, steps, train
 from flaxtpu import config as config_lib
 from flaxtpu.config import ConfigError
+from flaxtpu.errors import UserError
 
 
 def _config(**overrides):
@@ -118,6 +120,89 @@ def test_ema_moves_only_on_updates_when_accumulating():
 def test_no_ema_keeps_the_state_as_before():
   state = steps.init_state(_task(_config(batch_size=8, num_train_steps=2)), 0)
   assert state.ema == {}
+
+
+# --- Lookahead and bias weight decay ----------------------------------------------------
+
+
+def test_lookahead_syncs_every_k_updates_and_at_the_last():
+  # Loss x^2 / 2 with plain SGD at 0.1: each fast step multiplies x by 0.9.
+  opt = optim.lookahead(optax.sgd(0.1), every=2, decay=lambda n: 0.5, total_updates=5)
+  x = {'w': jnp.ones(())}
+  state = opt.init(x)
+  got = []
+  for _ in range(5):
+    updates, state = opt.update(x, state, x)
+    x = optax.apply_updates(x, updates)
+    got.append(float(x['w']))
+  # fast 0.9; sync 1 + 0.5 (0.81 - 1); fast; sync; the last update (5) syncs too.
+  slow2 = 1 + 0.5 * (0.81 - 1)
+  slow4 = slow2 + 0.5 * (0.81 * slow2 - slow2)
+  slow5 = slow4 + 0.5 * (0.9 * slow4 - slow4)
+  assert got == pytest.approx([0.9, slow2, 0.9 * slow2, slow4, slow5], rel=1e-6)
+  assert float(state.slow['w']) == pytest.approx(slow5, rel=1e-6) and int(state.updates) == 5
+
+
+def test_lookahead_slow_weights_start_at_the_first_update_not_at_init():
+  # Fine-tuning builds the optimizer on fresh weights, then loads others: the slow weights follow.
+  opt = optim.lookahead(optax.sgd(0.1), every=1, decay=lambda n: 0.9, total_updates=10)
+  state = opt.init({'w': jnp.zeros(())})
+  loaded = {'w': jnp.full((), 2.0)}
+  updates, state = opt.update({'w': jnp.zeros(())}, state, loaded)  # a zero gradient: nothing to learn
+  assert float(optax.apply_updates(loaded, updates)['w']) == 2.0 and float(state.slow['w']) == 2.0
+
+
+def test_lookahead_from_the_config_ramps_its_decay_and_counts_updates_not_batches():
+  config = _config(batch_size=8, num_train_steps=8, **{
+      'schedule.name': 'constant', 'optimizer.learning_rate': 0.1, 'optimizer.momentum': 0.0,
+      'optimizer.accumulate_steps': 2, 'optimizer.lookahead_every': 1, 'optimizer.lookahead_decay': 0.5,
+      'optimizer.lookahead_decay_power': 1.0})
+  opt, _ = optim.create_optimizer(config, config_lib.run_length(config, 64))  # 4 updates
+  x = {'w': jnp.ones(())}
+  state = opt.init(x)
+  got = []
+  for _ in range(8):
+    updates, state = opt.update(x, state, x)  # the gradient of x^2 / 2, the same in each half-batch
+    x = optax.apply_updates(x, updates)
+    got.append(float(x['w']))
+  expected, value = [], 1.0
+  for n in range(1, 5):  # every update syncs with decay 0.5 n / 4: x += (1 - decay) (0.9 x - x)
+    value += (1 - 0.5 * n / 4) * (0.9 * value - value)
+    expected += [expected[-1] if expected else 1.0, value]
+  assert got == pytest.approx(expected, rel=1e-6)
+  assert int(state.updates) == 4
+
+
+def test_a_run_with_lookahead_ends_on_its_slow_weights(tmp_path):
+  config = _config(batch_size=8, num_train_steps=6, **{'optimizer.lookahead_every': 4,
+                                                      'optimizer.lookahead_decay': 0.6})
+  task = _task(config)
+  states = _run(task, _batches(6, 8))
+  slow = lambda state: state.opt_state.slow
+  leaf = lambda tree: np.asarray(jax.tree.leaves(tree)[-1])
+  # Between syncs the slow weights stand still and the parameters move; at 4 and 6 they are the same.
+  np.testing.assert_array_equal(leaf(slow(states[2])), leaf(slow(states[0])))
+  assert not np.array_equal(leaf(states[2].params), leaf(slow(states[2])))
+  for update in (3, 5):
+    np.testing.assert_allclose(leaf(states[update].params), leaf(slow(states[update])), atol=1e-7)
+  assert not np.array_equal(leaf(slow(states[5])), leaf(slow(states[3])))
+
+
+def test_bias_weight_decay_is_its_own_coefficient():
+  params = {'kernel': jnp.ones((2, 2)), 'bias': jnp.ones((2,))}
+  zero = jax.tree.map(jnp.zeros_like, params)
+  for name in ('sgd', 'adamw'):
+    config = _config(batch_size=8, num_train_steps=4, **{'optimizer.name': name, 'optimizer.learning_rate': 1.0,
+                                           'optimizer.momentum': 0.0, 'schedule.name': 'constant',
+                                           'optimizer.weight_decay': 0.1,
+                                           'optimizer.bias_weight_decay': 0.01})
+    opt, _ = optim.create_optimizer(config, config_lib.run_length(config, 64))
+    updates, _ = opt.update(zero, opt.init(params), params)
+    np.testing.assert_allclose(updates['kernel'], -0.1 * np.ones((2, 2)), rtol=1e-6)
+    np.testing.assert_allclose(updates['bias'], -0.01 * np.ones(2), rtol=1e-6)
+  config.optimizer.bias_weight_decay = 0.0  # the default: biases never decay
+  opt, _ = optim.create_optimizer(config, config_lib.run_length(config, 64))
+  assert float(jnp.abs(opt.update(zero, opt.init(params), params)[0]['bias']).max()) == 0.0
 
 
 # --- mixup / CutMix -------------------------------------------------------------------
@@ -270,6 +355,23 @@ def test_flip_tta_averages_the_logits_of_each_image_and_its_mirror():
   symmetric = np.concatenate([images[:, :, :4], images[:, :, :4][:, :, ::-1]], axis=2)
   np.testing.assert_allclose(steps.logits_fn(state, symmetric, task=tta),
                              steps.logits_fn(state, symmetric, task=plain), rtol=1e-5, atol=1e-6)
+
+
+def test_translate_tta_adds_two_reflected_shifts_at_a_quarter_each():
+  plain = _task(_config(batch_size=8, num_train_steps=2))
+  both = _task(_config(batch_size=8, num_train_steps=2, **{'eval.flip_tta': True, 'eval.translate_tta': 1}))
+  flip = _task(_config(batch_size=8, num_train_steps=2, **{'eval.flip_tta': True}))
+  state = steps.init_model(plain, 0)
+  images, _ = _batches(1, 8)[0]
+  padded = np.pad(images, ((0, 0), (1, 1), (1, 1), (0, 0)), mode='reflect')  # uint8: exact
+  down_right, up_left = padded[:, :8, :8], padded[:, 2:, 2:]
+  assert (down_right[:, 1:, 1:] == images[:, :-1, :-1]).all() and (down_right[:, 0] == images[:, 1, [1, *range(7)]]).all()
+  logits = lambda x, task: np.asarray(steps.logits_fn(state, x, task=task))
+  expected = 0.5 * logits(images, flip) + 0.25 * (logits(down_right, flip) + logits(up_left, flip))
+  np.testing.assert_allclose(logits(images, both), expected, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(expected, logits(images, flip), atol=1e-6)
+  with pytest.raises(UserError, match='translate_tta=8 must be smaller than the 8x8 images'):
+    _task(_config(batch_size=8, num_train_steps=2, **{'eval.translate_tta': 8}))
 
 
 def test_the_mnist_recipe_learns_the_embedded_digits(tmp_path):
