@@ -5,9 +5,10 @@
 
 Every run trains the same number of steps, so training takes the same time
 within a few percent (the learned 3x3 stem of `fastnet` costs ~20% more per
-image than the 2x2 whitening stem). The run without flip TTA needs no
-training of its own: `--mode=eval --config.eval.flip_tta=false` re-scores the
-recipe's checkpoint; it is listed for a sweep that wants it side by side. The
+image than the 2x2 whitening stem). The TTA runs need no training of their
+own: `--mode=eval --config.eval.flip_tta=false` (or `translate_tta=1`)
+re-scores the recipe's checkpoint; they are listed for a sweep that wants
+them side by side. The
 base length is cut to 2 epochs so the whole ablation fits a CPU evening; pass
 --config.num_epochs=7 for the recipe's own length.
 """
@@ -29,11 +30,16 @@ def get_sweep():
   return [
       {},  # the recipe
       learned_stem,
-      {'optimizer.lr_multipliers': (r'BatchNorm_\d+/bias$=64',)},  # airbench's BN-bias learning rate (not its bias decay)
       {'eval.flip_tta': False},
       {'label_smoothing': 0.0},
       {'augment.flip': False},
       {'augment.crop_padding': 0},
+      # airbench's parts that the recipe leaves out: its BatchNorm-bias learning rate (with its decay, which
+      # keeps the biases' decay per step that of the kernels), Lookahead, multi-crop TTA.
+      {'optimizer.lr_multipliers': (r'BatchNorm_\d+/bias$=64',), 'optimizer.bias_weight_decay': 1.33e-3 / 64},
+      {'optimizer.lookahead_every': 5, 'optimizer.lookahead_decay': 0.95**5,
+       'optimizer.lookahead_decay_power': 3.0},
+      {'eval.translate_tta': 1},
       {'ema.decay': 0.99},  # parts airbench does not use, for comparison
       {'augment.cutmix_alpha': 1.0},
   ]
