@@ -30,7 +30,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit('/benchmarks/', 1)[0])
-from flaxtpu import config as config_lib, data, optim, steps  # pylint: disable=wrong-import-position
+from flaxtpu import config as config_lib  # pylint: disable=wrong-import-position
+from flaxtpu import data, optim, steps  # pylint: disable=wrong-import-position
 from flaxtpu.models import fastnet  # pylint: disable=wrong-import-position
 
 

@@ -32,8 +32,8 @@ import ml_collections
 import numpy as np
 
 from flaxtpu import preprocess, sources, workers
-from flaxtpu.preprocess import IMAGE_EXTENSIONS, Transform
 from flaxtpu.errors import UserError
+from flaxtpu.preprocess import IMAGE_EXTENSIONS, Transform
 from flaxtpu.sources import DataError
 
 # The decoded splits may take this share of host memory before `dataset.cache=auto` streams.

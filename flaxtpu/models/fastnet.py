@@ -28,12 +28,10 @@ import functools
 from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from flaxtpu.models.resnet import batch_norm
-
 
 WHITEN_PATCH = 2  # the whitening stem's kernel side
 WHITEN_EPSILON = 5e-4  # added to the eigenvalues: the flattest directions are not amplified without bound
