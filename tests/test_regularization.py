@@ -187,6 +187,25 @@ def test_a_run_with_lookahead_ends_on_its_slow_weights(tmp_path):
   assert not np.array_equal(leaf(slow(states[5])), leaf(slow(states[3])))
 
 
+def test_a_run_with_lookahead_resumes_bit_for_bit(tmp_path):
+  import shutil
+  config = _config(**{'dataset.name': 'digits', 'dataset.train_split': 'train[:256]', 'batch_size': 32,
+                      'eval_every_steps': 100, 'checkpoint_every_steps': 3, 'num_train_steps': 7,
+                      'optimizer.lookahead_every': 2, 'optimizer.lookahead_decay': 0.7,
+                      'optimizer.lookahead_decay_power': 1.0})
+  whole, resumed = str(tmp_path / 'whole'), str(tmp_path / 'resumed')
+  train.train_and_evaluate(config, whole)
+  # The same run stopped after its step-6 checkpoint: the slow weights and update count come back.
+  shutil.copytree(whole, resumed)
+  shutil.rmtree(os.path.join(resumed, 'checkpoints', '7'))
+  os.remove(os.path.join(resumed, 'results.json'))
+  assert int(restore_checkpoint(resumed, 6)['opt_state']['updates']) == 6
+  train.train_and_evaluate(config, resumed)
+  for x, y in zip(jax.tree.leaves(restore_checkpoint(whole, 7)), jax.tree.leaves(restore_checkpoint(resumed, 7)),
+                  strict=True):
+    np.testing.assert_array_equal(x, y)
+
+
 def test_bias_weight_decay_is_its_own_coefficient():
   params = {'kernel': jnp.ones((2, 2)), 'bias': jnp.ones((2,))}
   zero = jax.tree.map(jnp.zeros_like, params)
