@@ -239,17 +239,14 @@ def _base_chain(config: ml_collections.ConfigDict,
   chain = []
   if opt.grad_clip_norm:
     chain.append(optax.clip_by_global_norm(opt.grad_clip_norm))
-  decays = [optax.add_decayed_weights(opt.weight_decay, mask=decay_mask)] if opt.weight_decay else []
-  if opt.bias_weight_decay:
-    decays.append(optax.add_decayed_weights(opt.bias_weight_decay, mask=bias_decay_mask))
-  if opt.name == 'adamw' and not opt.bias_weight_decay:
-    chain.append(optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                             weight_decay=opt.weight_decay, mask=decay_mask))
-  elif opt.name == 'adamw':  # optax.adamw, with a second (bias) decay after the Adam scaling
-    chain += [optax.scale_by_adam(b1=opt.b1, b2=opt.b2, eps=opt.eps), *decays,
-              optax.scale_by_learning_rate(schedule)]
+  kernel_decay = optax.add_decayed_weights(opt.weight_decay, mask=decay_mask)
+  bias_decay = ([optax.add_decayed_weights(opt.bias_weight_decay, mask=bias_decay_mask)]
+                if opt.bias_weight_decay else [])
+  if opt.name == 'adamw':  # optax.adamw's own chain (same state), with the bias decay beside the kernels'
+    chain.append(optax.chain(optax.scale_by_adam(b1=opt.b1, b2=opt.b2, eps=opt.eps), kernel_decay,
+                             *bias_decay, optax.scale_by_learning_rate(schedule)))
   else:
-    chain += decays
+    chain += ([kernel_decay] if opt.weight_decay else []) + bias_decay
     if opt.name == 'sgd':
       chain.append(optax.sgd(schedule, momentum=opt.momentum or None, nesterov=opt.nesterov))
     else:

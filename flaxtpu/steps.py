@@ -247,8 +247,8 @@ def logits_fn(state: TrainState | ModelState, images, *, task: Task):
     return view(images)
   height, width = images.shape[1:3]
   padded = jnp.pad(images, ((0, 0), (t, t), (t, t), (0, 0)), mode='reflect')
-  shifted = [padded[:, :height, :width], padded[:, 2 * t:, 2 * t:]]
-  return 0.5 * view(images) + 0.25 * (view(shifted[0]) + view(shifted[1]))
+  down_right, up_left = padded[:, :height, :width], padded[:, 2 * t:, 2 * t:]
+  return 0.5 * view(images) + 0.25 * (view(down_right) + view(up_left))
 
 
 def eval_step(state: TrainState | ModelState, batch, *, task: Task, axis_name: Optional[str] = None):
