@@ -29,10 +29,14 @@ def normalize(images: jax.Array, mean: np.ndarray | None, std: np.ndarray | None
   return images
 
 
-def random_crop(key: jax.Array, image: jax.Array, padding: int) -> jax.Array:
-  """Zero-pad by `padding` on every side and cut a random window of the original size."""
+CROP_PAD_MODES = {'zeros': 'constant', 'reflect': 'reflect', 'edge': 'edge'}  # augment.crop_pad_mode -> jnp.pad's
+
+
+def random_crop(key: jax.Array, image: jax.Array, padding: int, pad_mode: str = 'zeros') -> jax.Array:
+  """Pad by `padding` on every side (zeros, mirrored or repeated edge pixels) and cut a random window
+  of the original size."""
   height, width, channels = image.shape
-  padded = jnp.pad(image, ((padding, padding), (padding, padding), (0, 0)))
+  padded = jnp.pad(image, ((padding, padding), (padding, padding), (0, 0)), mode=CROP_PAD_MODES[pad_mode])
   top, left = jax.random.randint(key, (2,), 0, 2 * padding + 1)
   return jax.lax.dynamic_slice(padded, (top, left, 0), (height, width, channels))
 
@@ -60,8 +64,8 @@ def augment_image(key: jax.Array, image: jax.Array, config: ml_collections.Confi
   """Crop, flip, RandAugment/TrivialAugment, cutout: each when the config turns it on."""
   crop_key, flip_key, cutout_key = jax.random.split(key, 3)
   if config.crop_padding:
-    image = random_crop(crop_key, image, config.crop_padding)
-  if config.flip:
+    image = random_crop(crop_key, image, config.crop_padding, config.get('crop_pad_mode', 'zeros'))
+  if config.flip and not config.get('alternate_flip'):  # alternate_flip: the host mirrors (data.py)
     image = random_flip(flip_key, image)
   if config.get('policy'):
     image = randaugment.apply(jax.random.fold_in(key, _POLICY_STREAM), image, policy=config.policy,
@@ -75,7 +79,8 @@ def augment_image(key: jax.Array, image: jax.Array, config: ml_collections.Confi
 def augment_batch(key: jax.Array, images: jax.Array, positions: jax.Array,
                   config: ml_collections.ConfigDict) -> jax.Array:
   """Augments each image with a key from `key` and its global batch position."""
-  if not (config.crop_padding or config.flip or config.cutout or config.get('policy')):
+  if not (config.crop_padding or (config.flip and not config.get('alternate_flip')) or config.cutout
+          or config.get('policy')):
     return images
   keys = jax.vmap(lambda position: jax.random.fold_in(key, position))(positions)
   return jax.vmap(lambda k, image: augment_image(k, image, config))(keys, images)

@@ -171,6 +171,10 @@ def _check_eval_split_names(first: str, others) -> None:
 def _check_augment(config: ml_collections.ConfigDict) -> None:
   augment = config.augment
   _one_of('augment.policy', augment.policy, ('', 'randaugment', 'trivialaugment'))
+  _one_of('augment.crop_pad_mode', augment.crop_pad_mode, ('zeros', 'reflect', 'edge'))
+  if augment.alternate_flip and not augment.flip:
+    raise ConfigError('config.augment.alternate_flip=True alternates the flip, which is off; set '
+                      '--config.augment.flip=true as well (or alternate_flip=false)')
   if augment.policy == 'randaugment':
     _positive('augment.randaugment_layers', augment.randaugment_layers)
     if not 0.0 <= augment.randaugment_magnitude <= 30.0:
@@ -200,32 +204,43 @@ def _check_patterns(key: str, patterns) -> None:
 
 
 def parse_lr_multipliers(entries) -> list[tuple[str, float]]:
-  """('^stage1=0.1', 'Dense_0=10') -> [('^stage1', 0.1), ('Dense_0', 10.0)]; bad entries are ConfigError.
+  """('^stage1=0.1', 'Dense_0=10') -> [('^stage1', 0.1), ('Dense_0', 10.0)]; bad entries are ConfigError."""
+  return _parse_pattern_values('optimizer.lr_multipliers', entries, 'factor', "'^stage1=0.1'")
 
-  A tuple of 'regex=factor' strings, not a dict: the config is locked and
-  `--config.optimizer.lr_multipliers=...` can only override a key that exists.
-  The factor follows the last '=', so a regex may contain '='.
+
+def parse_freeze_after(entries) -> list[tuple[str, float]]:
+  """('^stem/bias$=3',) -> [('^stem/bias$', 3.0)]: those parameters stop changing after 3 epochs."""
+  return _parse_pattern_values('optimizer.freeze_after', entries, 'epochs', "'^stem/bias$=3'")
+
+
+def _parse_pattern_values(key: str, entries, value_name: str, example: str) -> list[tuple[str, float]]:
+  """A tuple of 'regex=value' strings (value >= 0) -> [(regex, value)]; bad entries are ConfigError.
+
+  A tuple of strings, not a dict: the config is locked and `--config.KEY=...`
+  can only override a key that exists. The value follows the last '=', so a
+  regex may contain '='.
   """
   if isinstance(entries, str):
     entries = (entries,)
   parsed = []
   for entry in entries:
-    pattern, _, factor = str(entry).rpartition('=')
+    pattern, _, text = str(entry).rpartition('=')
     try:
-      value = float(factor)
+      value = float(text)
     except ValueError:
       value = -1.0
     if not pattern or not value >= 0 or math.isinf(value):
-      raise ConfigError(f'config.optimizer.lr_multipliers entry {entry!r} must be \'regex=factor\' with '
-                        "a factor >= 0, e.g. --config.optimizer.lr_multipliers=\"('^stage1=0.1',)\"")
+      raise ConfigError(f'config.{key} entry {entry!r} must be \'regex={value_name}\' with '
+                        f'{value_name} >= 0, e.g. --config.{key}="({example},)"')
     parsed.append((pattern, value))
-  _check_patterns('optimizer.lr_multipliers', [pattern for pattern, _ in parsed])
+  _check_patterns(key, [pattern for pattern, _ in parsed])
   return parsed
 
 
 def _check_fine_tuning(config: ml_collections.ConfigDict) -> None:
   _check_patterns('optimizer.freeze', config.optimizer.freeze)
   parse_lr_multipliers(config.optimizer.lr_multipliers)
+  parse_freeze_after(config.optimizer.freeze_after)
   _check_patterns('init_from.skip', config.init_from.skip)
   step = str(config.init_from.step)
   if step not in ('latest', 'best') and not step.isdigit():

@@ -271,8 +271,7 @@ def train_sample(dataset: Dataset, count: int) -> list[np.ndarray]:
 
 def train_indices(seed: int, step: int, num_examples: int, batch_size: int) -> np.ndarray:
   """Indices of the global batch for `step`: epoch `step // steps_per_epoch` of a seeded shuffle."""
-  steps_per_epoch = num_examples // batch_size
-  epoch, position = divmod(step, steps_per_epoch)
+  epoch, position = divmod(step, num_examples // batch_size)
   permutation = _epoch_permutation(seed, epoch, num_examples)
   return permutation[position * batch_size:(position + 1) * batch_size]
 
@@ -280,6 +279,23 @@ def train_indices(seed: int, step: int, num_examples: int, batch_size: int) -> n
 @functools.lru_cache(maxsize=2)
 def _epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
   return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+def alternate_flips(seed: int, step: int, num_examples: int, batch_size: int) -> np.ndarray:
+  """Which images of `step`'s global batch are mirrored under `augment.alternate_flip` (bool per row).
+
+  A seeded half of the split in even epochs and the other half in odd ones:
+  every image is seen both ways in any two consecutive epochs, where a coin
+  per view repeats a side for half of them (airbench's alternating flip).
+  """
+  odd_epoch = step // (num_examples // batch_size) % 2 == 1
+  return _first_epoch_flips(seed, num_examples)[train_indices(seed, step, num_examples, batch_size)] ^ odd_epoch
+
+
+@functools.lru_cache(maxsize=2)
+def _first_epoch_flips(seed: int, num_examples: int) -> np.ndarray:
+  # Its own seed sequence (a spawn key), apart from the epochs' permutations.
+  return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(1,))).random(num_examples) < 0.5
 
 
 def process_slice(global_batch_size: int, process_index: int, process_count: int) -> slice:
@@ -292,17 +308,25 @@ def process_slice(global_batch_size: int, process_index: int, process_count: int
 
 
 def train_batches(dataset: Dataset, *, seed: int, batch_size: int, first_step: int, last_step: int,
-                  process_index: int = 0, process_count: int = 1) -> Iterator[Batch]:
-  """This process's part of the global batches for steps [first_step, last_step)."""
+                  process_index: int = 0, process_count: int = 1, alternate_flip: bool = False) -> Iterator[Batch]:
+  """This process's part of the global batches for steps [first_step, last_step).
+
+  With `alternate_flip` the images come mirrored as `alternate_flips` says
+  (the device's random flip is then off: `augment.augment_image`).
+  """
   rows = process_slice(batch_size, process_index, process_count)
   train = dataset.train
   if _sliceable(dataset, train):  # CIFAR-size: slicing is all there is
     mask = np.ones(rows.stop - rows.start, bool)
     for step in range(first_step, last_step):
       indices = train_indices(seed, step, len(train), batch_size)[rows]
-      yield Batch(train.images[indices], train.labels[indices], mask)
+      images = train.images[indices]
+      if alternate_flip:
+        mirror = alternate_flips(seed, step, len(train), batch_size)[rows]
+        images[mirror] = images[mirror][:, :, ::-1]
+      yield Batch(images, train.labels[indices], mask)
     return
-  loader = _TrainLoader(train, dataset.transform, seed, batch_size, rows, dataset.skip_corrupt)
+  loader = _TrainLoader(train, dataset.transform, seed, batch_size, rows, dataset.skip_corrupt, alternate_flip)
   yield from _checked(workers.run(loader, range(first_step, last_step),
                                   0 if train.cached else dataset.workers, dataset.prefetch))
 
@@ -390,12 +414,14 @@ class _ExampleReader:
 class _TrainLoader(_ExampleReader):
   """Step -> this process's rows of the global batch, random-resized-cropped per (seed, step, row)."""
 
-  def __init__(self, examples, transform, seed, batch_size, rows, skip_corrupt):
+  def __init__(self, examples, transform, seed, batch_size, rows, skip_corrupt, alternate_flip=False):
     super().__init__(examples, transform, skip_corrupt)
-    self.seed, self.batch_size, self.rows = seed, batch_size, rows
+    self.seed, self.batch_size, self.rows, self.alternate_flip = seed, batch_size, rows, alternate_flip
 
   def __call__(self, step: int):
     indices = train_indices(self.seed, step, len(self.examples), self.batch_size)
+    mirror = (alternate_flips(self.seed, step, len(self.examples), self.batch_size) if self.alternate_flip
+              else np.zeros(len(indices), bool))
     images, labels = [], []
     for position in range(self.rows.start, self.rows.stop):
       rng = np.random.default_rng([self.seed, step, position])
@@ -403,7 +429,7 @@ class _TrainLoader(_ExampleReader):
                                functools.partial(preprocess.train_image, transform=self.transform, rng=rng))
       if isinstance(image, _Failure):
         return image
-      images.append(image)
+      images.append(image[:, ::-1] if mirror[position] else image)
       labels.append(label)
     return Batch(_stack(images), np.asarray(labels, np.int32),
                  np.ones(len(labels), bool))

@@ -46,8 +46,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.augment.crop_area = (0.08, 1.0)  # At image_size > 0: random-resized crop's area fraction range (Inception-style).
   config.augment.crop_aspect = (3 / 4, 4 / 3)  # ... and its aspect-ratio range (sampled log-uniformly).
   # On the device, after the crop:
-  config.augment.crop_padding = 0  # Random crop after zero-padding by this many pixels (0 = off).
+  config.augment.crop_padding = 0  # Random crop after padding by this many pixels (0 = off).
+  config.augment.crop_pad_mode = 'zeros'  # zeros (black) | reflect (mirrored pixels, airbench's) | edge (repeated).
   config.augment.flip = False  # Random horizontal flip.
+  config.augment.alternate_flip = False  # With flip: a seeded half of the train images is mirrored in even epochs, the other half in odd ones (airbench), not a coin per view.
   config.augment.policy = ''  # '' | randaugment | trivialaugment (TrivialAugment-Wide), after crop and flip.
   config.augment.randaugment_layers = 2  # randaugment: ops applied per image (N).
   config.augment.randaugment_magnitude = 9.0  # randaugment: strength M on the 0..30 scale of torchvision/timm.
@@ -95,6 +97,7 @@ def get_config() -> ml_collections.ConfigDict:
   # --config.optimizer.freeze='^stage1', or a tuple, --config.optimizer.freeze="('^stage1', '^stage2')".
   config.optimizer.freeze = ()  # Parameters that never change (no update, no optimizer state; their BatchNorm statistics stay too).
   config.optimizer.lr_multipliers = ()  # 'regex=factor' strings: those parameters learn at factor x the rate ('^stage1=0.1'; first match wins; 0 = freeze).
+  config.optimizer.freeze_after = ()  # 'regex=epochs' strings: those parameters stop changing after that many epochs (airbench: '^stem/bias$=3').
   # Lookahead (Zhang et al. 2019): every `lookahead_every` updates the slow weights move (1 - decay) of the
   # way to the trained ("fast") ones, and training continues from the slow weights; the last update syncs
   # too, so the run ends on them. decay = lookahead_decay x (update / total updates) ** lookahead_decay_power:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from flaxtpu.config import RunLength, parse_lr_multipliers
+from flaxtpu.config import RunLength, parse_freeze_after, parse_lr_multipliers
 from flaxtpu.errors import UserError
 
 FROZEN = 'frozen'  # the label of parameters that get no update and no optimizer state
@@ -75,14 +75,16 @@ class ParamGroups:
   """
   freeze: tuple[str, ...] = ()
   multipliers: tuple[tuple[str, float], ...] = ()
+  freeze_after: tuple[tuple[str, float], ...] = ()  # (pattern, epochs): trained that long, then frozen
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> 'ParamGroups':
     return cls(freeze=tuple(config.optimizer.freeze),
-               multipliers=tuple(parse_lr_multipliers(config.optimizer.lr_multipliers)))
+               multipliers=tuple(parse_lr_multipliers(config.optimizer.lr_multipliers)),
+               freeze_after=tuple(parse_freeze_after(config.optimizer.freeze_after)))
 
   def __bool__(self) -> bool:
-    return bool(self.freeze or self.multipliers)
+    return bool(self.freeze or self.multipliers or self.freeze_after)
 
   def label(self, name: str) -> str:
     """FROZEN, or the learning-rate multiplier as a string ('0.1'; DEFAULT = '1.0')."""
@@ -119,7 +121,8 @@ class ParamGroups:
   def check(self, params) -> dict[str, list[str]]:
     """{label: parameter names}; a pattern that matches no parameter is a UserError naming it."""
     names = list(named_leaves(params))
-    for key, patterns in (('freeze', self.freeze), ('lr_multipliers', [p for p, _ in self.multipliers])):
+    for key, patterns in (('freeze', self.freeze), ('lr_multipliers', [p for p, _ in self.multipliers]),
+                          ('freeze_after', [p for p, _ in self.freeze_after])):
       for pattern in patterns:
         if not any(re.search(pattern, name) for name in names):
           modules = sorted({name.partition('/')[0] for name in names})
@@ -157,7 +160,11 @@ def create_optimizer(config: ml_collections.ConfigDict,
   if accumulate > 1:
     chain = optax.MultiSteps(chain, every_k_schedule=accumulate).gradient_transformation()
   lr_at_step = schedule if accumulate == 1 else lambda step: schedule(step // accumulate)
-  chain = with_param_groups(chain, ParamGroups.from_config(config))
+  groups = ParamGroups.from_config(config)
+  chain = with_param_groups(chain, groups)
+  if groups.freeze_after:
+    chain = freeze_after(chain, [(pattern, round(epochs * length.steps_per_epoch / accumulate))
+                                 for pattern, epochs in groups.freeze_after])
   opt = config.optimizer
   if opt.lookahead_every:
     total = length.total_updates
@@ -172,6 +179,38 @@ def updated(optimizer_state) -> jax.Array:
     if isinstance(node, optax.MultiStepsState):
       return node.mini_step == 0
   return jax.numpy.bool_(True)
+
+
+class FreezeAfterState(NamedTuple):
+  inner: Any  # the wrapped optimizer's state
+  updates: jax.Array  # optimizer updates so far (accumulating batches do not count)
+
+
+def freeze_after(inner: optax.GradientTransformation,
+                 stops: list[tuple[str, int]]) -> optax.GradientTransformation:
+  """`inner`, but a parameter matching a (pattern, n) of `stops` (the first that matches) keeps its
+  first n updates and then stops changing (airbench trains its whitening bias for 3 epochs only).
+
+  Its optimizer state keeps running, unused: the parameter only stops moving.
+  """
+  def limit(path) -> int | None:
+    name = path_name(path)
+    return next((updates for pattern, updates in stops if re.search(pattern, name)), None)
+
+  def init(params):
+    return FreezeAfterState(inner.init(params), jnp.zeros((), jnp.int32))
+
+  def update(grads, state, params=None):
+    updates, inner_state = inner.update(grads, state.inner, params)
+    count = state.updates + updated(inner_state).astype(jnp.int32)  # this update's number, from 1
+
+    def stop(path, update):
+      last = limit(path)
+      return update if last is None else jnp.where(count <= last, update, jnp.zeros_like(update))
+
+    return jax.tree_util.tree_map_with_path(stop, updates), FreezeAfterState(inner_state, count)
+
+  return optax.GradientTransformation(init, update)
 
 
 class LookaheadState(NamedTuple):

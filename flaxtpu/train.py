@@ -140,7 +140,8 @@ def log_run_overview(writer, config: ml_collections.ConfigDict, task: steps.Task
   writer.write_texts(first_step, {'parameters': f'<pre>{overview}</pre>'})
   if jax.process_count() == 1:  # the first local batch is the whole global batch only on one process
     first = next(iter(data.train_batches(dataset, seed=config.seed, batch_size=config.batch_size,
-                                         first_step=first_step, last_step=first_step + 1)))
+                                         first_step=first_step, last_step=first_step + 1,
+                                         alternate_flip=config.augment.alternate_flip)))
     sample = steps.augmented_sample(task, config.seed, first_step, first.images[:16])
     writer.write_images(first_step, {'train_images': sample})
 
@@ -236,6 +237,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   if task.param_groups:  # a pattern that matches nothing is a typo: stop before any work
     logging.info('optimizer: %s', optim.describe_groups(task.param_groups.check(
         placement.abstract_state.params)))
+    for pattern, epochs in task.param_groups.freeze_after:
+      logging.info('optimizer: parameters matching %r stop changing after %g epochs', pattern, epochs)
   checkpoints = checkpoint.Checkpoints(workdir, config)
   resuming = checkpoints.latest_step() is not None
   fitted = None  # parameters set from the train images (a whitening stem): fresh runs only
@@ -290,7 +293,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
       placement.put_train_batch(tuple(batch)[:2]) for batch in data.train_batches(
           dataset, seed=config.seed, batch_size=config.batch_size, first_step=first_step,
           last_step=length.total_steps, process_index=jax.process_index(),
-          process_count=jax.process_count()))
+          process_count=jax.process_count(), alternate_flip=config.augment.alternate_flip))
   clock = TrainClock(first_step, progress)
   previous_wall_time = progress.get('wall_time_s') or 0.0
   one_step_in_flight = parallel.one_step_in_flight()

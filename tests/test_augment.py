@@ -9,8 +9,8 @@ from flaxtpu import augment
 IMAGES = jnp.asarray(np.random.default_rng(0).integers(0, 256, (16, 8, 8, 3)), jnp.uint8)
 
 
-def _config(crop_padding=0, flip=False, cutout=0):
-  return ml_collections.ConfigDict(dict(crop_padding=crop_padding, flip=flip, cutout=cutout))
+def _config(crop_padding=0, flip=False, cutout=0, **more):
+  return ml_collections.ConfigDict(dict(crop_padding=crop_padding, flip=flip, cutout=cutout, **more))
 
 
 def test_normalize_unit_and_standardize():
@@ -38,6 +38,27 @@ def test_crop_is_a_shifted_window_of_the_padded_image():
     windows = [padded[y:y + 8, x:x + 8] for y in range(5) for x in range(5)]
     assert any(np.array_equal(o, w) for w in windows)
   assert not jnp.array_equal(out, IMAGES)
+
+
+@pytest.mark.parametrize('mode, numpy_mode', [('reflect', 'reflect'), ('edge', 'edge')])
+def test_crop_pads_with_mirrored_or_repeated_pixels(mode, numpy_mode):
+  config = _config(crop_padding=3, crop_pad_mode=mode)
+  out = np.asarray(augment.augment_batch(jax.random.PRNGKey(1), IMAGES, jnp.arange(16), config))
+  offsets = []
+  for o, i in zip(out, np.asarray(IMAGES)):
+    padded = np.pad(i, ((3, 3), (3, 3), (0, 0)), mode=numpy_mode)
+    offsets += [(y, x) for y in range(7) for x in range(7) if np.array_equal(o, padded[y:y + 8, x:x + 8])]
+  assert len(offsets) >= 16 and len(set(offsets)) > 1  # each a window of the padded image, not all one
+  # The same draws as zero padding: only the fill differs.
+  zeros = np.asarray(augment.augment_batch(jax.random.PRNGKey(1), IMAGES, jnp.arange(16), _config(crop_padding=3)))
+  centre = (slice(None), slice(3, 5), slice(3, 5))
+  np.testing.assert_array_equal(out[centre], zeros[centre])
+
+
+def test_alternate_flip_leaves_the_flip_to_the_host():
+  config = _config(flip=True, alternate_flip=True)
+  np.testing.assert_array_equal(augment.augment_batch(jax.random.PRNGKey(0), IMAGES, jnp.arange(16), config),
+                                IMAGES)
 
 
 @pytest.mark.parametrize('size', [3, 4])

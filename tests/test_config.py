@@ -18,7 +18,7 @@ def test_recipes_are_valid(recipe):
 
 def test_every_run_of_the_fast_ablation_is_valid_and_differs_in_one_part():
   runs = cifar10_fast_ablation.get_sweep()
-  assert runs[0] == {} and len(runs) == 11
+  assert runs[0] == {} and len(runs) == 15
   for overrides in runs:
     config = cifar10_fast_ablation.get_config()
     config.update_from_flattened_dict(overrides)
@@ -53,6 +53,7 @@ def test_imagenet_recipe_is_the_standard_one():
     ('label_smoothing', 1.0, 'config.label_smoothing=1.0 must be in [0, 1)'),
     ('optimizer.weight_decay', -1.0, 'config.optimizer.weight_decay=-1.0 must be >= 0'),
     ('require_platform', 'ipu', "config.require_platform='ipu' is not valid"),
+    ('augment.crop_pad_mode', 'wrap', "config.augment.crop_pad_mode='wrap' is not valid; choose one of: 'zeros', "),
 ])
 def test_bad_values_name_key_value_and_allowed(key, value, message):
   config = cifar10.get_config()
@@ -61,6 +62,16 @@ def test_bad_values_name_key_value_and_allowed(key, value, message):
     config_lib.validate(config)
   assert str(error.value).startswith(message)
   assert '\n' not in str(error.value)
+
+
+def test_alternate_flip_needs_the_flip():
+  config = cifar10.get_config()
+  config.augment.flip, config.augment.alternate_flip = False, True
+  with pytest.raises(config_lib.ConfigError, match=r'alternate_flip=True alternates the flip, which is off; '
+                     r'set --config.augment.flip=true'):
+    config_lib.validate(config)
+  config.augment.flip = True
+  config_lib.validate(config)
 
 
 def test_empty_dataset_source_is_an_error():

@@ -185,6 +185,39 @@ def test_processes_take_disjoint_slices_of_the_global_batch():
   np.testing.assert_array_equal(np.concatenate([p.labels for p in parts]), whole.labels)
 
 
+def test_alternate_flips_mirror_each_image_once_in_any_two_epochs():
+  # 100 examples, batch 20: 5 steps an epoch, nothing dropped.
+  per_epoch = [{int(i): bool(f) for step in range(5 * epoch, 5 * epoch + 5)
+                for i, f in zip(data.train_indices(7, step, 100, 20), data.alternate_flips(7, step, 100, 20))}
+               for epoch in range(4)]
+  assert all(len(flips) == 100 for flips in per_epoch)
+  for this, following in zip(per_epoch, per_epoch[1:]):
+    assert all(this[i] != following[i] for i in range(100))  # mirrored in exactly one of the two
+  assert 35 <= sum(per_epoch[0].values()) <= 65  # a seeded half (Binomial(100, 1/2): 50 +- 5)
+  assert per_epoch[0] == per_epoch[2]  # the pattern, not a new coin, every two epochs
+  other_seed = {int(i): bool(f) for step in range(5)
+                for i, f in zip(data.train_indices(8, step, 100, 20), data.alternate_flips(8, step, 100, 20))}
+  assert other_seed != per_epoch[0]
+
+
+@pytest.mark.parametrize('cache', ['memory', 'none'])
+def test_alternate_flip_batches_are_the_plain_ones_mirrored_where_it_says(tmp_path, cache):
+  folder = make_mixed_folder(tmp_path)
+  dataset = data.load(_config(folder, **{'dataset.image_size': 16, 'dataset.cache': cache}))
+  steps, size = range(5, 9), len(dataset.train)  # 54 images, batch 8: steps 5-8 cross into epoch 1
+  plain, flipped = _batches(dataset, steps=steps), _batches(dataset, steps=steps, alternate_flip=True)
+  for step, a, b in zip(steps, plain, flipped, strict=True):
+    mirror = data.alternate_flips(1, step, size, 8)
+    np.testing.assert_array_equal(b.images[mirror], a.images[mirror][:, :, ::-1])
+    np.testing.assert_array_equal(b.images[~mirror], a.images[~mirror])
+    np.testing.assert_array_equal(a.labels, b.labels)
+  assert 0 < sum(data.alternate_flips(1, step, size, 8).sum() for step in steps) < 32
+  # Two processes' rows are the global batch's.
+  parts = [_batches(dataset, steps=steps, alternate_flip=True, process_index=p, process_count=2) for p in range(2)]
+  for whole, first, second in zip(flipped, *parts):
+    np.testing.assert_array_equal(np.concatenate([first.images, second.images]), whole.images)
+
+
 def test_eval_batches_count_every_example_once_with_a_padded_remainder():
   dataset = _in_memory(np.zeros((21, 2, 2, 3), np.uint8), np.arange(21, dtype=np.int32))
   batches = list(data.eval_batches(dataset, batch_size=8))

@@ -223,6 +223,38 @@ def test_bias_weight_decay_is_its_own_coefficient():
   assert float(jnp.abs(opt.update(zero, opt.init(params), params)[0]['bias']).max()) == 0.0
 
 
+def test_freeze_after_stops_a_parameter_after_its_epochs_counting_updates():
+  # 64 examples at batch 8: 8 steps an epoch; 2 batches an update, so 0.5 epochs is 2 updates.
+  config = _config(batch_size=8, num_train_steps=12, **{
+      'schedule.name': 'constant', 'optimizer.learning_rate': 0.1, 'optimizer.momentum': 0.9,
+      'optimizer.accumulate_steps': 2, 'optimizer.freeze_after': ('^bias$=0.5',)})
+  opt, _ = optim.create_optimizer(config, config_lib.run_length(config, 64))
+  x = {'kernel': jnp.ones(()), 'bias': jnp.ones(())}
+  state, got = opt.init(x), []
+  for _ in range(12):
+    updates, state = opt.update(x, state, x)  # the gradient of (kernel^2 + bias^2) / 2
+    x = optax.apply_updates(x, updates)
+    got.append((float(x['kernel']), float(x['bias'])))
+  # Heavy-ball SGD on x^2 / 2 at 0.1 and momentum 0.9, one update per two batches: the kernel all
+  # six updates, the bias its first two, then it stays where those left it.
+  kernel, velocity, expected = 1.0, 0.0, []
+  for _ in range(6):
+    velocity = 0.9 * velocity + kernel
+    kernel -= 0.1 * velocity
+    expected.append(kernel)
+  assert [k for k, _ in got[1::2]] == pytest.approx(expected, abs=1e-6)
+  assert [b for _, b in got[1::2]] == pytest.approx(expected[:2] + [expected[1]] * 4, abs=1e-6)
+
+
+def test_freeze_after_names_a_bad_entry_and_a_pattern_that_matches_nothing():
+  with pytest.raises(ConfigError, match=r"config.optimizer.freeze_after entry 'stem' must be 'regex=epochs' with "
+                     r"epochs >= 0, e.g. --config.optimizer.freeze_after="):
+    config_lib.validate(_config(**{'optimizer.freeze_after': ('stem',)}))
+  groups = optim.ParamGroups.from_config(_config(**{'optimizer.freeze_after': ('^nowhere=1',)}))
+  with pytest.raises(UserError, match=r"config.optimizer.freeze_after pattern '\^nowhere' matches no parameter"):
+    groups.check({'stem': {'bias': jnp.zeros(2)}})
+
+
 # --- mixup / CutMix -------------------------------------------------------------------
 
 
