@@ -15,6 +15,14 @@ flips, and flip TTA. Same data (read by flaxtpu's loader), its own order and
 augmentation draws. If flaxtpu's implementation were off, the two would part
 at equal epochs; the wall time compares the frameworks on this CPU.
 
+`--overrides` applies an ablation row's keys (a Python dict literal) and the
+peer follows the ones airbench adds: BatchNorm-bias learning-rate multiplier
+and bias decay, Lookahead, the whitening bias' early freeze, reflected crop
+padding, alternating flips and translate TTA, e.g. all of them:
+
+    python benchmarks/fast_recipe_torch.py --folder=/path/to/cifar10 \
+        --config=experiments/cifar10_fast_ablation.py --overrides=AIRBENCH_PARTS
+
 Prints one JSON line: accuracy after each evaluated epoch, seconds, images/s.
 Needs torch (`pip install torch==2.13.0`, the `bench` extra).
 """
@@ -22,8 +30,10 @@ Needs torch (`pip install torch==2.13.0`, the `bench` extra).
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import json
+import re
 import sys
 import time
 
@@ -80,19 +90,41 @@ def build_model(torch, kernel: np.ndarray, widths=(64, 256, 256), num_classes: i
   return Net().to(memory_format=torch.channels_last)
 
 
-def augment(torch, images, generator, padding: int):
-  """Zero-pad, a random window of the original size, a random flip: per image."""
+def augment(torch, images, generator, padding: int, pad_mode: str = 'zeros', mirror=None):
+  """Pad (zeros or reflected), a random window of the original size, a random flip (or `mirror`'s): per image."""
   n, _, height, width = images.shape
-  padded = torch.nn.functional.pad(images, (padding,) * 4)
+  if pad_mode == 'zeros':
+    padded = torch.nn.functional.pad(images, (padding,) * 4)
+  else:  # PyTorch pads only floats with reflected or repeated pixels
+    padded = torch.nn.functional.pad(images.float(), (padding,) * 4, mode=pad_mode).to(images.dtype)
   offsets = torch.randint(0, 2 * padding + 1, (n, 2), generator=generator)
   out = torch.empty_like(images)
   for dy in range(2 * padding + 1):
     for dx in range(2 * padding + 1):
       rows = ((offsets[:, 0] == dy) & (offsets[:, 1] == dx)).nonzero().flatten()
       out[rows] = padded[rows, :, dy:dy + height, dx:dx + width]
-  flip = (torch.rand(n, generator=generator) < 0.5).nonzero().flatten()
+  flip = torch.rand(n, generator=generator) < 0.5
+  if mirror is not None:
+    flip = mirror
+  flip = flip.nonzero().flatten()
   out[flip] = out[flip].flip(3)
   return out
+
+
+SUPPORTED = {'optimizer.lr_multipliers', 'optimizer.bias_weight_decay', 'optimizer.lookahead_every',
+             'optimizer.lookahead_decay', 'optimizer.lookahead_decay_power', 'optimizer.freeze_after',
+             'eval.translate_tta', 'eval.flip_tta', 'augment.crop_pad_mode', 'augment.alternate_flip',
+             'label_smoothing', 'augment.flip', 'augment.crop_padding'}
+
+
+def apply_overrides(recipe, config, text: str):
+  """An ablation row (a dict literal, or the name of one in the recipe module) applied to `config`."""
+  if not text:
+    return
+  overrides = getattr(recipe, text) if text.isidentifier() else ast.literal_eval(text)
+  if unsupported := set(overrides) - SUPPORTED:
+    raise SystemExit(f'error: the PyTorch peer does not implement {sorted(unsupported)}')
+  config.update_from_flattened_dict(overrides)
 
 
 def main() -> None:
@@ -102,6 +134,7 @@ def main() -> None:
   parser.add_argument('--epochs', type=float, default=None, help="default: the recipe's")
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--out', default='', help='also write the JSON here')
+  parser.add_argument('--overrides', default='', help="an ablation row: a dict literal or a name in --config's module")
   parser.add_argument('--eval-epochs', default='', help='comma-separated epochs to evaluate at (the end always)')
   args = parser.parse_args()
   import torch  # pylint: disable=g-import-not-at-top
@@ -114,6 +147,7 @@ def main() -> None:
   spec.loader.exec_module(recipe)
   config = recipe.get_config()
   assert config.model.name == 'fastnet_whiten' and config.optimizer.name == 'sgd', args.config
+  apply_overrides(recipe, config, args.overrides)
   config.dataset.folder = args.folder
   if args.epochs:
     config.num_epochs = args.epochs
@@ -131,14 +165,34 @@ def main() -> None:
   length = config_lib.run_length(config, len(train_y))
   schedule = optim.learning_rate_schedule(config, length)
   opt = config.optimizer
-  kernels = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
-  biases = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
-  optimizer = torch.optim.SGD([dict(params=kernels, weight_decay=opt.weight_decay),
-                               dict(params=biases, weight_decay=0.0)],
-                              lr=opt.learning_rate, momentum=opt.momentum, nesterov=opt.nesterov)
+  # flaxtpu's names for PyTorch's parameters, for the lr multipliers and freeze_after patterns.
+  names = {'stem.bias': 'stem/bias', 'head.weight': 'head/kernel'}
+  for index in range(3):
+    for conv, norm in ((1, 0), (2, 1)):
+      names[f'blocks.{index}.conv{conv}.weight'] = f'block{index + 1}/Conv_{conv - 1}/kernel'
+      names[f'blocks.{index}.norm{conv}.bias'] = f'block{index + 1}/BatchNorm_{norm}/bias'
+  multipliers = config_lib.parse_lr_multipliers(opt.lr_multipliers)
+  stops = config_lib.parse_freeze_after(opt.freeze_after)
+  groups = []
+  for torch_name, param in model.named_parameters():
+    if not param.requires_grad:
+      continue
+    name = names[torch_name]
+    factor = next((f for pattern, f in multipliers if re.search(pattern, name)), 1.0)
+    stop = next((round(e * length.steps_per_epoch) for pattern, e in stops if re.search(pattern, name)), None)
+    decay = opt.weight_decay if param.ndim > 1 else opt.bias_weight_decay
+    # The multiplier scales the whole update, L2 term included, in both frameworks.
+    groups.append(dict(params=[param], factor=factor, stop=stop, weight_decay=decay))
+  optimizer = torch.optim.SGD(groups, lr=opt.learning_rate, momentum=opt.momentum, nesterov=opt.nesterov)
+  trained = [p for p in model.parameters() if p.requires_grad]
+  slow = [p.detach().clone() for p in trained] if opt.lookahead_every else None
+  first_flips = torch.rand(len(train_y), generator=generator) < 0.5 if config.augment.alternate_flip else None
   loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
   eval_at = {round(float(e) * length.steps_per_epoch) for e in args.eval_epochs.split(',') if e}
   eval_at.add(length.total_steps)
+
+  def views(x, flip):
+    return 0.5 * (model(x) + model(x.flip(3))) if flip else model(x)
 
   def evaluate() -> float:
     model.eval()
@@ -146,7 +200,13 @@ def main() -> None:
     with torch.inference_mode():
       for i in range(0, len(test_y), 1000):
         x = normalize(test_x[i:i + 1000])
-        logits = model(x) + model(x.flip(3)) if config.eval.flip_tta else model(x)
+        logits = views(x, config.eval.flip_tta)
+        if config.eval.translate_tta:  # half the image, a quarter each reflected shift down-right / up-left
+          t = config.eval.translate_tta
+          padded = torch.nn.functional.pad(x, (t,) * 4, mode='reflect')
+          height, width = x.shape[2:]
+          logits = 0.5 * logits + 0.25 * (views(padded[:, :, :height, :width], config.eval.flip_tta)
+                                          + views(padded[:, :, 2 * t:, 2 * t:], config.eval.flip_tta))
         correct += int((logits.argmax(1) == test_y[i:i + 1000]).sum())
     model.train()
     return correct / len(test_y)
@@ -157,13 +217,22 @@ def main() -> None:
     if position == 0:
       order = torch.randperm(len(train_y), generator=generator)
     rows = order[position * config.batch_size:(position + 1) * config.batch_size]
-    x = normalize(augment(torch, train_x[rows], generator, config.augment.crop_padding))
+    mirror = first_flips[rows] ^ (epoch % 2 == 1) if config.augment.alternate_flip else None
+    x = normalize(augment(torch, train_x[rows], generator, config.augment.crop_padding,
+                          config.augment.crop_pad_mode, mirror))
     for group in optimizer.param_groups:
-      group['lr'] = float(schedule(step))
+      group['lr'] = float(schedule(step)) * group['factor'] * (group['stop'] is None or step < group['stop'])
     loss = loss_fn(model(x), train_y[rows])
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
+    updates = step + 1
+    if slow is not None and (updates % opt.lookahead_every == 0 or updates == length.total_steps):
+      keep = opt.lookahead_decay * (updates / length.total_steps) ** opt.lookahead_decay_power
+      with torch.no_grad():  # the trained parameters, as flaxtpu's (airbench: BatchNorm statistics too)
+        for slow_value, value in zip(slow, trained):
+          slow_value.lerp_(value, 1 - keep)
+          value.copy_(slow_value)
     if first_step is None:
       first_step = time.perf_counter() - start
     if step + 1 in eval_at:
