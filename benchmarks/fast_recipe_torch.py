@@ -90,24 +90,25 @@ def build_model(torch, kernel: np.ndarray, widths=(64, 256, 256), num_classes: i
   return Net().to(memory_format=torch.channels_last)
 
 
-def augment(torch, images, generator, padding: int, pad_mode: str = 'zeros', mirror=None):
-  """Pad (zeros or reflected), a random window of the original size, a random flip (or `mirror`'s): per image."""
+def augment(torch, images, generator, padding: int, pad_mode: str = 'zeros', flip: bool = True, mirror=None):
+  """Pad (zeros, reflected or repeated pixels), a random window of the original size, a random flip (or
+  `mirror`'s, or none): per image."""
   n, _, height, width = images.shape
   if pad_mode == 'zeros':
     padded = torch.nn.functional.pad(images, (padding,) * 4)
   else:  # PyTorch pads only floats with reflected or repeated pixels
-    padded = torch.nn.functional.pad(images.float(), (padding,) * 4, mode=pad_mode).to(images.dtype)
+    mode = {'reflect': 'reflect', 'edge': 'replicate'}[pad_mode]
+    padded = torch.nn.functional.pad(images.float(), (padding,) * 4, mode=mode).to(images.dtype)
   offsets = torch.randint(0, 2 * padding + 1, (n, 2), generator=generator)
   out = torch.empty_like(images)
   for dy in range(2 * padding + 1):
     for dx in range(2 * padding + 1):
       rows = ((offsets[:, 0] == dy) & (offsets[:, 1] == dx)).nonzero().flatten()
       out[rows] = padded[rows, :, dy:dy + height, dx:dx + width]
-  flip = torch.rand(n, generator=generator) < 0.5
-  if mirror is not None:
-    flip = mirror
-  flip = flip.nonzero().flatten()
-  out[flip] = out[flip].flip(3)
+  coins = torch.rand(n, generator=generator) < 0.5  # drawn either way: the same stream for every row
+  if flip:
+    rows = (coins if mirror is None else mirror).nonzero().flatten()
+    out[rows] = out[rows].flip(3)
   return out
 
 
@@ -121,6 +122,9 @@ def apply_overrides(recipe, config, text: str):
   """An ablation row (a dict literal, or the name of one in the recipe module) applied to `config`."""
   if not text:
     return
+  if text.isidentifier() and not hasattr(recipe, text):
+    raise SystemExit(f'error: --overrides={text} names nothing in the --config module; pass a dict literal '
+                     'or the name of one there (e.g. AIRBENCH_PARTS with experiments/cifar10_fast_ablation.py)')
   overrides = getattr(recipe, text) if text.isidentifier() else ast.literal_eval(text)
   if unsupported := set(overrides) - SUPPORTED:
     raise SystemExit(f'error: the PyTorch peer does not implement {sorted(unsupported)}')
@@ -151,6 +155,10 @@ def main() -> None:
   config.dataset.folder = args.folder
   if args.epochs:
     config.num_epochs = args.epochs
+  try:
+    config_lib.validate(config)
+  except config_lib.ConfigError as e:
+    raise SystemExit(f'error: {e}') from None
   dataset = data.load(config)
   mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (dataset.mean, dataset.std))
   to_tensor = lambda u8: torch.from_numpy(np.ascontiguousarray(u8.transpose(0, 3, 1, 2)))
@@ -219,7 +227,7 @@ def main() -> None:
     rows = order[position * config.batch_size:(position + 1) * config.batch_size]
     mirror = first_flips[rows] ^ (epoch % 2 == 1) if config.augment.alternate_flip else None
     x = normalize(augment(torch, train_x[rows], generator, config.augment.crop_padding,
-                          config.augment.crop_pad_mode, mirror))
+                          config.augment.crop_pad_mode, config.augment.flip, mirror))
     for group in optimizer.param_groups:
       group['lr'] = float(schedule(step)) * group['factor'] * (group['stop'] is None or step < group['stop'])
     loss = loss_fn(model(x), train_y[rows])

@@ -199,7 +199,7 @@ def folder_mode(args) -> dict:
   def measure_flaxtpu(steps, indices) -> dict:
     del indices  # flaxtpu finds them itself: the same ones
     batches_iter = data.train_batches(dataset, seed=0, batch_size=args.batch_size, first_step=steps.start,
-                                      last_step=steps.stop)
+                                      last_step=steps.stop, alternate_flip=config.augment.alternate_flip)
     try:
       return time_batches(batches_iter, warmup, args.seconds, max_batches, period)
     finally:
@@ -287,7 +287,8 @@ def cifar_mode(args) -> dict:
 
   def device_batches(first_step, count):
     return data.prefetch(placement.put_train_batch(tuple(batch)[:2]) for batch in data.train_batches(
-        dataset, seed=0, batch_size=args.batch_size, first_step=first_step, last_step=first_step + count))
+        dataset, seed=0, batch_size=args.batch_size, first_step=first_step, last_step=first_step + count,
+        alternate_flip=config.augment.alternate_flip))
 
   def pipeline_rate(first_step):
     key = jax.random.PRNGKey(0)

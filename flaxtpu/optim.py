@@ -192,6 +192,8 @@ def freeze_after(inner: optax.GradientTransformation,
   first n updates and then stops changing (airbench trains its whitening bias for 3 epochs only).
 
   Its optimizer state keeps running, unused: the parameter only stops moving.
+  Under Lookahead (which wraps this) the first sync after the stop still
+  moves it once, to its slow weight, as in airbench.
   """
   def limit(path) -> int | None:
     name = path_name(path)

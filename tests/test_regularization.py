@@ -246,6 +246,21 @@ def test_freeze_after_stops_a_parameter_after_its_epochs_counting_updates():
   assert [b for _, b in got[1::2]] == pytest.approx(expected[:2] + [expected[1]] * 4, abs=1e-6)
 
 
+def test_a_run_with_alternate_flip_has_the_host_mirror_its_batches(tmp_path, monkeypatch):
+  from flaxtpu import data
+  calls, plain = [], data.train_batches
+
+  def recording(*args, **kwargs):
+    calls.append(kwargs.get('alternate_flip'))
+    return plain(*args, **kwargs)
+
+  monkeypatch.setattr(data, 'train_batches', recording)
+  config = _config(**{'dataset.name': 'digits', 'dataset.train_split': 'train[:256]', 'batch_size': 32,
+                      'num_train_steps': 2, 'augment.flip': True, 'augment.alternate_flip': True})
+  train.train_and_evaluate(config, str(tmp_path))
+  assert calls and all(calls)  # the batches trained on and the TensorBoard sample alike
+
+
 def test_freeze_after_names_a_bad_entry_and_a_pattern_that_matches_nothing():
   with pytest.raises(ConfigError, match=r"config.optimizer.freeze_after entry 'stem' must be 'regex=epochs' with "
                      r"epochs >= 0, e.g. --config.optimizer.freeze_after="):
