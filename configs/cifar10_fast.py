@@ -25,21 +25,35 @@ def get_config():
   config.dataset.name = 'cifar10'
   config.dataset.normalize = 'standardize'
   config.augment.crop_padding = 2
+  config.augment.crop_pad_mode = 'reflect'
   config.augment.flip = True
+  config.augment.alternate_flip = True
   config.model.name = 'fastnet_whiten'
   config.batch_size = 1024
-  config.num_epochs = 7.0  # ~55 minutes on 2 CPU cores
+  config.num_epochs = 9.9
   config.optimizer.name = 'sgd'
   config.optimizer.learning_rate = 1.5
   config.optimizer.momentum = 0.85
   config.optimizer.nesterov = True
   config.optimizer.weight_decay = 1.33e-3
+  # The BatchNorm biases learn 64x faster; their decay per step stays that of the kernels.
+  config.optimizer.lr_multipliers = (r'BatchNorm_\d+/bias$=64',)
+  config.optimizer.bias_weight_decay = 1.33e-3 / 64
   config.optimizer.freeze = ('^stem/kernel$',)  # the whitening stays what the data made it
+  config.optimizer.freeze_after = ('^stem/bias$=3',)  # ... and its bias stops after 3 epochs
+  config.optimizer.lookahead_every = 5
+  config.optimizer.lookahead_decay = 0.95**5
+  config.optimizer.lookahead_decay_power = 3.0
   config.schedule.name = 'linear'
-  config.schedule.warmup_epochs = 1.6  # 23% of the run, as airbench (which starts it at 0.2x, not 0)
+  config.schedule.warmup_epochs = 2.3  # 23% of the run, as airbench (which starts it at 0.2x, not 0)
   config.schedule.final_lr_fraction = 0.07
   config.label_smoothing = 0.2
   config.eval.flip_tta = True
-  config.eval_every_steps = 96  # ~2 epochs: each evaluation costs ~40 s of a 2-core CPU
+  config.eval.translate_tta = 1
+  config.eval_every_steps = 1_000_000  # at the end only: each evaluation (6 views of 10,000 images) costs ~1.5 min here
+  config.checkpoint_every_steps = 48  # every epoch: --mode=eval scores any of them afterwards
+  config.checkpoint.keep = 11
   config.log_every_steps = 10
+  config.cpu_devices = 4  # with Eigen's convolutions 4 devices trained fastest here (158 img/s, 8: 125)
+  config.cpu_convolutions = 'eigen'  # 1.36x YNNPACK's on this network's 256-channel layers
   return config

@@ -26,6 +26,7 @@ REMAT_POLICIES = ('none', 'full', 'nothing_saveable', 'everything_saveable',
 DTYPES = ('float32', 'bfloat16')
 PARALLELISMS = ('jit', 'pmap')
 PLATFORMS = ('', 'cpu', 'gpu', 'tpu')
+CPU_CONVOLUTIONS = ('xla', 'eigen')
 NORMALIZATIONS = ('unit', 'standardize')
 
 
@@ -135,6 +136,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
                       'replicates parameters (set --config.mesh.fsdp=1 or --config.parallelism=jit)')
   if config.cpu_devices < 0:
     raise ConfigError(f'config.cpu_devices={config.cpu_devices} must be >= 0 (0 = XLA default)')
+  _one_of('cpu_convolutions', config.cpu_convolutions, CPU_CONVOLUTIONS)
   for key in ('optimizer.momentum', 'optimizer.b1', 'optimizer.b2', 'optimizer.lookahead_decay',
               'label_smoothing'):
     if not 0.0 <= config[key] < 1.0:

@@ -134,6 +134,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.mesh.fsdp_min_size = 2**14  # Arrays with fewer elements stay replicated under fsdp.
   config.require_platform = ''  # '' = run on what is there; else tpu | gpu | cpu, or stop.
   config.cpu_devices = 8  # On CPU, split the host into this many XLA devices (~3x faster convolutions; fewer if the batch sizes need); 0 = XLA's default.
+  config.cpu_convolutions = 'xla'  # XLA:CPU's convolution kernels: xla (its default, YNNPACK) | eigen (faster for wide layers: FastNet 1.36x, the Keras CNN 1.23x, ResNet-20 0.95x).
 
   # --- loop -------------------------------------------------------------
   config.seed = 0  # Seeds parameters, data order and augmentation.
