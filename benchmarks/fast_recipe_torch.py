@@ -18,10 +18,10 @@ at equal epochs; the wall time compares the frameworks on this CPU.
 `--overrides` applies an ablation row's keys (a Python dict literal) and the
 peer follows the ones airbench adds: BatchNorm-bias learning-rate multiplier
 and bias decay, Lookahead, the whitening bias' early freeze, reflected crop
-padding, alternating flips and translate TTA, e.g. all of them:
+padding, alternating flips and translate TTA, e.g. the recipe without them:
 
     python benchmarks/fast_recipe_torch.py --folder=/path/to/cifar10 \
-        --config=experiments/cifar10_fast_ablation.py --overrides=AIRBENCH_PARTS
+        --config=experiments/cifar10_fast_ablation.py --overrides=WITHOUT_AIRBENCH_PARTS
 
 Prints one JSON line: accuracy after each evaluated epoch, seconds, images/s.
 Needs torch (`pip install torch==2.13.0`, the `bench` extra).
@@ -124,7 +124,7 @@ def apply_overrides(recipe, config, text: str):
     return
   if text.isidentifier() and not hasattr(recipe, text):
     raise SystemExit(f'error: --overrides={text} names nothing in the --config module; pass a dict literal '
-                     'or the name of one there (e.g. AIRBENCH_PARTS with experiments/cifar10_fast_ablation.py)')
+                     'or the name of one there (e.g. WITHOUT_AIRBENCH_PARTS with experiments/cifar10_fast_ablation.py)')
   overrides = getattr(recipe, text) if text.isidentifier() else ast.literal_eval(text)
   if unsupported := set(overrides) - SUPPORTED:
     raise SystemExit(f'error: the PyTorch peer does not implement {sorted(unsupported)}')

@@ -37,10 +37,19 @@ STEPS = {'cnn': 40, 'resnet20': 8}
 RECIPES = {'cnn': 'configs/cifar10.py', 'resnet20': 'configs/cifar10_resnet.py'}
 
 
-def _env(devices: int) -> dict:
+def _env(devices: int, model: str = '') -> dict:
+  """XLA's flags for `devices` CPU devices and, for `model`, its recipe's `cpu_convolutions` (as the CLI sets)."""
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
+  if model:
+    from flaxtpu import main as main_lib  # pylint: disable=g-import-not-at-top
+    env['XLA_FLAGS'] += ' ' + main_lib.CPU_CONVOLUTION_FLAGS[_recipe(model).cpu_convolutions]
   return env
+
+
+def _recipe(model: str):
+  from configs import cifar10, cifar10_resnet  # pylint: disable=g-import-not-at-top
+  return (cifar10 if model == 'cnn' else cifar10_resnet).get_config()
 
 
 def synthetic_folder(root: str, per_class: int) -> str:
@@ -73,7 +82,7 @@ def measure_loop(model: str, parallelism: str, folder: str, steps: int) -> float
 
 def measure_in_subprocess(mode: str, model: str, devices: int, steps: int) -> float:
   out = subprocess.run([sys.executable, __file__, f'--worker={mode}', f'--models={model}',
-                        f'--steps={steps}'], cwd=ROOT, env=_env(devices), check=True,
+                        f'--steps={steps}'], cwd=ROOT, env=_env(devices, model), check=True,
                        capture_output=True, text=True).stdout
   return json.loads(out.strip().splitlines()[-1])['value']
 
@@ -83,9 +92,8 @@ def worker(mode: str, model: str, steps: int) -> float:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  from configs import cifar10, cifar10_resnet  # pylint: disable=g-import-not-at-top
   from flaxtpu import steps as steps_lib  # pylint: disable=g-import-not-at-top
-  config = (cifar10 if model == 'cnn' else cifar10_resnet).get_config()
+  config = _recipe(model)
   config.model.name, config.batch_size = model, 128 if mode == 'step' else 64
   # The train step as training and --mode=plan build it; timed on random data, not its zero batch.
   placement, state, _, step, _ = steps_lib.compile_on_zeros(config, image_shape=(32, 32, 3),

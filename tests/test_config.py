@@ -54,6 +54,7 @@ def test_imagenet_recipe_is_the_standard_one():
     ('optimizer.weight_decay', -1.0, 'config.optimizer.weight_decay=-1.0 must be >= 0'),
     ('require_platform', 'ipu', "config.require_platform='ipu' is not valid"),
     ('augment.crop_pad_mode', 'wrap', "config.augment.crop_pad_mode='wrap' is not valid; choose one of: 'zeros', "),
+    ('cpu_convolutions', 'onednn', "config.cpu_convolutions='onednn' is not valid; choose one of: 'xla', 'eigen'"),
 ])
 def test_bad_values_name_key_value_and_allowed(key, value, message):
   config = cifar10.get_config()

@@ -246,3 +246,54 @@ def test_eval_without_checkpoint_names_the_path(tmp_path, image_folder):
   assert result.returncode != 0
   assert f'error: no checkpoints in {tmp_path}/checkpoints' in result.stderr
   assert os.listdir(tmp_path) == []
+
+
+def _cpu_flags(xla_flags='', mode='train', **overrides):
+  from flaxtpu import main as main_lib  # pylint: disable=g-import-not-at-top
+  config = cifar10_resnet.get_config()
+  config.update(overrides)
+  return main_lib.cpu_xla_flags(config, mode, xla_flags)
+
+
+def test_cpu_flags_set_devices_and_convolutions_unless_the_user_did():
+  assert _cpu_flags() == ('--xla_force_host_platform_device_count=8', '')
+  eigen = '--xla_cpu_experimental_ynn_fusion_type=-individual_convolution'
+  assert _cpu_flags(cpu_convolutions='eigen')[0] == f'--xla_force_host_platform_device_count=8 {eigen}'
+  # 8 devices do not divide a batch of 12: the largest count that does, said in the log.
+  assert _cpu_flags(batch_size=12, cpu_convolutions='eigen') == (
+      f'--xla_force_host_platform_device_count=4 {eigen}',
+      'using 4 CPU devices, not config.cpu_devices=8: batch sizes 12/12 must divide over them')
+  assert _cpu_flags(mode='predict')[0] == '--xla_force_host_platform_device_count=1'
+  # What the user put in XLA_FLAGS stays as it is.
+  mine = '--xla_force_host_platform_device_count=2 --xla_cpu_experimental_ynn_fusion_type='
+  assert _cpu_flags(mine, cpu_convolutions='eigen') == (mine, '')
+  assert _cpu_flags(cpu_devices=0, cpu_convolutions='xla') == ('', '')
+
+
+_CONV_GRADIENT = '''
+import json, jax, jax.numpy as jnp, numpy as np
+def loss(w, x):
+  y = jax.lax.conv_general_dilated(x, w, (1, 1), 'SAME', dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+  return jnp.sum(y ** 2)
+rng = np.random.default_rng(0)
+x, w = rng.normal(size=(4, 8, 8, 16)).astype(np.float32), rng.normal(size=(3, 3, 16, 32)).astype(np.float32)
+compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(w, x).compile()
+print(json.dumps({'ynn': 'ynn_fusion' in compiled.as_text(),
+                  'grads': [np.asarray(g).ravel().tolist() for g in compiled(w, x)]}))
+'''
+
+
+def test_eigen_convolutions_leave_ynnpack_and_keep_the_numbers():
+  """`cpu_convolutions=eigen` reaches XLA: no convolution runs as a YNNPACK fusion, gradients match to float32 rounding."""
+  results = {}
+  for setting in ('xla', 'eigen'):
+    flags, _ = _cpu_flags(cpu_convolutions=setting, cpu_devices=1)
+    env = dict(os.environ, XLA_FLAGS=flags)
+    out = subprocess.run([sys.executable, '-c', _CONV_GRADIENT], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    results[setting] = json.loads(out.strip().splitlines()[-1])
+  assert results['xla']['ynn'] and not results['eigen']['ynn']
+  for default, eigen in zip(results['xla']['grads'], results['eigen']['grads']):
+    default, eigen = np.asarray(default), np.asarray(eigen)
+    # float32 sums of 256 products in another order: relative to the gradient's scale
+    assert np.abs(eigen - default).max() <= 1e-5 * np.abs(default).max()

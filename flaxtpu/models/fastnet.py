@@ -20,8 +20,8 @@ cifar10_fast recipe's model:
   - each block's convolutions start as partial identities (the first
     min(in, out) output channels pass their input channel through, as
     torch.nn.init.dirac_), the rest and the head as PyTorch initialises them.
-Not airbench's: the GELU is tanh-approximated (Flax's default), and the
-whitening bias trains all run long at the base learning rate.
+Not airbench's: the GELU is tanh-approximated (Flax's default). How long the
+whitening bias trains is the optimizer's (`optimizer.freeze_after`).
 """
 
 import functools
