@@ -41,9 +41,9 @@ def _env(devices: int, model: str = '') -> dict:
   """XLA's flags for `devices` CPU devices and, for `model`, its recipe's `cpu_convolutions` (as the CLI sets)."""
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
-  if model:
+  if model:  # what the CLI adds to these flags for the recipe (the device count above stays)
     from flaxtpu import main as main_lib  # pylint: disable=g-import-not-at-top
-    env['XLA_FLAGS'] += ' ' + main_lib.CPU_CONVOLUTION_FLAGS[_recipe(model).cpu_convolutions]
+    env['XLA_FLAGS'], _ = main_lib.cpu_xla_flags(_recipe(model), 'train', env['XLA_FLAGS'])
   return env
 
 

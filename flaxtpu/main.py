@@ -19,7 +19,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from flaxtpu import config as config_lib  # no JAX inside: safe before XLA's flags are set
-from flaxtpu.config import resolved_eval_batch_size
+from flaxtpu.config import CPU_CONVOLUTION_FLAGS, YNN_FUSION_FLAG, resolved_eval_batch_size
 from flaxtpu.errors import UserError
 from flaxtpu.signals import StopRequest
 
@@ -111,13 +111,6 @@ def _flag_error(error: Exception, argv) -> str:
 def _exit_with_error(message: str):
   print(f'error: {message}', file=sys.stderr)
   sys.exit(2)
-
-
-# config.cpu_convolutions -> the XLA flag that selects it. XLA:CPU (jaxlib >= 0.9) runs convolutions
-# through YNNPACK by default; without it, Eigen's kernels (2 cores, median images/s of a bare train step:
-# FastNet at batch 1024 132 against 97, the Keras CNN 1,975 against 1,604, ResNet-20 172 against 182).
-YNN_FUSION_FLAG = '--xla_cpu_experimental_ynn_fusion_type'
-CPU_CONVOLUTION_FLAGS = {'xla': '', 'eigen': f'{YNN_FUSION_FLAG}=-individual_convolution'}
 
 
 def cpu_xla_flags(config, mode: str, xla_flags: str) -> tuple[str, str]:
