@@ -14,7 +14,9 @@ Contestants, all at the same global batch (128) and input shape (32x32x3):
   torch               PyTorch eager (optional: pip install -e '.[bench]')
 Each contestant runs in its own process; repeats are interleaved (every
 contestant once per round) so that machine noise hits all alike; the table
-gives medians and ratios flaxtpu / peer. Also: batch-64 predict latency of
+gives medians and ratios flaxtpu / peer, and each rate as GFLOP/s and as a
+share of numpy's SGEMM on the same cores (measured in every round too). A
+training image costs 3x the forward pass's FLOPs (XLA's cost analysis). Also: batch-64 predict latency of
 flaxtpu's jitted predict vs Keras' `@tf.function(jit_compile=True)` predict.
 """
 
@@ -78,6 +80,32 @@ def measure_loop(model: str, parallelism: str, folder: str, steps: int) -> float
     with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
       rates = [row['images_per_sec'] for row in map(json.loads, f) if 'images_per_sec' in row]
   return statistics.median(rates[1:])
+
+
+def train_flops_per_image(model: str) -> float:
+  """3x the forward pass's FLOPs per image (forward + two backward GEMMs), as XLA's cost analysis counts them."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  from flaxtpu import models  # pylint: disable=g-import-not-at-top
+  net = models.create(model, num_classes=10, image_shape=(32, 32, 3))
+  images = jnp.zeros((8, 32, 32, 3))
+  variables = net.init(jax.random.PRNGKey(0), images[:1], train=False)
+  forward = jax.jit(lambda v, x: net.apply(v, x, train=False)).lower(variables, images)
+  return 3 * forward.cost_analysis()['flops'] / len(images)
+
+
+def sgemm_gflops(size: int = 2048, calls: int = 10) -> float:
+  """numpy's float32 matrix product on all cores: the peak a CPU framework's GEMMs can hope for."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  a = np.random.default_rng(0).standard_normal((size, size), np.float32)
+  a @ a
+  times = []
+  for _ in range(calls):
+    started = time.perf_counter()
+    a @ a
+    times.append(time.perf_counter() - started)
+  return 2 * size**3 / statistics.median(times) / 1e9
 
 
 def measure_in_subprocess(mode: str, model: str, devices: int, steps: int) -> float:
@@ -144,41 +172,50 @@ def main() -> None:
     contestants[peer] = lambda m, s, folder, peer=peer: peers.measure_peer(
         peer, m, batch_size=128, steps=s, repeats=1).get('images_per_sec', float('nan'))
 
-  results = {}
+  results, sgemm = {}, []
   with tempfile.TemporaryDirectory() as tmp:
     folder = synthetic_folder(os.path.join(tmp, 'images'), per_class=128)
     for model in args.models:
       steps = args.steps or STEPS[model]
       rates = {name: [] for name in contestants}
       for repeat in range(args.repeats):
+        sgemm.append(sgemm_gflops())
         for name, measure in contestants.items():
           try:
             rates[name].append(measure(model, steps, folder))
           except (RuntimeError, subprocess.CalledProcessError) as e:
             print(f'{name} {model}: failed ({str(e).splitlines()[0]})', flush=True)
             rates[name].append(float('nan'))
-        print(f'{model}: round {repeat + 1}/{args.repeats} ' +
+        print(f'{model}: round {repeat + 1}/{args.repeats} sgemm={sgemm[-1]:.0f}GFLOP/s ' +
               ' '.join(f'{n}={r[-1]:.0f}' for n, r in rates.items()), flush=True)
-      results[model] = {name: {'images_per_sec': statistics.median(r), 'repeats': r}
+      flops = train_flops_per_image(model)
+      results[model] = {name: {'images_per_sec': statistics.median(r), 'repeats': r,
+                               'gflops': statistics.median(r) * flops / 1e9}
                         for name, r in rates.items()}
+      results[model]['train_mflop_per_image'] = flops / 1e6
     latency = {'flaxtpu_8dev': measure_in_subprocess('predict', 'cnn', 8, 50),
                'flaxtpu_1dev': measure_in_subprocess('predict', 'cnn', 1, 50)}
     for peer in ('keras_tf', 'keras_jax'):
       latency[peer] = peers.measure_peer(peer, 'cnn', batch_size=64, steps=50, repeats=1,
                                          mode='predict')['latency_ms']
 
-  print('\nimages/s (median of interleaved repeats), global batch 128')
+  peak = statistics.median(sgemm)
+  print(f'\nimages/s (median of interleaved repeats), global batch 128; numpy SGEMM {peak:.0f} GFLOP/s')
   for model, rows in results.items():
+    rows = dict(rows)
+    flops = rows.pop('train_mflop_per_image')
     ours = rows['flaxtpu_loop_jit']['images_per_sec']
-    print(f'  {model}')
+    print(f'  {model} ({flops:.1f} MFLOP per training image)')
     for name, row in rows.items():
-      print(f'    {name:18s} {row["images_per_sec"]:8.0f}   flaxtpu loop / this = '
+      print(f'    {name:18s} {row["images_per_sec"]:8.0f}   {row["gflops"]:6.1f} GFLOP/s '
+            f'{100 * row["gflops"] / peak:5.1f}% of SGEMM   flaxtpu loop / this = '
             f'{ours / row["images_per_sec"]:5.2f}x')
   print('predict latency, cnn, batch 64 (median ms):  ' +
         '  '.join(f'{k} {v:.2f}' for k, v in latency.items()))
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, 'w', encoding='utf-8') as f:
     json.dump({'throughput': results, 'predict_latency_ms_cnn_batch64': latency,
+               'sgemm_gflops': {'median': peak, 'repeats': sgemm},
                'cpu_count': os.cpu_count()}, f, indent=2)
   print(f'wrote {args.out}')
 
