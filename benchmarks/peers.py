@@ -81,6 +81,22 @@ def time_train(run_steps: Callable[[int], None], steps: int, repeats: int) -> di
           'step_ms_repeats': [1e3 * s for s in step_s]}
 
 
+def sgemm_gflops(size: int = 2048, calls: int = 10) -> list[float]:
+  """GFLOP/s of each of `calls` numpy float32 products of two size x size matrices, on all cores.
+
+  The rate a CPU framework's GEMMs can hope for; callers summarise the calls
+  (median, or the best).
+  """
+  a = np.random.default_rng(0).standard_normal((size, size), np.float32)
+  a @ a  # warm-up: thread pool, caches
+  rates = []
+  for _ in range(calls):
+    start = time.perf_counter()
+    a @ a
+    rates.append(2 * size**3 / (time.perf_counter() - start) / 1e9)
+  return rates
+
+
 def time_predict(predict_once: Callable[[], None], calls: int, repeats: int,
                  warmup: int = 5) -> dict[str, Any]:
   """Latency of `predict_once()` (which syncs) over `calls * repeats` calls."""

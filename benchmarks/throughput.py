@@ -16,8 +16,9 @@ Each contestant runs in its own process; repeats are interleaved (every
 contestant once per round) so that machine noise hits all alike; the table
 gives medians and ratios flaxtpu / peer, and each rate as GFLOP/s and as a
 share of numpy's SGEMM on the same cores (measured in every round too). A
-training image costs 3x the forward pass's FLOPs (XLA's cost analysis). Also: batch-64 predict latency of
-flaxtpu's jitted predict vs Keras' `@tf.function(jit_compile=True)` predict.
+training image costs 3x the forward pass's FLOPs (XLA's cost analysis).
+Also: batch-64 predict latency of flaxtpu's jitted predict vs Keras'
+`@tf.function(jit_compile=True)` predict.
 """
 
 import argparse
@@ -95,19 +96,6 @@ def train_flops_per_image(model: str) -> float:
   return 3 * forward.cost_analysis()['flops'] / len(images)
 
 
-def sgemm_gflops(size: int = 2048, calls: int = 10) -> float:
-  """numpy's float32 matrix product on all cores: the peak a CPU framework's GEMMs can hope for."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  a = np.random.default_rng(0).standard_normal((size, size), np.float32)
-  a @ a
-  times = []
-  for _ in range(calls):
-    started = time.perf_counter()
-    a @ a
-    times.append(time.perf_counter() - started)
-  return 2 * size**3 / statistics.median(times) / 1e9
-
-
 def measure_in_subprocess(mode: str, model: str, devices: int, steps: int) -> float:
   out = subprocess.run([sys.executable, __file__, f'--worker={mode}', f'--models={model}',
                         f'--steps={steps}'], cwd=ROOT, env=_env(devices, model), check=True,
@@ -172,14 +160,14 @@ def main() -> None:
     contestants[peer] = lambda m, s, folder, peer=peer: peers.measure_peer(
         peer, m, batch_size=128, steps=s, repeats=1).get('images_per_sec', float('nan'))
 
-  results, sgemm = {}, []
+  results, sgemm, train_flops = {}, [], {}
   with tempfile.TemporaryDirectory() as tmp:
     folder = synthetic_folder(os.path.join(tmp, 'images'), per_class=128)
     for model in args.models:
       steps = args.steps or STEPS[model]
       rates = {name: [] for name in contestants}
       for repeat in range(args.repeats):
-        sgemm.append(sgemm_gflops())
+        sgemm.append(statistics.median(peers.sgemm_gflops()))
         for name, measure in contestants.items():
           try:
             rates[name].append(measure(model, steps, folder))
@@ -188,11 +176,10 @@ def main() -> None:
             rates[name].append(float('nan'))
         print(f'{model}: round {repeat + 1}/{args.repeats} sgemm={sgemm[-1]:.0f}GFLOP/s ' +
               ' '.join(f'{n}={r[-1]:.0f}' for n, r in rates.items()), flush=True)
-      flops = train_flops_per_image(model)
+      train_flops[model] = train_flops_per_image(model)
       results[model] = {name: {'images_per_sec': statistics.median(r), 'repeats': r,
-                               'gflops': statistics.median(r) * flops / 1e9}
+                               'gflops': statistics.median(r) * train_flops[model] / 1e9}
                         for name, r in rates.items()}
-      results[model]['train_mflop_per_image'] = flops / 1e6
     latency = {'flaxtpu_8dev': measure_in_subprocess('predict', 'cnn', 8, 50),
                'flaxtpu_1dev': measure_in_subprocess('predict', 'cnn', 1, 50)}
     for peer in ('keras_tf', 'keras_jax'):
@@ -202,10 +189,8 @@ def main() -> None:
   peak = statistics.median(sgemm)
   print(f'\nimages/s (median of interleaved repeats), global batch 128; numpy SGEMM {peak:.0f} GFLOP/s')
   for model, rows in results.items():
-    rows = dict(rows)
-    flops = rows.pop('train_mflop_per_image')
     ours = rows['flaxtpu_loop_jit']['images_per_sec']
-    print(f'  {model} ({flops:.1f} MFLOP per training image)')
+    print(f'  {model} ({train_flops[model] / 1e6:.1f} MFLOP per training image)')
     for name, row in rows.items():
       print(f'    {name:18s} {row["images_per_sec"]:8.0f}   {row["gflops"]:6.1f} GFLOP/s '
             f'{100 * row["gflops"] / peak:5.1f}% of SGEMM   flaxtpu loop / this = '
@@ -216,6 +201,7 @@ def main() -> None:
   with open(args.out, 'w', encoding='utf-8') as f:
     json.dump({'throughput': results, 'predict_latency_ms_cnn_batch64': latency,
                'sgemm_gflops': {'median': peak, 'repeats': sgemm},
+               'train_mflop_per_image': {model: flops / 1e6 for model, flops in train_flops.items()},
                'cpu_count': os.cpu_count()}, f, indent=2)
   print(f'wrote {args.out}')
 
