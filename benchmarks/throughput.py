@@ -22,6 +22,7 @@ Also: batch-64 predict latency of flaxtpu's jitted predict vs Keras'
 """
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -51,8 +52,9 @@ def _env(devices: int, model: str = '') -> dict:
 
 
 def _recipe(model: str):
-  from configs import cifar10, cifar10_resnet  # pylint: disable=g-import-not-at-top
-  return (cifar10 if model == 'cnn' else cifar10_resnet).get_config()
+  """The config of RECIPES[model], the file the loop contestants train with."""
+  module = importlib.import_module(RECIPES[model].removesuffix('.py').replace('/', '.'))
+  return module.get_config()
 
 
 def synthetic_folder(root: str, per_class: int) -> str:
