@@ -6,6 +6,7 @@ import csv
 import logging
 import os
 import re
+from typing import Optional
 
 import jax
 import ml_collections
@@ -15,66 +16,74 @@ from flaxtpu import checkpoint, data, files, parallel, report, steps
 from flaxtpu.config import eval_metric_prefix, resolved_eval_batch_size
 from flaxtpu.errors import UserError
 
+# The logits and labels of every eval example, in order; None where they are not all on this process.
+Predictions = Optional[tuple[np.ndarray, np.ndarray]]
 
-def evaluate(placement: steps.Placement, state, dataset: data.Dataset,
-             batch_size: int) -> dict[str, float]:
-  """Loss and accuracy over every example of the eval split, each counted exactly once."""
+
+def evaluate(placement: steps.Placement, state, dataset: data.Dataset, batch_size: int,
+             keep_logits: bool = False) -> tuple[dict[str, float], Predictions]:
+  """Loss and accuracy over every example of the eval split, each counted exactly once.
+
+  With `keep_logits`, on one process, the logits and labels of every example
+  come back too (for `write_report`); otherwise None.
+  """
   totals, one_step_in_flight = None, parallel.one_step_in_flight()
+  keep_logits = keep_logits and jax.process_count() == 1  # another process' examples are not here
+  logits, labels = [], []
   for batch in data.eval_batches(dataset, batch_size=batch_size, process_index=jax.process_index(),
                                  process_count=jax.process_count()):
-    batch_metrics = placement.eval_step(state, placement.put_eval_batch(tuple(batch)))
+    batch_metrics, batch_logits = placement.eval_step(state, placement.put_eval_batch(tuple(batch)))
     if one_step_in_flight:
       jax.block_until_ready(batch_metrics)
     totals = batch_metrics if totals is None else totals.merge(batch_metrics)
+    if keep_logits:
+      logits.append(np.asarray(batch_logits)[batch.mask])
+      labels.append(batch.labels[batch.mask])
   result = {f'eval_{k}': float(v) for k, v in totals.compute().items()}
   result['num_examples'] = int(totals.loss.count)
-  return result
+  return result, (np.concatenate(logits), np.concatenate(labels)) if keep_logits else None
 
 
 def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str, data.Dataset]],
-                    batch_size: int) -> dict[str, float]:
+                    batch_size: int, report_weights: Optional[str] = None
+                    ) -> tuple[dict[str, float], Predictions]:
   """Every eval split, with the raw weights and (when the state has them) the EMA weights.
 
   The first split's metrics are `eval_loss`, `eval_accuracy`, ... (they pick
   the best checkpoint); another split's carry its name (`eval_train_5000_accuracy`);
   the EMA weights' end in `_ema`. `num_examples` counts the first split.
+  With `report_weights` ('raw' or 'ema') the first split's predictions under
+  those weights come back too (see `evaluate`).
   """
-  views = [('', state)] + ([('_ema', steps.ema_view(state))] if getattr(state, 'ema', None) else [])
-  results = {}
+  views = [('raw', '', state)]
+  if getattr(state, 'ema', None):
+    views.append(('ema', '_ema', steps.ema_view(state)))
+  results, predictions = {}, None
   for index, (split, dataset) in enumerate(eval_sets):
     prefix = eval_metric_prefix(split, first=index == 0)
-    for suffix, weights in views:
-      scores = evaluate(placement, weights, dataset, batch_size)
+    for weights, suffix, view in views:
+      for_report = index == 0 and weights == report_weights
+      scores, kept = evaluate(placement, view, dataset, batch_size, keep_logits=for_report)
+      predictions = kept if for_report else predictions
       count = scores.pop('num_examples')
       if index == 0 and not suffix:
         results['num_examples'] = count
       results.update({prefix + name[len('eval_'):] + suffix: value for name, value in scores.items()})
-  return results
+  return results, predictions
 
 
-def eval_logits(placement: steps.Placement, state, dataset: data.Dataset,
-                batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-  """The logits and labels of every eval example, in order (one process)."""
-  logits, labels = [], []
-  for batch in data.eval_batches(dataset, batch_size=batch_size):
-    (images,) = placement.put_eval_batch((batch.images,))
-    logits.append(np.asarray(placement.logits(state, images))[batch.mask])
-    labels.append(batch.labels[batch.mask])
-  return np.concatenate(logits), np.concatenate(labels)
-
-
-def write_report(placement: steps.Placement, state, dataset: data.Dataset, batch_size: int,
-                 directory: str, suffix: str = '') -> dict:
+def write_report(predictions: Predictions, dataset: data.Dataset, directory: str, suffix: str = '') -> dict:
   """per_class.csv, confusion, mistakes and reliability PNGs of the eval split in `directory`.
 
-  Returns the summary numbers (ECE, top-5 accuracy) for eval.json. The
-  logits of every example are gathered on one host, so a run of many
-  processes leaves the report to `--mode=eval` on one.
+  `predictions` are `evaluate`'s logits and labels. Returns the summary
+  numbers (ECE, top-5 accuracy) for eval.json. The logits of every example
+  are gathered on one host, so a run of many processes (no predictions)
+  leaves the report to `--mode=eval` on one.
   """
-  if jax.process_count() > 1:
+  if predictions is None:
     logging.info('per-class report skipped: it runs on one process (--mode=eval on one host writes it)')
     return {}
-  logits, labels = eval_logits(placement, state, dataset, batch_size)
+  logits, labels = predictions
   summary = report.write_eval_report(directory, logits, labels, list(dataset.class_names),
                                      images=lambda index: data.eval_image(dataset, index), suffix=suffix)
   logging.info('eval report: ECE %.4f%s; %s in %s', summary['eval_ece'],
@@ -140,14 +149,14 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
                     f'of {dataset.image_shape} images but checkpoint {workdir}/checkpoints/{step} was '
                     f'trained on {record["num_classes"]} classes of {tuple(record["image_shape"])}; '
                     'evaluate on data like the training data')
-  results = evaluate(placement, state, dataset, resolved_eval_batch_size(config))
+  results, predictions = evaluate(placement, state, dataset, resolved_eval_batch_size(config),
+                                  keep_logits=True)
   # The split the run evaluated while training gets the plain names; another split its own suffix.
   trained_split = record.get('config', {}).get('dataset', {}).get('eval_split')
   split = config.dataset.eval_split
   suffix = '' if split == trained_split else '-' + re.sub(r'[^\w.-]+', '_', split).strip('_')
   suffix += '-ema' if config.eval.ema else ''
-  results.update(write_report(placement, state, dataset, resolved_eval_batch_size(config), workdir,
-                              suffix))
+  results.update(write_report(predictions, dataset, workdir, suffix))
   results.update(step=step, split=config.dataset.eval_split, weights='ema' if config.eval.ema else 'raw',
                  source=config.dataset.folder or config.dataset.name,
                  checkpoint=os.path.join(workdir, 'checkpoints', str(step)))

@@ -252,7 +252,11 @@ def logits_fn(state: TrainState | ModelState, images, *, task: Task):
 
 
 def eval_step(state: TrainState | ModelState, batch, *, task: Task, axis_name: Optional[str] = None):
-  """Masked loss and accuracy of a (padded) eval batch, as clu metrics summed over devices."""
+  """Masked loss and accuracy of a (padded) eval batch, as clu metrics summed over devices; and its logits.
+
+  The logits come back too (left sharded like the batch) so that the final
+  per-class report reuses the last evaluation instead of running it again.
+  """
   images, labels, mask = batch
   logits = logits_fn(state, images, task=task)
   outputs = dict(loss=optax.softmax_cross_entropy_with_integer_labels(logits, labels),
@@ -263,8 +267,8 @@ def eval_step(state: TrainState | ModelState, batch, *, task: Task, axis_name: O
     outputs['top5_accuracy'] = jnp.any(top5 == labels[:, None], axis=-1).astype(jnp.float32)
     collection = metrics.EvalMetrics
   if axis_name is None:
-    return collection.single_from_model_output(**outputs)
-  return collection.gather_from_model_output(axis_name=axis_name, **outputs)
+    return collection.single_from_model_output(**outputs), logits
+  return collection.gather_from_model_output(axis_name=axis_name, **outputs), logits
 
 
 # --- placing the steps on the devices ----------------------------------------------
@@ -344,26 +348,32 @@ def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict
                            out_shardings=(state_shardings, replicated),
                            donate_argnums=0) if task.optimizer else None,
         eval_step=jax.jit(functools.partial(eval_step, task=task),
-                          in_shardings=(state_shardings, batch_sharding), out_shardings=replicated),
+                          in_shardings=(state_shardings, batch_sharding),
+                          out_shardings=(replicated, batch_sharding)),
         logits=jax.jit(functools.partial(logits_fn, task=task),
                        in_shardings=(state_shardings, batch_sharding), out_shardings=replicated),
         put_train_batch=put_batch, put_eval_batch=put_batch,
         to_saveable=lambda state: state, from_saveable=lambda state: state,
         to_host_metrics=lambda collection: collection)
   axis = parallel.PMAP_AXIS
-  first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # pmap outputs are replicated
   pmapped_eval = jax.pmap(functools.partial(eval_step, task=task, axis_name=axis), axis_name=axis)
   pmapped_logits = jax.pmap(functools.partial(logits_fn, task=task), axis_name=axis)
   return Placement(
       mesh=mesh, parallelism='pmap', state_shardings=state_shardings, abstract_state=abstract_state,
       train_step=jax.pmap(functools.partial(train_step, task=task, axis_name=axis),
                           axis_name=axis, donate_argnums=0) if task.optimizer else None,
-      eval_step=lambda state, batch: first(pmapped_eval(state, batch)),
+      eval_step=lambda state, batch: _first_and_flat(pmapped_eval(state, batch), task.num_classes),
       logits=lambda state, images: pmapped_logits(state, images).reshape(-1, task.num_classes),
       put_train_batch=parallel.to_pmap_batch, put_eval_batch=parallel.to_pmap_batch,
       to_saveable=lambda state: parallel.unreplicate_to_mesh(state, mesh),
       from_saveable=parallel.replicate,
       to_host_metrics=lambda collection: collection.unreplicate())
+
+
+def _first_and_flat(outputs, num_classes: int):
+  """A pmapped eval step's outputs: the metrics (replicated: device 0's copy), the logits of all devices."""
+  batch_metrics, logits = outputs
+  return jax.tree.map(lambda x: x[0], batch_metrics), logits.reshape(-1, num_classes)
 
 
 def create_state(task: Task, placement: Placement, seed: int, fitted: Optional[dict] = None) -> TrainState:

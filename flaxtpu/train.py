@@ -309,6 +309,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
             'wall_time_s': previous_wall_time + time.time() - started, 'memory_plan': memory_plan}
 
   step, memory_plan, diverged_at = first_step, progress.get('memory_plan', {}), None
+  predictions = None  # the last evaluation's logits and labels, for the per-class report
   profiler = StepProfiler(workdir, first_step, config.profile_steps, length.total_steps)
   # Seconds-triggered progress lines need every process to agree on the step: one process only.
   log_every_secs = config.log_every_secs if jax.process_count() == 1 else 0.0
@@ -361,7 +362,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
     evaluate_now = step % length.eval_every_steps == 0 or is_last
     if evaluate_now:
       with clock.paused('eval', state):
-        eval_results = evaluate_splits(placement, state, eval_sets, eval_batch_size)
+        # The last evaluation also keeps the logits that the per-class report below is made of.
+        report_weights = ('ema' if config.eval.ema else 'raw') if is_last else None
+        eval_results, predictions = evaluate_splits(placement, state, eval_sets, eval_batch_size,
+                                                    report_weights)
       num_examples = eval_results.pop('num_examples')
       logging.info('eval at step %d: loss %.4f  accuracy %.4f  (%d examples)%s', step,
                    eval_results['eval_loss'], eval_results['eval_accuracy'], num_examples,
@@ -399,7 +403,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   if is_main:
     files.write_json(results_path, results)
     # Pictures of the finished run: per-class report and calibration of the eval split, curves.
-    write_report(placement, steps.ema_view(state) if config.eval.ema else state, dataset,
-                 eval_batch_size, workdir)
+    write_report(predictions, dataset, workdir)
     logging.info('curves: %s', report.write_curves(workdir))
   return results

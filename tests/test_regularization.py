@@ -1,5 +1,6 @@
 """The modern-recipe parts: gradient accumulation, EMA, mixup/CutMix, several eval splits."""
 
+import csv
 import json
 import os
 
@@ -10,7 +11,7 @@ import optax
 import pytest
 
 from conftest import restore_checkpoint, tiny_dataset
-from flaxtpu import augment, defaults, evaluate, optim, steps, train
+from flaxtpu import augment, data, defaults, evaluate, optim, steps, train
 from flaxtpu import config as config_lib
 from flaxtpu.config import ConfigError
 from flaxtpu.errors import UserError
@@ -349,17 +350,28 @@ def test_mixing_needs_an_even_batch():
 # --- training with all of it; several eval splits; EMA for eval/predict ------------------
 
 
-def test_a_run_with_ema_mixing_accumulation_and_two_eval_splits(tmp_path):
+def test_a_run_with_ema_mixing_accumulation_and_two_eval_splits(tmp_path, monkeypatch):
+  real_eval_batches = data.eval_batches
   config = _config(**{
       'dataset.name': 'digits', 'dataset.train_split': 'train[:512]', 'dataset.eval_split': 'test',
       'dataset.eval_splits': ('train[:100]',), 'batch_size': 32, 'num_train_steps': 16,
       'optimizer.name': 'adam', 'optimizer.learning_rate': 3e-3, 'optimizer.accumulate_steps': 2,
       'ema.decay': 0.9, 'augment.mixup_alpha': 0.2, 'augment.cutmix_alpha': 1.0,
       'augment.policy': 'trivialaugment', 'eval_every_steps': 8, 'checkpoint_every_steps': 8,
-      'checkpoint.best_metric': 'eval_accuracy_ema'})
+      'checkpoint.best_metric': 'eval_accuracy_ema', 'eval.ema': True})
   config_lib.validate(config)
   workdir = str(tmp_path)
+  passes = []  # every pass over an eval split
+  monkeypatch.setattr(data, 'eval_batches', lambda dataset, **kwargs: passes.append(dataset) or
+                      real_eval_batches(dataset, **kwargs))
   results = train.train_and_evaluate(config, workdir)
+  monkeypatch.undo()
+  # 2 evaluations x 2 splits x (raw, EMA) weights; the per-class report reuses the last one's logits.
+  assert len(passes) == 8
+  with open(os.path.join(workdir, 'per_class.csv'), newline='') as f:
+    rows = list(csv.DictReader(f))
+  correct, support = sum(int(row['correct']) for row in rows), sum(int(row['support']) for row in rows)
+  assert correct / support == pytest.approx(results['eval_accuracy_ema'], abs=1e-6)  # eval.ema: EMA weights
   for name in ('eval_accuracy', 'eval_accuracy_ema', 'eval_loss_ema', 'eval_top5_accuracy_ema',
                'eval_train_100_accuracy', 'eval_train_100_accuracy_ema', 'eval_train_100_loss'):
     assert 0.0 <= results[name] <= (1.0 if 'accuracy' in name else 10.0), name
