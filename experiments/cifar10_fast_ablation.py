@@ -5,10 +5,13 @@
 
 Every run trains the same number of steps, so training takes the same time
 within a few percent (the learned 3x3 stem of `fastnet` costs ~20% more per
-image than the 2x2 whitening stem). The TTA rows need no training of their
-own: `--mode=eval --config.eval.translate_tta=0` (or `flip_tta=false`)
-re-scores the recipe's checkpoint; they are listed for a sweep that wants
-them side by side. The base length is cut to 2 epochs so the whole ablation
+image than the 2x2 whitening stem). Test-time augmentation needs no training
+of its own, so it is not a run here: re-score the recipe's checkpoint with
+
+    python -m flaxtpu.main --config=experiments/cifar10_fast_ablation.py --mode=eval \
+        --workdir=runs/sweeps/fast_ablation/base --config.eval.translate_tta=0 [--config.eval.flip_tta=false]
+
+The base length is cut to 2 epochs so the whole ablation
 fits a CPU evening; pass --config.num_epochs=9.9 for the recipe's own length
 (with --config.schedule.warmup_epochs=2.3 and the whitening bias'
 --config.optimizer.freeze_after="('^stem/bias\\$=3',)").
@@ -42,8 +45,6 @@ def get_sweep():
   return [
       {},  # the recipe
       learned_stem,
-      {'eval.translate_tta': 0},  # flip TTA only
-      {'eval.flip_tta': False, 'eval.translate_tta': 0},  # no TTA
       {'label_smoothing': 0.0},
       {'augment.flip': False, 'augment.alternate_flip': False},
       {'augment.alternate_flip': False},  # a coin per image instead of alternating epochs
