@@ -6,7 +6,7 @@ import csv
 import logging
 import os
 import re
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import ml_collections
@@ -16,12 +16,15 @@ from flaxtpu import checkpoint, data, files, parallel, report, steps
 from flaxtpu.config import eval_metric_prefix, resolved_eval_batch_size
 from flaxtpu.errors import UserError
 
-# The logits and labels of every eval example, in order; None where they are not all on this process.
-Predictions = Optional[tuple[np.ndarray, np.ndarray]]
+
+class Predictions(NamedTuple):
+  """The logits and labels of every eval example, in order."""
+  logits: np.ndarray
+  labels: np.ndarray
 
 
 def evaluate(placement: steps.Placement, state, dataset: data.Dataset, batch_size: int,
-             keep_logits: bool = False) -> tuple[dict[str, float], Predictions]:
+             keep_logits: bool = False) -> tuple[dict[str, float], Optional[Predictions]]:
   """Loss and accuracy over every example of the eval split, each counted exactly once.
 
   With `keep_logits`, on one process, the logits and labels of every example
@@ -36,17 +39,17 @@ def evaluate(placement: steps.Placement, state, dataset: data.Dataset, batch_siz
     if one_step_in_flight:
       jax.block_until_ready(batch_metrics)
     totals = batch_metrics if totals is None else totals.merge(batch_metrics)
-    if keep_logits:
-      logits.append(np.asarray(batch_logits)[batch.mask])
+    if keep_logits:  # (pmap hands them back per device: flattened here, not on the devices)
+      logits.append(np.asarray(batch_logits).reshape(len(batch.mask), -1)[batch.mask])
       labels.append(batch.labels[batch.mask])
   result = {f'eval_{k}': float(v) for k, v in totals.compute().items()}
   result['num_examples'] = int(totals.loss.count)
-  return result, (np.concatenate(logits), np.concatenate(labels)) if keep_logits else None
+  return result, (Predictions(np.concatenate(logits), np.concatenate(labels)) if keep_logits else None)
 
 
 def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str, data.Dataset]],
                     batch_size: int, report_weights: Optional[str] = None
-                    ) -> tuple[dict[str, float], Predictions]:
+                    ) -> tuple[dict[str, float], Optional[Predictions]]:
   """Every eval split, with the raw weights and (when the state has them) the EMA weights.
 
   The first split's metrics are `eval_loss`, `eval_accuracy`, ... (they pick
@@ -61,10 +64,11 @@ def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str
   results, predictions = {}, None
   for index, (split, dataset) in enumerate(eval_sets):
     prefix = eval_metric_prefix(split, first=index == 0)
-    for weights, suffix, view in views:
-      for_report = index == 0 and weights == report_weights
+    for name, suffix, view in views:
+      for_report = index == 0 and name == report_weights
       scores, kept = evaluate(placement, view, dataset, batch_size, keep_logits=for_report)
-      predictions = kept if for_report else predictions
+      if for_report:
+        predictions = kept
       count = scores.pop('num_examples')
       if index == 0 and not suffix:
         results['num_examples'] = count
@@ -72,15 +76,15 @@ def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str
   return results, predictions
 
 
-def write_report(predictions: Predictions, dataset: data.Dataset, directory: str, suffix: str = '') -> dict:
+def write_report(predictions: Optional[Predictions], dataset: data.Dataset, directory: str,
+                 suffix: str = '') -> dict:
   """per_class.csv, confusion, mistakes and reliability PNGs of the eval split in `directory`.
 
-  `predictions` are `evaluate`'s logits and labels. Returns the summary
-  numbers (ECE, top-5 accuracy) for eval.json. The logits of every example
-  are gathered on one host, so a run of many processes (no predictions)
-  leaves the report to `--mode=eval` on one.
+  `predictions` are what `evaluate` kept. Returns the summary numbers (ECE,
+  top-5 accuracy) for eval.json. They are kept on one process only, so a run
+  of many processes leaves the report to `--mode=eval` on one.
   """
-  if predictions is None:
+  if jax.process_count() > 1:
     logging.info('per-class report skipped: it runs on one process (--mode=eval on one host writes it)')
     return {}
   logits, labels = predictions

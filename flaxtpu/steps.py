@@ -252,11 +252,7 @@ def logits_fn(state: TrainState | ModelState, images, *, task: Task):
 
 
 def eval_step(state: TrainState | ModelState, batch, *, task: Task, axis_name: Optional[str] = None):
-  """Masked loss and accuracy of a (padded) eval batch, as clu metrics summed over devices; and its logits.
-
-  The logits come back too (left sharded like the batch) so that the final
-  per-class report reuses the last evaluation instead of running it again.
-  """
+  """Masked loss and accuracy of a (padded) eval batch, as clu metrics summed over devices; and its logits."""
   images, labels, mask = batch
   logits = logits_fn(state, images, task=task)
   outputs = dict(loss=optax.softmax_cross_entropy_with_integer_labels(logits, labels),
@@ -362,7 +358,7 @@ def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict
       mesh=mesh, parallelism='pmap', state_shardings=state_shardings, abstract_state=abstract_state,
       train_step=jax.pmap(functools.partial(train_step, task=task, axis_name=axis),
                           axis_name=axis, donate_argnums=0) if task.optimizer else None,
-      eval_step=lambda state, batch: _first_and_flat(pmapped_eval(state, batch), task.num_classes),
+      eval_step=lambda state, batch: _first_metrics(*pmapped_eval(state, batch)),
       logits=lambda state, images: pmapped_logits(state, images).reshape(-1, task.num_classes),
       put_train_batch=parallel.to_pmap_batch, put_eval_batch=parallel.to_pmap_batch,
       to_saveable=lambda state: parallel.unreplicate_to_mesh(state, mesh),
@@ -370,10 +366,9 @@ def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict
       to_host_metrics=lambda collection: collection.unreplicate())
 
 
-def _first_and_flat(outputs, num_classes: int):
-  """A pmapped eval step's outputs: the metrics (replicated: device 0's copy), the logits of all devices."""
-  batch_metrics, logits = outputs
-  return jax.tree.map(lambda x: x[0], batch_metrics), logits.reshape(-1, num_classes)
+def _first_metrics(batch_metrics, logits):
+  """A pmapped eval step's metrics are replicated (device 0's copy will do); its logits stay per device."""
+  return jax.tree.map(lambda x: x[0], batch_metrics), logits
 
 
 def create_state(task: Task, placement: Placement, seed: int, fitted: Optional[dict] = None) -> TrainState:

@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, SIGTERM and SIGKILL, best-keeping, restore anywhere, bad input."""
 
+import csv
 import json
 import os
 import signal
@@ -237,6 +238,8 @@ def _eval_cli(workdir, folder, *extra):
 def test_checkpoint_from_8_devices_evaluates_the_same_on_1(layout, image_folder, tmp_path):
   workdir = str(tmp_path)
   results = train.train_and_evaluate(_config(image_folder, num_train_steps=6, **layout), workdir)
+  with open(os.path.join(workdir, 'per_class.csv'), newline='') as f:  # made of the final eval's logits
+    assert sum(int(row['correct']) for row in csv.DictReader(f)) / 21 == pytest.approx(results['eval_accuracy'])
   result = _eval_cli(workdir, image_folder, '--config.cpu_devices=1', '--config.eval_batch_size=8')
   assert result.returncode == 0, result.stderr[-3000:]
   with open(os.path.join(workdir, 'eval.json')) as f:

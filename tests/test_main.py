@@ -69,7 +69,9 @@ def test_train_writes_every_workdir_file(trained):
   for name in ('per_class.csv', 'confusion.png', 'mistakes.png', 'reliability.png', 'curves.png'):
     assert os.path.getsize(os.path.join(workdir, name)) > 1000 or name == 'per_class.csv', name
   with open(os.path.join(workdir, 'per_class.csv')) as f:
-    assert sum(int(row.split(',')[1]) for row in f.readlines()[1:]) == 21  # every test example once
+    rows = [row.split(',') for row in f.readlines()[1:]]
+  assert sum(int(row[1]) for row in rows) == 21  # every test example once
+  assert sum(int(row[2]) for row in rows) / 21 == pytest.approx(results['eval_accuracy'], abs=1e-6)
   tags = _tensorboard_tags(workdir)
   assert {'train_images', 'parameters', 'train_loss', 'eval_accuracy', '_hparams_/session_start_info'} <= tags
 
