@@ -64,8 +64,8 @@ def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str
   results, predictions = {}, None
   for index, (split, dataset) in enumerate(eval_sets):
     prefix = eval_metric_prefix(split, first=index == 0)
-    for name, suffix, view in views:
-      for_report = index == 0 and name == report_weights
+    for weights, suffix, view in views:
+      for_report = index == 0 and weights == report_weights
       scores, kept = evaluate(placement, view, dataset, batch_size, keep_logits=for_report)
       if for_report:
         predictions = kept
