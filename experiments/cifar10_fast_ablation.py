@@ -11,6 +11,8 @@ of its own, so it is not a run here: re-score the recipe's checkpoint with
     python -m flaxtpu.main --config=experiments/cifar10_fast_ablation.py --mode=eval \
         --workdir=runs/sweeps/fast_ablation/base --config.eval.translate_tta=0 [--config.eval.flip_tta=false]
 
+(eval.json keeps each under its own key, 'test:tta=flip' and 'test:tta=none', beside the run's 'test').
+
 The base length is cut to 2 epochs so the whole ablation
 fits a CPU evening; pass --config.num_epochs=9.9 for the recipe's own length
 (with --config.schedule.warmup_epochs=2.3 and the whitening bias'

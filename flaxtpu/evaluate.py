@@ -96,6 +96,13 @@ def write_report(predictions: Optional[Predictions], dataset: data.Dataset, dire
   return summary
 
 
+def tta_name(eval_config) -> str:
+  """The test-time augmentation of an `eval` config (or its saved dict): 'flip+translate2', 'flip', 'none'..."""
+  parts = (['flip'] if eval_config.get('flip_tta') else []) + (
+      [f'translate{eval_config["translate_tta"]}'] if eval_config.get('translate_tta') else [])
+  return '+'.join(parts) or 'none'
+
+
 def restore(config: ml_collections.ConfigDict, workdir: str):
   """The model of `config.eval.checkpoint` (latest | best | STEP), laid out for these devices.
 
@@ -143,8 +150,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   """--mode=eval: accuracy and loss over every example of the eval split -> WORKDIR/eval.json.
 
   eval.json holds this evaluation at its top level (`split` names what it
-  scored, `weights` raw or ema) and, under `splits`, the latest result of
-  every split evaluated ('test', 'test:ema'), so scoring another never loses one.
+  scored, `weights` raw or ema, `tta` the test-time augmentation) and, under
+  `splits`, the latest result of every split, weights and TTA evaluated
+  ('test', 'test:ema', 'test:tta=none' when training used TTA), so scoring
+  another never loses one.
   """
   placement, state, step, record = restore(config, workdir)
   dataset = data.load(config, need_train=False)
@@ -155,13 +164,18 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
                     'evaluate on data like the training data')
   results, predictions = evaluate(placement, state, dataset, resolved_eval_batch_size(config),
                                   keep_logits=True)
-  # The split the run evaluated while training gets the plain names; another split its own suffix.
-  trained_split = record.get('config', {}).get('dataset', {}).get('eval_split')
-  split = config.dataset.eval_split
-  suffix = '' if split == trained_split else '-' + re.sub(r'[^\w.-]+', '_', split).strip('_')
-  suffix += '-ema' if config.eval.ema else ''
+  # The split and test-time augmentation the run evaluated while training get the plain names (the
+  # report files and eval.json key training wrote); another split or TTA its own suffix, so no result
+  # replaces another's.
+  trained = record.get('config', {})
+  split, tta = config.dataset.eval_split, tta_name(config.eval)
+  other_split = split != trained.get('dataset', {}).get('eval_split')
+  other_tta = tta != tta_name(trained.get('eval', {}))
+  suffix = ('-' + re.sub(r'[^\w.-]+', '_', split).strip('_') if other_split else '') + (
+      f'-tta_{tta}' if other_tta else '') + ('-ema' if config.eval.ema else '')
+  key = split + (f':tta={tta}' if other_tta else '') + (':ema' if config.eval.ema else '')
   results.update(write_report(predictions, dataset, workdir, suffix))
-  results.update(step=step, split=config.dataset.eval_split, weights='ema' if config.eval.ema else 'raw',
+  results.update(step=step, split=split, tta=tta, weights='ema' if config.eval.ema else 'raw',
                  source=config.dataset.folder or config.dataset.name,
                  checkpoint=os.path.join(workdir, 'checkpoints', str(step)))
   logging.info('eval of step %d: loss %.4f  accuracy %.4f  (%d examples)', step,
@@ -170,7 +184,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
     # The latest evaluation on top; every split's latest result kept under 'splits'.
     path = os.path.join(workdir, 'eval.json')
     splits = (files.read_json(path) or {}).get('splits', {})
-    splits[results['split'] + (':ema' if config.eval.ema else '')] = dict(results)
+    splits[key] = dict(results)
     files.write_json(path, {**results, 'splits': splits})
   return results
 

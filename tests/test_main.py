@@ -1,5 +1,6 @@
 """The command line end to end: files in the workdir, eval, predict, plan, and one-line errors."""
 
+import csv
 import json
 import os
 import subprocess
@@ -136,6 +137,20 @@ def test_eval_needs_only_the_workdir_and_keeps_each_splits_result(trained):
   assert (evaluation['split'], evaluation['num_examples']) == ('train[:10]', 10)
   assert sorted(evaluation['splits']) == ['test', 'train[:10]']
   assert evaluation['splits']['test']['num_examples'] == 21
+  # Another test-time augmentation than training's is kept beside it, report files included.
+  with open(os.path.join(workdir, 'per_class.csv')) as f:
+    trained_report = f.read()
+  run_cli(f'--workdir={workdir}', '--mode=eval', '--config.eval.flip_tta=true')
+  with open(os.path.join(workdir, 'eval.json')) as f:
+    evaluation = json.load(f)
+  assert (evaluation['split'], evaluation['tta']) == ('test', 'flip')
+  assert sorted(evaluation['splits']) == ['test', 'test:tta=flip', 'train[:10]']
+  assert evaluation['splits']['test']['tta'] == 'none'
+  with open(os.path.join(workdir, 'per_class.csv')) as f:
+    assert f.read() == trained_report
+  with open(os.path.join(workdir, 'per_class-tta_flip.csv'), newline='') as f:
+    rows = list(csv.DictReader(f))
+  assert sum(int(row['correct']) for row in rows) / 21 == pytest.approx(evaluation['eval_accuracy'], abs=1e-6)
   result = run_cli(f'--workdir={workdir}/nothing_here', '--mode=eval', check=False)
   assert result.returncode == 2 and result.stderr.strip() == (
       f'error: --workdir={workdir}/nothing_here holds no config.json of a training run; point --workdir '
