@@ -8,10 +8,11 @@ within a few percent (the learned 3x3 stem of `fastnet` costs ~20% more per
 image than the 2x2 whitening stem). Test-time augmentation needs no training
 of its own, so it is not a run here: re-score the recipe's checkpoint with
 
-    python -m flaxtpu.main --config=experiments/cifar10_fast_ablation.py --mode=eval \
-        --workdir=runs/sweeps/fast_ablation/base --config.eval.translate_tta=0 [--config.eval.flip_tta=false]
+    python -m flaxtpu.main --mode=eval --workdir=runs/sweeps/fast_ablation/base \
+        --config.eval.translate_tta=0 [--config.eval.flip_tta=false]
 
-(eval.json keeps each under its own key, 'test:tta=flip' and 'test:tta=none', beside the run's 'test').
+(the run's config, data folder included, comes from its workdir; eval.json keeps each result under
+its own key, 'test:tta=flip' and 'test:tta=none', and results.json has the run's own).
 
 The base length is cut to 2 epochs so the whole ablation
 fits a CPU evening; pass --config.num_epochs=9.9 for the recipe's own length

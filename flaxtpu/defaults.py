@@ -9,8 +9,7 @@ in every recipe and `--config.KEY=VALUE` works for all of them:
     def get_config():
       config = defaults.get_config()
       config.dataset.folder = '/data/my_photos'
-      config.lock()
-  return config
+      return config
 
 The config comes back locked: assigning a key that does not exist (a typo
 such as `config.model.nme`) is an error, not a new key. This file must not

@@ -103,6 +103,12 @@ def tta_name(eval_config) -> str:
   return '+'.join(parts) or 'none'
 
 
+def split_file_name(split: str) -> str:
+  """A split as part of a file name: 'train_5000' for 'train[:5000]', 'train_45000-' for 'train[45000:]'."""
+  name = re.sub(r'\[(-?\d*%?):(-?\d*%?)\]', lambda m: '_' + (f'{m[1]}-{m[2]}' if m[1] else m[2]), split)
+  return re.sub(r'[^\w.-]+', '_', name.replace('%', 'pct')).strip('_')
+
+
 def restore(config: ml_collections.ConfigDict, workdir: str):
   """The model of `config.eval.checkpoint` (latest | best | STEP), laid out for these devices.
 
@@ -151,9 +157,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
 
   eval.json holds this evaluation at its top level (`split` names what it
   scored, `weights` raw or ema, `tta` the test-time augmentation) and, under
-  `splits`, the latest result of every split, weights and TTA evaluated
-  ('test', 'test:ema', 'test:tta=none' when training used TTA), so scoring
-  another never loses one.
+  `splits`, the latest result of every split, weights, TTA and step evaluated
+  ('test', 'test:ema', 'test:tta=none' when training used TTA, 'test:step=48'
+  for a checkpoint before the last), so scoring another never loses one.
   """
   placement, state, step, record = restore(config, workdir)
   dataset = data.load(config, need_train=False)
@@ -164,18 +170,23 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
                     'evaluate on data like the training data')
   results, predictions = evaluate(placement, state, dataset, resolved_eval_batch_size(config),
                                   keep_logits=True)
-  # The split and test-time augmentation the run evaluated while training get the plain names (the
-  # report files and eval.json key training wrote); another split or TTA its own suffix, so no result
-  # replaces another's.
+  # The run's own final evaluation (its eval split, TTA and weights at its last step) gets the plain
+  # names its end-of-run report has; any other view of the checkpoints a suffix naming how it differs,
+  # so no result replaces another's.
   trained = record.get('config', {})
-  split, tta = config.dataset.eval_split, tta_name(config.eval)
-  other_split = split != trained.get('dataset', {}).get('eval_split')
+  split, tta, ema = config.dataset.eval_split, tta_name(config.eval), bool(config.eval.ema)
+  final_step = (files.read_json(os.path.join(workdir, 'results.json')) or {}).get('step')
+  other_step = final_step is not None and step != final_step
   other_tta = tta != tta_name(trained.get('eval', {}))
-  suffix = ('-' + re.sub(r'[^\w.-]+', '_', split).strip('_') if other_split else '') + (
-      f'-tta_{tta}' if other_tta else '') + ('-ema' if config.eval.ema else '')
-  key = split + (f':tta={tta}' if other_tta else '') + (':ema' if config.eval.ema else '')
+  other_weights = ema != bool(trained.get('eval', {}).get('ema', False))
+  suffix = ''.join(part for part, differs in (
+      (f'-{split_file_name(split)}', split != trained.get('dataset', {}).get('eval_split')),
+      (f'-step{step}', other_step), (f'-tta_{tta}', other_tta),
+      ('-ema' if ema else '-raw', other_weights)) if differs)
+  key = split + (f':step={step}' if other_step else '') + (f':tta={tta}' if other_tta else '') + (
+      ':ema' if ema else '')
   results.update(write_report(predictions, dataset, workdir, suffix))
-  results.update(step=step, split=split, tta=tta, weights='ema' if config.eval.ema else 'raw',
+  results.update(step=step, split=split, tta=tta, weights='ema' if ema else 'raw',
                  source=config.dataset.folder or config.dataset.name,
                  checkpoint=os.path.join(workdir, 'checkpoints', str(step)))
   logging.info('eval of step %d: loss %.4f  accuracy %.4f  (%d examples)', step,
@@ -197,7 +208,7 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
   image_shape = tuple(record['image_shape'])
   paths, images = data.read_images(config.predict.input, image_shape,
                                    data.image_transform(config, channels=image_shape[-1]))
-  logits = predict_logits(placement, state, images, config.batch_size)
+  logits = predict_logits(placement, state, images, resolved_eval_batch_size(config))
   probabilities = np.asarray(jax.nn.softmax(logits, axis=-1))
   class_names = record['class_names']
   top_k = min(config.predict.top_k, len(class_names))
@@ -228,6 +239,9 @@ def predict_logits(placement: steps.Placement, state, images: np.ndarray,
   """
   if jax.process_count() > 1:
     raise UserError('--mode=predict runs on one process; start it without --num_processes')
+  # A few images need no full batch of padding: the smallest multiple of the device count holding them.
+  devices = placement.mesh.devices.size
+  batch_size = min(batch_size, -(-len(images) // devices) * devices)
   outputs = []
   for start in range(0, len(images), batch_size):
     chunk = images[start:start + batch_size]

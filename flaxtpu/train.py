@@ -115,9 +115,8 @@ class StepProfiler:
       jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
       self._tracing = True
 
-  def after_step(self, step: int, state) -> None:
-    if self._tracing and step == self._steps[-1]:
-      self.stop(state)
+  def ends_at(self, step: int) -> bool:
+    return self._tracing and step == self._steps[-1]
 
   def stop(self, state) -> None:
     if self._tracing:
@@ -274,12 +273,17 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
     state, initialised_from = finetune.init_from(config, task, placement, state, dataset.class_names)
   results_path = os.path.join(workdir, 'results.json')
   if first_step >= length.total_steps:
-    # Finished; results.json is rebuilt from the last checkpoint if a kill came before it was written.
+    # Finished; what a kill after the last save left unwritten is rebuilt from that checkpoint.
     checkpoints.close()
     results = files.read_json(results_path) or final_results(length.total_steps, progress,
                                                              config.batch_size)
     if is_main:
       files.write_json(results_path, results)
+    if jax.process_count() == 1 and not os.path.exists(os.path.join(workdir, 'per_class.csv')):
+      _, predictions = evaluate_splits(placement, state, eval_sets[:1], resolved_eval_batch_size(config),
+                                       report_weights='ema' if config.eval.ema else 'raw')
+      write_report(predictions, dataset, workdir)
+      logging.info('curves: %s', report.write_curves(workdir))
     logging.info('already trained to step %d; results in %s', first_step, results_path)
     return results
   if is_main:  # only once the checkpoint has proven to belong to this config
@@ -330,8 +334,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
       state, step_metrics = train_step_fn(state, batch)
       if one_step_in_flight or time_to_first_step is None:
         jax.block_until_ready(step_metrics)
-    with clock.paused('profile'):  # writing the trace is not training time
-      profiler.after_step(step, state)
+    if profiler.ends_at(step):
+      with clock.paused('profile'):  # writing the trace is not training time
+        profiler.stop(state)
     if time_to_first_step is None:
       time_to_first_step = time.time() - started
       logging.info('first step done %.1fs after start (data, init, compile)', time_to_first_step)

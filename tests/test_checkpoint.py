@@ -129,10 +129,16 @@ def test_killed_between_final_checkpoint_and_results_rebuilds_them(uninterrupted
   reference_dir, reference = uninterrupted
   workdir = str(tmp_path / 'run')
   shutil.copytree(reference_dir, workdir)
-  os.remove(os.path.join(workdir, 'results.json'))  # what a kill right after the last save leaves
+  for name in ('results.json', 'per_class.csv', 'curves.png'):  # what a kill right after the last save leaves
+    os.remove(os.path.join(workdir, name))
   results = train.train_and_evaluate(_config(image_folder), workdir)
   with open(os.path.join(workdir, 'results.json')) as f:
     assert json.load(f) == results
+  assert os.path.exists(os.path.join(workdir, 'curves.png'))
+  with open(os.path.join(workdir, 'per_class.csv'), newline='') as f:
+    rows = list(csv.DictReader(f))
+  correct, support = sum(int(row['correct']) for row in rows), sum(int(row['support']) for row in rows)
+  assert correct / support == pytest.approx(reference['eval_accuracy'], abs=1e-6)
   for key in ('step', 'eval_accuracy', 'eval_loss', 'train_loss', 'train_accuracy',
               'train_images_per_sec', 'memory_plan'):
     assert results[key] == reference[key], key

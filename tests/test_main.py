@@ -13,7 +13,7 @@ import pytest
 from configs import cifar10_resnet
 from conftest import ROOT, make_mixed_folder
 from flaxtpu import config as config_lib
-from flaxtpu import steps
+from flaxtpu import evaluate, steps
 
 TINY = ['--config.batch_size=16', '--config.num_train_steps=6', '--config.log_every_steps=2',
         '--config.eval_every_steps=3', '--config.checkpoint_every_steps=3',
@@ -151,10 +151,27 @@ def test_eval_needs_only_the_workdir_and_keeps_each_splits_result(trained):
   with open(os.path.join(workdir, 'per_class-tta_flip.csv'), newline='') as f:
     rows = list(csv.DictReader(f))
   assert sum(int(row['correct']) for row in rows) / 21 == pytest.approx(evaluation['eval_accuracy'], abs=1e-6)
+  # A checkpoint before the last is named by its step.
+  run_cli(f'--workdir={workdir}', '--mode=eval', '--config.eval.checkpoint=3')
+  with open(os.path.join(workdir, 'eval.json')) as f:
+    evaluation = json.load(f)
+  assert evaluation['step'] == 3 and 'test:step=3' in evaluation['splits']
+  assert 'per_class-step3.csv' in evaluation['report_files']
+  with open(os.path.join(workdir, 'per_class.csv')) as f:
+    assert f.read() == trained_report
+
   result = run_cli(f'--workdir={workdir}/nothing_here', '--mode=eval', check=False)
   assert result.returncode == 2 and result.stderr.strip() == (
       f'error: --workdir={workdir}/nothing_here holds no config.json of a training run; point --workdir '
       'at a trained run, or pass its --config')
+
+
+def test_split_file_names_keep_the_slice():
+  names = [evaluate.split_file_name(split) for split in
+           ('train[:5000]', 'train[45000:]', 'train[:90%]', 'train[90%:]', 'train[10:20]', 'train[-5:]',
+            'train[:-5]', 'test')]
+  assert names == ['train_5000', 'train_45000-', 'train_90pct', 'train_90pct-', 'train_10-20', 'train_-5-',
+                   'train_-5', 'test']
 
 
 def test_make_train_default_learns_the_embedded_digits(tmp_path):

@@ -390,9 +390,17 @@ def test_a_run_with_ema_mixing_accumulation_and_two_eval_splits(tmp_path, monkey
   assert scored['weights'] == 'ema'
   with open(os.path.join(workdir, 'eval.json')) as f:
     assert set(json.load(f)['splits']) == {'test:ema'}
+  assert 'per_class.csv' in scored['report_files']  # the same view as training's report: its names
   config.eval.ema = False
   raw = evaluate.evaluate_checkpoint(config, workdir)
   assert raw['eval_accuracy'] == pytest.approx(results['eval_accuracy'], abs=1e-6)
+  assert 'per_class-raw.csv' in raw['report_files']  # the raw weights beside the run's EMA report
+  with open(os.path.join(workdir, 'per_class.csv'), newline='') as f:
+    rows = list(csv.DictReader(f))
+  assert sum(int(row['correct']) for row in rows) / sum(int(row['support']) for row in rows) == pytest.approx(
+      results['eval_accuracy_ema'], abs=1e-6)
+  with open(os.path.join(workdir, 'eval.json')) as f:
+    assert set(json.load(f)['splits']) == {'test:ema', 'test'}
 
 
 def test_eval_ema_of_a_run_without_ema_is_one_line(tmp_path):
