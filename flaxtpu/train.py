@@ -320,82 +320,94 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   last_log_time = time.time()
   # A signal during start-up (data, init, restore) stops before any step: nothing new to save.
   stopping = stop_requested(stop, check_all_processes=True)
-  while step < length.total_steps and not stopping:
-    step += 1
-    with clock.timing('input'):
-      batch = next(batches)
-    if train_step_fn is None:  # compile once, ahead of time, and report its memory plan
-      with clock.paused('compile'):
-        train_step_fn, memory_plan = placement.compile_train_step(state, batch)
-      logging.info('compiled train step in %.1fs; per-device memory plan: %s',
-                   memory_plan['compile_seconds'], steps.format_plan(memory_plan))
-    profiler.before_step(step)
-    with clock.timing('step'):
-      state, step_metrics = train_step_fn(state, batch)
-      if one_step_in_flight or time_to_first_step is None:
-        jax.block_until_ready(step_metrics)
-    if profiler.ends_at(step):
-      with clock.paused('profile'):  # writing the trace is not training time
-        profiler.stop(state)
-    if time_to_first_step is None:
-      time_to_first_step = time.time() - started
-      logging.info('first step done %.1fs after start (data, init, compile)', time_to_first_step)
-    window.append(step_metrics)
-    is_last = step == length.total_steps
+  def close_run() -> None:
+    profiler.stop(state)
+    batches.close()
+    checkpoints.wait()
+    checkpoints.close()
+    writer.close()
 
-    log_now = (step % config.log_every_steps == 0 or is_last
-               or (log_every_secs and time.time() - last_log_time >= log_every_secs))
-    if log_now:  # fetching metrics waits for the step
+  try:
+    while step < length.total_steps and not stopping:
+      step += 1
+      with clock.timing('input'):
+        batch = next(batches)
+      if train_step_fn is None:  # compile once, ahead of time, and report its memory plan
+        with clock.paused('compile'):
+          train_step_fn, memory_plan = placement.compile_train_step(state, batch)
+        logging.info('compiled train step in %.1fs; per-device memory plan: %s',
+                     memory_plan['compile_seconds'], steps.format_plan(memory_plan))
+      profiler.before_step(step)
       with clock.timing('step'):
-        last_train = {f'train_{k}': float(v) for k, v in merged_window().compute().items()}
-      if not math.isfinite(last_train['train_loss']):
-        diverged_at = first_non_finite_step(placement, window, step)
-        break
-      images_per_sec, shares = clock.lap(step, config.batch_size)
-      last_train.update(images_per_sec=images_per_sec, learning_rate=float(task.schedule(step - 1)),
-                        input_wait_fraction=shares['input'])
-      logging.info('step %d/%d (epoch %.2f)  loss %.4f  accuracy %.4f  %.0f img/s  lr %.3g  '
-                   '[input %.0f%% step %.0f%% other %.0f%%]  ETA %s', step, length.total_steps,
-                   step / length.steps_per_epoch, last_train['train_loss'],
-                   last_train['train_accuracy'], images_per_sec, last_train['learning_rate'],
-                   100 * shares['input'], 100 * shares['step'], 100 * shares['other'],
-                   files.format_duration(clock.eta(step, length)))
-      writer.write_scalars(step, last_train)
-      writer.flush()
-      window, last_log_time = [], time.time()
+        state, step_metrics = train_step_fn(state, batch)
+        if one_step_in_flight or time_to_first_step is None:
+          jax.block_until_ready(step_metrics)
+      if profiler.ends_at(step):
+        with clock.paused('profile'):  # writing the trace is not training time
+          profiler.stop(state)
+      if time_to_first_step is None:
+        time_to_first_step = time.time() - started
+        logging.info('first step done %.1fs after start (data, init, compile)', time_to_first_step)
+      window.append(step_metrics)
+      is_last = step == length.total_steps
 
-    evaluate_now = step % length.eval_every_steps == 0 or is_last
-    if evaluate_now:
-      with clock.paused('eval', state):
-        # The last evaluation also keeps the logits that the per-class report below is made of.
-        report_weights = ('ema' if config.eval.ema else 'raw') if is_last else None
-        eval_results, predictions = evaluate_splits(placement, state, eval_sets, eval_batch_size,
-                                                    report_weights)
-      num_examples = eval_results.pop('num_examples')
-      logging.info('eval at step %d: loss %.4f  accuracy %.4f  (%d examples)%s', step,
-                   eval_results['eval_loss'], eval_results['eval_accuracy'], num_examples,
-                   ''.join(f'  {name} {value:.4f}' for name, value in eval_results.items()
-                           if name not in ('eval_loss', 'eval_accuracy')))
-      writer.write_scalars(step, eval_results)
-      writer.flush()
+      log_now = (step % config.log_every_steps == 0 or is_last
+                 or (log_every_secs and time.time() - last_log_time >= log_every_secs))
+      if log_now:  # fetching metrics waits for the step
+        with clock.timing('step'):
+          last_train = {f'train_{k}': float(v) for k, v in merged_window().compute().items()}
+        if not math.isfinite(last_train['train_loss']):
+          diverged_at = first_non_finite_step(placement, window, step)
+          break
+        images_per_sec, shares = clock.lap(step, config.batch_size)
+        last_train.update(images_per_sec=images_per_sec, learning_rate=float(task.schedule(step - 1)),
+                          input_wait_fraction=shares['input'])
+        logging.info('step %d/%d (epoch %.2f)  loss %.4f  accuracy %.4f  %.0f img/s  lr %.3g  '
+                     '[input %.0f%% step %.0f%% other %.0f%%]  ETA %s', step, length.total_steps,
+                     step / length.steps_per_epoch, last_train['train_loss'],
+                     last_train['train_accuracy'], images_per_sec, last_train['learning_rate'],
+                     100 * shares['input'], 100 * shares['step'], 100 * shares['other'],
+                     files.format_duration(clock.eta(step, length)))
+        writer.write_scalars(step, last_train)
+        writer.flush()
+        window, last_log_time = [], time.time()
 
-    stopping = stop_requested(stop, check_all_processes=step % config.log_every_steps == 0)
-    if step % length.checkpoint_every_steps == 0 or is_last or stopping:
-      # Never save a diverged state: the steps since the last log line are checked first.
-      if window and (diverged_at := first_non_finite_step(placement, window, step)) is not None:
-        break
-      with clock.paused('save', state):
-        record = checkpoint_record(config, task, step, dataset, current_progress())
-        record['train_metrics_window'] = metrics.window_to_json(merged_window() if window else None)
-        record['init_from'] = initialised_from
-        checkpoints.save(step, placement.to_saveable(state), record,
-                         metrics=eval_results if evaluate_now else None)
+      evaluate_now = step % length.eval_every_steps == 0 or is_last
+      if evaluate_now:
+        with clock.paused('eval', state):
+          # The last evaluation also keeps the logits that the per-class report below is made of.
+          report_weights = ('ema' if config.eval.ema else 'raw') if is_last else None
+          eval_results, predictions = evaluate_splits(placement, state, eval_sets, eval_batch_size,
+                                                      report_weights)
+        num_examples = eval_results.pop('num_examples')
+        logging.info('eval at step %d: loss %.4f  accuracy %.4f  (%d examples)%s', step,
+                     eval_results['eval_loss'], eval_results['eval_accuracy'], num_examples,
+                     ''.join(f'  {name} {value:.4f}' for name, value in eval_results.items()
+                             if name not in ('eval_loss', 'eval_accuracy')))
+        writer.write_scalars(step, eval_results)
+        writer.flush()
 
-  profiler.stop(state)
-  batches.close()
-  checkpoints.wait()
-  checkpoints.close()
-  writer.close()
+      stopping = stop_requested(stop, check_all_processes=step % config.log_every_steps == 0)
+      if step % length.checkpoint_every_steps == 0 or is_last or stopping:
+        # Never save a diverged state: the steps since the last log line are checked first.
+        if window and (diverged_at := first_non_finite_step(placement, window, step)) is not None:
+          break
+        with clock.paused('save', state):
+          record = checkpoint_record(config, task, step, dataset, current_progress())
+          record['train_metrics_window'] = metrics.window_to_json(merged_window() if window else None)
+          record['init_from'] = initialised_from
+          checkpoints.save(step, placement.to_saveable(state), record,
+                           metrics=eval_results if evaluate_now else None)
+
+  except Exception:
+    # A bad image or a failed save mid-run: the save in flight completes and the input workers stop
+    # (one process only: with many, waiting could wait on a peer that waits on this one). The error
+    # that stopped the run stays the one reported.
+    if jax.process_count() == 1:
+      with contextlib.suppress(Exception):
+        close_run()
+    raise
+  close_run()
   if diverged_at is not None:
     raise TrainingDiverged(divergence_message(config, diverged_at, checkpoints))
   if step < length.total_steps:

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from configs import cifar10_resnet
-from conftest import ROOT, make_image_folder, restore_checkpoint
+from conftest import ROOT, make_image_folder, make_mixed_folder, restore_checkpoint
 from flaxtpu import checkpoint, data, lock, train
 
 
@@ -375,6 +375,25 @@ def test_a_failed_save_stops_with_one_line_and_keeps_the_previous_checkpoint(ima
   assert int(restore_checkpoint(workdir, 3)['step']) == 3
   assert not os.path.exists(os.path.join(workdir, 'results.json'))
 
+
+def test_a_bad_image_mid_run_lets_the_save_in_flight_complete(tmp_path):
+  folder = make_mixed_folder(tmp_path / 'data', train_per_class=30)
+  bad = tmp_path / 'data' / 'train' / 'cat' / '009.jpg'
+  content = bad.read_bytes()
+  bad.write_bytes(content[:len(content) * 3 // 4])  # decoded only when a batch draws it: step 3 here
+  workdir = str(tmp_path / 'run')
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  result = subprocess.run(
+      [sys.executable, '-m', 'flaxtpu.main', '--config=configs/cifar10.py', f'--workdir={workdir}',
+       f'--config.dataset.folder={folder}', '--config.dataset.image_size=16', '--config.dataset.cache=none',
+       '--config.input.workers=2', '--config.batch_size=8', '--config.num_train_steps=60',
+       '--config.checkpoint_every_steps=2', '--config.log_every_steps=2', '--config.compilation_cache_dir=none'],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 2
+  assert f'error: cannot decode image {bad} (OSError: image file is truncated' in result.stderr
+  assert 'step 2/60' in result.stderr  # the error came while step 2's asynchronous save was in flight
+  assert os.listdir(os.path.join(workdir, 'checkpoints')) == ['2']  # ... which completed: no *-tmp left
+  assert int(restore_checkpoint(workdir, 2)['step']) == 2
 
 def test_one_trainer_per_workdir_and_eval_alongside(image_folder, tmp_path):
   workdir = str(tmp_path)
