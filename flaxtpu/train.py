@@ -213,6 +213,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       return _train_and_evaluate(config, workdir, stop)
 
 
+def write_pictures(predictions, dataset: data.Dataset, workdir: str) -> None:
+  """Pictures of the finished run: per-class report and calibration of the eval split, curves."""
+  write_report(predictions, dataset, workdir)
+  logging.info('curves: %s', report.write_curves(workdir))
+
+
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> dict:
   started = time.time()
   is_main = jax.process_index() == 0
@@ -229,6 +235,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
                  '%d updates', length.accumulate_steps, config.batch_size,
                  length.accumulate_steps * config.batch_size, length.total_updates)
   eval_sets = [(config.dataset.eval_split, dataset)] + data.load_eval_splits(config, dataset)
+  report_weights = 'ema' if config.eval.ema else 'raw'  # the weights the per-class report shows
 
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std, length=length)
@@ -281,9 +288,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
       files.write_json(results_path, results)
     if jax.process_count() == 1 and not os.path.exists(os.path.join(workdir, 'per_class.csv')):
       _, predictions = evaluate_splits(placement, state, eval_sets[:1], resolved_eval_batch_size(config),
-                                       report_weights='ema' if config.eval.ema else 'raw')
-      write_report(predictions, dataset, workdir)
-      logging.info('curves: %s', report.write_curves(workdir))
+                                       report_weights)
+      write_pictures(predictions, dataset, workdir)
     logging.info('already trained to step %d; results in %s', first_step, results_path)
     return results
   if is_main:  # only once the checkpoint has proven to belong to this config
@@ -320,6 +326,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   last_log_time = time.time()
   # A signal during start-up (data, init, restore) stops before any step: nothing new to save.
   stopping = stop_requested(stop, check_all_processes=True)
+
   def close_run() -> None:
     profiler.stop(state)
     batches.close()
@@ -376,9 +383,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
       if evaluate_now:
         with clock.paused('eval', state):
           # The last evaluation also keeps the logits that the per-class report below is made of.
-          report_weights = ('ema' if config.eval.ema else 'raw') if is_last else None
           eval_results, predictions = evaluate_splits(placement, state, eval_sets, eval_batch_size,
-                                                      report_weights)
+                                                      report_weights if is_last else None)
         num_examples = eval_results.pop('num_examples')
         logging.info('eval at step %d: loss %.4f  accuracy %.4f  (%d examples)%s', step,
                      eval_results['eval_loss'], eval_results['eval_accuracy'], num_examples,
@@ -419,7 +425,5 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   results = final_results(length.total_steps, current_progress(), config.batch_size)
   if is_main:
     files.write_json(results_path, results)
-    # Pictures of the finished run: per-class report and calibration of the eval split, curves.
-    write_report(predictions, dataset, workdir)
-    logging.info('curves: %s', report.write_curves(workdir))
+    write_pictures(predictions, dataset, workdir)
   return results

@@ -395,6 +395,7 @@ def test_a_bad_image_mid_run_lets_the_save_in_flight_complete(tmp_path):
   assert os.listdir(os.path.join(workdir, 'checkpoints')) == ['2']  # ... which completed: no *-tmp left
   assert int(restore_checkpoint(workdir, 2)['step']) == 2
 
+
 def test_one_trainer_per_workdir_and_eval_alongside(image_folder, tmp_path):
   workdir = str(tmp_path)
   # Keep every checkpoint: the live run must not delete the one the evaluation is reading.
