@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import math
 import os
 import sys
@@ -187,6 +188,19 @@ def _pyplot():
   return pyplot
 
 
+def plain_text(plot: Callable) -> Callable:
+  """Has `plot` draw every text as written: a '$' in a class or run name (a regex's 'bias$', '$5 bill')
+  is not the start of TeX math, which garbles the name or fails to parse and loses the picture."""
+
+  @functools.wraps(plot)
+  def plot_plain(*args, **kwargs):
+    import matplotlib
+    with matplotlib.rc_context({'text.parse_math': False}):
+      return plot(*args, **kwargs)
+
+  return plot_plain
+
+
 def _save_figure(figure, path: str) -> None:
   pyplot = _pyplot()
   try:
@@ -247,6 +261,7 @@ def _heatmap(axes, confusion: np.ndarray, support: np.ndarray, rows: Sequence[in
   axes.figure.colorbar(image, ax=axes, fraction=0.046, pad=0.04, label='fraction of true class')
 
 
+@plain_text
 def plot_confusion(path: str, report: Mapping[str, Any]) -> None:
   """The confusion matrix as a PNG, readable at any number of classes.
 
@@ -311,6 +326,7 @@ def _display_image(image: np.ndarray) -> tuple[np.ndarray, str | None]:
   return image, ('gray' if image.ndim == 2 else None)
 
 
+@plain_text
 def plot_mistakes(path: str, report: Mapping[str, Any], images: Images) -> None:
   """A grid of the (up to 25) most confident mistakes: the image, true and predicted class, probability.
 
@@ -342,6 +358,7 @@ def plot_mistakes(path: str, report: Mapping[str, Any], images: Images) -> None:
   _save_figure(figure, path)
 
 
+@plain_text
 def plot_reliability(path: str, report: Mapping[str, Any]) -> None:
   """Reliability diagram: accuracy per confidence bin against the diagonal, gaps in red; bin counts below."""
   pyplot = _pyplot()
@@ -428,6 +445,7 @@ def _curve_panels(keys: Sequence[str]) -> list[tuple[str, list[str]]]:
           for title, found in panels if found]
 
 
+@plain_text
 def write_curves(workdir: str) -> str:
   """Writes WORKDIR/curves.png from WORKDIR/metrics.jsonl (live or finished run) and returns its path.
 

@@ -120,6 +120,31 @@ def test_write_eval_report_files(tmp_path):
     _check_png(tmp_path / name)
 
 
+def test_class_names_with_dollar_signs_are_drawn_as_written(tmp_path, monkeypatch):
+  # Folder names are class names; with two '$' matplotlib read '$^$' as TeX math and failed to parse it
+  # (the run ended without its report), and drew '$5 - $10' as the italic formula '5 - 10'.
+  import matplotlib
+  names = ['$^$', '$5 - $10', 'frog']
+  drawn = []
+  save_figure = report._save_figure
+
+  def save_and_record(figure, path):
+    figure.canvas.draw()
+    drawn.extend((text.get_text(), text.get_parse_math()) for axes in figure.axes
+                 for text in axes.get_xticklabels() + axes.get_yticklabels() if text.get_text())
+    save_figure(figure, path)
+
+  monkeypatch.setattr(report, '_save_figure', save_and_record)
+  summary = report.write_eval_report(str(tmp_path), LOGITS, LABELS, names)
+  assert summary['report_files'] == ['per_class.csv', 'confusion.png', 'reliability.png']
+  assert ('$^$', False) in drawn and ('$5 - $10', False) in drawn
+  assert not any(parse_math for _, parse_math in drawn)
+  assert matplotlib.rcParams['text.parse_math']  # The caller's own setting is left as it was.
+  with open(tmp_path / 'per_class.csv', newline='') as f:
+    assert [row['class'] for row in csv.DictReader(f)] == names
+  _check_png(tmp_path / 'confusion.png')
+
+
 def test_write_eval_report_grayscale_callable_images_and_suffix(tmp_path):
   gray = np.random.default_rng(0).integers(0, 256, (8, 6, 6, 1), dtype=np.uint8)
   seen = []

@@ -262,6 +262,36 @@ def test_report_tables_and_plots_hold_each_runs_numbers(tmp_path, in_repo_root):
       assert image.size == (480, 320)  # 6 x 4 inches at 80 dpi.
 
 
+def test_report_plots_runs_whose_overrides_hold_dollar_signs(tmp_path, in_repo_root):
+  # A regex override ('^stem/bias$') in a legend label or tick was read as TeX math, which failed to
+  # parse: the sweep's 13 runs finished and the sweep still exited 1, without plots.
+  experiment = write_experiment(tmp_path, '''
+      from flaxtpu import defaults
+
+      def get_config():
+        return defaults.get_config()
+
+      def get_sweep():
+        return [{'optimizer.freeze_after': ('^stem/bias$=0.6',), 'optimizer.learning_rate': 0.1},
+                {'optimizer.freeze_after': ('^b$=2', 'BatchNorm_\\d+/bias$=1'), 'optimizer.learning_rate': 0.2},
+                {'optimizer.freeze_after': (), 'optimizer.learning_rate': 0.3}]
+      ''')
+  workdir = tmp_path / 'sweep'
+  _, overrides = runner.load_experiment(str(experiment))
+  for index, run_overrides in enumerate(overrides):
+    accuracy = 0.5 + 0.1 * index
+    fake_run(workdir / runner.run_name(run_overrides), dict(step=20, eval_accuracy=accuracy, eval_loss=1.0,
+                                                             train_loss=1.0), [0.4, accuracy], [2.0, 1.0])
+
+  assert cli.main([str(experiment), f'--workdir={workdir}', '--report']) == 0
+
+  plots = sorted(path.name for path in (workdir / 'plots').iterdir())
+  assert plots == ['eval_accuracy.png', 'eval_accuracy_vs_optimizer.freeze_after.png',
+                   'eval_accuracy_vs_optimizer.learning_rate.png', 'train_loss.png']
+  with open(workdir / 'results.csv') as f:
+    assert [float(row['eval_accuracy']) for row in csv.DictReader(f)] == [0.7, 0.6, 0.5]
+
+
 # --- end to end ------------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import ml_collections
 
 from flaxtpu import files
+from flaxtpu import report as run_report
 from flaxtpu.sweep.runner import DONE, PENDING, RESULTS_FILE, RUNNING, Run, format_value, read_sweep_record
 
 METRICS_FILE = 'metrics.jsonl'
@@ -124,6 +125,7 @@ def _is_number(value: Any) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+@run_report.plain_text
 def write_plots(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, Any]]) -> list[str]:
   """DIR/plots/*.png: eval accuracy and train loss curves, and final eval accuracy against each swept key."""
   import matplotlib  # Imported here: the runner and the experiment files never need it.
