@@ -1,7 +1,8 @@
 """The training loop: a config and a workdir in; checkpoints, metrics and results.json out.
 
 Read top to bottom: the helpers the loop uses (stopping on a signal, the
-clock, what a checkpoint records), then `train_and_evaluate`. The step
+clock, what a checkpoint records, where a run starts and how a finished one
+is completed), then `train_and_evaluate`. The step
 functions and their placement on the devices are in `steps.py`.
 """
 
@@ -12,7 +13,7 @@ import logging
 import math
 import os
 import time
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import ml_collections
@@ -21,7 +22,7 @@ from clu import parameter_overview
 from jax.experimental import multihost_utils
 
 from flaxtpu import checkpoint, data, files, finetune, lock, metrics, optim, parallel, report, steps, workers
-from flaxtpu.config import resolved_eval_batch_size, run_length
+from flaxtpu.config import RunLength, resolved_eval_batch_size, run_length
 from flaxtpu.errors import UserError
 from flaxtpu.evaluate import evaluate_splits, write_report
 from flaxtpu.signals import StopRequest
@@ -199,6 +200,71 @@ def final_results(total_steps: int, progress: dict, batch_size: int) -> dict:
   }
 
 
+class Start(NamedTuple):
+  """Where a run begins: a fresh state at step 0, or the newest readable checkpoint's."""
+  state: Any
+  step: int
+  window: list  # per-step train metrics since the last log line before the checkpoint
+  progress: dict  # the checkpoint's progress record (metrics, time); empty for a fresh run
+  initialised_from: Optional[dict]  # what init_from loaded, kept in every checkpoint record of the run
+
+
+def start_or_resume(config: ml_collections.ConfigDict, task: steps.Task, placement: steps.Placement,
+                    checkpoints: checkpoint.Checkpoints, dataset: data.Dataset) -> Start:
+  """The state to train from: the newest readable checkpoint's when there is one, else a fresh one
+  (fitted to the train images, then loaded from `init_from`, where the config asks)."""
+  if checkpoints.latest_step() is None:
+    fitted = None  # parameters set from the train images (a whitening stem)
+    if steps.fits_to_data(task):
+      sample = np.stack(data.train_sample(dataset, steps.DATA_FIT_IMAGES))
+      fitted = steps.fit_to_data(task, sample)
+      logging.info('fitted %s to %d train images', ', '.join(fitted), len(sample))
+      if any(task.param_groups.label(name) != optim.FROZEN for name in fitted):
+        logging.warning('%s will train (and decay) from its fitted value; airbench freezes it: '
+                        "--config.optimizer.freeze='^stem/kernel$' (as configs/cifar10_fast.py)",
+                        ', '.join(fitted))
+    state, initialised_from = steps.create_state(task, placement, config.seed, fitted), None
+    if config.init_from.checkpoint:
+      state, initialised_from = finetune.init_from(config, task, placement, state, dataset.class_names)
+    return Start(state, 0, [], {}, initialised_from)
+
+  # A resumed run continues from its own checkpoint, never from init_from again.
+  latest, saved, record = checkpoints.restore_newest_readable(
+      placement.abstract_state, config=config, set_aside=True,
+      expected=checkpoint.expected_record(config, task.num_classes, task.image_shape))
+  saved_accumulation = record.get('config', {}).get('optimizer', {}).get('accumulate_steps', 1)
+  if saved_accumulation != config.optimizer.accumulate_steps:
+    # Same arrays, other meaning: the optimizer's update count and the schedule assume the old k.
+    raise checkpoint.CheckpointError(
+        f'checkpoint step {latest} in {checkpoints.directory} was trained with optimizer.accumulate_steps='
+        f'{saved_accumulation}, and its optimizer state counts updates of that many batches; resume with '
+        f'--config.optimizer.accumulate_steps={saved_accumulation} or use another --workdir')
+  logging.info('resuming from step %d (%s)', latest, os.path.join(checkpoints.directory, str(latest)))
+  saved_window = metrics.window_from_json(record.get('train_metrics_window'))
+  window = [placement.from_saveable(saved_window)] if saved_window is not None else []
+  return Start(placement.from_saveable(saved), latest, window, record.get('progress', {}),
+               record.get('init_from'))
+
+
+def finish_trained_run(config: ml_collections.ConfigDict, placement: steps.Placement, start: Start,
+                       checkpoints: checkpoint.Checkpoints, dataset: data.Dataset, eval_sets: list,
+                       length: RunLength, workdir: str, report_weights: str) -> dict:
+  """A run whose checkpoint is at its last step: what a kill after that save left unwritten
+  (results.json, the per-class report and curves) is rebuilt from the checkpoint."""
+  checkpoints.close()
+  results_path = os.path.join(workdir, 'results.json')
+  results = files.read_json(results_path) or final_results(length.total_steps, start.progress,
+                                                           config.batch_size)
+  if jax.process_index() == 0:
+    files.write_json(results_path, results)
+  if jax.process_count() == 1 and not os.path.exists(os.path.join(workdir, 'per_class.csv')):
+    _, predictions = evaluate_splits(placement, start.state, eval_sets[:1],
+                                     resolved_eval_batch_size(config), report_weights)
+    write_pictures(predictions, dataset, workdir)
+  logging.info('already trained to step %d; results in %s', start.step, results_path)
+  return results
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        stop: Optional[StopRequest] = None) -> dict:
   """Trains `config` in `workdir` (resuming from its latest checkpoint) and returns results.json.
@@ -246,52 +312,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
     for pattern, epochs in task.param_groups.freeze_after:
       logging.info('optimizer: parameters matching %r stop changing after %g epochs', pattern, epochs)
   checkpoints = checkpoint.Checkpoints(workdir, config)
-  resuming = checkpoints.latest_step() is not None
-  fitted = None  # parameters set from the train images (a whitening stem): fresh runs only
-  if not resuming and steps.fits_to_data(task):
-    sample = np.stack(data.train_sample(dataset, steps.DATA_FIT_IMAGES))
-    fitted = steps.fit_to_data(task, sample)
-    logging.info('fitted %s to %d train images', ', '.join(fitted), len(sample))
-    if any(task.param_groups.label(name) != optim.FROZEN for name in fitted):
-      logging.warning('%s will train (and decay) from its fitted value; airbench freezes it: '
-                      "--config.optimizer.freeze='^stem/kernel$' (as configs/cifar10_fast.py)",
-                      ', '.join(fitted))
-  state = steps.create_state(task, placement, config.seed, fitted)
-  first_step, window, progress = 0, [], {}  # window: per-step train metrics since the last log line
-  initialised_from = None  # what init_from loaded, kept in every checkpoint record of the run
-  if resuming:
-    latest, saved, record = checkpoints.restore_newest_readable(
-        placement.abstract_state, config=config, set_aside=True,
-        expected=checkpoint.expected_record(config, task.num_classes, task.image_shape))
-    saved_accumulation = record.get('config', {}).get('optimizer', {}).get('accumulate_steps', 1)
-    if saved_accumulation != config.optimizer.accumulate_steps:
-      # Same arrays, other meaning: the optimizer's update count and the schedule assume the old k.
-      raise checkpoint.CheckpointError(
-          f'checkpoint step {latest} in {checkpoints.directory} was trained with optimizer.accumulate_steps='
-          f'{saved_accumulation}, and its optimizer state counts updates of that many batches; resume with '
-          f'--config.optimizer.accumulate_steps={saved_accumulation} or use another --workdir')
-    state, first_step, progress = placement.from_saveable(saved), latest, record.get('progress', {})
-    logging.info('resuming from step %d (%s)', latest, os.path.join(checkpoints.directory,
-                                                                    str(latest)))
-    if (saved_window := metrics.window_from_json(record.get('train_metrics_window'))) is not None:
-      window = [placement.from_saveable(saved_window)]
-    initialised_from = record.get('init_from')
-  elif config.init_from.checkpoint:  # only a fresh run: a resumed one continues from its own checkpoint
-    state, initialised_from = finetune.init_from(config, task, placement, state, dataset.class_names)
-  results_path = os.path.join(workdir, 'results.json')
-  if first_step >= length.total_steps:
-    # Finished; what a kill after the last save left unwritten is rebuilt from that checkpoint.
-    checkpoints.close()
-    results = files.read_json(results_path) or final_results(length.total_steps, progress,
-                                                             config.batch_size)
-    if is_main:
-      files.write_json(results_path, results)
-    if jax.process_count() == 1 and not os.path.exists(os.path.join(workdir, 'per_class.csv')):
-      _, predictions = evaluate_splits(placement, state, eval_sets[:1], resolved_eval_batch_size(config),
-                                       report_weights)
-      write_pictures(predictions, dataset, workdir)
-    logging.info('already trained to step %d; results in %s', first_step, results_path)
-    return results
+  start = start_or_resume(config, task, placement, checkpoints, dataset)
+  if start.step >= length.total_steps:
+    return finish_trained_run(config, placement, start, checkpoints, dataset, eval_sets, length, workdir,
+                              report_weights)
+  state, first_step, window, progress, initialised_from = start
   if is_main:  # only once the checkpoint has proven to belong to this config
     files.write_json(os.path.join(workdir, 'config.json'), config.to_dict())
     files.truncate_jsonl(os.path.join(workdir, 'metrics.jsonl'), first_step)
@@ -424,6 +449,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
     return {'stopped_at_step': step}
   results = final_results(length.total_steps, current_progress(), config.batch_size)
   if is_main:
-    files.write_json(results_path, results)
+    files.write_json(os.path.join(workdir, 'results.json'), results)
     write_pictures(predictions, dataset, workdir)
   return results
