@@ -15,6 +15,7 @@ from PIL import Image
 
 from flaxtpu import sweep
 from flaxtpu.sweep import __main__ as cli
+from flaxtpu.sweep import report as sweep_report
 from flaxtpu.sweep import runner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -256,10 +257,20 @@ def test_report_tables_and_plots_hold_each_runs_numbers(tmp_path, in_repo_root):
 
   plots = sorted(path.name for path in (workdir / 'plots').iterdir())
   assert plots == ['eval_accuracy.png', 'eval_accuracy_vs_optimizer.learning_rate.png',
-                   'eval_accuracy_vs_schedule.name.png', 'train_loss.png']
+                   'eval_accuracy_vs_schedule.name.png', 'final_eval_accuracy.png', 'train_loss.png']
   for plot in plots:
     with Image.open(workdir / 'plots' / plot) as image:
-      assert image.size == (480, 320)  # 6 x 4 inches at 80 dpi.
+      # 6 x 4 inches at 80 dpi; the ranking of the 3 finished runs 8 x (1.2 + 3 x 0.25).
+      assert image.size == ((640, 156) if plot == 'final_eval_accuracy.png' else (480, 320)), plot
+
+
+def test_ranking_puts_the_best_run_on_top_and_keeps_long_names_apart():
+  long_name = 'a' * 100 + '-12345678'  # as runner.run_name shortens a long name: its start and a hash
+  rows = [{'run': 'best', 'eval_accuracy': 0.9}, {'run': long_name, 'eval_accuracy': 0.5},
+          {'run': 'failed', 'eval_accuracy': None}, {'run': 'middle', 'eval_accuracy': 0.7}]
+  labels, accuracies = sweep_report.ranked_runs(rows, width=30)
+  assert accuracies == [0.5, 0.7, 0.9]  # a plot's y axis grows upward: the best is drawn on top
+  assert labels == ['a' * 20 + '…-12345678', 'middle', 'best']
 
 
 def test_report_plots_runs_whose_overrides_hold_dollar_signs(tmp_path, in_repo_root):
@@ -287,7 +298,7 @@ def test_report_plots_runs_whose_overrides_hold_dollar_signs(tmp_path, in_repo_r
 
   plots = sorted(path.name for path in (workdir / 'plots').iterdir())
   assert plots == ['eval_accuracy.png', 'eval_accuracy_vs_optimizer.freeze_after.png',
-                   'eval_accuracy_vs_optimizer.learning_rate.png', 'train_loss.png']
+                   'eval_accuracy_vs_optimizer.learning_rate.png', 'final_eval_accuracy.png', 'train_loss.png']
   with open(workdir / 'results.csv') as f:
     assert [float(row['eval_accuracy']) for row in csv.DictReader(f)] == [0.7, 0.6, 0.5]
 

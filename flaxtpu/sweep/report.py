@@ -125,9 +125,22 @@ def _is_number(value: Any) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def ranked_runs(rows: Sequence[Mapping[str, Any]], width: int = 70) -> tuple[list[str], list[float]]:
+  """(labels, final eval accuracies) of the finished runs, worst first (a plot's y axis grows upward).
+
+  A run name longer than `width` keeps its start and its end (a long name ends in a hash that tells
+  it apart from its neighbours).
+  """
+  finished = sorted((row for row in rows if row['eval_accuracy'] is not None), key=lambda row: row['eval_accuracy'])
+  labels = [row['run'] if len(row['run']) <= width else f"{row['run'][:width - 10]}…{row['run'][-9:]}"
+            for row in finished]
+  return labels, [row['eval_accuracy'] for row in finished]
+
+
 @run_report.plain_text
 def write_plots(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, Any]]) -> list[str]:
-  """DIR/plots/*.png: eval accuracy and train loss curves, and final eval accuracy against each swept key."""
+  """DIR/plots/*.png: eval accuracy and train loss curves, every run's final eval accuracy, and final eval
+  accuracy against each swept key."""
   import matplotlib  # Imported here: the runner and the experiment files never need it.
   matplotlib.use('Agg')
   from matplotlib import pyplot
@@ -159,6 +172,20 @@ def write_plots(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, A
       continue
     axes.set(xlabel='step', ylabel=label, title=f'{label} per run')
     save(figure, axes, f'{metric}.png', plotted)
+
+  labels, accuracies = ranked_runs(rows)
+  if accuracies:
+    # Every run's final accuracy on one axis, best at the top: readable at any number of runs (the
+    # curves' legend is not past 12), and the picture of a sweep whose runs evaluate only at their end.
+    figure, axes = pyplot.subplots(figsize=(8, 1.2 + 0.25 * len(accuracies)))
+    axes.plot(accuracies, range(len(accuracies)), 'o')
+    for position, accuracy in enumerate(accuracies):
+      axes.annotate(f'{accuracy:.4f}', (accuracy, position), xytext=(4, 0), textcoords='offset points',
+                    va='center', fontsize=7)
+    axes.set_yticks(range(len(accuracies)), labels, fontsize=7)
+    axes.margins(x=0.15)
+    axes.set(xlabel='final eval accuracy', title=f'final eval accuracy per run ({len(accuracies)} finished)')
+    save(figure, axes, 'final_eval_accuracy.png', 0)
 
   finished = [row for row in rows if row['eval_accuracy'] is not None]
   keys = _swept_keys(runs)
