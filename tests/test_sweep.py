@@ -273,6 +273,25 @@ def test_ranking_puts_the_best_run_on_top_and_keeps_long_names_apart():
   assert labels == ['a' * 20 + '…-12345678', 'middle', 'best']
 
 
+def test_the_ranking_of_a_big_sweep_shows_its_best_runs(tmp_path, in_repo_root):
+  experiment = write_experiment(tmp_path, '''
+      from flaxtpu import defaults, sweep
+
+      def get_config():
+        return defaults.get_config()
+
+      def get_sweep():
+        return sweep.sweep('seed', list(range(60)))
+      ''')
+  workdir = tmp_path / 'sweep'
+  for seed in range(60):
+    fake_run(workdir / f'seed={seed}', dict(step=10, eval_accuracy=seed / 100, eval_loss=1.0, train_loss=1.0),
+             [seed / 100], [1.0])
+  assert cli.main([str(experiment), f'--workdir={workdir}', '--report']) == 0
+  with Image.open(workdir / 'plots' / 'final_eval_accuracy.png') as image:
+    assert image.size == (640, int(80 * (1.2 + 0.25 * sweep_report.MAX_RANKED_RUNS)))  # 50 rows, not 60
+
+
 def test_report_plots_runs_whose_overrides_hold_dollar_signs(tmp_path, in_repo_root):
   # A regex override ('^stem/bias$') in a legend label or tick was read as TeX math, which failed to
   # parse: the sweep's 13 runs finished and the sweep still exited 1, without plots.

@@ -15,6 +15,7 @@ from flaxtpu import report as run_report
 from flaxtpu.sweep.runner import DONE, PENDING, RESULTS_FILE, RUNNING, Run, format_value, read_sweep_record
 
 METRICS_FILE = 'metrics.jsonl'
+MAX_RANKED_RUNS = 50  # runs in plots/final_eval_accuracy.png
 PLOTS_DIR = 'plots'
 
 REPORT_COLUMNS = ('eval_accuracy', 'best_eval_accuracy', 'eval_loss', 'train_loss', 'step',
@@ -177,6 +178,10 @@ def write_plots(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, A
   if accuracies:
     # Every run's final accuracy on one axis, best at the top: readable at any number of runs (the
     # curves' legend is not past 12), and the picture of a sweep whose runs evaluate only at their end.
+    title = f'final eval accuracy per run ({len(accuracies)} finished)'
+    if len(accuracies) > MAX_RANKED_RUNS:  # a big sweep: its best runs (results.csv has them all)
+      labels, accuracies = labels[-MAX_RANKED_RUNS:], accuracies[-MAX_RANKED_RUNS:]
+      title = f'final eval accuracy of the best {MAX_RANKED_RUNS} runs (of {len(rows)})'
     figure, axes = pyplot.subplots(figsize=(8, 1.2 + 0.25 * len(accuracies)))
     axes.plot(accuracies, range(len(accuracies)), 'o')
     for position, accuracy in enumerate(accuracies):
@@ -184,7 +189,7 @@ def write_plots(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, A
                     va='center', fontsize=7)
     axes.set_yticks(range(len(accuracies)), labels, fontsize=7)
     axes.margins(x=0.15)
-    axes.set(xlabel='final eval accuracy', title=f'final eval accuracy per run ({len(accuracies)} finished)')
+    axes.set(xlabel='final eval accuracy', title=title)
     save(figure, axes, 'final_eval_accuracy.png', 0)
 
   finished = [row for row in rows if row['eval_accuracy'] is not None]
