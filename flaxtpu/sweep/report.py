@@ -180,8 +180,8 @@ def write_plots(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, A
     # curves' legend is not past 12), and the picture of a sweep whose runs evaluate only at their end.
     title = f'final eval accuracy per run ({len(accuracies)} finished)'
     if len(accuracies) > MAX_RANKED_RUNS:  # a big sweep: its best runs (results.csv has them all)
+      title = f'final eval accuracy of the best {MAX_RANKED_RUNS} runs (of {len(accuracies)} finished)'
       labels, accuracies = labels[-MAX_RANKED_RUNS:], accuracies[-MAX_RANKED_RUNS:]
-      title = f'final eval accuracy of the best {MAX_RANKED_RUNS} runs (of {len(rows)})'
     figure, axes = pyplot.subplots(figsize=(8, 1.2 + 0.25 * len(accuracies)))
     axes.plot(accuracies, range(len(accuracies)), 'o')
     for position, accuracy in enumerate(accuracies):
