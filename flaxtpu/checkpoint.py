@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src import asyncio_utils as _asyncio_utils
 
+from flaxtpu import files
 from flaxtpu.errors import UserError
 
 policies = ocp.checkpoint_managers
@@ -141,7 +142,7 @@ class Checkpoints:
       kept = [s for s in complete if s != failed]
       intact = f'checkpoint step {max(kept)} is intact' if kept else 'no earlier checkpoint exists'
       raise CheckpointError(
-          f'saving checkpoint step {failed} in {self.directory} failed ({_first_line(e)}); {intact}; '
+          f'saving checkpoint step {failed} in {self.directory} failed ({files.short_error(e)}); {intact}; '
           'free disk space or fix permissions, then run the same command to resume') from e
 
   def close(self) -> None:

@@ -1,14 +1,89 @@
-"""The files a run and a sweep leave behind: atomic JSON, metrics.jsonl rows, durations.
+"""The files a run and a sweep leave behind: atomic JSON, metrics.jsonl rows, durations; failed writes
+(a full disk, a read-only workdir) as one line.
 
 JAX-free: the sweep runner and the CLI use it before (or without) starting JAX.
 """
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import datetime
+import errno
 import json
 import os
-from typing import Any, Mapping
+import tempfile
+from typing import Any, Iterator, Mapping, Optional
+
+from flaxtpu.errors import UserError
+
+# Failures of the storage rather than of flaxtpu, by errno and by the words TensorStore and orbax wrap
+# them in (their messages carry a spec of ~2,000 characters around the OSError's text).
+STORAGE_ERRORS = {code: os.strerror(code) for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS,
+                                                        errno.EACCES, errno.EPERM)}
+_STORAGE_TEXTS = {**{text.lower(): text for text in STORAGE_ERRORS.values()},
+                  f"os_error_code='{errno.ENOSPC}'": STORAGE_ERRORS[errno.ENOSPC]}
+
+
+def storage_error(error: BaseException) -> Optional[str]:
+  """The cause of a failed write in a few words when the storage refused it ('No space left on
+  device', 'Read-only file system', ...), found in the exception chain or its text; else None."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in STORAGE_ERRORS:
+      return STORAGE_ERRORS[error.errno]
+    text = str(error).lower()
+    for words, reason in _STORAGE_TEXTS.items():
+      if words in text:
+        return reason
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def short_error(error: BaseException, limit: int = 150) -> str:
+  """A failure in at most `limit` characters: the storage's cause, else the error's first line, cut."""
+  if (reason := storage_error(error)) is not None:
+    return reason
+  text = str(error).strip()
+  line = f'{type(error).__name__}: {text.splitlines()[0]}' if text else type(error).__name__
+  return line if len(line) <= limit else line[:limit - 3] + '...'
+
+
+@contextlib.contextmanager
+def writing(path: str, fix: str) -> Iterator[None]:
+  """Turns a write the storage refuses into UserError: one line naming `path`, the cause and `fix`."""
+  try:
+    yield
+  except OSError as e:
+    if storage_error(e) is None:
+      raise
+    raise UserError(f'cannot write {path}: {storage_error(e)}; {fix}') from e
+
+
+def unwritable(directory: str) -> Optional[str]:
+  """Why files cannot be created in `directory` (made if missing), or None when they can.
+
+  Tried, not asked: os.access says yes to root on a read-only mount's files in some setups.
+  """
+  try:
+    os.makedirs(directory, exist_ok=True)
+    handle, probe = tempfile.mkstemp(dir=directory, prefix='.write-test-')
+    os.close(handle)
+    os.remove(probe)
+  except OSError as e:
+    return storage_error(e) or e.strerror or type(e).__name__
+  return None
+
+
+def write_csv(path: str, rows: list[dict], key: str) -> None:
+  """`rows` as a CSV at `path`, through a temporary file; a refused write names config.`key`."""
+  with writing(path, f'choose another --config.{key}'):
+    with open(f'{path}.tmp', 'w', newline='', encoding='utf-8') as f:
+      writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+      writer.writeheader()
+      writer.writerows(rows)
+    os.replace(f'{path}.tmp', path)
 
 
 def write_json(path: str, payload: Mapping[str, Any]) -> None:
