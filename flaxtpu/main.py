@@ -19,6 +19,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from flaxtpu import config as config_lib  # no JAX inside: safe before XLA's flags are set
+from flaxtpu import memory  # no JAX inside either
 from flaxtpu.config import CPU_CONVOLUTION_FLAGS, YNN_FUSION_FLAG, resolved_eval_batch_size
 from flaxtpu.errors import UserError
 from flaxtpu.signals import StopRequest
@@ -172,6 +173,7 @@ def _check_workdir(workdir: str) -> None:
 
 def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   config_lib.validate(config)
+  memory.check_before_start(config, mode)  # a run that cannot fit stops before the workdir is touched
   if not workdir:
     raise UserError('--workdir is required: where this run writes (or a trained run to restore)')
   if mode in ('train', 'plan'):

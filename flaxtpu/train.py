@@ -25,6 +25,7 @@ from flaxtpu import checkpoint, data, files, finetune, lock, metrics, optim, par
 from flaxtpu.config import RunLength, resolved_eval_batch_size, run_length
 from flaxtpu.errors import UserError
 from flaxtpu.evaluate import evaluate_splits, write_report
+from flaxtpu.memory import check_device, check_host
 from flaxtpu.signals import StopRequest
 
 
@@ -293,6 +294,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
 
   dataset = data.load(config)
   length = run_length(config, len(dataset.train))
+  check_host(config, dataset.image_shape, streamed=not (dataset.train.cached and dataset.eval.cached))
   logging.info('data: %d train / %d eval examples of %s, %d classes; %d steps (%d per epoch)',
                len(dataset.train), len(dataset.eval), dataset.image_shape, dataset.num_classes,
                length.total_steps, length.steps_per_epoch)
@@ -369,6 +371,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
           train_step_fn, memory_plan = placement.compile_train_step(state, batch)
         logging.info('compiled train step in %.1fs; per-device memory plan: %s',
                      memory_plan['compile_seconds'], steps.format_plan(memory_plan))
+        check_device(config, memory_plan)
       profiler.before_step(step)
       with clock.timing('step'):
         state, step_metrics = train_step_fn(state, batch)
