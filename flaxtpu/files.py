@@ -11,6 +11,7 @@ import csv
 import datetime
 import errno
 import json
+import logging
 import os
 import tempfile
 from typing import Any, Iterator, Mapping, Optional
@@ -74,6 +75,21 @@ def unwritable(directory: str) -> Optional[str]:
   except OSError as e:
     return storage_error(e) or e.strerror or type(e).__name__
   return None
+
+
+def writable_or_elsewhere(directory: str, what: str) -> str:
+  """`directory` when files can be written there, else one under the system's temporary directory
+  (said in a warning): the evaluation of a run on a read-only disk still leaves `what`."""
+  reason = unwritable(directory)
+  if reason is None:
+    return directory
+  elsewhere = os.path.join(tempfile.gettempdir(), 'flaxtpu',
+                           os.path.abspath(directory).strip(os.sep).replace(os.sep, '_'))
+  if (other := unwritable(elsewhere)) is not None:
+    raise UserError(f'cannot write {what}: {directory} ({reason}) and {elsewhere} ({other}) refuse '
+                    'files; free disk space or copy the run to a writable directory')
+  logging.warning('%s is not writable (%s): %s go to %s instead', directory, reason, what, elsewhere)
+  return elsewhere
 
 
 def write_csv(path: str, rows: list[dict], key: str) -> None:
