@@ -30,11 +30,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset.train_split = 'train'  # Split to train on; TFDS-style slices work: 'train[:90%]'.
   config.dataset.eval_split = 'test'  # Split to evaluate on (every example counted once), e.g. 'train[90%:]'.
   config.dataset.eval_splits = ()  # More splits evaluated with it during training, e.g. ('train[:5000]',): logged as eval_train_5000_accuracy; eval_split picks the best checkpoint.
-  config.dataset.image_size = 0  # Square side the model sees; 0 = the native size (every image must share it).
-  config.dataset.crop_fraction = 0.875  # Eval at image_size > 0: resize the shorter side to image_size / this, take the centre.
+  config.dataset.image_size = 0  # Square side the model sees; 0 = init_from's published size, else the native size (every image must share it).
+  config.dataset.crop_fraction = 0.0  # Eval at image_size > 0: resize the shorter side to image_size / this, take the centre (0 = init_from's, else 0.875).
   config.dataset.cache = 'auto'  # auto | memory | none: decode once into host memory (auto: when it fits 1/8 of RAM, at most 4 GiB) or stream from disk.
   config.dataset.skip_corrupt = False  # Skip files that cannot be decoded (logged) instead of stopping with their name.
-  config.dataset.normalize = 'unit'  # 'unit' = pixels/255 in [0, 1]; 'standardize' = per-channel mean/std of the train split.
+  config.dataset.unknown_classes = 'error'  # error | drop: a class folder of an eval split that training (or the checkpoint) lacks stops the run naming it, or its images are left out with a warning.
+  config.dataset.normalize = 'auto'  # unit (pixels/255 in [0, 1]) | standardize (per-channel mean/std of the train split) | fixed (dataset.mean/std) | auto (init_from's, else unit).
+  config.dataset.mean = ()  # normalize=fixed: per-channel mean of pixels in [0, 1], e.g. ImageNet's (0.485, 0.456, 0.406).
+  config.dataset.std = ()  # normalize=fixed: per-channel std, e.g. ImageNet's (0.229, 0.224, 0.225).
 
   config.input = ml_collections.ConfigDict()
   config.input.workers = -1  # Processes that read and decode streamed batches (-1 = one per core but one, at most 32; 0 = a thread).
@@ -67,6 +70,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.pool = 'gap'  # vit: gap (mean of the tokens; big_vision's default) | tok (a class token, as in the paper).
   config.model.dropout = 0.0  # vit: dropout rate (after the embeddings, in the MLP, on each residual branch).
   config.model.drop_path = 0.0  # vit/convnext/resnet: stochastic depth of the last block (0 at the first, linear between).
+  config.model.padding = 'torch'  # resnet: torch (symmetric, as PyTorch/timm: imported weights agree) | same (XLA's SAME; runs saved before this key).
+  config.model.gelu = 'exact'  # vit: exact (erf, as timm/PyTorch) | tanh (big_vision's approximation; runs saved before this key).
   config.dtype = 'float32'  # Compute dtype: float32 | bfloat16 (params, optimizer, BN stats stay float32).
 
   # --- optimization -----------------------------------------------------
@@ -121,8 +126,12 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- fine-tuning ------------------------------------------------------
   config.init_from = ml_collections.ConfigDict()
-  config.init_from.checkpoint = ''  # A fresh run starts from this run's weights: a workdir or WORKDIR/checkpoints/STEP ('' = off).
+  # A fresh run starts from these weights ('' = off): a flaxtpu workdir or WORKDIR/checkpoints/STEP, hf-hub:ORG/NAME
+  # (e.g. hf-hub:timm/resnet50.a1_in1k), a timm/torchvision .safetensors/.pth/.bin or a big_vision ViT .npz. Their
+  # model (when model.name is left at cnn), normalisation, image size and crop fraction become the run's defaults.
+  config.init_from.checkpoint = ''
   config.init_from.step = 'latest'  # Of a workdir: latest | best | a step number.
+  config.init_from.keep_head = False  # Keep the source's classifier and class names (e.g. ImageNet's 1,000) instead of a fresh one for the data's classes.
   config.init_from.skip = ()  # Regexes on parameter paths to re-initialise instead (the classifier is re-initialised anyway when the classes differ).
 
   # --- parallelism ------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Fine-tuning: a fresh run starts from the parameters and BatchNorm statistics of another run.
+"""Fine-tuning: a fresh run starts from the parameters and BatchNorm statistics of another run,
+or of a published model (timm, torchvision, the Hugging Face hub, big_vision: flaxtpu/pretrained.py).
 
 `init_from.checkpoint` names a workdir (its `init_from.step`: latest | best |
 STEP) or one checkpoint directory, WORKDIR/checkpoints/STEP, of any flaxtpu
@@ -7,6 +8,13 @@ run (any device count, jit or pmap, fsdp). Every array of this model whose
 the classifier is re-initialised when the classes differ, and so is whatever
 `init_from.skip` matches. The optimizer state and the step start fresh. Only a
 fresh run reads it: a run that has checkpoints of its own resumes from them.
+
+Published weights are mapped onto the model by the tables of
+flaxtpu/models/layouts.py; a ViT at another image size gets its position
+embeddings resampled (bicubic, antialiased, as timm does). The source's
+normalisation, image size and crop fraction become the run's defaults
+(`apply_source_defaults`), so the run, its eval, predict and export prepare
+images as the weights expect.
 """
 
 from __future__ import annotations
@@ -21,10 +29,13 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from flax import traverse_util
 
-from flaxtpu import checkpoint, optim, steps
+from flaxtpu import checkpoint, files, optim, parallel, pretrained, steps
 from flaxtpu.checkpoint import CheckpointError
+from flaxtpu.errors import UserError
+from flaxtpu.models import layouts
 
 COLLECTIONS = ('params', 'batch_stats')  # what is read; never the optimizer state, step or data key
 
@@ -68,6 +79,40 @@ def _matching(patterns: Sequence[str], names: Sequence[str]) -> set[str]:
   return {name for name in names if any(re.search(pattern, name) for pattern in patterns)}
 
 
+def apply_source_defaults(config: ml_collections.ConfigDict, workdir: str = '') -> None:
+  """The init_from source's preprocessing (and, for published weights, model) as the run's defaults.
+
+  Published weights: `pretrained.apply_defaults`. A flaxtpu run: its
+  normalisation numbers (where dataset.normalize is auto), image size (0)
+  and crop fraction (0), so a fine-tuned run sees images as its source did.
+  A run in `workdir` that already started from the same source keeps what
+  its config.json says, without reading the source again.
+  """
+  spec = config.init_from.checkpoint
+  if not spec or pretrained.apply_defaults(config, workdir):
+    return
+  if config.dataset.normalize != 'auto' and config.dataset.image_size and config.dataset.crop_fraction:
+    return  # nothing left open
+  started = files.read_json(os.path.join(workdir, 'config.json')) if workdir else None
+  if started and started.get('init_from', {}).get('checkpoint') == spec:
+    trained = started['dataset']
+    mean, std = trained.get('mean'), trained.get('std')
+  else:
+    source, step = resolve_source(config)
+    try:
+      record = source.read_record(step)
+    finally:
+      source.close()
+    trained = record.get('config', {}).get('dataset', {})
+    mean, std = record['normalization']['mean'], record['normalization']['std']
+  if config.dataset.normalize == 'auto' and trained.get('normalize') in ('standardize', 'fixed'):
+    config.dataset.normalize, config.dataset.mean, config.dataset.std = 'fixed', tuple(mean), tuple(std)
+  if config.dataset.image_size == 0 and trained.get('image_size'):
+    config.dataset.image_size = trained['image_size']
+  if config.dataset.crop_fraction == 0 and trained.get('crop_fraction'):
+    config.dataset.crop_fraction = trained['crop_fraction']
+
+
 def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: steps.Placement, state,
               class_names: Sequence[str]) -> tuple[Any, dict]:
   """`state` (fresh, from the seed) with the matching arrays of `init_from.checkpoint` read into it.
@@ -76,6 +121,8 @@ def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: st
   shape mismatch outside the re-initialised arrays (another model) is a
   CheckpointError naming the arrays and the `init_from.skip` that would skip them.
   """
+  if pretrained.is_published(config.init_from.checkpoint):
+    return _init_from_published(config, task, placement, state, class_names)
   source, step = resolve_source(config)
   path = os.path.join(source.directory, str(step))
   try:
@@ -126,13 +173,7 @@ def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: st
 
   loaded = {f'{collection}/{name}': leaf for collection in restored
             for name, leaf in optim.named_leaves(restored[collection]).items()}
-  fresh = placement.to_saveable(state)
-  merged = {collection: jax.tree_util.tree_map_with_path(
-      lambda keys, leaf, c=collection: loaded.get(f'{c}/{optim.path_name(keys)}', leaf),
-      getattr(fresh, collection)) for collection in COLLECTIONS}
-  if fresh.ema:  # the average starts at the loaded weights (copies: the train step donates both)
-    merged['ema'] = jax.tree.map(jnp.copy, {'params': merged['params'], 'batch_stats': merged['batch_stats']})
-  state = placement.from_saveable(fresh.replace(**merged))
+  state = _merge(placement, state, loaded)
 
   counts = {collection: f'{len(load[collection])} of {len(target[collection])}' for collection in COLLECTIONS}
   logging.info('init_from: loaded %s parameter arrays and %s BatchNorm statistics from %s (%s, %d classes)',
@@ -144,3 +185,122 @@ def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: st
                  'class_names': record.get('class_names'),
                  'loaded': sum(len(arrays) for arrays in load.values()),
                  'reinitialised': {reason: names for reason, names in reasons.items()}}
+
+
+def _merge(placement: steps.Placement, state, loaded: dict[str, Any]):
+  """`state` with the arrays of `loaded` ({'params/NAME' or 'batch_stats/NAME': array}) in their places;
+  numpy arrays are laid out on the state's shardings (every process holds the whole array)."""
+  fresh = placement.to_saveable(state)
+
+  def pick(collection, keys, leaf):
+    array = loaded.get(f'{collection}/{optim.path_name(keys)}')
+    if array is None:
+      return leaf
+    if isinstance(array, np.ndarray):
+      array = array.astype(leaf.dtype)
+      return jax.make_array_from_callback(array.shape, leaf.sharding, lambda index: array[index])
+    return array
+
+  merged = {collection: jax.tree_util.tree_map_with_path(functools.partial(pick, collection),
+                                                         getattr(fresh, collection))
+            for collection in COLLECTIONS}
+  if getattr(fresh, 'ema', None):  # the average starts at the loaded weights (copies: the step donates both)
+    merged['ema'] = jax.tree.map(jnp.copy, {'params': merged['params'], 'batch_stats': merged['batch_stats']})
+  return placement.from_saveable(fresh.replace(**merged))
+
+
+def resample_position_embeddings(embeddings: np.ndarray, shape: tuple[int, ...], prefix_tokens: int) -> np.ndarray:
+  """ViT position embeddings [1, prefix + rows * cols, width] for another grid: the grid part
+  resampled bicubically with antialiasing (timm's resample_abs_pos_embed), the class token's kept."""
+  prefix, grid = embeddings[:, :prefix_tokens], embeddings[:, prefix_tokens:]
+  old, new = round((grid.shape[1]) ** 0.5), round((shape[1] - prefix_tokens) ** 0.5)
+  if old * old != grid.shape[1] or new * new != shape[1] - prefix_tokens:
+    raise UserError(f'position embeddings of {grid.shape[1]} tokens cannot be resampled to '
+                    f'{shape[1] - prefix_tokens}: both must be square grids (use square images)')
+  width = grid.shape[-1]
+  resized = jax.image.resize(jnp.asarray(grid.reshape(1, old, old, width), jnp.float32), (1, new, new, width),
+                             'bicubic', antialias=True)
+  logging.info('init_from: position embeddings resampled from %dx%d to %dx%d patches', old, old, new, new)
+  return np.concatenate([prefix, np.asarray(resized).reshape(1, new * new, width)], axis=1)
+
+
+def _published_arrays(config: ml_collections.ConfigDict, published: pretrained.Published,
+                      wanted: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+  """The published arrays that `wanted` ({'params/NAME': shape}) names, converted to flaxtpu's layout."""
+  prefix_tokens = 1 if config.model.pool == 'tok' else 0
+  adapt = {'params/pos_embedding': functools.partial(resample_position_embeddings, prefix_tokens=prefix_tokens)}
+  if published.model != config.model.name:
+    logging.warning('init_from: %s holds %s, read into config.model.name=%s', published.spec, published.model,
+                    config.model.name)
+  return layouts.load(published.rules(), pretrained.read_tensors(published.path), wanted,
+                      f'config.init_from.checkpoint={published.spec!r}', adapt)
+
+
+def _init_from_published(config: ml_collections.ConfigDict, task: steps.Task, placement: steps.Placement,
+                         state, class_names: Sequence[str]) -> tuple[Any, dict]:
+  """init_from for published weights: every array the layout maps, the head unless kept."""
+  published = pretrained.describe(config.init_from.checkpoint)
+  abstract = placement.abstract_state
+  target = {f'{collection}/{name}': tuple(leaf.shape) for collection in COLLECTIONS
+            for name, leaf in optim.named_leaves(getattr(abstract, collection)).items()}
+  bare = {name: name.split('/', 1)[1] for name in target}  # without the collection, as the patterns see them
+  skip_matches = _matching(config.init_from.skip, list(bare.values()))
+  skipped = {name for name in target if bare[name] in skip_matches}
+  for pattern in config.init_from.skip:
+    if not _matching([pattern], list(bare.values())):
+      raise CheckpointError(f'config.init_from.skip pattern {pattern!r} matches no parameter of '
+                            f'{config.model.name}; names look like {next(iter(bare.values()))!r}')
+  head = {f'params/{name}' for name in head_names(task, abstract.params)}
+  source_names = list(pretrained.class_names(published))
+  if config.init_from.keep_head:
+    if task.num_classes != published.num_classes:
+      raise UserError(f'config.init_from.keep_head=True keeps the {published.num_classes}-class head of '
+                      f'{published.spec}, but the data has {task.num_classes} classes; drop keep_head to '
+                      'train a new head for them')
+    if list(class_names) != source_names and published.class_names:
+      raise UserError(f'config.init_from.keep_head=True: the data\'s classes ({", ".join(class_names[:3])}, ...) '
+                      f'are not the head\'s ({", ".join(source_names[:3])}, ...) in order; drop keep_head')
+    head = set()
+  wanted = {name: shape for name, shape in target.items() if name not in head and name not in skipped}
+  loaded = _published_arrays(config, published, wanted)
+  reasons = {reason: sorted(bare[name] for name in names) for reason, names in (
+      ('a new head for the data\'s classes', head), ('init_from.skip', skipped),
+      ('not in the published weights', set(wanted) - set(loaded))) if names}
+  state = _merge(placement, state, loaded)
+  logging.info('init_from: loaded %d of %d arrays from %s (%s, %s layout, %d classes)', len(loaded), len(target),
+               published.path, published.model, published.layout, published.num_classes)
+  for reason, names in reasons.items():
+    logging.info('init_from: not loaded, kept as initialised (%s): %s', reason, ', '.join(names))
+  return state, {'checkpoint': published.spec, 'path': published.path, 'step': None, 'model': published.model,
+                 'layout': published.layout, 'class_names': source_names, 'loaded': len(loaded),
+                 'reinitialised': reasons}
+
+
+def published_model(config: ml_collections.ConfigDict):
+  """--mode=predict/eval/export straight from published weights, without training: (placement,
+  model state, step 0, a checkpoint-like record). The published head and its classes are kept."""
+  if not pretrained.apply_defaults(config):
+    raise UserError(f'config.init_from.checkpoint={config.init_from.checkpoint!r} is not published weights')
+  published = pretrained.describe(config.init_from.checkpoint)
+  size = config.dataset.image_size
+  image_shape = (size, size, 3)
+  mean, std = (config.dataset.mean, config.dataset.std) if config.dataset.normalize == 'fixed' else ((0.,) * 3,
+                                                                                                     (1.,) * 3)
+  task = steps.create_task(config, num_classes=published.num_classes, image_shape=image_shape, mean=mean, std=std)
+  placement = steps.place(task, parallel.make_mesh(config), config)
+  fresh = jax.jit(functools.partial(steps.init_model, task), static_argnums=(),
+                  out_shardings=placement.state_shardings)(config.seed)
+  wanted = {f'{collection}/{name}': tuple(leaf.shape) for collection in COLLECTIONS
+            for name, leaf in optim.named_leaves(getattr(placement.abstract_state, collection)).items()}
+  loaded = _published_arrays(config, published, wanted)
+  if missing := sorted(set(wanted) - set(loaded)):
+    raise UserError(f'{published.spec} lacks {len(missing)} arrays of {config.model.name} ({missing[0]}, ...); '
+                    'train from it instead of predicting with it')
+  state = _merge(placement, placement.from_saveable(fresh), loaded)
+  record = {'model': config.model.name, 'num_classes': published.num_classes, 'image_shape': list(image_shape),
+            'class_names': list(pretrained.class_names(published)),
+            'normalization': {'mean': list(mean), 'std': list(std)}, 'config': config.to_dict(),
+            'init_from': {'checkpoint': published.spec, 'path': published.path}}
+  logging.info('using the published weights of %s (%s, %d classes) without training', published.spec,
+               published.model, published.num_classes)
+  return placement, state, 0, record

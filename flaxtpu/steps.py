@@ -60,9 +60,10 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
       config.model.name, num_classes=num_classes, dtype=config.dtype, remat=config.model.remat,
       bn_axis_name=parallel.PMAP_AXIS if config.parallelism == 'pmap' else None,
       patch_size=config.model.patch_size, pool=config.model.pool, dropout=config.model.dropout,
-      drop_path=config.model.drop_path, image_shape=image_shape)
+      drop_path=config.model.drop_path, padding=config.model.padding, gelu=config.model.gelu,
+      image_shape=image_shape)
   optimizer, schedule = optim.create_optimizer(config, length) if length else (None, None)
-  standardize = config.dataset.normalize == 'standardize'
+  standardize = config.dataset.normalize in ('standardize', 'fixed')
   return Task(model=model, num_classes=num_classes, image_shape=tuple(image_shape),
               augment=config.augment, label_smoothing=config.label_smoothing,
               mean=np.asarray(mean, np.float32) if standardize else None,

@@ -292,6 +292,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   mesh = parallel.make_mesh(config)
   parallel.log_mesh(mesh, config.parallelism)
 
+  finetune.apply_source_defaults(config, workdir)  # the source's preprocessing, before the data is read
   dataset = data.load(config)
   length = run_length(config, len(dataset.train))
   check_host(config, dataset.image_shape, streamed=not (dataset.train.cached and dataset.eval.cached))

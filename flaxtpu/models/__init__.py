@@ -27,9 +27,10 @@ class Spec:
   @property
   def options(self) -> tuple[str, ...]:
     """The `create` options (config.model.* keys) this model reads; the others must keep their defaults."""
-    return {'vit': ('patch_size', 'pool', 'dropout', 'drop_path'),
+    return {'vit': ('patch_size', 'pool', 'dropout', 'drop_path', 'gelu'),
             'convnext': ('patch_size', 'drop_path'),
-            'cifar_resnet': ('drop_path',), 'imagenet_resnet': ('drop_path',)}.get(self.family, ())
+            'cifar_resnet': ('drop_path', 'padding'),
+            'imagenet_resnet': ('drop_path', 'padding')}.get(self.family, ())
 
 
 _SPECS = {
@@ -54,6 +55,10 @@ _SPECS = {
 }
 NAMES = tuple(_SPECS)
 POOLS = ('gap', 'tok')
+PADDINGS = ('torch', 'same')  # resnet: symmetric as PyTorch | XLA's SAME (runs saved before model.padding)
+GELUS = ('exact', 'tanh')  # vit: erf as timm | tanh as big_vision (runs saved before model.gelu)
+# What a run saved before a model option existed computed; config.from_saved fills these in.
+LEGACY_OPTIONS = {'padding': 'same', 'gelu': 'tanh'}
 
 
 def get_spec(name: str) -> Spec:
@@ -89,15 +94,15 @@ def check_image_shape(name: str, image_shape: tuple[int, ...], patch_size: int =
 
 def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 'none',
            bn_axis_name: Optional[str] = None, patch_size: int = 0, pool: str = 'gap',
-           dropout: float = 0.0, drop_path: float = 0.0,
+           dropout: float = 0.0, drop_path: float = 0.0, padding: str = 'torch', gelu: str = 'exact',
            image_shape: Optional[tuple[int, ...]] = None):
   """Builds model `name`; `remat` wraps each block (ResNet, ViT, ConvNeXt) or stage (CNN) in jax.checkpoint.
 
   `bn_axis_name` makes BatchNorm average its statistics over that pmap axis,
   so that pmap computes the same statistics as one global batch. `patch_size`
-  (0 = the published one), `pool`, `dropout` and `drop_path` configure ViT and
-  ConvNeXt (`Spec.options` says which); given `image_shape`, the patches are
-  checked to tile it.
+  (0 = the published one), `pool`, `dropout`, `drop_path`, `padding` (ResNet)
+  and `gelu` (ViT) configure the families that read them (`Spec.options` says
+  which); given `image_shape`, the patches are checked to tile it.
   """
   # pylint: disable=g-import-not-at-top
   import flax.linen as nn
@@ -120,7 +125,7 @@ def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 
     return vit.ViT(num_classes=num_classes, patch_size=patch_size or spec.patch_size,
                    width=spec.widths[0], depth=spec.stage_sizes[0], num_heads=spec.num_heads,
                    mlp_dim=spec.mlp_dim, block=wrap(vit.EncoderBlock), pool=pool, dropout=dropout,
-                   drop_path=drop_path, dtype=dtype)
+                   drop_path=drop_path, gelu=gelu, dtype=dtype)
   if spec.family == 'convnext':
     return convnext.ConvNeXt(num_classes=num_classes, stage_sizes=spec.stage_sizes,
                              stage_widths=spec.widths, block=wrap(convnext.ConvNeXtBlock),
@@ -128,4 +133,5 @@ def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 
   block = resnet.BottleneckBlock if spec.bottleneck else resnet.BasicBlock
   stem, width = ('cifar', 16) if spec.family == 'cifar_resnet' else ('imagenet', 64)
   return resnet.ResNet(stage_sizes=spec.stage_sizes, block=wrap(block), stem=stem, width=width,
-                       num_classes=num_classes, dtype=dtype, bn_axis_name=bn_axis_name, drop_path=drop_path)
+                       num_classes=num_classes, dtype=dtype, bn_axis_name=bn_axis_name, drop_path=drop_path,
+                       padding=padding)

@@ -3,6 +3,11 @@
 Both take any input size: the CIFAR stem is one 3x3 convolution; the ImageNet
 stem (7x7 stride 2 + max pool) also runs on 32x32 inputs, down to a 1x1 map.
 Projection shortcuts (1x1 conv + BN) wherever the shape changes. With
+`padding='torch'` every convolution and the max pool pad symmetrically, as
+PyTorch, torchvision and timm do, so published weights compute the same
+function here; `'same'` is XLA's SAME (one pixel less before than after a
+stride-2 window on even maps), what flaxtpu used before and what runs saved
+without `model.padding` keep. With
 `drop_path`, a block's residual branch is dropped per example (stochastic
 depth, Huang et al. 2016, as timm's ResNets do), at a rate growing linearly
 from 0 in the first block to `drop_path` in the last.
@@ -31,10 +36,21 @@ class Block(nn.Module):
   dtype: Any = jnp.float32
   bn_axis_name: Optional[str] = None
   drop_path: float = 0.0  # probability of dropping the residual branch (stochastic depth)
+  padding: str = 'torch'  # 'torch' (symmetric) | 'same' (XLA's SAME)
 
   def layers(self):
-    return (functools.partial(nn.Conv, use_bias=False, dtype=self.dtype),
-            batch_norm(self.train, self.dtype, self.bn_axis_name))
+    return (conv_layer(self.padding, self.dtype), batch_norm(self.train, self.dtype, self.bn_axis_name))
+
+
+def conv_layer(padding: str, dtype: Any):
+  """Bias-free convolutions padded as `padding` says: 'torch' pads k // 2 on every side, as PyTorch does."""
+  if padding == 'same':
+    return functools.partial(nn.Conv, use_bias=False, dtype=dtype)
+
+  def conv(features, kernel_size, strides=1, **kwargs):
+    return nn.Conv(features, kernel_size, strides, padding=[(k // 2, k // 2) for k in kernel_size],
+                   use_bias=False, dtype=dtype, **kwargs)
+  return conv
 
 
 class BasicBlock(Block):
@@ -73,24 +89,27 @@ class ResNet(nn.Module):
   dtype: Any = jnp.float32
   bn_axis_name: Optional[str] = None
   drop_path: float = 0.0  # the last block's rate; 0 in the first, linear in between
+  padding: str = 'torch'  # 'torch' (symmetric, as PyTorch) | 'same' (XLA's SAME; runs saved before it)
 
   @nn.compact
   def __call__(self, x, train: bool = True):
     norm = batch_norm(train, self.dtype, self.bn_axis_name)
+    conv = conv_layer(self.padding, self.dtype)
     total_blocks, block_index = sum(self.stage_sizes), 0
     x = x.astype(self.dtype)
     if self.stem == 'cifar':
-      x = nn.relu(norm()(nn.Conv(self.width, (3, 3), use_bias=False, dtype=self.dtype)(x)))
+      x = nn.relu(norm()(conv(self.width, (3, 3))(x)))
     else:
       x = nn.Conv(self.width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False,
                   dtype=self.dtype)(x)
-      x = nn.max_pool(nn.relu(norm()(x)), (3, 3), strides=(2, 2), padding='SAME')
+      pool_padding = 'SAME' if self.padding == 'same' else ((1, 1), (1, 1))
+      x = nn.max_pool(nn.relu(norm()(x)), (3, 3), strides=(2, 2), padding=pool_padding)
     for stage, num_blocks in enumerate(self.stage_sizes):
       for index in range(num_blocks):
         strides = 2 if stage > 0 and index == 0 else 1
         # Explicit names: the same parameter tree with and without remat.
         x = self.block(self.width * 2**stage, strides, train, dtype=self.dtype,
-                       bn_axis_name=self.bn_axis_name,
+                       bn_axis_name=self.bn_axis_name, padding=self.padding,
                        drop_path=self.drop_path * block_index / max(total_blocks - 1, 1),
                        name=f'stage{stage + 1}_block{index + 1}')(x)
         block_index += 1

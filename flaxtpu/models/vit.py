@@ -7,7 +7,12 @@ average pooling (`pool='gap'`, big_vision's default) or a class token
 big_vision puts it (after the embeddings, inside the MLP, on each residual
 branch); stochastic depth drops a whole residual branch per example, at a
 rate that grows linearly from 0 in the first block to `drop_path` in the last
-(timm/DeiT).
+(timm/DeiT). `gelu='exact'` is the erf GELU of timm and PyTorch, `'tanh'`
+big_vision's approximation (what flaxtpu used before, and what runs saved
+without `model.gelu` keep); published weights compute the same function with
+the GELU they were trained with. The position embeddings have one entry per
+token of the image size seen at init; `resample_position_embeddings` fits
+them to another size as timm does.
 """
 
 from typing import Any, Callable
@@ -32,6 +37,7 @@ class EncoderBlock(nn.Module):
   train: bool
   dropout: float = 0.0
   drop_path: float = 0.0
+  gelu: str = 'exact'  # 'exact' (erf, timm) | 'tanh' (big_vision)
   dtype: Any = jnp.float32
 
   @nn.compact
@@ -46,7 +52,7 @@ class EncoderBlock(nn.Module):
                                         deterministic=True, name='attention')(y, y)
     x = x + stochastic_depth(dropout(y), self.drop_path, self.train)
     y = nn.LayerNorm(dtype=self.dtype, name='norm2')(x)
-    y = dropout(nn.gelu(dense(self.mlp_dim, 'mlp1')(y)))
+    y = dropout(nn.gelu(dense(self.mlp_dim, 'mlp1')(y), approximate=self.gelu == 'tanh'))
     y = dense(x.shape[-1], 'mlp2')(y)
     return x + stochastic_depth(dropout(y), self.drop_path, self.train)
 
@@ -62,6 +68,7 @@ class ViT(nn.Module):
   pool: str = 'gap'  # 'gap' | 'tok'
   dropout: float = 0.0
   drop_path: float = 0.0  # the last block's rate
+  gelu: str = 'exact'
   dtype: Any = jnp.float32
 
   @nn.compact
@@ -81,7 +88,8 @@ class ViT(nn.Module):
     for index in range(self.depth):
       # Explicit names: the same parameter tree with and without remat.
       x = self.block(self.num_heads, self.mlp_dim, train, dropout=self.dropout,
-                     drop_path=self.drop_path * index / max(self.depth - 1, 1), dtype=self.dtype,
+                     drop_path=self.drop_path * index / max(self.depth - 1, 1), gelu=self.gelu,
+                     dtype=self.dtype,
                      name=f'block{index + 1}')(x)
     x = nn.LayerNorm(dtype=self.dtype, name='encoder_norm')(x)
     x = jnp.mean(x, axis=1) if self.pool == 'gap' else x[:, 0]

@@ -1,0 +1,367 @@
+"""Published weights: where they come from, what model they are, and how they want images prepared.
+
+`init_from.checkpoint` takes, besides a flaxtpu run:
+
+    hf-hub:ORG/NAME          the Hugging Face hub (timm's layout), through huggingface_hub's cache
+    FILE.safetensors|.pth|.pt|.bin   a timm or torchvision state dict
+    FILE.npz                 a big_vision / vision_transformer (AugReg) ViT
+    FOLDER                   a folder with model.safetensors and timm's config.json (as the hub has,
+                             and as `--mode=export` writes)
+
+`describe(spec)` reads the file's tensors and names the flaxtpu model that
+computes the same function (`model.name` and its options), its classes and
+its preprocessing (mean/std, input size, crop fraction: timm's
+`pretrained_cfg` where the file carries one, else timm's defaults for that
+family). `apply_defaults(config)` makes those the run's defaults. No JAX here:
+the CLI calls it before JAX starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import re
+import urllib.parse
+from typing import Optional
+
+import numpy as np
+
+from flaxtpu import models
+from flaxtpu.errors import UserError
+from flaxtpu.models import layouts
+
+HUB_PREFIX = 'hf-hub:'
+WEIGHT_SUFFIXES = ('.safetensors', '.pth', '.pt', '.bin', '.npz')
+HUB_WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin')  # in timm's order of preference
+HUB_TIMEOUT_S = 3.0  # the hub probe; offline or unreachable falls back to the cache at once
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+INCEPTION_MEAN, INCEPTION_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)  # pixels to [-1, 1]: big_vision, AugReg
+
+
+def is_published(spec: str) -> bool:
+  """Whether `init_from.checkpoint` names published weights rather than a flaxtpu run."""
+  if spec.startswith(HUB_PREFIX) or spec.lower().endswith(WEIGHT_SUFFIXES):
+    return True
+  path = os.path.expanduser(spec)
+  return os.path.isfile(os.path.join(path, 'model.safetensors')) and not os.path.isdir(
+      os.path.join(path, 'checkpoints'))
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+  """Published weights and what they imply for a run."""
+  spec: str  # what init_from.checkpoint said
+  path: str  # the local weights file
+  layout: str  # 'timm' | 'big_vision'
+  model: str  # the flaxtpu model name
+  options: dict  # config.model keys the weights fix (patch_size, pool, gelu, padding)
+  num_classes: int
+  class_names: Optional[tuple[str, ...]]  # of the published head (None: unnamed)
+  mean: tuple[float, ...]
+  std: tuple[float, ...]
+  image_size: int
+  crop_fraction: float
+
+  def rules(self) -> list[layouts.Rule]:
+    """How the file's tensors become this model's arrays."""
+    spec = models.get_spec(self.model)
+    tensors = read_tensors(self.path)
+    if self.layout == 'big_vision':
+      return layouts.big_vision_rules(set(tensors), spec.stage_sizes[0], self.options['pool'] == 'tok')
+    if spec.family == 'imagenet_resnet':
+      return layouts.resnet_rules(spec.stage_sizes, spec.bottleneck)
+    if spec.family == 'vit':
+      return layouts.vit_rules(spec.stage_sizes[0], spec.widths[0], spec.num_heads, self.options['pool'] == 'tok')
+    return layouts.convnext_rules(spec.stage_sizes)
+
+
+# --- finding the file -----------------------------------------------------------------------------
+
+
+def _hub_problem() -> Optional[str]:
+  """Why the hub cannot be reached now (offline mode, no network), or None."""
+  from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
+  if constants.HF_HUB_OFFLINE:
+    return 'HF_HUB_OFFLINE is set'
+  from flaxtpu import sources  # pylint: disable=g-import-not-at-top
+  endpoint = urllib.parse.urlsplit(constants.ENDPOINT)
+  address = (endpoint.hostname or 'huggingface.co', endpoint.port or (443 if endpoint.scheme == 'https' else 80))
+  return sources.network_problem(address, HUB_TIMEOUT_S)
+
+
+def _hub_download(spec: str) -> tuple[str, Optional[str]]:
+  """(weights file, config.json or None) of hf-hub:ORG/NAME, from the hub or huggingface_hub's cache."""
+  from huggingface_hub import constants, errors, hf_hub_download  # pylint: disable=g-import-not-at-top
+  repo = spec[len(HUB_PREFIX):]
+  if not re.fullmatch(r'[\w.-]+/[\w.-]+', repo):
+    raise UserError(f'config.init_from.checkpoint={spec!r} is not hf-hub:ORG/NAME (e.g. hf-hub:timm/resnet50.a1_in1k)')
+  # An unreachable hub would cost huggingface_hub's retries (~25 s) per file: ask the cache alone then.
+  problem = _hub_problem()
+
+  def fetch(filename: str) -> Optional[str]:
+    try:
+      return hf_hub_download(repo, filename, local_files_only=bool(problem), etag_timeout=HUB_TIMEOUT_S,
+                             library_name='flaxtpu')
+    except errors.RepositoryNotFoundError as e:
+      raise UserError(f'config.init_from.checkpoint={spec!r}: the hub has no model {repo!r} (or it is '
+                      'private: log in with `hf auth login`); check the name on huggingface.co') from e
+    except errors.GatedRepoError as e:
+      raise UserError(f'config.init_from.checkpoint={spec!r} is gated: accept its terms on huggingface.co '
+                      'and log in with `hf auth login`') from e
+    except errors.LocalEntryNotFoundError:
+      if problem:  # not in the cache, and no way to ask
+        raise UserError(
+            f'config.init_from.checkpoint={spec!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) '
+            f'and the hub cannot be reached ({problem}): on a machine online run `hf download {repo}` and '
+            f'copy its cache folder models--{repo.replace("/", "--")} into {constants.HF_HUB_CACHE} '
+            '(or set HF_HOME to where it is)') from None
+      return None
+    except errors.EntryNotFoundError:
+      return None
+
+  config_path = fetch('config.json')
+  for filename in HUB_WEIGHT_FILES:
+    if (weights := fetch(filename)) is not None:
+      return weights, config_path
+  raise UserError(f'config.init_from.checkpoint={spec!r}: the hub model has none of {", ".join(HUB_WEIGHT_FILES)}; '
+                  'give a timm model (hf-hub:timm/...) or a local weights file')
+
+
+def locate(spec: str) -> tuple[str, Optional[dict]]:
+  """(local weights file, timm's config.json as a dict or None) for `init_from.checkpoint`."""
+  if spec.startswith(HUB_PREFIX):
+    weights, config_path = _hub_download(spec)
+  else:
+    path = os.path.abspath(os.path.expanduser(spec))
+    weights, config_path = path, None
+    if os.path.isdir(path):
+      weights, config_path = os.path.join(path, 'model.safetensors'), os.path.join(path, 'config.json')
+    elif os.path.isfile(os.path.join(os.path.dirname(path), 'config.json')):
+      config_path = os.path.join(os.path.dirname(path), 'config.json')
+    if not os.path.isfile(weights):
+      raise UserError(f'config.init_from.checkpoint={spec!r} does not exist; give a weights file '
+                      f'({", ".join(WEIGHT_SUFFIXES)}), hf-hub:ORG/NAME or a flaxtpu workdir')
+  metadata = None
+  if config_path and os.path.isfile(config_path):
+    try:
+      with open(config_path, encoding='utf-8') as f:
+        metadata = json.load(f)
+    except (OSError, ValueError) as e:
+      raise UserError(f'{config_path} (the weights\' config) is not readable JSON ({e}); fix or remove it') from e
+  return weights, metadata
+
+
+@functools.lru_cache(maxsize=2)
+def read_tensors(path: str) -> dict[str, np.ndarray]:
+  """{key: numpy array} of a .safetensors (no torch), .pth/.pt/.bin (torch) or .npz file."""
+  suffix = os.path.splitext(path)[1].lower()
+  try:
+    if suffix == '.safetensors':
+      from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+      return load_file(path)
+    if suffix == '.npz':
+      with np.load(path, allow_pickle=False) as archive:
+        return {key: archive[key] for key in archive.files}
+  except Exception as e:  # pylint: disable=broad-except
+    raise UserError(f'{path} cannot be read as {suffix} weights ({type(e).__name__}: {e}); re-download it') from e
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise UserError(f'reading {path} needs PyTorch (pip install torch), or convert it to .safetensors '
+                    '(safetensors.torch.save_file) on a machine that has it') from None
+  try:
+    state = torch.load(path, map_location='cpu', weights_only=True)
+  except Exception as e:  # pylint: disable=broad-except
+    raise UserError(f'{path} cannot be read by torch.load ({type(e).__name__}: {str(e)[:200]}); '
+                    're-download it') from e
+  for key in ('state_dict', 'model', 'state_dict_ema', 'model_ema'):  # training checkpoints wrap it
+    if isinstance(state, dict) and isinstance(state.get(key), dict):
+      state = state[key]
+      break
+  if not isinstance(state, dict):
+    raise UserError(f'{path} holds a {type(state).__name__}, not a state dict of tensors; save '
+                    'model.state_dict() instead')
+  tensors = {re.sub(r'^(module\.|_orig_mod\.)', '', key): value for key, value in state.items()
+             if hasattr(value, 'numpy')}
+  return {key: value.float().numpy() if value.is_floating_point() else value.numpy()
+          for key, value in tensors.items()}
+
+
+# --- what the tensors are --------------------------------------------------------------------------
+
+
+def _count(keys, pattern: str) -> int:
+  return len({match.group(1) for key in keys if (match := re.fullmatch(pattern, key))})
+
+
+def _twin(family: str, where: str, described: str, **fields) -> str:
+  """The flaxtpu model of `family` whose spec has these fields, or a UserError naming the supported ones."""
+  for name in models.NAMES:
+    spec = models.get_spec(name)
+    if spec.family == family and all(getattr(spec, key) == value for key, value in fields.items()):
+      return name
+  supported = [name for name in models.NAMES if models.get_spec(name).family == family]
+  raise UserError(f'{where} holds {described}, which no flaxtpu model matches; supported: '
+                  f'{", ".join(supported)}')
+
+
+def infer_model(tensors: dict, where: str) -> tuple[str, str, dict]:
+  """(layout, flaxtpu model name, model options) of a state dict or .npz."""
+  keys = set(tensors)
+  if any(key.endswith('embedding/kernel') for key in keys):  # flax names: a big_vision / AugReg ViT
+    rules = layouts.big_vision_rules(keys, 0, False)  # finds the prefix (or says there is none)
+    prefix = rules[0].source[:-len('embedding/kernel')]
+    kernel = tensors[f'{prefix}embedding/kernel']
+    stacked = f'{prefix}Transformer/encoderblock/LayerNorm_0/scale'
+    depth = (tensors[stacked].shape[0] if stacked in keys
+             else _count(keys, re.escape(prefix) + r'Transformer/encoderblock_(\d+)/LayerNorm_0/scale'))
+    name = _twin('vit', where, f'a ViT of width {kernel.shape[-1]} and depth {depth}',
+                 widths=(kernel.shape[-1],), stage_sizes=(depth,))
+    pool = 'tok' if f'{prefix}cls' in keys else 'gap'
+    if f'{prefix}MAPHead_0/probe' in keys:
+      raise UserError(f'{where} is a ViT with a MAP head (attention pooling), which flaxtpu\'s ViT lacks')
+    return 'big_vision', name, {'patch_size': int(kernel.shape[0]), 'pool': pool, 'gelu': 'tanh'}
+  if 'conv1.weight' in keys and 'layer1.0.conv1.weight' in keys:
+    stages = tuple(_count(keys, rf'layer{stage}\.(\d+)\.conv1\.weight') for stage in range(1, 5))
+    bottleneck = 'layer1.0.conv3.weight' in keys
+    if tensors['conv1.weight'].shape[-1] != 7 or tensors['layer1.0.conv1.weight'].shape[0] != 64:
+      raise UserError(f'{where} is a ResNet variant (stem or widths differ from resnet18-152), which no '
+                      'flaxtpu model matches; supported: resnet18, resnet34, resnet50, resnet101, resnet152')
+    name = _twin('imagenet_resnet', where, f'a ResNet with {stages} blocks per stage'
+                 f'{" (bottleneck)" if bottleneck else ""}', stage_sizes=stages, bottleneck=bottleneck)
+    return 'timm', name, {'padding': 'torch'}
+  if 'patch_embed.proj.weight' in keys:
+    for unsupported, what in (('fc_norm.weight', 'a norm after pooling (fc_norm)'), ('reg_token', 'register tokens'),
+                              ('attn_pool.latent', 'attention pooling'), ('norm_pre.weight', 'a pre-norm')):
+      if unsupported in keys:
+        raise UserError(f'{where} is a ViT with {what}, which flaxtpu\'s ViT lacks; supported: timm '
+                        'ViTs with a class token or plain average pooling (e.g. augreg)')
+    kernel = tensors['patch_embed.proj.weight']
+    depth = _count(keys, r'blocks\.(\d+)\.norm1\.weight')
+    name = _twin('vit', where, f'a ViT of width {kernel.shape[0]} and depth {depth}',
+                 widths=(kernel.shape[0],), stage_sizes=(depth,))
+    pool = 'tok' if 'cls_token' in keys else 'gap'
+    return 'timm', name, {'patch_size': int(kernel.shape[-1]), 'pool': pool, 'gelu': 'exact'}
+  if 'stem.0.weight' in keys and 'stages.0.blocks.0.conv_dw.weight' in keys:
+    stages = tuple(_count(keys, rf'stages\.{stage}\.blocks\.(\d+)\.norm\.weight') for stage in range(4))
+    widths = tuple(int(tensors[f'stages.{stage}.blocks.0.norm.weight'].shape[0]) for stage in range(4))
+    name = _twin('convnext', where, f'a ConvNeXt with {stages} blocks of widths {widths}',
+                 stage_sizes=stages, widths=widths)
+    return 'timm', name, {'patch_size': int(tensors['stem.0.weight'].shape[-1])}
+  shown = ', '.join(sorted(keys)[:4])
+  raise UserError(f'{where} is not a ResNet, ViT or ConvNeXt in timm\'s, torchvision\'s or big_vision\'s layout '
+                  f'(its tensors: {shown}, ...); flaxtpu imports those')
+
+
+def _head(tensors: dict, layout: str, model: str) -> np.ndarray:
+  """The bias of the published classifier (its length is the class count)."""
+  family = models.get_spec(model).family
+  if layout == 'big_vision':
+    key = next(key for key in tensors if key.endswith('head/bias'))
+  else:
+    key = {'imagenet_resnet': 'fc.bias', 'vit': 'head.bias', 'convnext': 'head.fc.bias'}[family]
+  return tensors[key]
+
+
+@functools.lru_cache(maxsize=4)
+def describe(spec: str) -> Published:
+  """What `init_from.checkpoint=spec` (published weights) is: model, classes, preprocessing."""
+  path, metadata = locate(spec)
+  tensors = read_tensors(path)
+  layout, model, options = infer_model(tensors, path)
+  metadata = metadata or {}
+  pretrained_cfg = metadata.get('pretrained_cfg', {})
+  # timm's config can say more than the tensors: how it pools (a model exported without a class token).
+  options.update({key: value for key, value in metadata.get('flaxtpu_model_options', {}).items()
+                  if key in options})
+  num_classes = int(_head(tensors, layout, model).shape[0])
+  family = models.get_spec(model).family
+  # timm's defaults for its families where the file says nothing: ViTs the AugReg way.
+  vit_like = family == 'vit'
+  mean = tuple(pretrained_cfg.get('mean', INCEPTION_MEAN if vit_like else IMAGENET_MEAN))
+  std = tuple(pretrained_cfg.get('std', INCEPTION_STD if vit_like else IMAGENET_STD))
+  crop_fraction = float(pretrained_cfg.get('crop_pct', 0.9 if vit_like else 0.875))
+  image_size = 224
+  if vit_like:  # the position embeddings fix the size they were trained at
+    positions = next(np.asarray(tensors[key]).shape for key in tensors
+                     if key.endswith(('pos_embed', 'pos_embedding')))[-2] - (
+        1 if options['pool'] == 'tok' and layout == 'timm' else 0)
+    image_size = int(round(positions ** 0.5)) * options['patch_size']
+  if 'input_size' in pretrained_cfg:
+    image_size = int(pretrained_cfg['input_size'][-1])
+  class_names = metadata.get('label_names')
+  if class_names is None and num_classes == 1000:
+    class_names = imagenet_class_names()
+  if class_names is not None and len(class_names) != num_classes:
+    logging.warning('%s names %d classes for a %d-class head; using class_N', spec, len(class_names), num_classes)
+    class_names = None
+  if not pretrained_cfg:
+    logging.info('%s carries no preprocessing; assuming timm\'s defaults for %s: mean %s, std %s, %d px, '
+                 'crop %.3f (override with dataset.normalize=fixed, dataset.mean/std, dataset.image_size, '
+                 'dataset.crop_fraction)', spec, model, mean, std, image_size, crop_fraction)
+  return Published(spec=spec, path=path, layout=layout, model=model, options=options,
+                   num_classes=num_classes, class_names=tuple(class_names) if class_names else None,
+                   mean=mean, std=std, image_size=image_size, crop_fraction=crop_fraction)
+
+
+def imagenet_class_names() -> tuple[str, ...]:
+  """The 1,000 ImageNet-1k class names in label order."""
+  path = os.path.join(os.path.dirname(__file__), 'datasets', 'imagenet_classes.txt')
+  with open(path, encoding='utf-8') as f:
+    return tuple(line.rstrip('\n') for line in f)
+
+
+def class_names(published: Published) -> tuple[str, ...]:
+  return published.class_names or tuple(f'class_{index}' for index in range(published.num_classes))
+
+
+# --- the run's defaults --------------------------------------------------------------------------
+
+
+def apply_defaults(config, workdir: str = '') -> bool:
+  """Makes the published source's model and preprocessing the run's, where the config left them open.
+
+  Open means: model.name 'cnn' (the default, which no published weights
+  are), model options at their defaults, dataset.normalize 'auto',
+  dataset.image_size 0 and dataset.crop_fraction 0. A run in `workdir` that
+  already started from the same weights keeps what its config.json resolved
+  (a resume never reads the weights again). Returns whether init_from names
+  published weights. Idempotent.
+  """
+  from flaxtpu import defaults, files  # pylint: disable=g-import-not-at-top
+  spec = config.init_from.checkpoint
+  if not spec or not is_published(spec):
+    return False
+  started = files.read_json(os.path.join(workdir, 'config.json')) if workdir else None
+  if started and started.get('init_from', {}).get('checkpoint') == spec:
+    resolved = {('model', key): started['model'].get(key) for key in ('name', *_MODEL_OPTIONS)}
+    resolved.update({('dataset', key): started['dataset'].get(key) for key in
+                     ('normalize', 'mean', 'std', 'image_size', 'crop_fraction')})
+  else:
+    published = describe(spec)
+    resolved = {('model', 'name'): published.model,
+                **{('model', key): value for key, value in published.options.items()},
+                ('dataset', 'normalize'): 'fixed', ('dataset', 'mean'): published.mean,
+                ('dataset', 'std'): published.std, ('dataset', 'image_size'): published.image_size,
+                ('dataset', 'crop_fraction'): published.crop_fraction}
+  default = defaults.get_config()
+  if config.model.name == default.model.name and resolved.get(('model', 'name')):
+    config.model.name = resolved[('model', 'name')]
+  if config.dataset.normalize == 'auto' and resolved[('dataset', 'normalize')] not in (None, 'auto'):
+    config.dataset.normalize = resolved[('dataset', 'normalize')]
+    config.dataset.mean, config.dataset.std = (tuple(resolved[('dataset', key)] or ()) for key in ('mean', 'std'))
+  for (section, key), value in resolved.items():
+    if value is None or key in ('name', 'normalize', 'mean', 'std'):
+      continue
+    if section == 'model' and config.model.name != resolved[('model', 'name')]:
+      continue  # another model than the weights': its options stay the config's
+    if config[section][key] == default[section][key]:
+      config[section][key] = value
+  return True
+
+
+_MODEL_OPTIONS = ('patch_size', 'pool', 'gelu', 'padding')
