@@ -19,17 +19,24 @@ built in. Images must already be at the model's input size: for
 Before anything appears under WORKDIR/export, both models are run on eval
 images and compared with flaxtpu's own predict; a difference beyond the
 tolerance raises UserError and leaves the previous export (or none) as it was.
+
+The export is atomic: everything is written into WORKDIR/export.staging-PID,
+export.json last (it marks the staging complete), then swapped in by two
+renames (export -> export.old-PID, staging -> export). A kill at any instant
+leaves the old export or the new one: the next export (or `recover`) moves a
+complete staging or the old one back into place and removes the leftovers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import os
+import re
 import shutil
 import time
-import uuid
 import warnings
 from typing import Any, Callable
 
@@ -43,6 +50,9 @@ from flaxtpu.config import resolved_eval_batch_size
 from flaxtpu.errors import UserError
 
 EXPORT_DIR = 'export'
+# What a killed export leaves next to EXPORT_DIR; earlier versions staged in '.export-<12 hex>'.
+LEFTOVER = re.compile(rf'{EXPORT_DIR}\.(staging|old)-(\d+)|\.{EXPORT_DIR}-[0-9a-f]{{12}}(-previous)?')
+COMPLETE_MARKER = 'export.json'  # written last into a staging directory
 # The serialized StableHLO is lowered for every platform, so a model exported on a TPU serves on a CPU.
 PLATFORMS = ('cpu', 'cuda', 'tpu')
 CHECK_IMAGES = 256
@@ -61,6 +71,10 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """
   if jax.process_count() > 1:
     raise UserError('--mode=export runs on one process; start it without --num_processes')
+  if (reason := files.unwritable(workdir)) is not None:
+    raise UserError(f'--mode=export writes {os.path.join(workdir, EXPORT_DIR)}, but {workdir} refuses '
+                    f'files ({reason}); copy the run to a writable directory and export there')
+  recover(workdir)
   tf = _import_tensorflow()
   placement, state, step, record = evaluate.restore(config, workdir)
   images = _check_images(config, record)
@@ -71,7 +85,7 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
                            image_shape=tuple(record['image_shape']), mean=record['normalization']['mean'],
                            std=record['normalization']['std'])
   final = os.path.join(workdir, EXPORT_DIR)
-  staging = os.path.join(workdir, f'.{EXPORT_DIR}-{uuid.uuid4().hex[:12]}')  # not mkdtemp: its mode is 0700
+  staging = os.path.join(workdir, f'{EXPORT_DIR}.staging-{os.getpid()}')  # not mkdtemp: its mode is 0700
   os.makedirs(staging)
   try:
     summary = _export_into(tf, staging, task, host_state, record['class_names'], images, expected,
@@ -86,9 +100,12 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
             '(flaxtpu/preprocess.py)' if config.dataset.image_size else '')),
         normalization=record['normalization'], class_names=list(record['class_names']))
     summary['check'].update(num_images=len(images), split=config.dataset.eval_split)
-    files.write_json(os.path.join(staging, 'export.json'), summary)
-  except BaseException:
+    files.write_json(os.path.join(staging, COMPLETE_MARKER), summary)  # last: the staging is complete
+  except BaseException as e:
     shutil.rmtree(staging, ignore_errors=True)  # nothing half-written stays behind
+    if isinstance(e, Exception) and (reason := files.storage_error(e)) is not None:
+      raise UserError(f'exporting step {step} into {workdir} failed ({reason}); the previous export in '
+                      f'{final} is unchanged; free disk space and run the same command') from e
     raise
   _move_into_place(staging, final)
   checks = summary['check']
@@ -247,10 +264,62 @@ def _check(what: str, run: Callable[[np.ndarray], np.ndarray], images: np.ndarra
           'batch_sizes': [len(images), 1]}
 
 
+@contextlib.contextmanager
+def _locked(workdir: str):
+  """Holds the workdir's flock while exports move directories: two exports never interleave renames."""
+  handle = os.open(workdir, os.O_RDONLY)
+  try:
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(handle)  # releases the lock (so does a kill)
+
+
 def _move_into_place(staging: str, final: str) -> None:
-  """Swaps the checked export in; a previous export is replaced whole, never merged."""
-  previous = f'{staging}-previous'
-  if os.path.exists(final):
-    os.rename(final, previous)
-  os.rename(staging, final)
-  shutil.rmtree(previous, ignore_errors=True)
+  """Swaps the checked export in; a previous export is replaced whole, never merged.
+
+  Between the two renames `final` is missing: `recover` completes the swap after a kill there.
+  """
+  old = os.path.join(os.path.dirname(final), f'{EXPORT_DIR}.old-{os.getpid()}')
+  with _locked(os.path.dirname(final)):
+    if os.path.exists(final):
+      os.rename(final, old)
+    os.rename(staging, final)
+  shutil.rmtree(old, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+  if pid == os.getpid():
+    return False  # ours from before: this process has staged nothing yet when it recovers
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    pass
+  return True
+
+
+def recover(workdir: str) -> None:
+  """Repairs what a killed export left in `workdir`: with WORKDIR/export missing, the newest complete
+  staging (the kill came between the two renames) or else the old export is moved back into place;
+  then the staging and old directories of processes no longer running are removed."""
+  if not os.path.isdir(workdir):
+    return
+  final = os.path.join(workdir, EXPORT_DIR)
+  with _locked(workdir):
+    leftovers = []
+    for name in os.listdir(workdir):
+      match = LEFTOVER.fullmatch(name)
+      if match and not (match.group(2) and _alive(int(match.group(2)))):
+        leftovers.append(os.path.join(workdir, name))
+    if not os.path.exists(final):
+      complete = [path for path in leftovers if os.path.exists(os.path.join(path, COMPLETE_MARKER))]
+      newest = max(complete, key=lambda path: os.path.getmtime(os.path.join(path, COMPLETE_MARKER)),
+                   default=None)
+      if newest is not None:
+        logging.info('export: a killed export had finished %s; moved into %s', newest, final)
+        os.rename(newest, final)
+        leftovers.remove(newest)
+  for path in leftovers:
+    shutil.rmtree(path, ignore_errors=True)
