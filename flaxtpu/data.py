@@ -26,7 +26,7 @@ import functools
 import logging
 import os
 import sys
-from typing import Iterator, NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import ml_collections
 import numpy as np
@@ -34,12 +34,13 @@ import numpy as np
 from flaxtpu import preprocess, sources, workers
 from flaxtpu.errors import UserError
 from flaxtpu.preprocess import IMAGE_EXTENSIONS, Transform
-from flaxtpu.sources import DataError
+from flaxtpu.sources import DataError, printable
 
 # The decoded splits may take this share of host memory before `dataset.cache=auto` streams.
 CACHE_MEMORY_FRACTION = 1 / 8
 CACHE_MAX_BYTES = 4 * 2**30
 CACHE_CHUNK = 500  # images per cache-decoding task: a hand-over to a worker costs several small decodes
+DEFAULT_CROP_FRACTION = 0.875  # dataset.crop_fraction=0 without an init_from that says otherwise
 STATISTICS_SAMPLE = 2_000  # images that estimate the per-channel mean/std of a streamed split
 MAX_SUBSTITUTIONS = 100  # skip_corrupt: how far to look for a readable example to stand in
 
@@ -86,14 +87,30 @@ class Batch(NamedTuple):
 # --- loading ------------------------------------------------------------------------------
 
 
-def load(config: ml_collections.ConfigDict, *, need_train: bool = True) -> Dataset:
-  """The splits named by `config.dataset`, listed (and, when cached, decoded) and checked."""
+def load(config: ml_collections.ConfigDict, *, need_train: bool = True,
+         class_names: Optional[Sequence[str]] = None) -> Dataset:
+  """The splits named by `config.dataset`, listed (and, when cached, decoded) and checked.
+
+  A folder's classes are the training split's class folders, or `class_names`
+  (a checkpoint's, or the training split's when loading another eval split);
+  the eval split's folders are matched to them by name.
+  """
   source = config.dataset
   num_workers = input_workers(config)
   train_split = eval_split = in_memory_arrays = None  # in_memory_arrays: spec -> (images, labels)
   if source.folder:
-    eval_split, class_names = sources.folder_split(source.folder, source.eval_split)
-    train_split = sources.folder_split(source.folder, source.train_split)[0] if need_train else None
+    if need_train:
+      train_split, class_names = sources.folder_split(source.folder, source.train_split, class_names,
+                                                      source.unknown_classes)
+    elif class_names is None:
+      class_names = sources.folder_classes(source.folder, source.train_split)
+    eval_split, class_names = sources.folder_split(source.folder, source.eval_split, class_names,
+                                                   source.unknown_classes)
+    if missing := sources.missing_classes(eval_split.labels, class_names):
+      logging.warning('eval split %r has no examples of %d of the %d classes: %s; their per-class '
+                      'rows show support 0', source.eval_split, len(missing), len(class_names),
+                      ', '.join(printable(name) for name in missing[:20])
+                      + (', ...' if len(missing) > 20 else ''))
     channels = 3  # like tfds.ImageFolder and Keras: grayscale and CMYK files become RGB
     transform = image_transform(config, channels)
     # A sample of headers sizes the cache; decoding a cached split checks every file anyway.
@@ -145,6 +162,12 @@ def load(config: ml_collections.ConfigDict, *, need_train: bool = True) -> Datas
   if source.normalize == 'standardize' and train is not None:
     mean, std = _statistics(dataset)
     dataset = dataclasses.replace(dataset, mean=mean, std=std)
+  elif source.normalize == 'fixed':
+    if len(config.dataset.mean) != channels:
+      raise DataError(f'config.dataset.mean/std have {len(config.dataset.mean)} channels but the images have '
+                      f'{channels}; give one value per channel')
+    dataset = dataclasses.replace(dataset, mean=np.asarray(config.dataset.mean, np.float32),
+                                  std=np.asarray(config.dataset.std, np.float32))
   return dataset
 
 
@@ -158,7 +181,7 @@ def load_eval_splits(config: ml_collections.ConfigDict, dataset: Dataset) -> lis
   for split in config.dataset.eval_splits:
     split_config = copy.deepcopy(config)
     split_config.dataset.eval_split = split
-    other = load(split_config, need_train=False)
+    other = load(split_config, need_train=False, class_names=dataset.class_names)
     if other.class_names != dataset.class_names or other.image_shape != dataset.image_shape:
       raise UserError(f'config.dataset.eval_splits entry {split!r} has classes {list(other.class_names)[:5]} '
                       f'of {other.image_shape} images, unlike the eval split ({list(dataset.class_names)[:5]}, '
@@ -188,7 +211,7 @@ def image_transform(config: ml_collections.ConfigDict, channels: int) -> Transfo
   return Transform(size=config.dataset.image_size, channels=channels,
                    crop_area=tuple(config.augment.crop_area),
                    crop_aspect=tuple(config.augment.crop_aspect),
-                   crop_fraction=config.dataset.crop_fraction)
+                   crop_fraction=config.dataset.crop_fraction or DEFAULT_CROP_FRACTION)
 
 
 def input_workers(config: ml_collections.ConfigDict) -> int:
@@ -501,12 +524,15 @@ def _stack(images: list[np.ndarray]) -> np.ndarray:
 # --- prediction inputs -----------------------------------------------------------------------
 
 
-def read_images(path: str, image_shape: tuple[int, int, int],
-                transform: Transform) -> tuple[list[str], np.ndarray]:
-  """An image file, or every image under a folder (sorted), preprocessed as for evaluation."""
+def read_images(path: str, image_shape: tuple[int, int, int], transform: Transform,
+                skip_corrupt: bool = False) -> tuple[list[str], np.ndarray]:
+  """An image file, or every image under a folder (sorted), preprocessed as for evaluation.
+
+  A file that cannot be read is a DataError naming it, or with `skip_corrupt`
+  a warning naming it, and it is left out of the paths returned.
+  """
   if os.path.isdir(path):
-    paths = sorted(os.path.join(d, f) for d, _, files in os.walk(path) for f in files
-                   if f.lower().endswith(IMAGE_EXTENSIONS))
+    paths = sorted(sources.image_files(path))
     if not paths:
       raise DataError(f'config.predict.input={path!r} holds no images ({", ".join(IMAGE_EXTENSIONS)})')
   elif os.path.isfile(path):
@@ -514,7 +540,7 @@ def read_images(path: str, image_shape: tuple[int, int, int],
   else:
     raise DataError(f'config.predict.input={path!r} does not exist; give an image file or a folder')
   height, width, channels = image_shape
-  images = []
+  kept, images = [], []
   for image_path in paths:
     try:
       image = preprocess.open_image(image_path)
@@ -525,7 +551,21 @@ def read_images(path: str, image_shape: tuple[int, int, int],
         array = preprocess.to_array(decoded.resize((width, height)) if decoded.size != (width, height)
                                     else decoded, channels)
     except Exception as e:  # pylint: disable=broad-except
-      raise DataError(f'cannot decode image {image_path} ({type(e).__name__}); remove or replace '
-                      'the file') from e
+      reason = sources.unreadable(image_path, e)
+      if not skip_corrupt:
+        raise DataError(f'{reason}, or set --config.dataset.skip_corrupt=true to skip such files') from e
+      print(f'warning: {reason}; skipped (dataset.skip_corrupt)', file=sys.stderr, flush=True)
+      continue
+    kept.append(image_path)
     images.append(array)
-  return paths, np.stack(images)
+  if not images:
+    raise DataError(f'none of the {len(paths)} images in config.predict.input={path!r} can be read; '
+                    'give readable images')
+  return kept, np.stack(images)
+
+
+def csv_path(path: str) -> str:
+  """A file path as a CSV cell: valid UTF-8 (bytes that are not UTF-8 written as \\xNN) and never
+  read as a spreadsheet formula (a relative path starting with =, +, - or @ gets './', the same file)."""
+  text = os.fsencode(path).decode('utf-8', 'backslashreplace')
+  return f'.{os.sep}{text}' if text.startswith(('=', '+', '-', '@')) else text

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import logging
 import os
 import re
@@ -162,7 +161,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   for a checkpoint before the last), so scoring another never loses one.
   """
   placement, state, step, record = restore(config, workdir)
-  dataset = data.load(config, need_train=False)
+  dataset = data.load(config, need_train=False, class_names=record.get('class_names'))  # matched by name
   if dataset.num_classes != record['num_classes'] or dataset.image_shape != tuple(record['image_shape']):
     raise UserError(f'{config.dataset.folder or config.dataset.name} has {dataset.num_classes} classes '
                     f'of {dataset.image_shape} images but checkpoint {workdir}/checkpoints/{step} was '
@@ -207,7 +206,8 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
   placement, state, step, record = restore(config, workdir)
   image_shape = tuple(record['image_shape'])
   paths, images = data.read_images(config.predict.input, image_shape,
-                                   data.image_transform(config, channels=image_shape[-1]))
+                                   data.image_transform(config, channels=image_shape[-1]),
+                                   skip_corrupt=config.dataset.skip_corrupt)
   logits = predict_logits(placement, state, images, resolved_eval_batch_size(config))
   probabilities = np.asarray(jax.nn.softmax(logits, axis=-1))
   class_names = record['class_names']
@@ -219,15 +219,12 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     for rank, index in enumerate(best, 1):
       row[f'class_{rank}'], row[f'probability_{rank}'] = class_names[index], float(probs[index])
     rows.append(row)
-    print(f'{path}: ' + ', '.join(f'{class_names[i]} {probs[i]:.3f}' for i in best))
+    print(f'{data.printable(path)}: ' + ', '.join(f'{data.printable(class_names[i])} {probs[i]:.3f}'
+                                                  for i in best))
   logging.info('predicted %d images with checkpoint step %d', len(rows), step)
   if config.predict.output_csv and jax.process_index() == 0:
-    tmp = config.predict.output_csv + '.tmp'
-    with open(tmp, 'w', newline='', encoding='utf-8') as f:
-      writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-      writer.writeheader()
-      writer.writerows(rows)
-    os.replace(tmp, config.predict.output_csv)
+    files.write_csv(config.predict.output_csv, [{**row, 'path': data.csv_path(row['path'])} for row in rows],
+                    'predict.output_csv')
   return rows
 
 

@@ -396,8 +396,9 @@ def write_eval_report(directory: str, logits: np.ndarray, labels: np.ndarray, cl
   """Writes per_class{suffix}.csv, confusion{suffix}.png, reliability{suffix}.png and, with images,
   mistakes{suffix}.png into `directory` (each atomically); returns numbers for eval.json.
 
-  The result: eval_ece, eval_top5_accuracy (when there are more than 5 classes) and report_files (the
-  file names written, relative to `directory`). `images` as in `plot_mistakes`.
+  The result: eval_ece, eval_top5_accuracy (when there are more than 5 classes), classes_without_examples
+  (the classes the split lacks, when it lacks any) and report_files (the file names written, relative to
+  `directory`). `images` as in `plot_mistakes`.
   """
   report = eval_report(logits, labels, class_names)
   if images is not None and not callable(images) and len(images) != report['num_examples']:
@@ -417,6 +418,9 @@ def write_eval_report(directory: str, logits: np.ndarray, labels: np.ndarray, cl
   summary: dict[str, Any] = {'eval_ece': report['ece']}
   if 'top5_accuracy' in report:
     summary['eval_top5_accuracy'] = report['top5_accuracy']
+  # A split may lack classes (matched by name to training's): their per_class rows have support 0.
+  if absent := [name for name, count in zip(report['class_names'], report['support']) if count == 0]:
+    summary['classes_without_examples'] = absent
   summary['report_files'] = written
   return summary
 

@@ -20,7 +20,7 @@ import re
 import socket
 import threading
 import urllib.parse
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from flaxtpu.preprocess import IMAGE_EXTENSIONS
 
 ALL = 'all'  # the split name for a folder laid out as root/class/image, without split folders
 FOLDER_ORDER_SEED = 0  # the fixed shuffle within each class; changing it reshuffles every slice
+UNKNOWN_CLASSES = ('error', 'drop')  # dataset.unknown_classes: a class folder training never saw
 
 
 class DataError(UserError):
@@ -51,14 +52,14 @@ class Split:
 
   def load(self, index: int) -> tuple[object, int]:
     if self.paths is not None:
-      return os.path.join(self.root, self.paths[index].decode()), int(self.labels[index])
+      return os.path.join(self.root, os.fsdecode(self.paths[index])), int(self.labels[index])
     record = self.records[int(self.indices[index])]
     return record['image'], record['label']
 
   def describe(self, index: int) -> str:
     """The example as a user finds it: its file, or its record in the TFDS split."""
     if self.paths is not None:
-      return os.path.join(self.root, self.paths[index].decode())
+      return os.path.join(self.root, os.fsdecode(self.paths[index]))
     return f'record {int(self.indices[index])} of TFDS split {self.name!r}'
 
   def subset(self, keep: np.ndarray) -> 'Split':
@@ -125,25 +126,81 @@ def embedded_arrays(name: str, spec: str) -> tuple[np.ndarray, np.ndarray, tuple
 # --- image folders ------------------------------------------------------------------------
 
 
-def folder_split(root: str, spec: str) -> tuple[Split, tuple[str, ...]]:
-  """A split of `root/split/class/image` and its class names (the sorted class folders)."""
+def folder_split(root: str, spec: str, class_names: Optional[Sequence[str]] = None,
+                 unknown_classes: str = 'error') -> tuple[Split, tuple[str, ...]]:
+  """A split of `root/split/class/image` and the class names its labels index.
+
+  Without `class_names` (the training split) they are the first part's sorted
+  class folders. Every other part, and a split given `class_names` (the
+  training split's or a checkpoint's), is matched to them by folder name, so
+  a label means the same class in every split. A folder of a class not in
+  the list is a DataError naming it, or with `unknown_classes='drop'` its
+  images are left out with a warning; a split may lack classes.
+  """
   if not os.path.isdir(root):
     raise DataError(f'config.dataset.folder={root!r} is not a directory; point it at a folder '
                     'laid out as split/class/image')
-  paths, labels, class_names = [], [], None
+  if unknown_classes not in UNKNOWN_CLASSES:
+    raise DataError(f'config.dataset.unknown_classes={unknown_classes!r} is not one of '
+                    f'{", ".join(UNKNOWN_CLASSES)}')
+  paths, labels = [], []
   for split_name, start, stop in parse_spec(spec):
-    names, split_paths, split_labels = _list_folder_split(root, split_name)
-    if class_names is not None and names != class_names:
-      raise DataError(f'the splits in {spec!r} have different class folders; give them the same classes')
-    class_names = names
+    images_by_class = _list_folder_split(root, split_name)
+    if class_names is None:
+      class_names = tuple(images_by_class)
+    split_paths, split_labels = _match_classes(images_by_class, tuple(class_names), root, split_name,
+                                               unknown_classes)
     order = _stratified_order(np.asarray(split_labels))
     first, last = slice_bounds(start, stop, len(order))
     paths += [split_paths[i] for i in order[first:last]]
     labels += [split_labels[i] for i in order[first:last]]
   if not paths:
     raise DataError(f'split {spec!r} of {root} holds no examples; widen the slice')
-  return Split(name=spec, paths=np.asarray([p.encode() for p in paths]),
-               labels=np.asarray(labels, np.int32), root=root), class_names
+  # fsencode: a file name that is not UTF-8 (a surrogate-escaped str) keeps its bytes.
+  return Split(name=spec, paths=np.asarray([os.fsencode(p) for p in paths]),
+               labels=np.asarray(labels, np.int32), root=root), tuple(class_names)
+
+
+def _match_classes(images_by_class: dict[str, list[str]], class_names: tuple[str, ...], root: str,
+                   split: str, unknown_classes: str) -> tuple[list[str], list[int]]:
+  """(paths, labels) of a split's class folders, each labelled by its name's index in `class_names`."""
+  index = {name: label for label, name in enumerate(class_names)}
+  unknown = [name for name in images_by_class if name not in index]
+  if unknown:
+    shown = ', '.join(f'{printable(name)} ({len(images_by_class[name])} images)' for name in unknown[:5])
+    more = f' and {len(unknown) - 5} more' if len(unknown) > 5 else ''
+    known = ', '.join(printable(name) for name in class_names[:10]) + (', ...' if len(class_names) > 10 else '')
+    if unknown_classes != 'drop':
+      raise DataError(f'split {split!r} of {root} has class folders the model is not trained on: '
+                      f"{shown}{more}; the model's {len(class_names)} classes are {known}; rename or remove them, "
+                      'or set --config.dataset.unknown_classes=drop to leave their images out')
+    logging.warning('leaving out class folders of split %r of %s that the model is not trained on '
+                    '(dataset.unknown_classes=drop): %s%s', split, root, shown, more)
+  paths, labels = [], []
+  for name, images in images_by_class.items():
+    if name in index:
+      paths += images
+      labels += [index[name]] * len(images)
+  if not paths:
+    raise DataError(f'split {split!r} of {root} has none of the model\'s classes '
+                    f'({", ".join(printable(name) for name in class_names[:5])}, ...); is it the right folder?')
+  return paths, labels
+
+
+def missing_classes(labels: np.ndarray, class_names: Sequence[str]) -> list[str]:
+  """The classes of which a split holds no example."""
+  present = np.bincount(labels, minlength=len(class_names)) > 0
+  return [name for name, found in zip(class_names, present) if not found]
+
+
+def printable(text: str) -> str:
+  """A file or class name fit for a one-line message: newlines, control characters and bytes
+  that are not UTF-8 written as backslash escapes."""
+  if text.isprintable():
+    return text
+  return ''.join(char if char.isprintable() else
+                 f'\\x{ord(char) - 0xdc00:02x}' if 0xdc80 <= ord(char) <= 0xdcff else  # a byte os.fsdecode kept
+                 char.encode('unicode_escape').decode('ascii') for char in text)
 
 
 def _stratified_order(labels: np.ndarray) -> np.ndarray:
@@ -156,7 +213,17 @@ def _stratified_order(labels: np.ndarray) -> np.ndarray:
   return np.lexsort((labels, keys))
 
 
-def _list_folder_split(root: str, split: str) -> tuple[tuple[str, ...], list[str], list[int]]:
+def folder_classes(root: str, spec: str) -> Optional[tuple[str, ...]]:
+  """The class names training on split `spec` gives (its first part's class folders); None when
+  there is no such split (a folder holding only an eval split)."""
+  try:
+    return tuple(_class_dirs(root, parse_spec(spec)[0][0])[1])
+  except DataError:
+    return None
+
+
+def _class_dirs(root: str, split: str) -> tuple[str, dict[str, str]]:
+  """The split's folder and its class folders: name -> real path, in name order."""
   # `all` is the root itself when it holds the class folders directly (root/class/image).
   split_dir = root if split == ALL and not os.path.isdir(os.path.join(root, ALL)) else os.path.join(root, split)
   if not os.path.isdir(split_dir):
@@ -167,21 +234,74 @@ def _list_folder_split(root: str, split: str) -> tuple[tuple[str, ...], list[str
                       f"--config.dataset.eval_split='{ALL}[80%:]'")
     raise DataError(f'{split_dir} does not exist; splits found in {root}: '
                     f'{", ".join(found) or "none"} (set config.dataset.train_split/eval_split)')
-  classes = tuple(sorted(d for d in os.listdir(split_dir) if os.path.isdir(os.path.join(split_dir, d))))
-  if not classes:
+  split_real = os.path.realpath(split_dir)
+  class_dirs = {}
+  for name in sorted(d for d in os.listdir(split_dir) if os.path.isdir(os.path.join(split_dir, d))):
+    real = os.path.realpath(os.path.join(split_dir, name))
+    if _inside(split_real, real):  # a link to the split folder or above it: a loop, not a class
+      logging.warning('not following %s -> %s: it leads back to the folder it is in (a loop)',
+                      printable(os.path.join(split_dir, name)), printable(real))
+    else:
+      class_dirs[name] = real
+  if not class_dirs:
     raise DataError(f'{split_dir} has no class folders; expected {split_dir}/<class>/<image>')
-  paths, labels = [], []
-  for label, name in enumerate(classes):
+  return split_dir, class_dirs
+
+
+def _list_folder_split(root: str, split: str) -> dict[str, list[str]]:
+  """Class folder name -> its image paths (relative to `root`, sorted), in class-name order."""
+  split_dir, class_dirs = _class_dirs(root, split)
+  split_real = os.path.realpath(split_dir)
+  images_by_class = {}
+  for name in class_dirs:
     class_dir = os.path.join(split_dir, name)
-    images = sorted(os.path.relpath(os.path.join(directory, f), root)
-                    for directory, _, files in os.walk(class_dir, followlinks=True) for f in files
-                    if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith('._'))
+    others = [real for other, real in class_dirs.items() if other != name]
+    images = sorted(os.path.relpath(path, root) for path in image_files(class_dir, split_real, others))
     if not images:
       raise DataError(f'class folder {class_dir} has no images ({", ".join(IMAGE_EXTENSIONS)}); '
                       'add images or remove the folder')
-    paths += images
-    labels += [label] * len(images)
-  return classes, paths, labels
+    images_by_class[name] = images
+  return images_by_class
+
+
+def image_files(top: str, split_real: str = '', other_classes: Sequence[str] = ()) -> list[str]:
+  """The image files under `top` (its path joined to theirs), following linked folders once each.
+
+  A linked folder is not followed (a warning names it) when it was read
+  already -- a loop such as a link to `..` or between sibling folders, or a
+  second link to one folder -- when it holds `top` or the split folder
+  `split_real` (a link to the dataset root or `/`), or when it is inside, or
+  holds, another class's folder (`other_classes`, real paths), whose images
+  would be labelled twice.
+  """
+  top_real = os.path.realpath(top)
+  walked = {top_real}
+  found = []
+  for directory, subdirectories, names in os.walk(top, followlinks=True):
+    kept = []
+    for name in subdirectories:
+      path = os.path.join(directory, name)
+      real = os.path.realpath(path)
+      if real in walked:
+        why = 'it leads to a folder read already (a loop, or a second link to it)'
+      elif os.path.islink(path) and (_inside(top_real, real) or (split_real and _inside(split_real, real))):
+        why = 'it leads back to a folder that holds it (a loop)'
+      elif os.path.islink(path) and any(_inside(real, other) or _inside(other, real) for other in other_classes):
+        why = "it leads into another class's folder"
+      else:
+        walked.add(real)
+        kept.append(name)
+        continue
+      logging.warning('not following %s -> %s: %s', printable(path), printable(real), why)
+    subdirectories[:] = kept  # os.walk descends only into these
+    found += [os.path.join(directory, name) for name in names
+              if name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith('._')]
+  return found
+
+
+def _inside(path: str, folder: str) -> bool:
+  """Whether `path` is `folder` or below it (both real paths)."""
+  return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 # --- scanning a folder: sizes, and files that are not images --------------------------------
@@ -192,9 +312,11 @@ SCAN_CHUNK = 512  # files per scan task: large enough that a task outweighs hand
 
 def unreadable(where: str, error: Exception) -> str:
   """What is wrong with a file that cannot be opened or decoded, and what to do about it."""
+  where = printable(where)
   if isinstance(error, PermissionError):
     return f'cannot read {where} (permission denied); fix its permissions or remove it'
-  return f'cannot decode image {where} ({type(error).__name__}: {error}); remove or replace it'
+  reason = ' '.join(str(error).split())  # one line, whatever the library wrote
+  return f'cannot decode image {where} ({type(error).__name__}{": " if reason else ""}{reason}); remove or replace it'
 
 
 def _header_size(split: Split, index: int) -> tuple[int, int] | str:
@@ -300,16 +422,17 @@ DOWNLOAD_HOST = ('storage.googleapis.com', 443)  # where TFDS looks first for pr
 NETWORK_TIMEOUT_S = 5.0
 
 
-def network_problem() -> Optional[str]:
-  """None if the download host (or the HTTPS proxy) answers within seconds, else why not."""
+def network_problem(address: tuple[str, int] = DOWNLOAD_HOST,
+                    timeout_s: float = NETWORK_TIMEOUT_S) -> Optional[str]:
+  """None if `address` (or the HTTPS proxy) answers within `timeout_s`, else why not."""
   proxy = os.environ.get('HTTPS_PROXY') or os.environ.get('https_proxy')
   parsed = urllib.parse.urlsplit(proxy if '://' in (proxy or '') else f'http://{proxy}') if proxy else None
-  host, port = (parsed.hostname, parsed.port or 3128) if parsed and parsed.hostname else DOWNLOAD_HOST
+  host, port = (parsed.hostname, parsed.port or 3128) if parsed and parsed.hostname else address
   outcome: list[str] = []
 
   def connect() -> None:
     try:
-      socket.create_connection((host, port), timeout=NETWORK_TIMEOUT_S).close()
+      socket.create_connection((host, port), timeout=timeout_s).close()
       outcome.append('')
     except OSError as e:
       outcome.append(f'connecting to {host}:{port} failed: {e.strerror or e}')
@@ -317,9 +440,9 @@ def network_problem() -> Optional[str]:
   # A resolver without network can hang longer than the connect timeout: bound both.
   probe = threading.Thread(target=connect, daemon=True)
   probe.start()
-  probe.join(2 * NETWORK_TIMEOUT_S)
+  probe.join(2 * timeout_s)
   if not outcome:
-    return f'no answer from {host}:{port} in {2 * NETWORK_TIMEOUT_S:.0f}s'
+    return f'no answer from {host}:{port} in {2 * timeout_s:.0f}s'
   return outcome[0] or None
 
 
