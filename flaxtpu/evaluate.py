@@ -11,7 +11,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from flaxtpu import checkpoint, data, files, parallel, report, steps
+from flaxtpu import checkpoint, data, files, finetune, parallel, pretrained, report, steps
 from flaxtpu.config import eval_metric_prefix, resolved_eval_batch_size
 from flaxtpu.errors import UserError
 
@@ -87,8 +87,9 @@ def write_report(predictions: Optional[Predictions], dataset: data.Dataset, dire
     logging.info('per-class report skipped: it runs on one process (--mode=eval on one host writes it)')
     return {}
   logits, labels = predictions
-  summary = report.write_eval_report(directory, logits, labels, list(dataset.class_names),
-                                     images=lambda index: data.eval_image(dataset, index), suffix=suffix)
+  with files.writing(directory, 'free disk space or choose a writable --workdir'):
+    summary = report.write_eval_report(directory, logits, labels, list(dataset.class_names),
+                                       images=lambda index: data.eval_image(dataset, index), suffix=suffix)
   logging.info('eval report: ECE %.4f%s; %s in %s', summary['eval_ece'],
                f', top-5 accuracy {summary["eval_top5_accuracy"]:.4f}' if 'eval_top5_accuracy' in summary
                else '', ', '.join(summary['report_files']), directory)
@@ -114,8 +115,13 @@ def restore(config: ml_collections.ConfigDict, workdir: str):
   Returns (placement, model state, step, record). Only parameters and
   BatchNorm statistics are read: no optimizer is built. The model is checked
   against the checkpoint's own record (model, classes, image shape);
-  normalisation statistics come from the checkpoint.
+  normalisation statistics come from the checkpoint. A workdir without
+  checkpoints and a config whose init_from names published weights gives
+  the published model, its head and classes kept.
   """
+  if (config.init_from.checkpoint and pretrained.is_published(config.init_from.checkpoint)
+      and not os.path.isdir(os.path.join(workdir, 'checkpoints'))):
+    return finetune.published_model(config)
   checkpoints = checkpoint.Checkpoints(workdir, config, read_only=True)
   mesh, placements = parallel.make_mesh(config), []
 
@@ -160,6 +166,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   ('test', 'test:ema', 'test:tta=none' when training used TTA, 'test:step=48'
   for a checkpoint before the last), so scoring another never loses one.
   """
+  # A run on a read-only disk is still evaluated: its files then go elsewhere (a warning says where).
+  output = files.writable_or_elsewhere(workdir, 'eval.json, per_class.csv and the pictures')
   placement, state, step, record = restore(config, workdir)
   dataset = data.load(config, need_train=False, class_names=record.get('class_names'))  # matched by name
   if dataset.num_classes != record['num_classes'] or dataset.image_shape != tuple(record['image_shape']):
@@ -184,7 +192,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
       ('-ema' if ema else '-raw', other_weights)) if differs)
   key = split + (f':step={step}' if other_step else '') + (f':tta={tta}' if other_tta else '') + (
       ':ema' if ema else '')
-  results.update(write_report(predictions, dataset, workdir, suffix))
+  results.update(write_report(predictions, dataset, output, suffix))
   results.update(step=step, split=split, tta=tta, weights='ema' if ema else 'raw',
                  source=config.dataset.folder or config.dataset.name,
                  checkpoint=os.path.join(workdir, 'checkpoints', str(step)))
@@ -192,10 +200,11 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
                results['eval_loss'], results['eval_accuracy'], results['num_examples'])
   if jax.process_index() == 0:
     # The latest evaluation on top; every split's latest result kept under 'splits'.
-    path = os.path.join(workdir, 'eval.json')
-    splits = (files.read_json(path) or {}).get('splits', {})
+    path = os.path.join(output, 'eval.json')
+    splits = (files.read_json(path) or files.read_json(os.path.join(workdir, 'eval.json')) or {}).get('splits', {})
     splits[key] = dict(results)
-    files.write_json(path, {**results, 'splits': splits})
+    with files.writing(path, 'free disk space or choose a writable --workdir'):
+      files.write_json(path, {**results, 'splits': splits})
   return results
 
 
