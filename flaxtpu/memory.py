@@ -114,7 +114,8 @@ def check_host(config: ml_collections.ConfigDict, image_shape: tuple[int, int, i
       f'({estimate.total} bytes) of host memory, more than the {format_bytes(available)} available '
       f'(train batches {format_bytes(estimate.train_batches)}, eval batches '
       f'{format_bytes(estimate.eval_batches)}, workers {format_bytes(estimate.workers)}; '
-      f'batch_size={config.batch_size} x {height}x{width}x{channels} uint8 images, '
+      f'batch_size={config.batch_size} x ' + (f'{height}x{width}x{channels} uint8 images' if height else
+                                               'images of a native size not read yet') + ', '
       f'input.prefetch={config.input.prefetch}); lower config.{key}')
 
 
