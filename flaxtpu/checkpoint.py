@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 from typing import Any, Optional
 
 import jax
@@ -72,6 +73,15 @@ class CheckpointError(UserError):
 
 class UnreadableCheckpoint(CheckpointError):
   """A listed checkpoint whose files cannot be read (truncated, corrupted): an earlier one may be."""
+
+
+class VanishedCheckpoint(UnreadableCheckpoint):
+  """A listed checkpoint deleted while it was read: a live run rotated it away (checkpoint.keep)."""
+
+
+# A live run deletes a rotated step right after saving a newer one; its files go before its directory.
+VANISH_GRACE_S = 2.0
+MAX_RELISTS = 20
 
 
 UNREADABLE_SUFFIX = '.unreadable'  # an unreadable step directory is renamed aside, never deleted
@@ -176,6 +186,29 @@ class Checkpoints:
                             f'{self.directory}; saved steps: {steps} (or latest, best)')
     return int(which)
 
+  def restore_which(self, which: str, abstract_state: Any, expected: dict,
+                    config: Optional[ml_collections.ConfigDict] = None, partial: bool = False
+                    ) -> tuple[int, Any, dict]:
+    """'latest' | 'best' | a step number -> (step, state, record), read as `restore` reads.
+
+    'latest' falls back past unreadable steps (restore_newest_readable); a
+    'best' step that a live run replaced and deleted while it was read is
+    looked up again; a named step that was deleted is an error.
+    """
+    if which == 'latest':
+      return self.restore_newest_readable(abstract_state, expected, config=config, partial=partial)
+    for _ in range(MAX_RELISTS):
+      step = self.resolve(which)
+      try:
+        return (step, *self.restore(step, abstract_state, expected, config=config, partial=partial))
+      except VanishedCheckpoint as e:
+        if which != 'best':
+          raise CheckpointError(f'{e}; evaluate a step it still keeps (saved steps: '
+                                f'{_complete_steps(self.directory)}) or latest') from e
+        self._manager.reload()
+    raise CheckpointError(f'the best checkpoint in {self.directory} was replaced faster than it could be '
+                          f'read ({MAX_RELISTS} tries); evaluate it once the run has finished')
+
   def read_record(self, step: int) -> dict:
     return self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))['record']
 
@@ -195,6 +228,7 @@ class Checkpoints:
     try:
       record = self.read_record(step)
     except Exception as e:  # pylint: disable=broad-except
+      self._raise_if_vanished(step, e)
       raise UnreadableCheckpoint(f'checkpoint {path} cannot be read ({_first_line(e)})') from e
     if callable(abstract_state):  # the shapes depend on what the checkpoint holds (evaluation)
       abstract_state = abstract_state(record)
@@ -210,6 +244,7 @@ class Checkpoints:
           raise
         state = self._restore_without_ema(path, step, abstract_state)
     except Exception as e:  # pylint: disable=broad-except
+      self._raise_if_vanished(step, e)  # before blaming the config: a half-deleted step fits nothing
       # Only model and optimizer keys shape the saved arrays (an inference restore reads no optimizer).
       shaping = ('model.', 'ema.decay') if partial else ('model.', 'optimizer.', 'ema.decay')
       changed = [change for change in changed_keys(record.get('config', {}), config.to_dict())
@@ -233,13 +268,33 @@ class Checkpoints:
     the next older one is tried. With `set_aside` (training), the unreadable
     steps are renamed STEP.unreadable once a readable one is found, so the run
     can save those step numbers again; nothing is ever deleted. A checkpoint
-    from another config is an error, not a reason to fall back.
+    from another config is an error, not a reason to fall back. A step that a
+    live run deletes while it is read (rotation) is no damage: the steps are
+    listed again and the newest is read.
     """
-    candidates = sorted((s for s in self.all_steps() if newest is None or s <= newest), reverse=True)
     unreadable = []
+    for _ in range(MAX_RELISTS):
+      try:
+        return self._restore_newest_listed(abstract_state, expected, config, partial, newest, set_aside,
+                                           unreadable)
+      except VanishedCheckpoint as e:  # a live run rotated it away: its newer steps are on disk now
+        logging.info('%s; listing the checkpoints again', e)
+        self._manager.reload()
+    raise CheckpointError(f'the checkpoints in {self.directory} were deleted faster than they could be '
+                          f'read ({MAX_RELISTS} tries); save less often (checkpoint_every_steps) or keep '
+                          'more (checkpoint.keep)')
+
+  def _restore_newest_listed(self, abstract_state, expected, config, partial, newest, set_aside,
+                             unreadable: list) -> tuple[int, Any, dict]:
+    """restore_newest_readable over one listing; `unreadable` collects the damaged steps across listings."""
+    damaged = {s for s, _ in unreadable}
+    candidates = sorted((s for s in self.all_steps() if (newest is None or s <= newest) and s not in damaged),
+                        reverse=True)
     for step in candidates:
       try:
         state, record = self.restore(step, abstract_state, expected, config=config, partial=partial)
+      except VanishedCheckpoint:
+        raise
       except UnreadableCheckpoint as e:
         logging.warning('%s; falling back to an earlier checkpoint', e)
         unreadable.append((step, e))
@@ -257,6 +312,23 @@ class Checkpoints:
                             'another --workdir')
     raise CheckpointError(f'no complete checkpoint in {self.directory}; train first with the same '
                           '--workdir')
+
+  def _raise_if_vanished(self, step: int, error: Exception) -> None:
+    """VanishedCheckpoint if `step` failed to read because it was deleted meanwhile, not damaged.
+
+    A live trainer deletes a rotated step only after a newer one is complete:
+    then a still present directory is given a moment to go. Without a newer
+    step the directory is looked at once.
+    """
+    path = os.path.join(self.directory, str(step))
+    newer = any(s > step for s in _complete_steps(self.directory))
+    deadline = time.monotonic() + (VANISH_GRACE_S if newer else 0.0)
+    while os.path.isdir(path):
+      if time.monotonic() >= deadline:
+        return
+      time.sleep(0.05)
+    raise VanishedCheckpoint(f'checkpoint {path} was deleted while it was read ({_first_line(error)}): '
+                             'the run in this workdir keeps only its newest checkpoint.keep steps') from error
 
   def _metadata(self, step: int):
     """The saved state's tree of array metadata (shapes, dtypes), read without the arrays."""
@@ -352,6 +424,14 @@ def changed_keys(saved: dict, current: dict, prefix: str = '', defaults: Optiona
     elif old != new:
       changes.append(f'{prefix}{key}={old!r} -> {new!r}')
   return changes
+
+
+def _complete_steps(directory: str) -> list[int]:
+  """The step directories orbax has renamed into place (a save in flight is STEP.orbax-checkpoint-tmp)."""
+  try:
+    return [int(name) for name in os.listdir(directory) if name.isdigit()]
+  except OSError:
+    return []
 
 
 def _first_line(error: Exception) -> str:

@@ -140,15 +140,12 @@ def restore(config: ml_collections.ConfigDict, workdir: str):
     model = abstract_state(record)
     return {'ema': {'params': model.params, 'batch_stats': model.batch_stats}}
 
-  which = str(config.eval.checkpoint)
-  step = checkpoints.resolve(which)
   expected = {'model': config.model.name}  # classes and image shape come from the checkpoint
   target = abstract_ema if config.eval.ema else abstract_state
-  if which == 'latest':  # an unreadable latest checkpoint falls back to the newest readable one
-    step, saved, record = checkpoints.restore_newest_readable(target, expected, config=config,
-                                                              partial=True)
-  else:
-    saved, record = checkpoints.restore(step, target, expected, config=config, partial=True)
+  # An unreadable latest checkpoint falls back to the newest readable one; one that a live run
+  # rotates away while it is read is listed again.
+  step, saved, record = checkpoints.restore_which(str(config.eval.checkpoint), target, expected,
+                                                  config=config, partial=True)
   checkpoints.close()
   if config.eval.ema:
     saved = steps.ModelState(params=saved['ema']['params'], batch_stats=saved['ema']['batch_stats'])
