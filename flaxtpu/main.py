@@ -8,6 +8,9 @@ CPU device count) when JAX starts, so the config decides them first.
 """
 
 import contextlib
+import importlib.machinery
+import importlib.util
+import inspect
 import json
 import math
 import os
@@ -15,6 +18,7 @@ import re
 import sys
 import traceback
 
+import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -41,17 +45,113 @@ flags.DEFINE_integer('process_id', None, 'Many hosts: this process\'s index.')
 
 def _parse_flags(argv):
   """absl's parser, but a bad flag, config file or config override becomes one `error:` line."""
-  for arg in argv:
-    if arg.startswith('--config='):
-      path = arg.split('=', 1)[1]
-      _check_config_path(path)
-      # Experiments build on recipes (`from configs import ...`): make their project root importable.
-      sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(path))))
+  if (spec := _flag_value(argv, 'config')) is not None:
+    path = spec.split(':', 1)[0]  # FILE:ARG passes ARG to get_config
+    _check_config_path(path)
+    # Experiments build on recipes (`from configs import ...`): make their project root importable.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(path))))
   argv = _with_workdir_config(argv)
   try:
     return FLAGS(argv)
+  except ConfigFileError as e:
+    _exit_with_error(str(e))
   except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError) as e:
     _exit_with_error(_flag_error(e, argv))
+
+
+class ConfigFileError(Exception):
+  """A config file that gives no config; the message names the file, the line and the reason.
+
+  Not a ValueError: absl would rewrap that as a flag error around a traceback.
+  """
+
+
+class ConfigFileParser(flags.ArgumentParser):
+  """--config=FILE[:ARG] -> FILE's get_config(ARG), locked, as ml_collections' own parser does.
+
+  Its parser lets a syntax error or an exception in get_config escape as a
+  traceback, defers a failed import until the config is first read, and
+  passes on a get_config that returns None or a dict; here each is one line.
+  """
+
+  def parse(self, argument):
+    path, *args = argument.split(':', 1)
+    try:
+      loader = importlib.machinery.SourceFileLoader('config_config', path)  # ml_collections' module name
+      module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+      sys.modules[loader.name] = module
+      loader.exec_module(module)
+    except Exception as e:  # pylint: disable=broad-except
+      raise ConfigFileError(_config_file_error(path, e)) from e
+    get_config = getattr(module, 'get_config', None)
+    if not callable(get_config):
+      raise ConfigFileError(f'config file {path} defines no get_config(); define one that returns the '
+                            'config (see configs/cifar10.py)')
+    where = f'config file {path}' + (f', line {get_config.__code__.co_firstlineno}'
+                                     if hasattr(get_config, '__code__') else '')
+    try:
+      inspect.signature(get_config).bind(*args)
+    except TypeError as e:
+      problem = (f'cannot take the argument {args[0]!r} given after the colon; pass --config={path}'
+                 if args else f'needs an argument; pass one after a colon: --config={path}:VALUE')
+      raise ConfigFileError(f'{where}: get_config{inspect.signature(get_config)} {problem}') from e
+    try:
+      config = get_config(*args)
+    except Exception as e:  # pylint: disable=broad-except
+      from flaxtpu import workdir_config  # pylint: disable=g-import-not-at-top
+      if os.path.abspath(path) == os.path.abspath(workdir_config.__file__):  # the run's config.json
+        raise ConfigFileError(f'--workdir={args[0]}: {_first_line(e)}; point --workdir at a trained run, '
+                              'or pass its --config') from e
+      raise ConfigFileError(_config_file_error(path, e)) from e
+    if not isinstance(config, ml_collections.ConfigDict):
+      returned = 'None (no return statement?)' if config is None else f'a {type(config).__name__}'
+      raise ConfigFileError(f'{where}: get_config() returned {returned}, not an ml_collections ConfigDict; '
+                            'return flaxtpu.defaults.get_config() with your changes')
+    _check_config_keys(where, config)
+    config.lock()
+    return config
+
+  def flag_type(self):
+    return 'config object'
+
+
+FLAGS['config'].parser = ConfigFileParser()  # DEFINE_config_file keeps the --config.KEY overrides
+
+
+def _config_file_error(path: str, error: Exception) -> str:
+  """'FILE, line N: reason; fix' for an exception raised while loading a config file."""
+  if isinstance(error, SyntaxError) and error.filename:
+    where, reason = f'{error.filename}, line {error.lineno}', f'{type(error).__name__}: {error.msg}'
+  else:
+    frames = traceback.extract_tb(error.__traceback__)
+    # The config file's own line that failed, also when the error comes from what it calls.
+    in_file = [frame for frame in frames if os.path.abspath(frame.filename) == os.path.abspath(path)]
+    frame = (in_file or frames)[-1]
+    where = f'{frame.filename}, line {frame.lineno}'
+    text = str(error.args[0] if isinstance(error, KeyError) and error.args else error).strip()
+    if (locked := re.search(r'Key "(\w+)" does not exist and cannot be added', text)):
+      suggestion = re.search(r'Did you mean "(\w+)"', text)
+      hint = f' (did you mean {suggestion.group(1)!r}?)' if suggestion else ''
+      return (f'{where}: sets config key {locked.group(1)!r}, which does not exist{hint}; '
+              'every key is listed in flaxtpu/defaults.py')
+    reason = _first_line(error)
+  return f'config file {where}: {reason}; fix the file or pass another --config'
+
+
+def _first_line(error: Exception) -> str:
+  text = str(error.args[0] if isinstance(error, KeyError) and error.args else error).strip()
+  return f'{type(error).__name__}: {text.splitlines()[0]}' if text else type(error).__name__
+
+
+def _check_config_keys(where: str, config: ml_collections.ConfigDict) -> None:
+  """A ConfigDict built without flaxtpu's defaults would fail at its first missing key, as a bug."""
+  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  present = set(config_lib.config_keys(config))
+  missing = [key for key in config_lib.config_keys(defaults.get_config()) if key not in present]
+  if missing:
+    shown = ', '.join(missing[:3]) + (f' and {len(missing) - 3} more' if len(missing) > 3 else '')
+    raise ConfigFileError(f'{where}: get_config() returned a config without the keys {shown}; build it '
+                          'on flaxtpu.defaults.get_config()')
 
 
 def _flag_value(argv, name: str):
@@ -99,12 +199,6 @@ def _flag_error(error: Exception, argv) -> str:
               '(every key is listed in flaxtpu/defaults.py)')
   # KeyError's str() is its repr; its message is the argument.
   text = str(error.args[0] if isinstance(error, KeyError) and error.args else error).strip()
-  if (locked := re.search(r'Key "(\w+)" does not exist and cannot be added', text)):
-    suggestion = re.search(r'Did you mean "(\w+)"', text)
-    hint = f' (did you mean {suggestion.group(1)!r}?)' if suggestion else ''
-    config_path = next(arg.split('=', 1)[1] for arg in argv if arg.startswith('--config='))
-    return (f'{config_path} sets config key {locked.group(1)!r}, which does not exist{hint}; '
-            'every key is listed in flaxtpu/defaults.py')
   message = text.splitlines()[0] if text else type(error).__name__
   return f'{message} (see --helpfull; every key is listed in flaxtpu/defaults.py)'
 
