@@ -32,7 +32,7 @@ PLATFORMS = ('', 'cpu', 'gpu', 'tpu')
 # 172 against 182).
 YNN_FUSION_FLAG = '--xla_cpu_experimental_ynn_fusion_type'
 CPU_CONVOLUTION_FLAGS = {'xla': '', 'eigen': f'{YNN_FUSION_FLAG}=-individual_convolution'}
-NORMALIZATIONS = ('unit', 'standardize')
+NORMALIZATIONS = ('auto', 'unit', 'standardize', 'fixed')
 
 
 class ConfigError(UserError, ValueError):
@@ -57,12 +57,14 @@ def _check_model_options(model: ml_collections.ConfigDict) -> None:
   if model.patch_size < 0:
     raise ConfigError(f'config.model.patch_size={model.patch_size} must be >= 0 (0 = the published size)')
   _one_of('model.pool', model.pool, models.POOLS)
+  _one_of('model.padding', model.padding, models.PADDINGS)
+  _one_of('model.gelu', model.gelu, models.GELUS)
   for key in ('dropout', 'drop_path'):
     if not 0.0 <= model[key] < 1.0:
       raise ConfigError(f'config.model.{key}={model[key]!r} must be in [0, 1)')
   options = models.get_spec(model.name).options
   default = defaults.get_config().model
-  for key in ('patch_size', 'pool', 'dropout', 'drop_path'):
+  for key in ('patch_size', 'pool', 'dropout', 'drop_path', 'padding', 'gelu'):
     if key not in options and model[key] != default[key]:
       takers = [name for name in models.NAMES if key in models.get_spec(name).options]
       raise ConfigError(f'config.model.{key}={model[key]!r} has no effect on model.name={model.name!r}; '
@@ -79,8 +81,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.dataset.image_size < 0:
     raise ConfigError(f'config.dataset.image_size={config.dataset.image_size} must be >= 0 '
                       '(0 = native size)')
-  if not 0.0 < config.dataset.crop_fraction <= 1.0:
-    raise ConfigError(f'config.dataset.crop_fraction={config.dataset.crop_fraction!r} must be in (0, 1]')
+  if not 0.0 <= config.dataset.crop_fraction <= 1.0:
+    raise ConfigError(f'config.dataset.crop_fraction={config.dataset.crop_fraction!r} must be in (0, 1] '
+                      '(0 = the init_from source\'s, else 0.875)')
+  if config.dataset.normalize == 'fixed' and not (
+      len(config.dataset.mean) == len(config.dataset.std) > 0 and min(config.dataset.std) > 0):
+    raise ConfigError(f'config.dataset.normalize=fixed needs dataset.mean and dataset.std, one positive std per '
+                      f'channel (got mean={tuple(config.dataset.mean)}, std={tuple(config.dataset.std)}); e.g. '
+                      "--config.dataset.mean='(0.485, 0.456, 0.406)' --config.dataset.std='(0.229, 0.224, 0.225)'")
   for key, low, high in (('augment.crop_area', 0.0, 1.0), ('augment.crop_aspect', 0.0, float('inf'))):
     value = tuple(config[key])
     if len(value) != 2 or not low < value[0] <= value[1] <= high:
@@ -347,4 +355,10 @@ def from_saved(saved: dict) -> ml_collections.ConfigDict:
         parent[leaf] = tuple(value) if isinstance(parent[leaf], tuple) else value
 
   assign(saved, '')
+  # A run saved before a model option existed computed what that option's legacy value computes.
+  if config.model.name in models.NAMES:
+    options = models.get_spec(config.model.name).options
+    for key, legacy in models.LEGACY_OPTIONS.items():
+      if key in options and key not in saved.get('model', {}):
+        config.model[key] = legacy
   return config

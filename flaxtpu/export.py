@@ -6,6 +6,9 @@
       saved_model/      saved_model.pb + variables/ + assets/class_names.txt
       model.tflite      the same model for TFLite / LiteRT (when the converter can produce it)
       class_names.txt   one class name a line, in logit order (also next to a deployed model.tflite)
+      timm/             ResNets, ViTs, ConvNeXt: model.safetensors in timm's keys + timm's config.json;
+                        timm.create_model('local-dir:WORKDIR/export/timm', pretrained=True) gives the
+                        same logits in PyTorch (and init_from reads it back)
       export.json       step, paths, input signature, class names, tolerances, measured differences
 
 The `serving_default` signature takes `images`: uint8 [batch, H, W, C] (any
@@ -45,9 +48,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from flaxtpu import data, evaluate, files, parallel, steps
+from flaxtpu import data, evaluate, files, models, optim, parallel, pretrained, steps
 from flaxtpu.config import resolved_eval_batch_size
 from flaxtpu.errors import UserError
+from flaxtpu.models import layouts
 
 EXPORT_DIR = 'export'
 # What a killed export leaves next to EXPORT_DIR; earlier versions staged in '.export-<12 hex>'.
@@ -90,6 +94,8 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
   try:
     summary = _export_into(tf, staging, task, host_state, record['class_names'], images, expected,
                            TOLERANCES[config.dtype])
+    summary['timm'] = _export_timm(config, os.path.join(staging, 'timm'), os.path.join(os.path.abspath(final), 'timm'),
+                                   host_state, record)
     summary.update(
         step=step, model=record['model'], dtype=config.dtype, directory=os.path.abspath(final),
         weights='ema' if config.eval.ema else 'raw', flip_tta=bool(config.eval.flip_tta),
@@ -156,6 +162,37 @@ def _export_into(tf, directory: str, task: steps.Task, host_state: steps.ModelSt
                 **checks},
       'export_seconds': round(time.perf_counter() - started, 3),
   }
+
+
+def _export_timm(config: ml_collections.ConfigDict, directory: str, final: str, host_state: steps.ModelState,
+                 record: dict) -> dict[str, Any]:
+  """The weights in timm's layout (written to `directory`, to be moved to `final`), read back through
+  init_from's mapping to check they are the same arrays."""
+  if models.get_spec(config.model.name).family not in ('imagenet_resnet', 'vit', 'convnext'):
+    return {'skipped': f'{config.model.name} has no timm twin'}
+  arrays = {f'{collection}/{name}': np.asarray(leaf) for collection in ('params', 'batch_stats')
+            for name, leaf in optim.named_leaves(getattr(host_state, collection)).items()}
+  options = {key: config.model[key] for key in models.get_spec(config.model.name).options
+             if key in ('patch_size', 'pool', 'gelu', 'padding')}
+  try:
+    architecture, _ = pretrained.timm_architecture(config.model.name, options, tuple(record['image_shape']),
+                                                   record['num_classes'])
+  except UserError as e:
+    logging.warning('no timm export: %s', e)
+    return {'skipped': str(e)}
+  os.makedirs(directory)
+  timm_config = pretrained.write_timm(
+      directory, model=config.model.name, options=options, arrays=arrays, class_names=record['class_names'],
+      mean=record['normalization']['mean'], std=record['normalization']['std'],
+      image_shape=tuple(record['image_shape']), crop_fraction=config.dataset.crop_fraction or 0.875,
+      image_size_key=config.dataset.image_size)
+  written = pretrained.read_tensors.__wrapped__(os.path.join(directory, 'model.safetensors'))
+  rules = layouts.timm_rules(config.model.name, options.get('pool', 'tok'))
+  back = layouts.load(rules, written, {name: array.shape for name, array in arrays.items()}, directory)
+  if different := [name for name, array in arrays.items() if not np.array_equal(back.get(name), array)]:
+    raise UserError(f'the timm export does not read back to the same {different[0]} (a flaxtpu bug)')
+  return {'directory': final, 'architecture': architecture, 'model_args': timm_config['model_args'],
+          'load': f"timm.create_model('local-dir:{final}', pretrained=True)"}
 
 
 def _import_tensorflow():

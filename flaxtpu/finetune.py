@@ -282,8 +282,8 @@ def published_model(config: ml_collections.ConfigDict):
   if not pretrained.apply_defaults(config):
     raise UserError(f'config.init_from.checkpoint={config.init_from.checkpoint!r} is not published weights')
   published = pretrained.describe(config.init_from.checkpoint)
-  size = config.dataset.image_size
-  image_shape = (size, size, 3)
+  size = config.dataset.image_size or published.image_size
+  image_shape = (size, size, len(published.mean))
   mean, std = (config.dataset.mean, config.dataset.std) if config.dataset.normalize == 'fixed' else ((0.,) * 3,
                                                                                                      (1.,) * 3)
   task = steps.create_task(config, num_classes=published.num_classes, image_shape=image_shape, mean=mean, std=std)

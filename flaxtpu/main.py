@@ -169,9 +169,14 @@ def _with_workdir_config(argv):
   if _flag_value(argv, 'config') is not None or _flag_value(argv, 'mode') not in RESTORING_MODES:
     return argv
   workdir = _flag_value(argv, 'workdir')
+  from flaxtpu import workdir_config  # pylint: disable=g-import-not-at-top
+  if _flag_value(argv, 'config.init_from.checkpoint') and not os.path.isfile(
+      os.path.join(workdir or '', workdir_config.CONFIG_FILE)):
+    # Published weights with no trained run: every key at its default, the model from the weights.
+    from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+    return [argv[0], f'--config={defaults.__file__}', *argv[1:]]
   if not workdir:
     _exit_with_error('--workdir is required: the trained run to restore')
-  from flaxtpu import workdir_config  # pylint: disable=g-import-not-at-top
   if not os.path.isfile(os.path.join(workdir, workdir_config.CONFIG_FILE)):
     _exit_with_error(f'--workdir={workdir} holds no {workdir_config.CONFIG_FILE} of a training run; '
                      'point --workdir at a trained run, or pass its --config')
@@ -266,8 +271,14 @@ def _check_workdir(workdir: str) -> None:
 
 
 def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
+  from flaxtpu import pretrained  # pylint: disable=g-import-not-at-top
+  from_published = mode in RESTORING_MODES and not os.path.isfile(os.path.join(workdir or '', 'config.json'))
+  if mode in ('train', 'plan') or from_published:  # the published model's preprocessing, before validation
+    pretrained.apply_defaults(config, workdir if mode in ('train', 'plan') else '')
   config_lib.validate(config)
   memory.check_before_start(config, mode)  # a run that cannot fit stops before the workdir is touched
+  if not workdir and from_published and mode == 'predict':  # nothing to restore: write beside the CSV
+    workdir = os.path.dirname(os.path.abspath(config.predict.output_csv or 'predictions.csv'))
   if not workdir:
     raise UserError('--workdir is required: where this run writes (or a trained run to restore)')
   if mode in ('train', 'plan'):

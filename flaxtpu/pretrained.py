@@ -63,20 +63,16 @@ class Published:
   class_names: Optional[tuple[str, ...]]  # of the published head (None: unnamed)
   mean: tuple[float, ...]
   std: tuple[float, ...]
-  image_size: int
+  image_size: int  # the input size it was trained at
   crop_fraction: float
+  native: bool = False  # trained at the native size of its images (a flaxtpu export with image_size 0)
 
   def rules(self) -> list[layouts.Rule]:
     """How the file's tensors become this model's arrays."""
-    spec = models.get_spec(self.model)
-    tensors = read_tensors(self.path)
     if self.layout == 'big_vision':
-      return layouts.big_vision_rules(set(tensors), spec.stage_sizes[0], self.options['pool'] == 'tok')
-    if spec.family == 'imagenet_resnet':
-      return layouts.resnet_rules(spec.stage_sizes, spec.bottleneck)
-    if spec.family == 'vit':
-      return layouts.vit_rules(spec.stage_sizes[0], spec.widths[0], spec.num_heads, self.options['pool'] == 'tok')
-    return layouts.convnext_rules(spec.stage_sizes)
+      depth = models.get_spec(self.model).stage_sizes[0]
+      return layouts.big_vision_rules(set(read_tensors(self.path)), depth, self.options['pool'] == 'tok')
+    return layouts.timm_rules(self.model, self.options.get('pool', 'tok'))
 
 
 # --- finding the file -----------------------------------------------------------------------------
@@ -275,9 +271,9 @@ def describe(spec: str) -> Published:
   layout, model, options = infer_model(tensors, path)
   metadata = metadata or {}
   pretrained_cfg = metadata.get('pretrained_cfg', {})
-  # timm's config can say more than the tensors: how it pools (a model exported without a class token).
-  options.update({key: value for key, value in metadata.get('flaxtpu_model_options', {}).items()
-                  if key in options})
+  # timm's config can say more than the tensors: a ViT built with the tanh GELU (as flaxtpu exports one).
+  if metadata.get('model_args', {}).get('act_layer') == 'gelu_tanh' and 'gelu' in options:
+    options['gelu'] = 'tanh'
   num_classes = int(_head(tensors, layout, model).shape[0])
   family = models.get_spec(model).family
   # timm's defaults for its families where the file says nothing: ViTs the AugReg way.
@@ -293,6 +289,8 @@ def describe(spec: str) -> Published:
     image_size = int(round(positions ** 0.5)) * options['patch_size']
   if 'input_size' in pretrained_cfg:
     image_size = int(pretrained_cfg['input_size'][-1])
+  # A flaxtpu export of a run trained at the images' native size (dataset.image_size=0): runs from it too.
+  native = metadata.get('flaxtpu', {}).get('image_size') == 0
   class_names = metadata.get('label_names')
   if class_names is None and num_classes == 1000:
     class_names = imagenet_class_names()
@@ -305,7 +303,7 @@ def describe(spec: str) -> Published:
                  'dataset.crop_fraction)', spec, model, mean, std, image_size, crop_fraction)
   return Published(spec=spec, path=path, layout=layout, model=model, options=options,
                    num_classes=num_classes, class_names=tuple(class_names) if class_names else None,
-                   mean=mean, std=std, image_size=image_size, crop_fraction=crop_fraction)
+                   mean=mean, std=std, image_size=image_size, crop_fraction=crop_fraction, native=native)
 
 
 def imagenet_class_names() -> tuple[str, ...]:
@@ -346,7 +344,8 @@ def apply_defaults(config, workdir: str = '') -> bool:
     resolved = {('model', 'name'): published.model,
                 **{('model', key): value for key, value in published.options.items()},
                 ('dataset', 'normalize'): 'fixed', ('dataset', 'mean'): published.mean,
-                ('dataset', 'std'): published.std, ('dataset', 'image_size'): published.image_size,
+                ('dataset', 'std'): published.std,
+                ('dataset', 'image_size'): 0 if published.native else published.image_size,
                 ('dataset', 'crop_fraction'): published.crop_fraction}
   default = defaults.get_config()
   if config.model.name == default.model.name and resolved.get(('model', 'name')):
@@ -365,3 +364,61 @@ def apply_defaults(config, workdir: str = '') -> bool:
 
 
 _MODEL_OPTIONS = ('patch_size', 'pool', 'gelu', 'padding')
+
+
+# --- and back out: timm's layout ------------------------------------------------------------------
+
+_TIMM_VIT = {'vit_ti': 'tiny', 'vit_s': 'small', 'vit_b': 'base'}
+_TIMM_CONVNEXT = {'convnext_t': 'convnext_tiny'}
+
+
+def timm_architecture(model: str, options: dict, image_shape: tuple[int, int, int],
+                      num_classes: int) -> tuple[str, dict]:
+  """(timm architecture name, timm.create_model keyword arguments) computing flaxtpu's `model` on
+  images of `image_shape` (height, width, channels)."""
+  family = models.get_spec(model).family
+  model_args = {'num_classes': num_classes, 'in_chans': image_shape[2]}
+  if family == 'imagenet_resnet':
+    if options.get('padding', 'torch') != 'torch':
+      raise UserError(f'{model} with model.padding={options["padding"]!r} computes another function than timm\'s '
+                      'ResNet (XLA SAME padding); train with model.padding=torch to export it to timm')
+    return model, model_args
+  if family == 'vit':
+    patch = options.get('patch_size') or models.get_spec(model).patch_size
+    model_args['img_size'] = list(image_shape[:2])
+    if options.get('pool') == 'gap':  # big_vision's gap: the final norm, then the mean of the tokens
+      model_args.update(class_token=False, global_pool='avg', fc_norm=False)
+    if options.get('gelu') == 'tanh':
+      model_args['act_layer'] = 'gelu_tanh'
+    return f'vit_{_TIMM_VIT[model]}_patch{patch}_224', model_args
+  if family == 'convnext':
+    model_args['patch_size'] = options.get('patch_size') or models.get_spec(model).patch_size
+    return _TIMM_CONVNEXT[model], model_args
+  raise UserError(f'{model} has no timm twin; timm\'s layout exists for resnet18-152, vit_ti/s/b and convnext_t')
+
+
+def write_timm(directory: str, *, model: str, options: dict, arrays: dict, class_names, mean, std,
+               image_shape: tuple[int, int, int], crop_fraction: float, image_size_key: int) -> dict:
+  """model.safetensors (timm's keys) + config.json (timm's hub config) in `directory`; returns the config.
+
+  `arrays` maps 'params/NAME' and 'batch_stats/NAME' to numpy arrays;
+  `image_size_key` is the run's dataset.image_size (0: trained at the
+  images' native size, which a run that starts from the export keeps).
+  `timm.create_model('local-dir:DIRECTORY', pretrained=True)` loads it, and
+  so does flaxtpu's init_from (DIRECTORY or its model.safetensors).
+  """
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  architecture, model_args = timm_architecture(model, options, image_shape, len(class_names))
+  tensors = layouts.save(layouts.timm_rules(model, options.get('pool', 'tok')), arrays)
+  for key in [key for key in tensors if key.endswith('.running_mean')]:  # torch's BatchNorm counts its updates
+    tensors[key[:-len('running_mean')] + 'num_batches_tracked'] = np.zeros((), np.int64)
+  save_file(tensors, os.path.join(directory, 'model.safetensors'))
+  config = {'architecture': architecture, 'num_classes': len(class_names), 'model_args': model_args,
+            'label_names': list(class_names),
+            'pretrained_cfg': {'input_size': [image_shape[2], *image_shape[:2]], 'crop_pct': crop_fraction,
+                               'crop_mode': 'center', 'interpolation': 'bicubic', 'mean': list(mean),
+                               'std': list(std), 'num_classes': len(class_names)},
+            'flaxtpu': {'model': model, 'image_size': image_size_key}}
+  with open(os.path.join(directory, 'config.json'), 'w', encoding='utf-8') as f:
+    json.dump(config, f, indent=2)
+  return config

@@ -138,6 +138,19 @@ def convnext_rules(stage_sizes) -> list[Rule]:
   return rules + layer_norm('head.norm', 'head_norm') + dense('head.fc', 'head')
 
 
+def timm_rules(model_name: str, pool: str = 'tok') -> list[Rule]:
+  """The timm-layout table of a flaxtpu model (ResNet, ViT, ConvNeXt)."""
+  from flaxtpu import models  # pylint: disable=g-import-not-at-top
+  spec = models.get_spec(model_name)
+  if spec.family == 'imagenet_resnet':
+    return resnet_rules(spec.stage_sizes, spec.bottleneck)
+  if spec.family == 'vit':
+    return vit_rules(spec.stage_sizes[0], spec.widths[0], spec.num_heads, pool == 'tok')
+  if spec.family == 'convnext':
+    return convnext_rules(spec.stage_sizes)
+  raise UserError(f'{model_name} has no timm twin; timm\'s layout exists for resnet18-152, vit_ti/s/b and convnext_t')
+
+
 # --- big_vision / vision_transformer .npz ---------------------------------------------------------
 
 

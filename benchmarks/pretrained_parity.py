@@ -1,0 +1,135 @@
+"""Published weights, imported: flaxtpu's logits against the source framework's on the same images.
+
+    python benchmarks/pretrained_parity.py                      # every architecture and layout, 256 images each
+    python benchmarks/pretrained_parity.py --images 32 --only resnet18
+
+Each source model is built locally with random weights (no download): timm's
+ResNets, ViTs and ConvNeXt, torchvision's ResNets, and big_vision/AugReg .npz
+files written from a timm ViT built with the tanh GELU. The weights go
+through the path a user's do: a .safetensors/.npz file named by
+`init_from.checkpoint`, `finetune.published_model` (model inferred, mapped,
+normalisation from the source) and `evaluate.predict_logits` on uint8 images;
+the source model sees the same uint8 images normalised by the same numbers.
+ViTs are also compared at a second size against timm's own position-embedding
+resampling. Prints max |logit difference|, that difference relative to the
+largest logit, and top-1 agreement; writes JSON to --out-dir.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import types
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, 'tests'))
+
+# (label, library, architecture, flaxtpu model, native size, second size for ViTs)
+CASES = [
+    ('resnet18 timm', 'timm', 'resnet18', 'resnet18', 224, None),
+    ('resnet50 timm', 'timm', 'resnet50', 'resnet50', 224, None),
+    ('resnet18 torchvision', 'torchvision', 'resnet18', 'resnet18', 224, None),
+    ('resnet34 torchvision', 'torchvision', 'resnet34', 'resnet34', 224, None),
+    ('resnet50 torchvision', 'torchvision', 'resnet50', 'resnet50', 224, None),
+    ('resnet101 torchvision', 'torchvision', 'resnet101', 'resnet101', 224, None),
+    ('resnet152 torchvision', 'torchvision', 'resnet152', 'resnet152', 224, None),
+    ('vit_ti/16 timm', 'timm', 'vit_tiny_patch16_224', 'vit_ti', 224, 384),
+    ('vit_s/16 timm', 'timm', 'vit_small_patch16_224', 'vit_s', 224, 384),
+    ('vit_s/32 timm', 'timm', 'vit_small_patch32_224', 'vit_s', 224, 384),
+    ('vit_b/16 timm', 'timm', 'vit_base_patch16_224', 'vit_b', 224, 384),
+    ('vit_b/32 timm', 'timm', 'vit_base_patch32_224', 'vit_b', 224, None),
+    ('vit_ti/16 big_vision npz', 'npz', 'vit_tiny_patch16_224', 'vit_ti', 224, 384),
+    ('vit_s/16 big_vision npz', 'npz', 'vit_small_patch16_224', 'vit_s', 224, None),
+    ('vit_b/16 big_vision npz', 'npz', 'vit_base_patch16_224', 'vit_b', 224, None),
+    ('convnext_t timm', 'timm', 'convnext_tiny', 'convnext_t', 224, None),
+]
+
+
+def compare(case, images: int, directory: str) -> list[dict]:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import test_pretrained  # the tests' source-model helpers  # pylint: disable=g-import-not-at-top
+
+  from flaxtpu import defaults, evaluate, finetune, pretrained  # pylint: disable=g-import-not-at-top
+  torch, torchvision, timm = test_pretrained.import_torch()
+  label, library, architecture, model_name, size, second = case
+  torch.manual_seed(0)
+  if library == 'torchvision':
+    source = getattr(torchvision.models, architecture)()
+  else:
+    source = timm.create_model(architecture, **({'act_layer': 'gelu_tanh'} if library == 'npz' else {}))
+  source = test_pretrained.randomise_batch_norm(torch, source).eval()
+  state = {key: value.numpy() for key, value in source.state_dict().items()}
+  if library == 'npz':
+    path = os.path.join(directory, f'{architecture}.npz')
+    test_pretrained.augreg_npz(state, len(source.blocks), path)
+  else:
+    from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+    path = os.path.join(directory, f'{library}_{architecture}.safetensors')
+    save_file({key: np.ascontiguousarray(value) for key, value in state.items()}, path)
+
+  rows = []
+  for side in [size] + ([second] if second else []):
+    config = defaults.get_config()
+    config.init_from.checkpoint = path
+    config.dataset.image_size = side
+    config.cpu_devices = 1
+    config.compilation_cache_dir = 'none'
+    pretrained.describe.cache_clear()
+    placement, state_, _, record = finetune.published_model(config)
+    assert config.model.name == model_name, (config.model.name, model_name)
+    pixels = np.random.default_rng(0).integers(0, 256, (images, side, side, 3)).astype(np.uint8)
+    started = time.perf_counter()
+    ours = evaluate.predict_logits(placement, state_, pixels, 32)
+    ours_s = time.perf_counter() - started
+    mean = np.asarray(record['normalization']['mean'], np.float32)
+    std = np.asarray(record['normalization']['std'], np.float32)
+    reference_model = source
+    if side != size:  # timm's own resampling of the position embeddings
+      from timm.models.vision_transformer import checkpoint_filter_fn  # pylint: disable=g-import-not-at-top
+      reference_model = timm.create_model(architecture, img_size=side,
+                                          **({'act_layer': 'gelu_tanh'} if library == 'npz' else {}))
+      reference_model.load_state_dict(checkpoint_filter_fn(dict(source.state_dict()), reference_model))
+      reference_model.eval()
+    started = time.perf_counter()
+    theirs = np.concatenate([test_pretrained.torch_logits(torch, reference_model,
+                                                          ((chunk / 255.0 - mean) / std).astype(np.float32))
+                             for chunk in np.split(pixels, max(1, images // 32))])
+    theirs_s = time.perf_counter() - started
+    difference = float(np.abs(ours - theirs).max())
+    rows.append({'case': label, 'model': model_name, 'image_size': side, 'images': images,
+                 'max_abs_logit_diff': difference, 'relative': difference / float(np.abs(theirs).max()),
+                 'top1_agreement': float((ours.argmax(-1) == theirs.argmax(-1)).mean()),
+                 'flaxtpu_s': ours_s, 'source_s': theirs_s})
+    print(f'{label:28s} {side:4d}px  max|diff| {difference:.2e}  relative {rows[-1]["relative"]:.2e}  '
+          f'top-1 agreement {rows[-1]["top1_agreement"]:.2%}', flush=True)
+  return rows
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--images', type=int, default=256)
+  parser.add_argument('--only', default='', help='run the cases whose label contains this')
+  parser.add_argument('--out-dir', default=os.path.join(ROOT, 'benchmarks', 'results', 'local'))
+  args = parser.parse_args()
+  os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=1')
+  sys.modules.setdefault('torchvision._meta_registrations', types.ModuleType('torchvision._meta_registrations'))
+  rows = []
+  with tempfile.TemporaryDirectory() as directory:
+    for case in CASES:
+      if args.only in case[0]:
+        rows += compare(case, args.images, directory)
+  os.makedirs(args.out_dir, exist_ok=True)
+  path = os.path.join(args.out_dir, 'pretrained_parity.json')
+  with open(path, 'w') as f:
+    json.dump(rows, f, indent=2)
+  worst = max(row['relative'] for row in rows)
+  agreement = min(row['top1_agreement'] for row in rows)
+  print(f'{len(rows)} comparisons: worst relative difference {worst:.2e}, lowest top-1 agreement '
+        f'{agreement:.2%}; {path}')
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,371 @@
+"""Published weights: timm, torchvision, big_vision/AugReg and the Hugging Face hub cache, in and out.
+
+Every source model is built here with random weights (no download) and its
+logits compared with flaxtpu's on the same images after the import.
+"""
+
+import functools
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+from PIL import Image
+
+from flaxtpu import config as config_lib
+from flaxtpu import defaults, finetune, models, pretrained
+from flaxtpu.errors import UserError
+from flaxtpu.models import layouts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def import_torch():
+  """torch, torchvision and timm. The x86_64 torchvision wheel beside the CPU build of torch lacks its C
+  operators (detection only); its meta registrations are skipped, the classification models work."""
+  sys.modules.setdefault('torchvision._meta_registrations', types.ModuleType('torchvision._meta_registrations'))
+  torch = pytest.importorskip('torch')
+  torchvision = pytest.importorskip('torchvision')
+  timm = pytest.importorskip('timm')
+  return torch, torchvision, timm
+
+
+def randomise_batch_norm(torch, model):
+  """BatchNorm statistics and affine parameters away from their init, so the import of each counts."""
+  generator = torch.Generator().manual_seed(1)
+  for module in model.modules():
+    if isinstance(module, torch.nn.BatchNorm2d):
+      module.running_mean.normal_(0, 0.1, generator=generator)
+      module.running_var.uniform_(0.5, 1.5, generator=generator)
+      module.weight.data.normal_(1, 0.2, generator=generator)
+      module.bias.data.normal_(0, 0.1, generator=generator)
+  return model
+
+
+def torch_logits(torch, model, images):
+  with torch.no_grad():
+    return model.eval()(torch.from_numpy(images).permute(0, 3, 1, 2)).numpy()
+
+
+def flaxtpu_logits(tensors, images, model_name=None, **overrides):
+  """Imports `tensors` the way init_from does (inferred model, the layout's rules) and applies the model."""
+  layout, name, options = pretrained.infer_model(tensors, 'test weights')
+  assert model_name in (None, name)
+  options.update(overrides)
+  model = models.create(name, num_classes=layouts_head(tensors, layout, name), **options)
+  variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, *images.shape[1:])),
+                                                train=False))
+  wanted = {f'{collection}/{key}': leaf.shape for collection in variables
+            for key, leaf in traverse_util.flatten_dict(variables[collection], sep='/').items()}
+  published = pretrained.Published('test', 'test', layout, name, options, 0, None, (), (), 0, 0.0)
+  spec = models.get_spec(name)
+  rules = (layouts.big_vision_rules(set(tensors), spec.stage_sizes[0], options['pool'] == 'tok')
+           if layout == 'big_vision' else _timm_rules(spec, options))
+  adapt = {'params/pos_embedding': functools.partial(finetune.resample_position_embeddings,
+                                                     prefix_tokens=int(options.get('pool') == 'tok'))}
+  loaded = layouts.load(rules, tensors, wanted, 'test weights', adapt)
+  assert set(loaded) == set(wanted), set(loaded) ^ set(wanted)
+  del published
+  tree = {}
+  for name_, array in loaded.items():
+    collection, key = name_.split('/', 1)
+    tree.setdefault(collection, {})[key] = array
+  tree = {collection: traverse_util.unflatten_dict(flat, sep='/') for collection, flat in tree.items()}
+  return np.asarray(jax.jit(lambda v, x: model.apply(v, x, train=False))(tree, images))
+
+
+def layouts_head(tensors, layout, name):
+  return int(pretrained._head(tensors, layout, name).shape[0])  # pylint: disable=protected-access
+
+
+def _timm_rules(spec, options):
+  if spec.family == 'imagenet_resnet':
+    return layouts.resnet_rules(spec.stage_sizes, spec.bottleneck)
+  if spec.family == 'vit':
+    return layouts.vit_rules(spec.stage_sizes[0], spec.widths[0], spec.num_heads, options['pool'] == 'tok')
+  return layouts.convnext_rules(spec.stage_sizes)
+
+
+def assert_same_function(expected, actual):
+  relative = np.abs(actual - expected).max() / np.abs(expected).max()
+  assert relative <= 1e-4, relative
+  assert (actual.argmax(-1) == expected.argmax(-1)).all()
+
+
+def _images(count, size, seed=0):
+  return np.random.default_rng(seed).normal(size=(count, size, size, 3)).astype(np.float32)
+
+
+@pytest.mark.parametrize('source, name, size', [
+    ('timm:resnet18', 'resnet18', 64),
+    ('torchvision:resnet50', 'resnet50', 64),
+    ('torchvision:resnet34', 'resnet34', 48),
+    ('timm:convnext_tiny', 'convnext_t', 64),
+    ('timm:vit_tiny_patch16_224', 'vit_ti', 224),
+    ('timm:vit_small_patch32_224', 'vit_s', 224),
+])
+def test_import_computes_the_source_models_function(source, name, size):
+  torch, torchvision, timm = import_torch()
+  library, architecture = source.split(':')
+  torch.manual_seed(0)
+  model = (timm.create_model(architecture) if library == 'timm'
+           else getattr(torchvision.models, architecture)())
+  model = randomise_batch_norm(torch, model)
+  tensors = {key: value.numpy() for key, value in model.state_dict().items()}
+  images = _images(4, size)
+  assert_same_function(torch_logits(torch, model, images), flaxtpu_logits(tensors, images, name))
+
+
+def test_resnet_same_padding_is_another_function():
+  """What model.padding fixes: XLA's SAME pads stride-2 windows one pixel later than PyTorch."""
+  torch, _, timm = import_torch()
+  torch.manual_seed(0)
+  model = randomise_batch_norm(torch, timm.create_model('resnet18'))
+  tensors = {key: value.numpy() for key, value in model.state_dict().items()}
+  images = _images(4, 64)
+  expected = torch_logits(torch, model, images)
+  same = flaxtpu_logits(tensors, images, padding='same')
+  assert np.abs(same - expected).max() / np.abs(expected).max() > 1e-2
+
+
+def test_vit_at_another_size_resamples_position_embeddings_as_timm():
+  torch, _, timm = import_torch()
+  from timm.models.vision_transformer import checkpoint_filter_fn  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  native = timm.create_model('vit_tiny_patch16_224')
+  state = native.state_dict()
+  for size in (64, 288):
+    resized = timm.create_model('vit_tiny_patch16_224', img_size=size)
+    resized.load_state_dict(checkpoint_filter_fn(dict(state), resized))  # timm's own resampling
+    images = _images(2, size)
+    tensors = {key: value.numpy() for key, value in state.items()}
+    assert_same_function(torch_logits(torch, resized, images), flaxtpu_logits(tensors, images))
+
+
+def augreg_npz(state: dict, depth: int, path: str) -> None:
+  """A timm ViT's weights written in the AugReg (`vision_transformer`) .npz layout, the inverse of timm's
+  own reader, which the test runs to check it."""
+  width = state['patch_embed.proj.weight'].shape[0]
+  heads = {192: 3, 384: 6, 768: 12}[width]
+  arrays = {'embedding/kernel': state['patch_embed.proj.weight'].transpose(2, 3, 1, 0),
+            'embedding/bias': state['patch_embed.proj.bias'], 'cls': state['cls_token'],
+            'Transformer/posembed_input/pos_embedding': state['pos_embed'],
+            'Transformer/encoder_norm/scale': state['norm.weight'],
+            'Transformer/encoder_norm/bias': state['norm.bias'],
+            'head/kernel': state['head.weight'].T, 'head/bias': state['head.bias']}
+  for index in range(depth):
+    block, prefix = f'blocks.{index}.', f'Transformer/encoderblock_{index}/'
+    qkv_w = state[block + 'attn.qkv.weight'].reshape(3, heads, width // heads, width)
+    qkv_b = state[block + 'attn.qkv.bias'].reshape(3, heads, width // heads)
+    for part, name in enumerate(('query', 'key', 'value')):
+      arrays[f'{prefix}MultiHeadDotProductAttention_1/{name}/kernel'] = qkv_w[part].transpose(2, 0, 1)
+      arrays[f'{prefix}MultiHeadDotProductAttention_1/{name}/bias'] = qkv_b[part]
+    arrays[f'{prefix}MultiHeadDotProductAttention_1/out/kernel'] = state[block + 'attn.proj.weight'].T.reshape(
+        heads, width // heads, width)
+    arrays[f'{prefix}MultiHeadDotProductAttention_1/out/bias'] = state[block + 'attn.proj.bias']
+    for norm, name in (('norm1', 'LayerNorm_0'), ('norm2', 'LayerNorm_2')):
+      arrays[f'{prefix}{name}/scale'], arrays[f'{prefix}{name}/bias'] = (state[f'{block}{norm}.weight'],
+                                                                        state[f'{block}{norm}.bias'])
+    for fc, dense in (('fc1', 'Dense_0'), ('fc2', 'Dense_1')):
+      arrays[f'{prefix}MlpBlock_3/{dense}/kernel'] = state[f'{block}mlp.{fc}.weight'].T
+      arrays[f'{prefix}MlpBlock_3/{dense}/bias'] = state[f'{block}mlp.{fc}.bias']
+  np.savez(path, **arrays)
+
+
+def test_big_vision_npz_imports_with_tanh_gelu(tmp_path):
+  torch, _, timm = import_torch()
+  torch.manual_seed(0)
+  source = timm.create_model('vit_tiny_patch16_224', act_layer='gelu_tanh')  # AugReg trained with tanh GELU
+  state = {key: value.numpy() for key, value in source.state_dict().items()}
+  path = str(tmp_path / 'Ti_16.npz')
+  augreg_npz(state, 12, path)
+  check = timm.create_model('vit_tiny_patch16_224', act_layer='gelu_tanh')
+  check.load_pretrained(path)  # timm's reader of the layout agrees with the writer above
+  assert all(torch.equal(check.state_dict()[key], value) for key, value in source.state_dict().items())
+
+  tensors = pretrained.read_tensors(path)
+  layout, name, options = pretrained.infer_model(tensors, path)
+  assert (layout, name, options) == ('big_vision', 'vit_ti', {'patch_size': 16, 'pool': 'tok', 'gelu': 'tanh'})
+  images = _images(2, 224)
+  assert_same_function(torch_logits(torch, source, images), flaxtpu_logits(tensors, images))
+
+
+def test_a_file_of_another_model_names_the_first_tensor_and_both_shapes(tmp_path):
+  torch, _, timm = import_torch()
+  from safetensors.torch import save_file  # pylint: disable=g-import-not-at-top
+  path = str(tmp_path / 'resnet18.safetensors')
+  save_file(timm.create_model('resnet18').state_dict(), path)
+  published = pretrained.describe(path)
+  assert (published.model, published.num_classes, published.image_size) == ('resnet18', 1000, 224)
+  spec = models.get_spec('resnet50')
+  wanted = {'params/stage1_block1/Conv_0/kernel': (1, 1, 64, 64)}
+  with pytest.raises(UserError, match=r"tensor 'layer1.0.conv1.weight' has shape \(64, 64, 3, 3\).*"
+                                      r"needs \(1, 1, 64, 64\)"):
+    layouts.load(layouts.resnet_rules(spec.stage_sizes, True), pretrained.read_tensors(path), wanted, path)
+  with pytest.raises(UserError, match=r"no tensor 'layer1.2.conv1.weight'"):
+    spec = models.get_spec('resnet34')
+    layouts.load(layouts.resnet_rules(spec.stage_sizes, False), pretrained.read_tensors(path),
+                 {'params/stage1_block3/Conv_0/kernel': (3, 3, 64, 64)}, path)
+  broken = tmp_path / 'broken.safetensors'
+  broken.write_bytes(b'not a safetensors file')
+  with pytest.raises(UserError, match='cannot be read as .safetensors'):
+    pretrained.read_tensors(str(broken))
+
+
+def hub_cache(home, repo: str, files: dict) -> None:
+  """`files` ({name: bytes}) laid out as huggingface_hub caches a download of `repo` under HF_HOME=`home`."""
+  folder = os.path.join(home, 'hub', 'models--' + repo.replace('/', '--'))
+  commit = hashlib.sha1(repo.encode()).hexdigest()
+  os.makedirs(os.path.join(folder, 'refs'), exist_ok=True)
+  with open(os.path.join(folder, 'refs', 'main'), 'w') as f:
+    f.write(commit)
+  os.makedirs(os.path.join(folder, 'blobs'), exist_ok=True)
+  os.makedirs(os.path.join(folder, 'snapshots', commit), exist_ok=True)
+  for name, content in files.items():
+    blob = hashlib.sha256(content).hexdigest()
+    with open(os.path.join(folder, 'blobs', blob), 'wb') as f:
+      f.write(content)
+    os.symlink(os.path.join('..', '..', 'blobs', blob), os.path.join(folder, 'snapshots', commit, name))
+
+
+@pytest.fixture(scope='module')
+def resnet18_hub(tmp_path_factory):
+  """HF_HOME with hf-hub:timm/resnet18.test cached as timm publishes it (model.safetensors + config.json),
+  a 224 px photo, and timm's top-5 for it."""
+  torch, _, timm = import_torch()
+  from timm.models._hub import save_for_hf  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  model = randomise_batch_norm(torch, timm.create_model('resnet18'))
+  folder = tmp_path_factory.mktemp('saved')
+  save_for_hf(model, str(folder), safe_serialization=True,
+              data_config={'input_size': (3, 224, 224), 'crop_pct': 1.0, 'interpolation': 'bicubic',
+                           'mean': (0.485, 0.456, 0.406), 'std': (0.229, 0.224, 0.225)})
+  home = str(tmp_path_factory.mktemp('hf_home'))
+  hub_cache(home, 'timm/resnet18.test', {name: (folder / name).read_bytes()
+                                         for name in ('config.json', 'model.safetensors')})
+  photo = str(tmp_path_factory.mktemp('photo') / 'photo.png')
+  pixels = np.random.default_rng(0).integers(0, 256, (224, 224, 3)).astype(np.uint8)
+  Image.fromarray(pixels).save(photo)
+  mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
+  logits = torch_logits(torch, model, ((pixels / 255.0 - mean) / std)[None].astype(np.float32))[0]
+  probabilities = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+  return home, photo, np.argsort(-probabilities)[:5], probabilities
+
+
+def _cli(*args, env=None, timeout=900):
+  environment = {**os.environ, **(env or {})}
+  return subprocess.run([sys.executable, '-m', 'flaxtpu.main', *args], capture_output=True, text=True,
+                        cwd=ROOT, env=environment, timeout=timeout)
+
+
+def test_hub_cache_offline_predicts_the_published_head(resnet18_hub, tmp_path):
+  home, photo, top5, probabilities = resnet18_hub
+  output = tmp_path / 'predictions.csv'
+  result = _cli('--mode=predict', '--config.init_from.checkpoint=hf-hub:timm/resnet18.test',
+                f'--config.predict.input={photo}', '--config.predict.top_k=5',
+                f'--config.predict.output_csv={output}', env={'HF_HOME': home, 'HF_HUB_OFFLINE': '1'})
+  assert result.returncode == 0, result.stderr[-2000:]
+  names = pretrained.imagenet_class_names()
+  import csv  # pylint: disable=g-import-not-at-top
+  with open(output, newline='') as f:
+    (row,) = list(csv.DictReader(f))
+  assert [row[f'class_{rank}'] for rank in range(1, 6)] == [names[index] for index in top5]
+  assert float(row['probability_1']) == pytest.approx(probabilities[top5[0]], rel=1e-3)
+  assert f'{names[top5[0]]} {probabilities[top5[0]]:.3f}' in result.stdout
+
+
+def test_hub_name_not_cached_offline_fails_fast_in_one_line(tmp_path):
+  for env in ({'HF_HUB_OFFLINE': '1'}, {'HF_ENDPOINT': 'http://127.0.0.1:9', 'HF_HUB_OFFLINE': '0'}):
+    started = time.monotonic()
+    result = _cli('--mode=predict', '--config.init_from.checkpoint=hf-hub:timm/resnet50.a1_in1k',
+                  f'--config.predict.input={tmp_path}', env={'HF_HOME': str(tmp_path / 'hf'), **env})
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error: ') and 'hf download timm/resnet50.a1_in1k' in lines[0]
+    assert elapsed < 10, elapsed
+
+
+def test_published_defaults_fill_only_what_the_config_left_open(resnet18_hub, monkeypatch):
+  home, _, _, _ = resnet18_hub
+  monkeypatch.setenv('HF_HOME', home)
+  monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+  import huggingface_hub.constants  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_CACHE', os.path.join(home, 'hub'))
+  monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_OFFLINE', True)
+  pretrained.describe.cache_clear()
+  config = defaults.get_config()
+  config.init_from.checkpoint = 'hf-hub:timm/resnet18.test'
+  config.dataset.image_size = 64  # set by the user: kept
+  assert pretrained.apply_defaults(config)
+  assert config.model.name == 'resnet18' and config.model.padding == 'torch'
+  assert config.dataset.normalize == 'fixed'
+  assert tuple(config.dataset.mean) == pytest.approx((0.485, 0.456, 0.406))
+  assert (config.dataset.image_size, config.dataset.crop_fraction) == (64, 1.0)
+  config_lib.validate(config)
+
+
+def test_runs_saved_before_the_variants_keep_their_function():
+  saved = defaults.get_config().to_dict()
+  for key in ('padding', 'gelu'):
+    del saved['model'][key]
+  saved['model']['name'] = 'resnet18'
+  assert config_lib.from_saved(saved).model.padding == 'same'
+  saved['model']['name'] = 'vit_s'
+  restored = config_lib.from_saved(saved)
+  assert (restored.model.gelu, restored.model.padding) == ('tanh', 'torch')  # padding: not a ViT option
+  assert config_lib.from_saved(json.loads(json.dumps(defaults.get_config().to_dict()))).model.gelu == 'exact'
+
+
+def test_finetune_from_the_hub_records_preprocessing_and_exports_to_timm(resnet18_hub, tmp_path):
+  """hf-hub ResNet-18 -> a 2-step fine-tune on a 3-class folder at 32 px: the hub's preprocessing is the run's
+  (config.json, checkpoint, eval); the export's timm folder loads in timm with the SavedModel's logits, and
+  init_from reads it back to the same arrays."""
+  torch, _, timm = import_torch()
+  from conftest import make_image_folder  # pylint: disable=g-import-not-at-top
+  home = resnet18_hub[0]
+  env = {'HF_HOME': home, 'HF_HUB_OFFLINE': '1'}
+  folder = make_image_folder(tmp_path / 'photos', size=40)
+  workdir = tmp_path / 'run'
+  result = _cli('--config=configs/finetune.py', f'--workdir={workdir}', f'--config.dataset.folder={folder}',
+                '--config.init_from.checkpoint=hf-hub:timm/resnet18.test', '--config.dataset.image_size=32',
+                '--config.num_train_steps=2', '--config.batch_size=8', '--config.cpu_devices=2',
+                '--config.compilation_cache_dir=none', env=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  saved = json.loads((workdir / 'config.json').read_text())
+  assert saved['model']['name'] == 'resnet18' and saved['dataset']['normalize'] == 'fixed'
+  assert saved['dataset']['mean'] == pytest.approx([0.485, 0.456, 0.406])
+  assert (saved['dataset']['image_size'], saved['dataset']['crop_fraction']) == (32, 1.0)
+  results = json.loads((workdir / 'results.json').read_text())
+
+  result = _cli('--mode=eval', f'--workdir={workdir}', env=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  evaluation = json.loads((workdir / 'eval.json').read_text())
+  assert evaluation['eval_accuracy'] == pytest.approx(results['eval_accuracy'])
+
+  result = _cli('--mode=export', f'--workdir={workdir}', env=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  exported = json.loads((workdir / 'export' / 'export.json').read_text())
+  assert exported['timm']['architecture'] == 'resnet18'
+  assert exported['normalization']['mean'] == pytest.approx([0.485, 0.456, 0.406])
+
+  model = timm.create_model(f'local-dir:{workdir}/export/timm', pretrained=True).eval()
+  assert model.num_classes == 3 and model.pretrained_cfg['mean'] == pytest.approx((0.485, 0.456, 0.406))
+  images = np.random.default_rng(1).integers(0, 256, (4, 32, 32, 3)).astype(np.uint8)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  serve = tf.saved_model.load(str(workdir / 'export' / 'saved_model')).signatures['serving_default']
+  expected = serve(images=tf.constant(images))['logits'].numpy()
+  mean, std = np.array(model.pretrained_cfg['mean']), np.array(model.pretrained_cfg['std'])
+  actual = torch_logits(torch, model, ((images / 255.0 - mean) / std).astype(np.float32))
+  assert np.abs(actual - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+
+  published = pretrained.describe(str(workdir / 'export' / 'timm'))
+  assert (published.model, published.num_classes, published.class_names) == ('resnet18', 3, ('cat', 'dog', 'frog'))
