@@ -366,3 +366,12 @@ def test_embedded_digits_load_without_a_download():
   config.dataset.eval_split = 'validation'
   with pytest.raises(DataError, match="'digits' has no split 'validation'; it has: test, train"):
     data.load(config)
+
+
+def test_file_names_that_are_not_utf8_are_read(tmp_path):
+  folder = make_image_folder(tmp_path, train_per_class=2, test_per_class=1)
+  os.rename(os.path.join(folder, 'train', 'cat', '000.png'),
+            os.path.join(folder, 'train', 'cat', os.fsdecode(b'caf\xe9.png')))  # Latin-1, not UTF-8
+  dataset = data.load(_config(folder, **{'dataset.cache': 'none'}))
+  assert len(dataset.train) == 6 and np.bincount(dataset.train.source.labels).tolist() == [2, 2, 2]
+  assert len(next(data.train_batches(dataset, seed=0, batch_size=6, first_step=0, last_step=1)).images) == 6
