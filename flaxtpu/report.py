@@ -190,15 +190,44 @@ def _pyplot():
 
 def plain_text(plot: Callable) -> Callable:
   """Has `plot` draw every text as written: a '$' in a class or run name (a regex's 'bias$', '$5 bill')
-  is not the start of TeX math, which garbles the name or fails to parse and loses the picture."""
+  is not the start of TeX math, which garbles the name or fails to parse and loses the picture; a
+  name in another script ('猫') is drawn with an installed font that has its glyphs (see _fonts)."""
 
   @functools.wraps(plot)
   def plot_plain(*args, **kwargs):
     import matplotlib
-    with matplotlib.rc_context({'text.parse_math': False}):
+    with matplotlib.rc_context({'text.parse_math': False, 'font.family': _fonts()[0]}):
       return plot(*args, **kwargs)
 
   return plot_plain
+
+
+# Fonts with CJK and other scripts, used after matplotlib's DejaVu Sans where the system has them
+# (matplotlib ships none; e.g. apt install fonts-noto-cjk, or fonts-wqy-zenhei).
+FALLBACK_FONTS = ('Noto Sans CJK SC', 'Noto Sans CJK JP', 'Noto Sans CJK KR', 'Noto Sans SC', 'Source Han Sans SC',
+                  'Source Han Sans', 'WenQuanYi Zen Hei', 'WenQuanYi Micro Hei', 'Droid Sans Fallback',
+                  'AR PL UMing CN', 'IPAGothic', 'Microsoft YaHei', 'SimHei', 'PingFang SC', 'Hiragino Sans GB',
+                  'Arial Unicode MS', 'Noto Sans', 'Noto Sans Arabic', 'Noto Sans Devanagari', 'Unifont')
+
+
+@functools.cache
+def _fonts() -> tuple[list[str], frozenset[int]]:
+  """(the font families to draw with, the code points they cover): DejaVu Sans, then any fallback installed."""
+  from matplotlib import font_manager, ft2font
+  installed = {font.name for font in font_manager.fontManager.ttflist}
+  families = ['DejaVu Sans'] + [name for name in FALLBACK_FONTS if name in installed]
+  covered = set()
+  for family in families:
+    path = font_manager.findfont(font_manager.FontProperties(family=family), fallback_to_default=False)
+    covered.update(ft2font.FT2Font(path).get_charmap())
+  return families, frozenset(covered)
+
+
+def _legible(text: str) -> str:
+  """`text` with each character no installed font draws written as its escape ('\\u732b'): readable,
+  where matplotlib would draw an empty box and warn once per character and picture."""
+  covered = _fonts()[1]
+  return ''.join(c if ord(c) in covered or c.isspace() else c.encode('unicode_escape').decode() for c in text)
 
 
 def _save_figure(figure, path: str) -> None:
@@ -210,7 +239,7 @@ def _save_figure(figure, path: str) -> None:
 
 
 def _short(name: str, width: int = 24) -> str:
-  return name if len(name) <= width else name[:width - 1] + '…'
+  return _legible(name if len(name) <= width else name[:width - 1] + '…')
 
 
 def _csv_number(value: float) -> str:
@@ -492,7 +521,7 @@ def write_curves(workdir: str) -> str:
     if title != 'learning rate' or len(curves) > 1:
       axis.legend(fontsize=8)
   last_step = max(row['step'] for row in rows)
-  figure.suptitle(f'{os.path.basename(os.path.abspath(workdir))}: step {last_step}', fontsize=11)
+  figure.suptitle(f'{_legible(os.path.basename(os.path.abspath(workdir)))}: step {last_step}', fontsize=11)
   figure.tight_layout()
   path = os.path.join(workdir, CURVES_FILE)
   _save_figure(figure, path)

@@ -7,6 +7,7 @@ needs (numpy, Pillow, TFDS data sources).
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import queue
 import signal
@@ -52,9 +53,8 @@ def run(function, items, workers: int, buffer: int, min_items_per_worker: int = 
   # No reader threads or read-ahead inside a worker: each element is a whole batch, and the
   # per-worker buffer of mp_prefetch already keeps `buffer` of them ready. (grain's defaults,
   # 16 threads and 500 elements, held gigabytes per worker when the consumer is slower.)
-  # Results come back in shared memory (Python < 3.13 may report those blocks as "leaked" at exit:
-  # a resource-tracker quirk; grain has unlinked them). Through the pipe instead, a worker stopped
-  # mid-write can leave a partial message that blocks close() forever.
+  # Results come back in shared memory (released by _closing). Through the pipe instead, a worker
+  # stopped mid-write can leave a partial message that blocks close() forever.
   dataset = source.map(function).to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   options = grain.MultiprocessingOptions(num_workers=workers,
                                          per_worker_buffer_size=max(1, buffer // workers))
@@ -76,9 +76,29 @@ def _die_with_parent(worker_index: int, worker_count: int) -> None:
 def _closing(iterator) -> Iterator:
   try:
     for element in iterator:
-      yield _copied(element)
+      copy = _copied(element)
+      del element  # its shared memory goes now, not when this generator ends
+      yield copy
   finally:
     iterator.close()  # stops the worker processes, also when the consumer stops early
+    _wait_for_shared_memory_release()
+
+
+def _wait_for_shared_memory_release() -> None:
+  """Returns once grain has unlinked the shared memory of every result dropped so far.
+
+  grain unlinks a block when its array is deleted, from a background thread;
+  the last arrays of a pass are held in reference cycles (grain's stored
+  StopIteration and the frames its traceback keeps) until the collector runs.
+  Blocks not unlinked when Python exits stay registered with the resource
+  tracker, which then warns of 'leaked shared_memory objects' (and removes
+  them) at the end of every streamed run.
+  """
+  from grain._src.python.ipc import shared_memory_array  # pylint: disable=g-import-not-at-top
+  gc.collect()  # once per pass: the cycles holding the last arrays
+  deleter = getattr(shared_memory_array.SharedMemoryArray, '_del_thread_pool', None)
+  if deleter is not None:
+    deleter.apply(int)  # one thread, first in first out: the deletions queued before have run
 
 
 def _copied(element):
