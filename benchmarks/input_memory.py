@@ -1,7 +1,7 @@
 """Does host memory grow with the dataset? Peak RSS of a streaming CLI run on a big and a small image folder.
 
-    python benchmarks/make_image_folder.py --out /data/gen1000                             # 100,000 train images
-    python benchmarks/make_image_folder.py --out /data/gen1000_small --train-per-class 10  # 10,000
+    python -m benchmarks.data.make_image_folder --out /data/gen1000                             # 100,000 train images
+    python -m benchmarks.data.make_image_folder --out /data/gen1000_small --train-per-class 10  # 10,000
     python benchmarks/input_memory.py --big /data/gen1000 --small /data/gen1000_small
 
 Trains the same short run (`configs/cifar10.py`, the cnn, batch 64, --steps

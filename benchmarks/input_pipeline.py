@@ -1,6 +1,6 @@
 """Input throughput: flaxtpu's streaming pipeline against tf.data doing the same work, side by side.
 
-    python benchmarks/make_image_folder.py --out /data/gen1000           # once: 100,000 mixed-size JPEGs
+    python -m benchmarks.data.make_image_folder --out /data/gen1000           # once: 100,000 mixed-size JPEGs
     python benchmarks/input_pipeline.py --folder /data/gen1000 [--image-size 224] [--workers N] [--seconds 10]
     FLAXTPU_CIFAR10=DIR python benchmarks/input_pipeline.py --mode cifar [--model cnn]
 
@@ -335,7 +335,7 @@ def main() -> None:
                       help='folder (flaxtpu vs tf.data; the default with --folder) or cifar (the default '
                       'without: the in-memory CIFAR pipeline vs the train step)')
   parser.add_argument('--folder', help='folder mode: an image folder (split/class/image), e.g. one made by '
-                      'benchmarks/make_image_folder.py')
+                      'python -m benchmarks.data.make_image_folder')
   parser.add_argument('--image-size', type=int, default=224, help='folder mode')
   parser.add_argument('--workers', type=int, default=None,
                       help='folder mode: flaxtpu\'s input worker processes (default: one per core)')
@@ -358,7 +358,7 @@ def main() -> None:
   args = parser.parse_args()
   mode = args.mode or ('folder' if args.folder else 'cifar')
   if mode == 'folder' and not args.folder:
-    parser.error('folder mode needs --folder (make one with benchmarks/make_image_folder.py)')
+    parser.error('folder mode needs --folder (make one with python -m benchmarks.data.make_image_folder)')
   if mode == 'cifar' and not os.path.isdir(args.data):
     parser.error('cifar mode needs the CIFAR-10 image folder: --data DIR or FLAXTPU_CIFAR10=DIR')
   result = folder_mode(args) if mode == 'folder' else cifar_mode(args)

@@ -21,7 +21,7 @@ Two ways to get the validation images:
   `validation_split=0.2, seed=123`; Keras picks that 20%, so flaxtpu can't
   evaluate on the same images.
 
-The photo folders come from `benchmarks/make_photo_folder.py` (OUT_split and OUT).
+The photo folders come from `python -m benchmarks.data.make_photo_folder` (OUT_split and OUT).
 
     python benchmarks/keras_photos.py --split-folder /tmp/photos_split              # 15 epochs
     python benchmarks/keras_photos.py --folder /tmp/photos                          # tutorial split
@@ -189,7 +189,7 @@ def main() -> None:
     for split in ('train', 'test'):
       if not (args.split_folder / split).is_dir():
         parser.error(f'--split-folder {args.split_folder} needs train/ and test/ folders '
-                     '(benchmarks/make_photo_folder.py writes OUT_split)')
+                     '(python -m benchmarks.data.make_photo_folder writes OUT_split)')
   elif not args.folder.is_dir():
     parser.error(f'--folder {args.folder} is not a directory')
 

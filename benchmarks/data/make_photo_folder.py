@@ -21,8 +21,8 @@ Writes two layouts of the same files:
 and `OUT_manifest.json` beside them (source image, size, format, mode and
 split of every file).
 
-    python benchmarks/make_photo_folder.py --cifar /path/to/cifar10 --out /tmp/photos
-    FLAXTPU_CIFAR10=/path/to/cifar10 python benchmarks/make_photo_folder.py \\
+    python -m benchmarks.data.make_photo_folder --cifar /path/to/cifar10 --out /tmp/photos
+    FLAXTPU_CIFAR10=/path/to/cifar10 python -m benchmarks.data.make_photo_folder \\
         --out /tmp/photos --classes 2 --per-class 60      # a small one for smoke tests
     # -> /tmp/photos/<class>/..., /tmp/photos_split/{train,test}/<class>/..., /tmp/photos_manifest.json
 """

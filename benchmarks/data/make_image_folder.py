@@ -1,8 +1,8 @@
 """Writes a generated image folder (split/class/image.jpg, mixed sizes) for the input benchmarks.
 
-    python benchmarks/make_image_folder.py --out /data/gen1000                              # 100,000 train JPEGs
-    python benchmarks/make_image_folder.py --out /data/gen1000_small --train-per-class 10  # the 10,000 subset
-    python benchmarks/make_image_folder.py --out /tmp/tiny --classes 5 --train-per-class 20  # a smoke test
+    python -m benchmarks.data.make_image_folder --out /data/gen1000                                # 100,000 train JPEGs
+    python -m benchmarks.data.make_image_folder --out /data/gen1000_small --train-per-class 10     # the 10,000 subset
+    python -m benchmarks.data.make_image_folder --out /tmp/tiny --classes 5 --train-per-class 20   # a smoke test
 
 Layout `OUT/train/class_0000/00000.jpg ... OUT/test/...`, what `--config.dataset.folder`
 reads. Each image has its own width and height (uniform in [--min-side, --max-side],

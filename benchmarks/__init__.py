@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks of flaxtpu; run each from the repository root as `python -m benchmarks.NAME`."""

@@ -1,0 +1,1 @@
+"""Generators of the image folders the benchmarks read: `python -m benchmarks.data.NAME`."""
