@@ -103,6 +103,28 @@ def test_three_class_run_initialises_a_five_class_run_with_a_new_head(source, fi
   assert info['class_names'] == ['cat', 'dog', 'frog']
 
 
+def test_a_fine_tuning_run_takes_its_sources_normalisation_and_keeps_it_on_resume(source, folders, tmp_path):
+  """normalize=auto: the source run's standardisation numbers (not the new data's), recorded in config.json;
+  a resumed run reads them from there, not from the source."""
+  config = _config(folders[1], **{'dataset.normalize': 'auto', 'init_from.checkpoint': source})
+  finetune.apply_source_defaults(config)
+  saved = checkpoint.Checkpoints(source, config, read_only=True)
+  normalization = saved.read_record(2)['normalization']
+  saved.close()
+  assert config.dataset.normalize == 'fixed' and config.dataset.image_size == 0
+  np.testing.assert_array_equal(config.dataset.mean, normalization['mean'])
+  np.testing.assert_array_equal(config.dataset.std, normalization['std'])
+  assert not np.allclose(data.load(_config(folders[1])).mean, normalization['mean'])  # the new data's differ
+
+  workdir = tmp_path / 'started'
+  workdir.mkdir()
+  (workdir / 'config.json').write_text(json.dumps({**config.to_dict(), 'dataset': {
+      **config.dataset.to_dict(), 'mean': [0.5, 0.5, 0.5], 'std': [0.25, 0.25, 0.25]}}))
+  resumed = _config(folders[1], **{'dataset.normalize': 'auto', 'init_from.checkpoint': source})
+  finetune.apply_source_defaults(resumed, str(workdir))
+  assert (tuple(resumed.dataset.mean), tuple(resumed.dataset.std)) == ((0.5,) * 3, (0.25,) * 3)
+
+
 def test_skip_reinitialises_the_matched_arrays_and_a_step_directory_picks_its_step(source, five_class):
   step_1 = os.path.join(source, 'checkpoints', '1')
   loaded, info = _init_from(five_class, step_1, **{'init_from.skip': ('^stage3_',)})
