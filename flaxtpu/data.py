@@ -163,6 +163,10 @@ def load(config: ml_collections.ConfigDict, *, need_train: bool = True,
     mean, std = _statistics(dataset)
     dataset = dataclasses.replace(dataset, mean=mean, std=std)
   elif source.normalize == 'fixed':
+    if channels == 1 and len(config.dataset.mean) == 3:  # an RGB model's numbers on grayscale images
+      config.dataset.mean, config.dataset.std = ((float(np.mean(config.dataset[key])),) for key in ('mean', 'std'))
+      logging.info('dataset.mean/std: the colour channels\' averages for 1-channel images, %.3f/%.3f',
+                   config.dataset.mean[0], config.dataset.std[0])
     if len(config.dataset.mean) != channels:
       raise DataError(f'config.dataset.mean/std have {len(config.dataset.mean)} channels but the images have '
                       f'{channels}; give one value per channel')

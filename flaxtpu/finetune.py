@@ -224,11 +224,24 @@ def resample_position_embeddings(embeddings: np.ndarray, shape: tuple[int, ...],
   return np.concatenate([prefix, np.asarray(resized).reshape(1, new * new, width)], axis=1)
 
 
+FIRST_LAYERS = ('params/Conv_0/kernel', 'params/embedding/kernel', 'params/stem/kernel')  # ResNet, ViT, ConvNeXt
+
+
+def to_one_channel(kernel: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+  """An RGB model's first kernel [h, w, 3, out] for grayscale images [h, w, 1, out]: the sum over colours,
+  which sees a gray pixel (R = G = B) as the RGB model does (timm's adapt_input_conv)."""
+  if kernel.shape[2] != 3 or shape != (*kernel.shape[:2], 1, kernel.shape[3]):
+    return kernel  # another mismatch: layouts.load names it
+  logging.info('init_from: the RGB first layer summed over its colours for 1-channel images')
+  return kernel.sum(axis=2, keepdims=True)
+
+
 def _published_arrays(config: ml_collections.ConfigDict, published: pretrained.Published,
                       wanted: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
   """The published arrays that `wanted` ({'params/NAME': shape}) names, converted to flaxtpu's layout."""
   prefix_tokens = 1 if config.model.pool == 'tok' else 0
-  adapt = {'params/pos_embedding': functools.partial(resample_position_embeddings, prefix_tokens=prefix_tokens)}
+  adapt = {'params/pos_embedding': functools.partial(resample_position_embeddings, prefix_tokens=prefix_tokens),
+           **{name: to_one_channel for name in FIRST_LAYERS}}
   if published.model != config.model.name:
     logging.warning('init_from: %s holds %s, read into config.model.name=%s', published.spec, published.model,
                     config.model.name)

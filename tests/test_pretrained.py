@@ -369,3 +369,13 @@ def test_finetune_from_the_hub_records_preprocessing_and_exports_to_timm(resnet1
 
   published = pretrained.describe(str(workdir / 'export' / 'timm'))
   assert (published.model, published.num_classes, published.class_names) == ('resnet18', 3, ('cat', 'dog', 'frog'))
+
+
+def test_an_rgb_first_layer_sees_gray_images_as_the_rgb_model_does():
+  kernel = np.random.default_rng(0).normal(size=(7, 7, 3, 64)).astype(np.float32)
+  gray = finetune.to_one_channel(kernel, (7, 7, 1, 64))
+  assert gray.shape == (7, 7, 1, 64)
+  image = np.random.default_rng(1).normal(size=(1, 7, 7, 1)).astype(np.float32)
+  as_rgb = np.einsum('nhwc,hwco->no', np.repeat(image, 3, axis=-1), kernel)
+  np.testing.assert_allclose(np.einsum('nhwc,hwco->no', image, gray), as_rgb, rtol=1e-5)
+  assert finetune.to_one_channel(kernel, (5, 5, 1, 64)).shape == kernel.shape  # other mismatches: left to load
