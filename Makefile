@@ -36,4 +36,4 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 	@touch $@
 
 bench: $(VENV)/.installed-bench  # results go to benchmarks/results/local/ (the committed ones stay)
-	$(RUN) benchmarks/run_all.py
+	$(RUN) -m benchmarks.run_all

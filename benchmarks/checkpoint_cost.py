@@ -1,6 +1,6 @@
 """What an asynchronous orbax save costs the training loop: step time with and without a save in flight.
 
-    python benchmarks/checkpoint_cost.py [--model resnet20] [--cpu-devices 8]
+    python -m benchmarks.checkpoint_cost [--model resnet20] [--cpu-devices 8]
 
 Times the real train step on device-resident data: steps with no save, the
 blocking part of `Checkpoints.save` (copying arrays off the devices before
@@ -8,15 +8,10 @@ the background write), and steps while the background write is in flight.
 """
 
 import argparse
-import json
-import os
-import statistics
-import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from benchmarks import harness
 
 
 def main() -> None:
@@ -26,10 +21,9 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=8)
   parser.add_argument('--saves', type=int, default=3)
   parser.add_argument('--cpu-devices', type=int, default=8)
-  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'local', 'checkpoint_cost.json'))
+  harness.out_argument(parser, 'checkpoint_cost.json')
   args = parser.parse_args()
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             f' --xla_force_host_platform_device_count={args.cpu_devices}')
+  harness.cpu_devices(args.cpu_devices)
   import jax  # pylint: disable=g-import-not-at-top
 
   from configs import cifar10_resnet  # pylint: disable=g-import-not-at-top
@@ -69,16 +63,14 @@ def main() -> None:
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(placement.to_saveable(state)))
   result = {'model': args.model, 'batch_size': args.batch_size, 'devices': jax.device_count(),
             'state_mib': state_bytes / 2**20,
-            'step_ms_without_save': 1000 * statistics.median(quiet),
-            'step_ms_with_save_in_flight': 1000 * statistics.median(during) if during else None,
-            'save_call_blocking_ms': 1000 * statistics.median(blocking),
+            'step_ms_without_save': 1000 * harness.median(quiet),
+            'step_ms_with_save_in_flight': 1000 * harness.median(during) if during else None,
+            'save_call_blocking_ms': 1000 * harness.median(blocking),
             'steps_while_save_in_flight': in_flight_steps}
   print(f'{args.model}: state {result["state_mib"]:.1f} MiB; step {result["step_ms_without_save"]:.0f} ms '
         f'without a save, {result["step_ms_with_save_in_flight"] or float("nan"):.0f} ms with one in flight '
         f'({in_flight_steps} steps overlapped); save() blocks the loop {result["save_call_blocking_ms"]:.0f} ms')
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, 'w', encoding='utf-8') as f:
-    json.dump(result, f, indent=2)
+  harness.write_results(args.out, result)
 
 
 if __name__ == '__main__':

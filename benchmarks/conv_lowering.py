@@ -1,6 +1,6 @@
 """Where ResNet-20's CPU step time goes: its three convolution shapes, per device count and lowering.
 
-    python benchmarks/conv_lowering.py [--devices 1 2 4 8] [--batch 128]
+    python -m benchmarks.conv_lowering [--devices 1 2 4 8] [--batch 128]
 
 For each of ResNet-20's 3x3 convolution shapes (32x32x16, 16x16x32, 8x8x64 at
 global batch 128), times the forward + backward (gradients of both input and
@@ -16,15 +16,10 @@ peak is a number, not a guess. Each device count runs in its own process
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
-
-import peers  # noqa: E402  pylint: disable=g-import-not-at-top
+from benchmarks import harness, peers
 
 SHAPES = [(32, 16), (16, 32), (8, 64)]  # (side, channels) of ResNet-20's three stages
 
@@ -55,13 +50,9 @@ def worker(batch: int, repeats: int = 7) -> dict:
       w = jnp.asarray(rng.random((3, 3, channels, channels), np.float32))
       grads = jax.jit(jax.grad(lambda x, w, f=lowering: jnp.sum(f(x, w) ** 2), argnums=(0, 1)))
       jax.block_until_ready(grads(x, w))
-      times = []
-      for _ in range(repeats):
-        started = time.perf_counter()
-        jax.block_until_ready(grads(x, w))
-        times.append(time.perf_counter() - started)
+      times = harness.timings(lambda grads=grads, x=x, w=w: jax.block_until_ready(grads(x, w)), repeats)
       flops = 3 * 2 * batch * side * side * channels * channels * 9
-      results[f'{lowering.__name__} {side}x{side}x{channels}'] = flops / statistics.median(times) / 1e9
+      results[f'{lowering.__name__} {side}x{side}x{channels}'] = flops / harness.median(times) / 1e9
   results['numpy sgemm 2048'] = max(peers.sgemm_gflops(calls=5))
   return results
 
@@ -71,27 +62,23 @@ def main() -> None:
   parser.add_argument('--devices', type=int, nargs='+', default=[1, 2, 4, 8])
   parser.add_argument('--batch', type=int, default=128)
   parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
-  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'local', 'conv_lowering.json'))
+  harness.out_argument(parser, 'conv_lowering.json')
   args = parser.parse_args()
   if args.worker:
     print(json.dumps(worker(args.batch)))
     return
   table = {}
   for devices in args.devices:
-    env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-    env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
-    out = subprocess.run([sys.executable, __file__, '--worker', f'--batch={args.batch}'], env=env, cwd=ROOT,
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run([sys.executable, '-m', 'benchmarks.conv_lowering', '--worker', f'--batch={args.batch}'],
+                         env=harness.subprocess_env(devices), cwd=harness.ROOT, check=True, capture_output=True,
+                         text=True).stdout
     table[devices] = json.loads(out.strip().splitlines()[-1])
   rows = list(next(iter(table.values())))
   print('GFLOP/s of one layer, forward + backward, global batch', args.batch)
   print(f'  {"":28s}' + ''.join(f'{f"{d} devices":>12s}' for d in table))
   for row in rows:
     print(f'  {row:28s}' + ''.join(f'{table[d][row]:12.1f}' for d in table))
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, 'w', encoding='utf-8') as f:
-    json.dump({'batch': args.batch, 'gflops': table, 'cpu_count': os.cpu_count()}, f, indent=2)
-  print(f'wrote {args.out}')
+  harness.write_results(args.out, {'batch': args.batch, 'gflops': table, 'cpu_count': os.cpu_count()})
 
 
 if __name__ == '__main__':

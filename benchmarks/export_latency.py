@@ -1,8 +1,8 @@
 """Batch-64 predict latency: the exported SavedModel (and TFLite model) vs flaxtpu's jitted predict.
 
-    python benchmarks/export_latency.py                                   # trains the embedded digits CNN briefly
-    python benchmarks/export_latency.py --config configs/cifar10_resnet.py --data /path/to/cifar10
-    python benchmarks/export_latency.py --config configs/cifar10.py --workdir runs/cifar10   # a trained run
+    python -m benchmarks.export_latency                                   # trains the embedded digits CNN briefly
+    python -m benchmarks.export_latency --config configs/cifar10_resnet.py --data /path/to/cifar10
+    python -m benchmarks.export_latency --config configs/cifar10.py --workdir runs/cifar10   # a trained run
 
 Without --workdir, trains --steps steps in a temporary directory (latency does
 not depend on the weights). Exports the run when it has no WORKDIR/export yet,
@@ -16,19 +16,16 @@ and the ratio SavedModel / flaxtpu; writes JSON to --out-dir.
 import argparse
 import json
 import os
-import statistics
-import sys
 import tempfile
 import time
 import warnings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # `configs` is importable as in the CLI
+from benchmarks import harness
 
 
 def _config(path: str, data: str, steps: int, eval_images: int):
   import importlib.util  # pylint: disable=g-import-not-at-top
-  spec = importlib.util.spec_from_file_location('benchmark_config', os.path.join(ROOT, path))
+  spec = importlib.util.spec_from_file_location('benchmark_config', harness.ROOT / path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config()
@@ -88,7 +85,7 @@ def measure(config, workdir: str, *, batch_size: int = 64, repeats: int = 50) ->
       started = time.perf_counter()
       run()
       times[name].append((time.perf_counter() - started) * 1000)
-  medians = {name: statistics.median(values) for name, values in times.items()}
+  medians = {name: harness.median(values) for name, values in times.items()}
   return {'model': record['model'], 'dtype': config.dtype, 'image_shape': record['image_shape'],
           'step': step, 'batch_size': batch_size, 'repeats': repeats, 'median_ms': medians,
           'agreement_images': len(eval_images), 'max_abs_logit_diff_vs_predict': max_diff,
@@ -107,11 +104,9 @@ def main() -> None:
   parser.add_argument('--repeats', type=int, default=50)
   parser.add_argument('--eval-images', type=int, default=1000,
                       help='with --data: the first N test images the models must agree on')
-  parser.add_argument('--out-dir', default=os.path.join(ROOT, 'benchmarks', 'results', 'local'))
+  parser.add_argument('--out-dir', default=harness.RESULTS)
   args = parser.parse_args()
-  # One CPU device, as --mode=predict uses (latency-bound); read when JAX starts.
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '')
-                             + ' --xla_force_host_platform_device_count=1')
+  harness.cpu_devices(1)  # as --mode=predict uses (latency-bound)
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   import jax  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -134,11 +129,7 @@ def main() -> None:
   print(f'SavedModel (TF) / flaxtpu predict = {result["saved_model_over_flaxtpu"]:.2f}x'
         + (f'; TFLite / flaxtpu = {result["tflite_over_flaxtpu"]:.2f}x' if result['tflite_over_flaxtpu']
            else ''))
-  os.makedirs(args.out_dir, exist_ok=True)
-  path = os.path.join(args.out_dir, 'export_latency.json')
-  with open(path, 'w', encoding='utf-8') as f:
-    json.dump(result, f, indent=2)
-  print(f'wrote {path}')
+  harness.write_results(os.path.join(args.out_dir, 'export_latency.json'), result)
 
 
 if __name__ == '__main__':

@@ -1,7 +1,7 @@
 """configs/cifar10_fast.py's recipe in PyTorch eager: the same run, to check flaxtpu's accuracy and time.
 
-    python benchmarks/fast_recipe_torch.py --folder=/path/to/cifar10 [--seed=0] [--eval-epochs=2,4,6]
-    python benchmarks/fast_recipe_torch.py --folder=/path/to/cifar10 \
+    python -m benchmarks.fast_recipe_torch --folder=/path/to/cifar10 [--seed=0] [--eval-epochs=2,4,6]
+    python -m benchmarks.fast_recipe_torch --folder=/path/to/cifar10 \
         --config=experiments/cifar10_fast_ablation.py   # its 2-epoch base run
 
 The peer trains what flaxtpu trains, written independently in PyTorch: the
@@ -20,7 +20,7 @@ peer follows the ones airbench adds: BatchNorm-bias learning-rate multiplier
 and bias decay, Lookahead, the whitening bias' early freeze, reflected crop
 padding, alternating flips and translate TTA, e.g. the recipe without them:
 
-    python benchmarks/fast_recipe_torch.py --folder=/path/to/cifar10 \
+    python -m benchmarks.fast_recipe_torch --folder=/path/to/cifar10 \
         --config=experiments/cifar10_fast_ablation.py --overrides=WITHOUT_AIRBENCH_PARTS
 
 Prints one JSON line: accuracy after each evaluated epoch, seconds, images/s.
@@ -39,10 +39,10 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit('/benchmarks/', 1)[0])
-from flaxtpu import config as config_lib  # pylint: disable=wrong-import-position
-from flaxtpu import data, optim, steps  # pylint: disable=wrong-import-position
-from flaxtpu.models import fastnet  # pylint: disable=wrong-import-position
+from benchmarks import harness
+from flaxtpu import config as config_lib
+from flaxtpu import data, optim, steps
+from flaxtpu.models import fastnet
 
 
 def build_model(torch, kernel: np.ndarray, widths=(64, 256, 256), num_classes: int = 10):
@@ -256,8 +256,7 @@ def main() -> None:
                 images_per_second=round(length.total_steps * config.batch_size / seconds, 1))
   print(json.dumps(result))
   if args.out:
-    with open(args.out, 'w', encoding='utf-8') as f:
-      json.dump(result, f, indent=2)
+    harness.write_results(args.out, result)
 
 
 if __name__ == '__main__':

@@ -2,7 +2,7 @@
 
     python -m benchmarks.data.make_image_folder --out /data/gen1000                             # 100,000 train images
     python -m benchmarks.data.make_image_folder --out /data/gen1000_small --train-per-class 10  # 10,000
-    python benchmarks/input_memory.py --big /data/gen1000 --small /data/gen1000_small
+    python -m benchmarks.input_memory --big /data/gen1000 --small /data/gen1000_small
 
 Trains the same short run (`configs/cifar10.py`, the cnn, batch 64, --steps
 steps at --image-size, `dataset.cache=none`, the compilation cache off, eval
@@ -18,10 +18,8 @@ folders alternate and the medians are reported.
 """
 
 import argparse
-import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,7 +27,8 @@ import time
 
 import psutil
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import harness
+
 FIRST_STEP = re.compile(r'first step done ([\d.]+)s after start')
 DATA_LINE = re.compile(r'data: (\d+) train / (\d+) eval examples')
 
@@ -67,14 +66,14 @@ def run_once(folder: str, args, workdir: str) -> dict:
              f'--config.log_every_steps={args.steps}', '--config.compilation_cache_dir=none']
   if args.workers is not None:
     command.append(f'--config.input.workers={args.workers}')
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   log_path = os.path.join(os.path.dirname(workdir), os.path.basename(workdir) + '.log')
   peak = {'rss': 0, 'pss': 0, 'rss_before_first_step': 0, 'rss_after_first_step': 0, 'processes': 0,
           'rss_at_s': 0.0}
   seen_first_step, log_text = False, ''
   with open(log_path, 'w', encoding='utf-8') as log, open(log_path, encoding='utf-8') as tail:
     started = time.perf_counter()
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(command, cwd=harness.ROOT, env=harness.subprocess_env(), stdout=log,
+                               stderr=subprocess.STDOUT)
     watched = psutil.Process(process.pid)
     while process.poll() is None:
       rss, pss, count = tree_memory(watched)
@@ -106,7 +105,7 @@ def median_row(rows: list[dict]) -> dict:
   merged = dict(rows[0])
   for key, value in rows[0].items():
     if isinstance(value, (int, float)) and all(row[key] is not None for row in rows):
-      merged[key] = statistics.median(row[key] for row in rows)
+      merged[key] = harness.median(rows, key)
   return merged
 
 
@@ -122,7 +121,7 @@ def main() -> None:
                       help='config.input.workers (default: the config\'s, one per core but one)')
   parser.add_argument('--interval', type=float, default=0.2, help='seconds between memory samples')
   parser.add_argument('--rounds', type=int, default=1, help='runs per folder, alternating; medians')
-  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'local', 'input_memory.json'))
+  harness.out_argument(parser, 'input_memory.json')
   args = parser.parse_args()
 
   runs = {'small': [], 'big': []}
@@ -150,9 +149,7 @@ def main() -> None:
           f'first step after {row["time_to_first_step_s"] or float("nan"):.1f} s, process {row["process_wall_s"]:.1f} s')
   print(f'peak RSS big / small = {ratio:.3f} (PSS {pss_ratio:.3f}); goal within 10%: '
         f'{"yes" if result["within_10_percent"] else "NO"}')
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, 'w', encoding='utf-8') as f:
-    json.dump(result, f, indent=2)
+  harness.write_results(args.out, result)
 
 
 if __name__ == '__main__':

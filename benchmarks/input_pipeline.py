@@ -1,8 +1,8 @@
 """Input throughput: flaxtpu's streaming pipeline against tf.data doing the same work, side by side.
 
     python -m benchmarks.data.make_image_folder --out /data/gen1000           # once: 100,000 mixed-size JPEGs
-    python benchmarks/input_pipeline.py --folder /data/gen1000 [--image-size 224] [--workers N] [--seconds 10]
-    FLAXTPU_CIFAR10=DIR python benchmarks/input_pipeline.py --mode cifar [--model cnn]
+    python -m benchmarks.input_pipeline --folder /data/gen1000 [--image-size 224] [--workers N] [--seconds 10]
+    FLAXTPU_CIFAR10=DIR python -m benchmarks.input_pipeline --mode cifar [--model cnn]
 
 Folder mode (the default when --folder is given) times, on the same folder
 and the same files in the same order:
@@ -37,16 +37,12 @@ step waits on? Its images/s against the step's on the same batches.
 
 import argparse
 import concurrent.futures
-import json
 import os
-import statistics
-import sys
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from benchmarks import harness
 
 # ResNet-50 training rates per accelerator (images/s), to turn a host rate into host cores per
 # accelerator. Approximations: the real rate depends on precision, batch size and software version.
@@ -61,36 +57,13 @@ RESNET50_IMAGES_PER_SEC = {
 }
 
 
-# --- shared: CPU accounting -------------------------------------------------------------------
-
-
-def cpu_seconds() -> tuple[float, float]:
-  """CPU seconds used so far by this process and its live descendants (the grain workers), and by
-  this process alone (for flaxtpu: what receiving the batches costs)."""
-  import psutil  # pylint: disable=g-import-not-at-top
-  total = main = 0.0
-  me = psutil.Process()
-  for process in [me, *me.children(recursive=True)]:
-    try:
-      times = process.cpu_times()
-    except psutil.Error:
-      continue
-    used = times.user + times.system
-    total += used
-    if process is me:
-      main = used
-  return total, main
-
-
-def machine_busy_seconds() -> float:
-  import psutil  # pylint: disable=g-import-not-at-top
-  times = psutil.cpu_times()
-  return sum(getattr(times, name, 0.0) for name in ('user', 'nice', 'system', 'irq', 'softirq'))
+# --- folder mode: flaxtpu vs tf.data ------------------------------------------------------------
 
 
 def time_batches(iterator, warmup: int, seconds: float, max_batches: int, period: int) -> dict:
   """Images/s after `warmup` untimed batches, over at least `seconds` (a multiple of `period` batches,
-  at most `max_batches`); the CPU we used and the cores other processes kept busy meanwhile.
+  at most `max_batches`); the CPU we used (with the grain workers; the main process's share is what
+  receiving the batches costs flaxtpu) and the cores other processes kept busy meanwhile.
 
   Grain hands batch i to worker i mod W, and each worker builds up to T batches at once in its
   own threads, so batches arrive in bursts, a cycle every W x T. A window of whole cycles, from
@@ -99,23 +72,18 @@ def time_batches(iterator, warmup: int, seconds: float, max_batches: int, period
   """
   for _ in range(warmup):
     next(iterator)
-  (cpu, main), busy, started = cpu_seconds(), machine_busy_seconds(), time.perf_counter()
   images = count = 0
-  while count < max_batches:
-    images += len(next(iterator)[0])
-    count += 1
-    if count % period == 0 and time.perf_counter() - started >= seconds:
-      break
-  elapsed = time.perf_counter() - started
-  (cpu_end, main_end), busy = cpu_seconds(), machine_busy_seconds() - busy
-  cpu, main = cpu_end - cpu, main_end - main
-  return {'images_per_sec': images / elapsed, 'seconds': elapsed, 'batches': count, 'cpu_seconds': cpu,
-          'main_process_cpu_seconds': main,
-          'images_per_cpu_second': images / max(cpu, 1e-9),
-          'other_cpu_load': max(0.0, (busy - cpu) / elapsed)}
-
-
-# --- folder mode: flaxtpu vs tf.data ------------------------------------------------------------
+  with harness.cpu_load() as load:
+    started = time.perf_counter()
+    while count < max_batches:
+      images += len(next(iterator)[0])
+      count += 1
+      if count % period == 0 and time.perf_counter() - started >= seconds:
+        break
+  return {'images_per_sec': images / load['seconds'], 'seconds': load['seconds'], 'batches': count,
+          'cpu_seconds': load['cpu_seconds'], 'main_process_cpu_seconds': load['main_process_cpu_seconds'],
+          'images_per_cpu_second': images / max(load['cpu_seconds'], 1e-9),
+          'other_cpu_load': load['other_cpu_load']}
 
 
 def tf_batches(tf, paths: list[str], labels: list[int], batch_size: int, image_size: int,
@@ -229,11 +197,10 @@ def folder_mode(args) -> dict:
             'data_load_seconds': load_seconds,
             'host_flip': {'flaxtpu': False, 'tf_data': True}}
   for name, rows in measured.items():
-    median = lambda key, rows=rows: statistics.median(row[key] for row in rows)
-    result[name] = {'images_per_sec': median('images_per_sec'),
-                    'images_per_sec_per_core': median('images_per_sec') / cores,
-                    'images_per_cpu_second': median('images_per_cpu_second'),
-                    'other_cpu_load': median('other_cpu_load'), 'rounds': rows}
+    result[name] = {'images_per_sec': harness.median(rows, 'images_per_sec'),
+                    'images_per_sec_per_core': harness.median(rows, 'images_per_sec') / cores,
+                    'images_per_cpu_second': harness.median(rows, 'images_per_cpu_second'),
+                    'other_cpu_load': harness.median(rows, 'other_cpu_load'), 'rounds': rows}
   flaxtpu, tf_data = result['flaxtpu'], result['tf_data']
   result['ratio_flaxtpu_over_tf_data'] = flaxtpu['images_per_sec'] / tf_data['images_per_sec']
   per_core = flaxtpu['images_per_sec_per_core']
@@ -262,8 +229,7 @@ def folder_mode(args) -> dict:
 
 
 def cifar_mode(args) -> dict:
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             f' --xla_force_host_platform_device_count={args.cpu_devices}')
+  harness.cpu_devices(args.cpu_devices)
   import jax  # pylint: disable=g-import-not-at-top
 
   from configs import cifar10_resnet  # pylint: disable=g-import-not-at-top
@@ -320,8 +286,8 @@ def cifar_mode(args) -> dict:
     state, rate = step_rate(state, 1000 * (repeat + 1))
     step.append(rate)
   result = {'mode': 'cifar', 'model': args.model, 'batch_size': args.batch_size,
-            'devices': jax.device_count(), 'pipeline_images_per_sec': statistics.median(pipeline),
-            'step_images_per_sec': statistics.median(step),
+            'devices': jax.device_count(), 'pipeline_images_per_sec': harness.median(pipeline),
+            'step_images_per_sec': harness.median(step),
             'pipeline_repeats': pipeline, 'step_repeats': step}
   result['ratio'] = result['pipeline_images_per_sec'] / result['step_images_per_sec']
   print(f'input pipeline {result["pipeline_images_per_sec"]:9.0f} img/s   train step ({args.model}) '
@@ -363,10 +329,7 @@ def main() -> None:
     parser.error('cifar mode needs the CIFAR-10 image folder: --data DIR or FLAXTPU_CIFAR10=DIR')
   result = folder_mode(args) if mode == 'folder' else cifar_mode(args)
   name = 'input_pipeline.json' if mode == 'folder' else f'input_pipeline_cifar_{args.model}.json'
-  out = args.out or os.path.join(ROOT, 'benchmarks', 'results', 'local', name)
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  with open(out, 'w', encoding='utf-8') as f:
-    json.dump(result, f, indent=2)
+  harness.write_results(args.out or harness.RESULTS / name, result)
 
 
 if __name__ == '__main__':

@@ -23,20 +23,17 @@ Two ways to get the validation images:
 
 The photo folders come from `python -m benchmarks.data.make_photo_folder` (OUT_split and OUT).
 
-    python benchmarks/keras_photos.py --split-folder /tmp/photos_split              # 15 epochs
-    python benchmarks/keras_photos.py --folder /tmp/photos                          # tutorial split
-    python benchmarks/keras_photos.py --split-folder /tmp/photos_split --seed 0 1 2 # median of 3
+    python -m benchmarks.keras_photos --split-folder /tmp/photos_split              # 15 epochs
+    python -m benchmarks.keras_photos --folder /tmp/photos                          # tutorial split
+    python -m benchmarks.keras_photos --split-folder /tmp/photos_split --seed 0 1 2 # median of 3
     # -> benchmarks/results/keras_photos.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
-import resource
-import statistics
 import time
 
 # This is the TensorFlow-backend recipe (tf.data pipeline), whatever the
@@ -45,13 +42,12 @@ os.environ['KERAS_BACKEND'] = 'tensorflow'
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 import keras  # noqa: E402
-import peers  # noqa: E402  (cpu_busy_seconds; numpy only, no Keras import of its own)
 import tensorflow as tf  # noqa: E402
+
+from benchmarks import harness  # noqa: E402
 
 tf.config.set_visible_devices([], 'GPU')
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_ROOT / 'benchmarks' / 'results' / 'local' / 'keras_photos.json'
 IMAGE_SIZE = (180, 180)  # the tutorial's img_height, img_width
 BATCH_SIZE = 32
 SPLIT_SEED = 123  # the tutorial's seed for validation_split and file shuffling
@@ -127,27 +123,21 @@ class EpochTimer(keras.callbacks.Callback):
     self.validation_s.append(end - self._test_start)
 
 
-def own_cpu_seconds() -> float:
-  usage = resource.getrusage(resource.RUSAGE_SELF)
-  return usage.ru_utime + usage.ru_stime
-
-
 def run_seed(folder: pathlib.Path | None, split_folder: pathlib.Path | None, seed: int, epochs: int) -> dict:
   """Lists, decodes and trains from scratch; everything after the seed is inside `wall_time_s`."""
   keras.utils.set_random_seed(seed)  # weights, augmentation, dropout, the shuffle buffer
-  busy_before, own_before = peers.cpu_busy_seconds(), own_cpu_seconds()
-  start = time.perf_counter()
-  train, validation, class_names, sizes = load_datasets(folder, split_folder)
-  model = tutorial_model(len(class_names))
-  model.compile(optimizer='adam', loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                metrics=['accuracy'])
-  timer = EpochTimer()
-  fit_start = time.perf_counter()
-  history = model.fit(train, validation_data=validation, epochs=epochs, verbose=2,
-                      callbacks=[timer], shuffle=False)  # the dataset shuffles itself; silences a warning
-  fit_s = time.perf_counter() - fit_start
-  wall_s = time.perf_counter() - start
-  busy_after, own_after = peers.cpu_busy_seconds(), own_cpu_seconds()
+  with harness.cpu_load() as load:
+    start = time.perf_counter()
+    train, validation, class_names, sizes = load_datasets(folder, split_folder)
+    model = tutorial_model(len(class_names))
+    model.compile(optimizer='adam', loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=['accuracy'])
+    timer = EpochTimer()
+    fit_start = time.perf_counter()
+    history = model.fit(train, validation_data=validation, epochs=epochs, verbose=2,
+                        callbacks=[timer], shuffle=False)  # the dataset shuffles itself; silences a warning
+    fit_s = time.perf_counter() - fit_start
+    wall_s = time.perf_counter() - start
 
   trained = sizes['train'] * epochs
   later_epochs = timer.train_s[1:] or timer.train_s  # epoch 1 also decodes and caches the images
@@ -163,11 +153,9 @@ def run_seed(folder: pathlib.Path | None, split_folder: pathlib.Path | None, see
       # Training images per second of wall time, listing/decoding/validation included: the user's view.
       'images_per_s': trained / wall_s,
       # Training images per second in the epochs after the first (images cached, validation excluded).
-      'train_images_per_s': sizes['train'] / statistics.median(later_epochs),
+      'train_images_per_s': sizes['train'] / harness.median(later_epochs),
+      'other_cpu_load': load['other_cpu_load'],
   }
-  if busy_before is not None and busy_after is not None:
-    other = (busy_after - busy_before) - (own_after - own_before)
-    result['other_cpu_load'] = max(0.0, other / wall_s)
   return result
 
 
@@ -183,7 +171,7 @@ def main() -> None:
   parser.add_argument('--epochs', type=int, default=15)
   parser.add_argument('--seed', '--seeds', dest='seeds', type=int, nargs='+', default=[0],
                       help='seed(s) for weights, augmentation, dropout and shuffling; several -> medians')
-  parser.add_argument('--out', type=pathlib.Path, default=DEFAULT_OUT)
+  harness.out_argument(parser, 'keras_photos.json')
   args = parser.parse_args()
   if args.split_folder is not None:
     for split in ('train', 'test'):
@@ -214,19 +202,17 @@ def main() -> None:
       'validation': ('test/ of the split folder' if mode == 'split_folder'
                      else f'validation_split=0.2, seed={SPLIT_SEED}'),
       'epochs': args.epochs, 'batch_size': BATCH_SIZE, 'image_size': list(IMAGE_SIZE), 'seeds': args.seeds,
-      'median_final_val_accuracy': statistics.median(r['final_val_accuracy'] for r in runs),
-      'median_wall_time_s': statistics.median(r['wall_time_s'] for r in runs),
-      'median_images_per_s': statistics.median(r['images_per_s'] for r in runs),
-      'median_train_images_per_s': statistics.median(r['train_images_per_s'] for r in runs),
+      'median_final_val_accuracy': harness.median(runs, 'final_val_accuracy'),
+      'median_wall_time_s': harness.median(runs, 'wall_time_s'),
+      'median_images_per_s': harness.median(runs, 'images_per_s'),
+      'median_train_images_per_s': harness.median(runs, 'train_images_per_s'),
       'total_wall_time_s': wall_time,
       'versions': {'keras': keras.__version__, 'tensorflow': tf.__version__},
       'cpu_count': os.cpu_count(), 'runs': runs,
   }
   print(f'median over seeds {args.seeds}: val_accuracy={result["median_final_val_accuracy"]:.4f} '
         f'wall_time={result["median_wall_time_s"]:.1f}s images/s={result["median_images_per_s"]:.1f}')
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(result, indent=2) + '\n')
-  print(f'wrote {args.out}')
+  harness.write_results(args.out, result)
 
 
 if __name__ == '__main__':

@@ -6,16 +6,14 @@ reports test accuracy/loss per seed plus the median, so flaxtpu's
 `configs/cifar10.py` can be compared against a number measured on the same
 machine and the same data.
 
-    python benchmarks/keras_reference.py --seeds 0 1 2 --epochs 5
+    python -m benchmarks.keras_reference --seeds 0 1 2 --epochs 5
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
-import statistics
 import time
 
 # Keras picks its backend at import time, and TensorFlow must not grab any
@@ -24,13 +22,12 @@ os.environ.setdefault('KERAS_BACKEND', 'tensorflow')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 import keras  # noqa: E402
-import peers  # noqa: E402  (the CNN's one definition; numpy only, no Keras import of its own)
 import tensorflow as tf  # noqa: E402
+
+from benchmarks import harness, peers  # noqa: E402  (peers: the CNN's one definition; no Keras import of its own)
 
 tf.config.set_visible_devices([], 'GPU')
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_ROOT / 'benchmarks' / 'results' / 'local' / 'keras_reference.json'
 IMAGE_SIZE = peers.IMAGE_SHAPE[:2]  # what the CNN takes
 BATCH_SIZE = 128
 
@@ -79,7 +76,7 @@ def main() -> None:
                       help='CIFAR-10 image-folder root with train/ and test/ (default: $FLAXTPU_CIFAR10)')
   parser.add_argument('--seeds', type=int, nargs='+', default=[0, 1, 2])
   parser.add_argument('--epochs', type=int, default=5)
-  parser.add_argument('--out', type=pathlib.Path, default=DEFAULT_OUT)
+  harness.out_argument(parser, 'keras_reference.json')
   args = parser.parse_args()
   if not (args.data / 'train').is_dir() or not (args.data / 'test').is_dir():
     parser.error(f'--data {args.data} needs train/ and test/ folders: pass --data DIR or set FLAXTPU_CIFAR10=DIR')
@@ -96,16 +93,14 @@ def main() -> None:
   result = {
       'pipeline': 'keras Sequential CNN, Adam(1e-3), batch 128, x/255, no augmentation, TensorFlow backend',
       'data': str(args.data.resolve()), 'epochs': args.epochs, 'batch_size': BATCH_SIZE,
-      'median_test_accuracy': statistics.median(r['test_accuracy'] for r in runs),
-      'median_test_loss': statistics.median(r['test_loss'] for r in runs), 'wall_time_s': wall_time,
+      'median_test_accuracy': harness.median(runs, 'test_accuracy'),
+      'median_test_loss': harness.median(runs, 'test_loss'), 'wall_time_s': wall_time,
       'versions': {'keras': keras.__version__, 'tensorflow': tf.__version__},
       'cpu_count': os.cpu_count(), 'runs': runs,
   }
   print(f'median over seeds {args.seeds}: test_accuracy={result["median_test_accuracy"]:.4f} '
         f'test_loss={result["median_test_loss"]:.4f} wall_time={wall_time:.1f}s')
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(result, indent=2) + '\n')
-  print(f'wrote {args.out}')
+  harness.write_results(args.out, result)
 
 
 if __name__ == '__main__':

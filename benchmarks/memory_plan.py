@@ -1,7 +1,7 @@
 """Planned per-device memory and step time of the train step for each remat policy.
 
-    python benchmarks/memory_plan.py                                  # CPU-sized defaults
-    python benchmarks/memory_plan.py --batch-size 256 --steps 20      # on a TPU/GPU, unchanged otherwise
+    python -m benchmarks.memory_plan                                  # CPU-sized defaults
+    python -m benchmarks.memory_plan --batch-size 256 --steps 20      # on a TPU/GPU, unchanged otherwise
 
 For each (model, input size) and each `model.remat` policy it compiles the
 real flaxtpu train step ahead of time (`--mode=plan` does the same), reads
@@ -13,14 +13,9 @@ as a longer step.
 """
 
 import argparse
-import json
-import os
-import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from benchmarks import harness
 
 CASES = {  # name -> (model, image size, classes)
     'resnet50_224': ('resnet50', 224, 1000),
@@ -38,10 +33,9 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=3, help='timed steps per policy')
   parser.add_argument('--cpu-devices', type=int, default=8)
   parser.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'))
-  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'local', 'memory_plan.json'))
+  harness.out_argument(parser, 'memory_plan.json')
   args = parser.parse_args()
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             f' --xla_force_host_platform_device_count={args.cpu_devices}')
+  harness.cpu_devices(args.cpu_devices)
 
   import jax  # pylint: disable=g-import-not-at-top
 
@@ -69,18 +63,14 @@ def main() -> None:
         jax.block_until_ready(state)
         times.append(time.perf_counter() - started)
       row = {'case': case, 'remat': policy, 'batch_size': batch_size, **plan,
-             'step_seconds': statistics.median(times),
-             'images_per_sec': batch_size / statistics.median(times)}
+             'step_seconds': harness.median(times), 'images_per_sec': batch_size / harness.median(times)}
       rows.append(row)
       print(f'{case:14s} {policy:34s} args {plan["argument_bytes"] / 2**20:8.1f} MiB  '
             f'temp {plan["temp_bytes"] / 2**20:8.1f} MiB  total {plan["total_bytes"] / 2**20:8.1f} MiB  '
             f'step {row["step_seconds"] * 1000:8.1f} ms  compile {plan["compile_seconds"]:.1f}s', flush=True)
       del state, step
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, 'w', encoding='utf-8') as f:
-    json.dump({'platform': jax.default_backend(), 'device_kind': jax.devices()[0].device_kind,
-               'devices': jax.device_count(), 'jax': jax.__version__, 'rows': rows}, f, indent=2)
-  print(f'wrote {args.out}')
+  harness.write_results(args.out, {'platform': jax.default_backend(), 'device_kind': jax.devices()[0].device_kind,
+                                   'devices': jax.device_count(), 'jax': jax.__version__, 'rows': rows})
 
 
 if __name__ == '__main__':

@@ -14,9 +14,9 @@ own subprocess (`--peer ...`), which prints one JSON line; `measure_peer`
 launches it and parses that line. Without `--peer` this script is the driver:
 it measures every peer and model, prints a table and writes a JSON file.
 
-    python benchmarks/peers.py                         # all peers, both models
-    python benchmarks/peers.py --peer keras_tf --model cnn --steps 30 --repeats 5
-    python benchmarks/peers.py --peer keras_tf --model cnn --mode predict
+    python -m benchmarks.peers                         # all peers, both models
+    python -m benchmarks.peers --peer keras_tf --model cnn --steps 30 --repeats 5
+    python -m benchmarks.peers --peer keras_tf --model cnn --mode predict
 """
 
 from __future__ import annotations
@@ -24,16 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import platform
-import resource
-import statistics
 import subprocess
 import sys
 import time
 from typing import Any, Callable
 
 import numpy as np
+
+from benchmarks import harness
 
 PEERS = ('keras_tf', 'keras_tf_nojit', 'keras_jax', 'torch')
 MODELS = ('cnn', 'resnet20')
@@ -47,7 +46,6 @@ NUM_CLASSES = 10
 DEFAULT_STEPS = {('train', 'cnn'): 30, ('train', 'resnet20'): 6,
                  ('predict', 'cnn'): 50, ('predict', 'resnet20'): 20}
 DEFAULT_BATCH_SIZE = {'train': 128, 'predict': 64}
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / 'results' / 'local' / 'peers.json'
 TORCH_MISSING = 'torch is not installed (pip install torch==2.13.0); skipped'
 
 # --- data and timing, shared by every peer ---------------------------------------
@@ -71,13 +69,8 @@ def time_train(run_steps: Callable[[int], None], steps: int, repeats: int) -> di
   run_steps(1)  # trace + compile
   compile_s = time.perf_counter() - start
   run_steps(2)  # first runs after compile are slower (allocations, caches)
-  seconds = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    run_steps(steps)
-    seconds.append(time.perf_counter() - start)
-  step_s = [s / steps for s in seconds]
-  return {'first_step_s': compile_s, 'step_ms': 1e3 * statistics.median(step_s),
+  step_s = [s / steps for s in harness.timings(lambda: run_steps(steps), repeats)]
+  return {'first_step_s': compile_s, 'step_ms': 1e3 * harness.median(step_s),
           'step_ms_repeats': [1e3 * s for s in step_s]}
 
 
@@ -89,12 +82,7 @@ def sgemm_gflops(size: int = 2048, calls: int = 10) -> list[float]:
   """
   a = np.random.default_rng(0).standard_normal((size, size), np.float32)
   a @ a  # warm-up: thread pool, caches
-  rates = []
-  for _ in range(calls):
-    start = time.perf_counter()
-    a @ a
-    rates.append(2 * size**3 / (time.perf_counter() - start) / 1e9)
-  return rates
+  return [2 * size**3 / seconds / 1e9 for seconds in harness.timings(lambda: a @ a, calls)]
 
 
 def time_predict(predict_once: Callable[[], None], calls: int, repeats: int,
@@ -105,12 +93,8 @@ def time_predict(predict_once: Callable[[], None], calls: int, repeats: int,
   compile_s = time.perf_counter() - start
   for _ in range(warmup):
     predict_once()
-  latencies = []
-  for _ in range(calls * repeats):
-    start = time.perf_counter()
-    predict_once()
-    latencies.append(time.perf_counter() - start)
-  return {'first_call_s': compile_s, 'latency_ms': 1e3 * statistics.median(latencies),
+  latencies = harness.timings(predict_once, calls * repeats)
+  return {'first_call_s': compile_s, 'latency_ms': 1e3 * harness.median(latencies),
           'latency_ms_p10': 1e3 * float(np.percentile(latencies, 10)),
           'latency_ms_p90': 1e3 * float(np.percentile(latencies, 90))}
 
@@ -429,17 +413,6 @@ def run_in_process(peer: str, model: str, mode: str, batch_size: int, steps: int
           'repeats': repeats, **result}
 
 
-def cpu_busy_seconds() -> float | None:
-  """CPU seconds the whole machine has been busy since boot (Linux only)."""
-  try:
-    with open('/proc/stat') as stat:
-      ticks = [int(field) for field in stat.readline().split()[1:9]]
-  except (OSError, ValueError):
-    return None
-  idle = ticks[3] + ticks[4]  # idle + iowait
-  return (sum(ticks) - idle) / os.sysconf('SC_CLK_TCK')
-
-
 def measure_peer(peer: str, model: str, batch_size: int | None = None, steps: int | None = None,
                  repeats: int = 5, mode: str = 'train', keras_loop: str = 'fit',
                  torch_channels_last: bool = True, timeout_s: float = 600) -> dict[str, Any]:
@@ -456,27 +429,15 @@ def measure_peer(peer: str, model: str, batch_size: int | None = None, steps: in
   layout = '--torch-channels-last' if torch_channels_last else '--no-torch-channels-last'
   options = (f'--peer {peer} --model {model} --mode {mode} --batch-size {batch_size} --steps {steps} '
              f'--repeats {repeats} --keras-loop {keras_loop} {layout}')
-  command = [sys.executable, str(pathlib.Path(__file__).resolve()), *options.split()]
-  busy_before, own_before = cpu_busy_seconds(), _children_cpu_seconds()
-  start = time.perf_counter()
-  done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-  wall_s = time.perf_counter() - start
-  busy_after, own_after = cpu_busy_seconds(), _children_cpu_seconds()
+  command = [sys.executable, '-m', 'benchmarks.peers', *options.split()]
+  with harness.cpu_load() as load:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=harness.ROOT)
   json_lines = [line for line in done.stdout.splitlines() if line.startswith('{')]
   if done.returncode != 0 or not json_lines:
     raise RuntimeError(f'{" ".join(command)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}')
   result = json.loads(json_lines[-1])
-  result['process_wall_s'] = wall_s
-  if busy_before is not None and busy_after is not None:
-    other = (busy_after - busy_before) - (own_after - own_before)
-    result['other_cpu_load'] = max(0.0, other / wall_s)
+  result['process_wall_s'], result['other_cpu_load'] = load['seconds'], load['other_cpu_load']
   return result
-
-
-def _children_cpu_seconds() -> float:
-  """CPU seconds used by this process's finished children."""
-  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-  return usage.ru_utime + usage.ru_stime
 
 
 def describe(result: dict[str, Any]) -> str:
@@ -515,8 +476,7 @@ def main() -> None:
                       help='Keras peers: model.fit over an in-memory tf.data batch, or a train_on_batch loop')
   parser.add_argument('--torch-channels-last', action=argparse.BooleanOptionalAction, default=True,
                       help='torch peer: channels-last memory format (threads: set OMP_NUM_THREADS)')
-  parser.add_argument('--out', type=pathlib.Path, default=DEFAULT_OUT,
-                      help='driver mode: JSON file for all results')
+  harness.out_argument(parser, 'peers.json')  # driver mode: every result
   args = parser.parse_args()
 
   if args.peer:
@@ -536,10 +496,8 @@ def main() -> None:
                           args.torch_channels_last)
     print(describe(result), flush=True)
     results.append(result)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
   machine = {'platform': platform.platform(), 'processor': platform.processor(), 'cpu_count': os.cpu_count()}
-  args.out.write_text(json.dumps({'machine': machine, 'results': results}, indent=2) + '\n')
-  print(f'wrote {args.out}')
+  harness.write_results(args.out, {'machine': machine, 'results': results})
 
 
 if __name__ == '__main__':

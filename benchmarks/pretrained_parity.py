@@ -1,7 +1,7 @@
 """Published weights, imported: flaxtpu's logits against the source framework's on the same images.
 
-    python benchmarks/pretrained_parity.py                      # every architecture and layout, 256 images each
-    python benchmarks/pretrained_parity.py --images 32 --only resnet18
+    python -m benchmarks.pretrained_parity                      # every architecture and layout, 256 images each
+    python -m benchmarks.pretrained_parity --images 32 --only resnet18
 
 Each source model is built locally with random weights (no download): timm's
 ResNets, ViTs and ConvNeXt, torchvision's ResNets, and big_vision/AugReg .npz
@@ -16,16 +16,13 @@ largest logit, and top-1 agreement; writes JSON to --out-dir.
 """
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
 import types
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, 'tests'))
+from benchmarks import harness
 
 # (label, library, architecture, flaxtpu model, native size, second size for ViTs)
 CASES = [
@@ -50,9 +47,9 @@ CASES = [
 
 def compare(case, images: int, directory: str) -> list[dict]:
   import numpy as np  # pylint: disable=g-import-not-at-top
-  import test_pretrained  # the tests' source-model helpers  # pylint: disable=g-import-not-at-top
 
   from flaxtpu import defaults, evaluate, finetune, pretrained  # pylint: disable=g-import-not-at-top
+  from tests import test_pretrained  # the tests' source-model helpers  # pylint: disable=g-import-not-at-top
   torch, torchvision, timm = test_pretrained.import_torch()
   label, library, architecture, model_name, size, second = case
   torch.manual_seed(0)
@@ -112,7 +109,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--images', type=int, default=256)
   parser.add_argument('--only', default='', help='run the cases whose label contains this')
-  parser.add_argument('--out-dir', default=os.path.join(ROOT, 'benchmarks', 'results', 'local'))
+  parser.add_argument('--out-dir', default=harness.RESULTS)
   args = parser.parse_args()
   os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=1')
   sys.modules.setdefault('torchvision._meta_registrations', types.ModuleType('torchvision._meta_registrations'))
@@ -121,10 +118,7 @@ def main():
     for case in CASES:
       if args.only in case[0]:
         rows += compare(case, args.images, directory)
-  os.makedirs(args.out_dir, exist_ok=True)
-  path = os.path.join(args.out_dir, 'pretrained_parity.json')
-  with open(path, 'w') as f:
-    json.dump(rows, f, indent=2)
+  path = harness.write_results(os.path.join(args.out_dir, 'pretrained_parity.json'), rows)
   worst = max(row['relative'] for row in rows)
   agreement = min(row['top1_agreement'] for row in rows)
   print(f'{len(rows)} comparisons: worst relative difference {worst:.2e}, lowest top-1 agreement '

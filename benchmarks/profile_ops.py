@@ -2,7 +2,7 @@
 
     python -m flaxtpu.main --config=configs/cifar10_resnet.py --workdir=runs/prof \
         --config.num_train_steps=25 --config.profile_steps=5
-    python benchmarks/profile_ops.py runs/prof/profile [--top 15]
+    python -m benchmarks.profile_ops runs/prof/profile [--top 15]
 
 Reads the Perfetto/Chrome trace (`*.trace.json.gz`) that jax.profiler wrote and
 sums the self time (duration minus nested events) of every complete event on

@@ -1,7 +1,7 @@
 """`make bench`: every side-by-side benchmark, one after another, results in benchmarks/results/local/.
 
-    python benchmarks/run_all.py            # the quick set (about 15 minutes on 2 cores)
-    python benchmarks/run_all.py --full     # adds resnet20 throughput and ResNet-50 memory plans
+    python -m benchmarks.run_all            # the quick set (about 15 minutes on 2 cores)
+    python -m benchmarks.run_all --full     # adds resnet20 throughput and ResNet-50 memory plans
 
 Every benchmark runs from a fresh clone with no data beyond the repository
 (the CIFAR-10 input benchmark also runs when FLAXTPU_CIFAR10 names an image
@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from benchmarks import harness
 
 
 def main() -> None:
@@ -25,21 +25,23 @@ def main() -> None:
   models = ['cnn', 'resnet20'] if args.full else ['cnn']
   cases = ['resnet18_32', 'resnet50_224'] if args.full else ['resnet18_32']
   failed = []
-  for script, script_args in (
-      ('throughput.py', ['--models', *models]),
-      ('input_pipeline.py', ['--mode', 'cifar']),
-      ('startup.py', []),
-      ('checkpoint_cost.py', []),
-      ('memory_plan.py', ['--cases', *cases]),
-  ) + ((('conv_lowering.py', []),) if args.full else ()):
-    if script == 'input_pipeline.py' and not os.environ.get('FLAXTPU_CIFAR10'):
-      print('== benchmarks/input_pipeline.py skipped: set FLAXTPU_CIFAR10 to a CIFAR-10 image folder', flush=True)
+  for name, script_args in (
+      ('throughput', ['--models', *models]),
+      ('input_pipeline', ['--mode', 'cifar']),
+      ('startup', []),
+      ('checkpoint_cost', []),
+      ('memory_plan', ['--cases', *cases]),
+  ) + ((('conv_lowering', []),) if args.full else ()):
+    command = f'python -m benchmarks.{name}'
+    if name == 'input_pipeline' and not os.environ.get('FLAXTPU_CIFAR10'):
+      print(f'== {command} skipped: set FLAXTPU_CIFAR10 to a CIFAR-10 image folder', flush=True)
       continue
-    print(f'== benchmarks/{script} {" ".join(script_args)}', flush=True)
-    returncode = subprocess.run([sys.executable, os.path.join(HERE, script), *script_args]).returncode
+    print(f'== {command} {" ".join(script_args)}', flush=True)
+    returncode = subprocess.run([sys.executable, '-m', f'benchmarks.{name}', *script_args],
+                                cwd=harness.ROOT).returncode
     if returncode:
-      failed.append(f'{script} (exit {returncode})')
-      print(f'== benchmarks/{script} FAILED with exit status {returncode}; going on', flush=True)
+      failed.append(f'{name} (exit {returncode})')
+      print(f'== {command} FAILED with exit status {returncode}; going on', flush=True)
   if failed:
     print(f'error: {len(failed)} benchmark(s) failed: {", ".join(failed)}', file=sys.stderr)
     sys.exit(1)

@@ -1,7 +1,7 @@
 """Time to the first train step, cold and warm, with JAX's persistent compilation cache.
 
-    python benchmarks/startup.py                                  # the embedded digits recipe
-    FLAXTPU_CIFAR10=/path/to/cifar10 python benchmarks/startup.py  # ResNet-20 on a CIFAR-10 folder
+    python -m benchmarks.startup                                  # the embedded digits recipe
+    FLAXTPU_CIFAR10=/path/to/cifar10 python -m benchmarks.startup  # ResNet-20 on a CIFAR-10 folder
 
 Runs the CLI twice on one fresh cache directory (the first run fills it, the
 second reads it), and once more with the cache off, all for one step. Reports
@@ -17,16 +17,15 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import harness
 
 
 def run_once(config: str, data: str, cache_dir: str, workdir: str) -> dict:
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   started = time.perf_counter()
   data_args = [f'--config.dataset.folder={data}', '--config.eval_batch_size=1000'] if data else []
   subprocess.run([sys.executable, '-m', 'flaxtpu.main', f'--config={config}', f'--workdir={workdir}',
                   '--config.num_train_steps=1', f'--config.compilation_cache_dir={cache_dir}', *data_args],
-                 cwd=ROOT, env=env, check=True, capture_output=True)
+                 cwd=harness.ROOT, env=harness.subprocess_env(), check=True, capture_output=True)
   wall = time.perf_counter() - started
   with open(os.path.join(workdir, 'results.json'), encoding='utf-8') as f:
     results = json.load(f)
@@ -40,7 +39,7 @@ def main() -> None:
   parser.add_argument('--data', default=cifar10, help='an image folder (default: $FLAXTPU_CIFAR10; '
                       'none: the embedded digits)')
   parser.add_argument('--config', default='configs/cifar10_resnet.py' if cifar10 else 'configs/digits.py')
-  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'local', 'startup.json'))
+  harness.out_argument(parser, 'startup.json')
   args = parser.parse_args()
   with tempfile.TemporaryDirectory() as tmp:
     cache = os.path.join(tmp, 'cache')
@@ -52,9 +51,7 @@ def main() -> None:
   for name, row in rows.items():
     print(f'{name:11s} first step after {row["time_to_first_step_s"]:6.1f}s '
           f'(train-step compile {row["compile_seconds"]:5.1f}s), process {row["process_wall_s"]:6.1f}s')
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, 'w', encoding='utf-8') as f:
-    json.dump({'config': args.config, **rows}, f, indent=2)
+  harness.write_results(args.out, {'config': args.config, **rows})
 
 
 if __name__ == '__main__':

@@ -1,7 +1,7 @@
 """Training throughput of flaxtpu against its own floor and against Keras and PyTorch, in one run.
 
-    python benchmarks/throughput.py                       # cnn and resnet20, every contestant
-    python benchmarks/throughput.py --models cnn --repeats 3
+    python -m benchmarks.throughput                       # cnn and resnet20, every contestant
+    python -m benchmarks.throughput --models cnn --repeats 3
 
 Contestants, all at the same global batch (128) and input shape (32x32x3):
   flaxtpu_loop_jit    the real CLI loop (data pipeline, augmentation, logging), jit over 8 CPU devices
@@ -25,17 +25,12 @@ import argparse
 import importlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
-
-import peers  # noqa: E402  pylint: disable=g-import-not-at-top
+from benchmarks import harness, peers
 
 STEPS = {'cnn': 40, 'resnet20': 8}
 RECIPES = {'cnn': 'configs/cifar10.py', 'resnet20': 'configs/cifar10_resnet.py'}
@@ -43,8 +38,7 @@ RECIPES = {'cnn': 'configs/cifar10.py', 'resnet20': 'configs/cifar10_resnet.py'}
 
 def _env(devices: int, model: str = '') -> dict:
   """XLA's flags for `devices` CPU devices and, for `model`, its recipe's `cpu_convolutions` (as the CLI sets)."""
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
+  env = harness.subprocess_env(devices)
   if model:  # what the CLI adds to these flags for the recipe (the device count above stays)
     from flaxtpu import main as main_lib  # pylint: disable=g-import-not-at-top
     env['XLA_FLAGS'], _ = main_lib.cpu_xla_flags(_recipe(model), 'train', env['XLA_FLAGS'])
@@ -79,10 +73,10 @@ def measure_loop(model: str, parallelism: str, folder: str, steps: int) -> float
          f'--config.dataset.folder={folder}', f'--config.parallelism={parallelism}',
          f'--config.num_train_steps={steps}', f'--config.log_every_steps={max(1, steps // 8)}',
          f'--config.eval_every_steps={steps}', f'--config.checkpoint_every_steps={steps}'],
-        cwd=ROOT, env=_env(8), check=True, capture_output=True)
+        cwd=harness.ROOT, env=_env(8), check=True, capture_output=True)
     with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
       rates = [row['images_per_sec'] for row in map(json.loads, f) if 'images_per_sec' in row]
-  return statistics.median(rates[1:])
+  return harness.median(rates[1:])
 
 
 def train_flops_per_image(model: str) -> float:
@@ -99,8 +93,8 @@ def train_flops_per_image(model: str) -> float:
 
 
 def measure_in_subprocess(mode: str, model: str, devices: int, steps: int) -> float:
-  out = subprocess.run([sys.executable, __file__, f'--worker={mode}', f'--models={model}',
-                        f'--steps={steps}'], cwd=ROOT, env=_env(devices, model), check=True,
+  out = subprocess.run([sys.executable, '-m', 'benchmarks.throughput', f'--worker={mode}', f'--models={model}',
+                        f'--steps={steps}'], cwd=harness.ROOT, env=_env(devices, model), check=True,
                        capture_output=True, text=True).stdout
   return json.loads(out.strip().splitlines()[-1])['value']
 
@@ -122,12 +116,8 @@ def worker(mode: str, model: str, steps: int) -> float:
     (device_images,) = placement.put_eval_batch((images,))
     for _ in range(5):
       np.asarray(placement.logits(state, device_images))
-    latencies = []
-    for _ in range(steps):
-      started = time.perf_counter()
-      np.asarray(placement.logits(state, device_images))  # to host, like Keras' .numpy()
-      latencies.append(time.perf_counter() - started)
-    return 1000 * statistics.median(latencies)
+    # To host, like Keras' .numpy().
+    return 1000 * harness.median(harness.timings(lambda: np.asarray(placement.logits(state, device_images)), steps))
   batch = placement.put_train_batch((images, rng.integers(0, 10, 128).astype(np.int32)))
   for _ in range(3):
     state, metrics = step(state, batch)
@@ -146,7 +136,7 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=0, help='steps per measurement (default per model)')
   parser.add_argument('--peers', nargs='*', default=['keras_tf', 'keras_tf_nojit', 'keras_jax', 'torch'])
   parser.add_argument('--worker', choices=('step', 'predict'), help=argparse.SUPPRESS)
-  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results', 'local', 'throughput.json'))
+  harness.out_argument(parser, 'throughput.json')
   args = parser.parse_args()
   if args.worker:
     print(json.dumps({'value': worker(args.worker, args.models[0], args.steps)}))
@@ -169,7 +159,7 @@ def main() -> None:
       steps = args.steps or STEPS[model]
       rates = {name: [] for name in contestants}
       for repeat in range(args.repeats):
-        sgemm.append(statistics.median(peers.sgemm_gflops()))
+        sgemm.append(harness.median(peers.sgemm_gflops()))
         for name, measure in contestants.items():
           try:
             rates[name].append(measure(model, steps, folder))
@@ -179,8 +169,8 @@ def main() -> None:
         print(f'{model}: round {repeat + 1}/{args.repeats} sgemm={sgemm[-1]:.0f}GFLOP/s ' +
               ' '.join(f'{n}={r[-1]:.0f}' for n, r in rates.items()), flush=True)
       train_flops[model] = train_flops_per_image(model)
-      results[model] = {name: {'images_per_sec': statistics.median(r), 'repeats': r,
-                               'gflops': statistics.median(r) * train_flops[model] / 1e9}
+      results[model] = {name: {'images_per_sec': harness.median(r), 'repeats': r,
+                               'gflops': harness.median(r) * train_flops[model] / 1e9}
                         for name, r in rates.items()}
     latency = {'flaxtpu_8dev': measure_in_subprocess('predict', 'cnn', 8, 50),
                'flaxtpu_1dev': measure_in_subprocess('predict', 'cnn', 1, 50)}
@@ -188,7 +178,7 @@ def main() -> None:
       latency[peer] = peers.measure_peer(peer, 'cnn', batch_size=64, steps=50, repeats=1,
                                          mode='predict')['latency_ms']
 
-  peak = statistics.median(sgemm)
+  peak = harness.median(sgemm)
   print(f'\nimages/s (median of interleaved repeats), global batch 128; numpy SGEMM {peak:.0f} GFLOP/s')
   for model, rows in results.items():
     ours = rows['flaxtpu_loop_jit']['images_per_sec']
@@ -199,13 +189,11 @@ def main() -> None:
             f'{ours / row["images_per_sec"]:5.2f}x')
   print('predict latency, cnn, batch 64 (median ms):  ' +
         '  '.join(f'{k} {v:.2f}' for k, v in latency.items()))
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, 'w', encoding='utf-8') as f:
-    json.dump({'throughput': results, 'predict_latency_ms_cnn_batch64': latency,
-               'sgemm_gflops': {'median': peak, 'repeats': sgemm},
-               'train_mflop_per_image': {model: flops / 1e6 for model, flops in train_flops.items()},
-               'cpu_count': os.cpu_count()}, f, indent=2)
-  print(f'wrote {args.out}')
+  harness.write_results(args.out, {
+      'throughput': results, 'predict_latency_ms_cnn_batch64': latency,
+      'sgemm_gflops': {'median': peak, 'repeats': sgemm},
+      'train_mflop_per_image': {model: flops / 1e6 for model, flops in train_flops.items()},
+      'cpu_count': os.cpu_count()})
 
 
 if __name__ == '__main__':
