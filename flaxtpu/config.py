@@ -51,9 +51,99 @@ def _positive(key: str, value, allow: tuple = ()) -> None:
     raise ConfigError(f'config.{key}={value!r} must be > 0{extra}')
 
 
-def _check_model_options(model: ml_collections.ConfigDict) -> None:
-  """The ViT/ConvNeXt keys: valid values, and left at their defaults for models that ignore them."""
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError naming the first key whose value cannot work.
+
+  One check per section of `defaults.py`, in its order; what needs the data
+  (image shape, classes) is `check_against_data`.
+  """
+  for check in SECTION_CHECKS:
+    check(config)
+
+
+def check_against_data(config: ml_collections.ConfigDict, image_shape: tuple[int, ...],
+                       num_classes: int) -> None:
+  """Raises ConfigError for a key that cannot work with these images (H, W, C) and classes."""
+  del num_classes  # no key depends on the class count yet; the label-file sources will check theirs here
+  models.check_image_shape(config.model.name, image_shape, config.model.patch_size)
+  if config.eval.translate_tta >= min(image_shape[:2]):
+    raise ConfigError(f'config.eval.translate_tta={config.eval.translate_tta} must be smaller than the '
+                      f'{image_shape[0]}x{image_shape[1]} images (airbench uses 1)')
+  channels, given = image_shape[-1], len(config.dataset.mean)
+  # data.load averages an RGB model's three numbers for 1-channel images.
+  if config.dataset.normalize == 'fixed' and given != channels and (channels, given) != (1, 3):
+    raise ConfigError(f'config.dataset.mean/std have {given} channels but the images have {channels}; '
+                      'give one value per channel')
+
+
+def _check_dataset(config: ml_collections.ConfigDict) -> None:
+  dataset = config.dataset
+  if not dataset.folder and not dataset.name:
+    raise ConfigError('config.dataset.folder and config.dataset.name are both empty; set '
+                      '--config.dataset.folder=/path/to/images (or a TFDS name, e.g. cifar10)')
+  if isinstance(dataset.eval_splits, str) or not all(
+      isinstance(split, str) and split for split in dataset.eval_splits):
+    raise ConfigError(f'config.dataset.eval_splits={dataset.eval_splits!r} must be a tuple of split '
+                      "names, e.g. --config.dataset.eval_splits=\"('train[:5000]',)\"")
+  _check_eval_split_names(dataset.eval_split, dataset.eval_splits)
+  if dataset.image_size < 0:
+    raise ConfigError(f'config.dataset.image_size={dataset.image_size} must be >= 0 (0 = native size)')
+  if not 0.0 <= dataset.crop_fraction <= 1.0:
+    raise ConfigError(f'config.dataset.crop_fraction={dataset.crop_fraction!r} must be in (0, 1] '
+                      '(0 = the init_from source\'s, else 0.875)')
+  _one_of('dataset.cache', dataset.cache, ('auto', 'memory', 'none'))
+  _one_of('dataset.normalize', dataset.normalize, NORMALIZATIONS)
+  if dataset.normalize == 'fixed' and not (
+      len(dataset.mean) == len(dataset.std) > 0 and min(dataset.std) > 0):
+    raise ConfigError(f'config.dataset.normalize=fixed needs dataset.mean and dataset.std, one positive std per '
+                      f'channel (got mean={tuple(dataset.mean)}, std={tuple(dataset.std)}); e.g. '
+                      "--config.dataset.mean='(0.485, 0.456, 0.406)' --config.dataset.std='(0.229, 0.224, 0.225)'")
+
+
+def _check_input(config: ml_collections.ConfigDict) -> None:
+  if config.input.workers < -1:
+    raise ConfigError(f'config.input.workers={config.input.workers} must be >= 0 (or -1 = auto)')
+  _positive('input.prefetch', config.input.prefetch)
+
+
+def _check_augment(config: ml_collections.ConfigDict) -> None:
+  augment = config.augment
+  for key, low, high in (('crop_area', 0.0, 1.0), ('crop_aspect', 0.0, float('inf'))):
+    value = tuple(augment[key])
+    if len(value) != 2 or not low < value[0] <= value[1] <= high:
+      raise ConfigError(f'config.augment.{key}={value!r} must be a (min, max) pair with '
+                        f'{low} < min <= max <= {high}')
+  for key in ('crop_padding', 'cutout'):
+    if augment[key] < 0:
+      raise ConfigError(f'config.augment.{key}={augment[key]!r} must be >= 0')
+  _one_of('augment.crop_pad_mode', augment.crop_pad_mode, ('zeros', 'reflect', 'edge'))
+  if augment.alternate_flip and not augment.flip:
+    raise ConfigError('config.augment.alternate_flip=True alternates the flip, which is off; set '
+                      '--config.augment.flip=true as well (or alternate_flip=false)')
+  _one_of('augment.policy', augment.policy, ('', 'randaugment', 'trivialaugment'))
+  if augment.policy == 'randaugment':
+    _positive('augment.randaugment_layers', augment.randaugment_layers)
+    if not 0.0 <= augment.randaugment_magnitude <= 30.0:
+      raise ConfigError(f'config.augment.randaugment_magnitude={augment.randaugment_magnitude!r} must be '
+                        'in [0, 30] (9-10 is the usual strength)')
+  for key in ('mixup_alpha', 'cutmix_alpha'):
+    if augment[key] < 0:
+      raise ConfigError(f'config.augment.{key}={augment[key]!r} must be >= 0 (0 = off)')
+  for key in ('mix_prob', 'mix_switch_prob'):
+    if not 0.0 <= augment[key] <= 1.0:
+      raise ConfigError(f'config.augment.{key}={augment[key]!r} must be a probability in [0, 1]')
+  if (augment.mixup_alpha or augment.cutmix_alpha) and config.batch_size % 2:
+    raise ConfigError(f'config.batch_size={config.batch_size} must be even with mixup/CutMix (examples are '
+                      'mixed in pairs); use an even batch size')
+
+
+def _check_model(config: ml_collections.ConfigDict) -> None:
+  """The model's name and remat, and its ViT/ConvNeXt/ResNet options: valid values, left at their
+  defaults for models that ignore them; the compute dtype."""
   from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  model = config.model
+  _one_of('model.name', model.name, models.NAMES)
+  _one_of('model.remat', model.remat, REMAT_POLICIES)
   if model.patch_size < 0:
     raise ConfigError(f'config.model.patch_size={model.patch_size} must be >= 0 (0 = the published size)')
   _one_of('model.pool', model.pool, models.POOLS)
@@ -69,76 +159,61 @@ def _check_model_options(model: ml_collections.ConfigDict) -> None:
       takers = [name for name in models.NAMES if key in models.get_spec(name).options]
       raise ConfigError(f'config.model.{key}={model[key]!r} has no effect on model.name={model.name!r}; '
                         f'leave it at {default[key]!r} or pick a model that takes it: {", ".join(takers)}')
-
-
-def validate(config: ml_collections.ConfigDict) -> None:
-  """Raises ConfigError naming the first key whose value cannot work."""
-  if not config.dataset.folder and not config.dataset.name:
-    raise ConfigError('config.dataset.folder and config.dataset.name are both empty; set '
-                      '--config.dataset.folder=/path/to/images (or a TFDS name, e.g. cifar10)')
-  _one_of('dataset.normalize', config.dataset.normalize, NORMALIZATIONS)
-  _one_of('dataset.cache', config.dataset.cache, ('auto', 'memory', 'none'))
-  if config.dataset.image_size < 0:
-    raise ConfigError(f'config.dataset.image_size={config.dataset.image_size} must be >= 0 '
-                      '(0 = native size)')
-  if not 0.0 <= config.dataset.crop_fraction <= 1.0:
-    raise ConfigError(f'config.dataset.crop_fraction={config.dataset.crop_fraction!r} must be in (0, 1] '
-                      '(0 = the init_from source\'s, else 0.875)')
-  if config.dataset.normalize == 'fixed' and not (
-      len(config.dataset.mean) == len(config.dataset.std) > 0 and min(config.dataset.std) > 0):
-    raise ConfigError(f'config.dataset.normalize=fixed needs dataset.mean and dataset.std, one positive std per '
-                      f'channel (got mean={tuple(config.dataset.mean)}, std={tuple(config.dataset.std)}); e.g. '
-                      "--config.dataset.mean='(0.485, 0.456, 0.406)' --config.dataset.std='(0.229, 0.224, 0.225)'")
-  for key, low, high in (('augment.crop_area', 0.0, 1.0), ('augment.crop_aspect', 0.0, float('inf'))):
-    value = tuple(config[key])
-    if len(value) != 2 or not low < value[0] <= value[1] <= high:
-      raise ConfigError(f'config.{key}={value!r} must be a (min, max) pair with '
-                        f'{low} < min <= max <= {high}')
-  if config.input.workers < -1:
-    raise ConfigError(f'config.input.workers={config.input.workers} must be >= 0 (or -1 = auto)')
-  _positive('input.prefetch', config.input.prefetch)
-  _one_of('model.name', config.model.name, models.NAMES)
-  _one_of('model.remat', config.model.remat, REMAT_POLICIES)
-  _check_model_options(config.model)
   _one_of('dtype', config.dtype, DTYPES)
-  _one_of('wandb.mode', config.wandb.mode, ('online', 'offline'))
-  if config.wandb.project and importlib.util.find_spec('wandb') is None:
-    raise ConfigError(f'config.wandb.project={config.wandb.project!r} needs Weights & Biases: '
-                      "pip install 'flaxtpu[wandb]' (or leave wandb.project empty)")
-  if config.profile_steps < 0 or config.log_every_secs < 0:
-    raise ConfigError('config.profile_steps and config.log_every_secs must be >= 0 (0 = off)')
-  _one_of('optimizer.name', config.optimizer.name, OPTIMIZERS)
-  _one_of('schedule.name', config.schedule.name, SCHEDULES)
-  _one_of('parallelism', config.parallelism, PARALLELISMS)
-  _one_of('require_platform', config.require_platform, PLATFORMS)
-  _one_of('checkpoint.best_mode', config.checkpoint.best_mode, ('max', 'min'))
-  _one_of('checkpoint.best_metric', config.checkpoint.best_metric,
-          ('', 'eval_accuracy', 'eval_loss', 'eval_accuracy_ema', 'eval_loss_ema'))
-  if config.eval.ema and not config.ema.decay:
-    raise ConfigError('config.eval.ema=True needs an EMA of the weights (config.ema.decay > 0); set '
-                      '--config.eval.ema=false or --config.ema.decay=0.999')
-  if config.checkpoint.best_metric.endswith('_ema') and not config.ema.decay:
-    raise ConfigError(f'config.checkpoint.best_metric={config.checkpoint.best_metric!r} needs an EMA of the '
-                      'weights; set --config.ema.decay (e.g. 0.999) or pick eval_accuracy')
-  if isinstance(config.dataset.eval_splits, str) or not all(
-      isinstance(split, str) and split for split in config.dataset.eval_splits):
-    raise ConfigError(f'config.dataset.eval_splits={config.dataset.eval_splits!r} must be a tuple of split '
-                      "names, e.g. --config.dataset.eval_splits=\"('train[:5000]',)\"")
-  _check_augment(config)
-  _check_eval_split_names(config.dataset.eval_split, config.dataset.eval_splits)
-  if not 0.0 <= config.ema.decay < 1.0:
-    raise ConfigError(f'config.ema.decay={config.ema.decay!r} must be in [0, 1) (0 = off; e.g. 0.999)')
+
+
+def _check_training(config: ml_collections.ConfigDict) -> None:
+  """The top-level keys of the optimization section: batch sizes, length, label smoothing."""
   _positive('batch_size', config.batch_size)
   _positive('eval_batch_size', config.eval_batch_size, allow=(-1,))
   _positive('num_epochs', config.num_epochs)
   _positive('num_train_steps', config.num_train_steps, allow=(-1,))
-  _positive('optimizer.learning_rate', config.optimizer.learning_rate)
-  _positive('log_every_steps', config.log_every_steps)
-  _positive('eval_every_steps', config.eval_every_steps, allow=(-1,))
-  _positive('checkpoint_every_steps', config.checkpoint_every_steps, allow=(-1,))
-  _positive('checkpoint.keep', config.checkpoint.keep)
-  _positive('predict.top_k', config.predict.top_k)
-  _positive('optimizer.accumulate_steps', config.optimizer.accumulate_steps)
+  if not 0.0 <= config.label_smoothing < 1.0:
+    raise ConfigError(f'config.label_smoothing={config.label_smoothing!r} must be in [0, 1)')
+
+
+def _check_optimizer(config: ml_collections.ConfigDict) -> None:
+  optimizer = config.optimizer
+  _one_of('optimizer.name', optimizer.name, OPTIMIZERS)
+  _positive('optimizer.learning_rate', optimizer.learning_rate)
+  for key in ('momentum', 'b1', 'b2', 'lookahead_decay'):
+    if not 0.0 <= optimizer[key] < 1.0:
+      raise ConfigError(f'config.optimizer.{key}={optimizer[key]!r} must be in [0, 1)')
+  for key in ('weight_decay', 'bias_weight_decay', 'grad_clip_norm', 'lookahead_every', 'lookahead_decay_power'):
+    if optimizer[key] < 0:
+      raise ConfigError(f'config.optimizer.{key}={optimizer[key]!r} must be >= 0')
+  _positive('optimizer.accumulate_steps', optimizer.accumulate_steps)
+  _check_patterns('optimizer.freeze', optimizer.freeze)
+  parse_lr_multipliers(optimizer.lr_multipliers)
+  parse_freeze_after(optimizer.freeze_after)
+
+
+def _check_schedule(config: ml_collections.ConfigDict) -> None:
+  schedule = config.schedule
+  _one_of('schedule.name', schedule.name, SCHEDULES)
+  if schedule.warmup_epochs < 0:
+    raise ConfigError(f'config.schedule.warmup_epochs={schedule.warmup_epochs!r} must be >= 0')
+  if not 0.0 <= schedule.final_lr_fraction <= 1.0:
+    raise ConfigError(f'config.schedule.final_lr_fraction={schedule.final_lr_fraction!r} must be in [0, 1]')
+
+
+def _check_ema(config: ml_collections.ConfigDict) -> None:
+  if not 0.0 <= config.ema.decay < 1.0:
+    raise ConfigError(f'config.ema.decay={config.ema.decay!r} must be in [0, 1) (0 = off; e.g. 0.999)')
+
+
+def _check_init_from(config: ml_collections.ConfigDict) -> None:
+  _check_patterns('init_from.skip', config.init_from.skip)
+  step = str(config.init_from.step)
+  if step not in ('latest', 'best') and not step.isdigit():
+    raise ConfigError(f'config.init_from.step={step!r} is not valid; choose latest, best or a step number')
+  if not config.init_from.checkpoint and (config.init_from.skip or step != 'latest'):
+    raise ConfigError('config.init_from.skip and config.init_from.step have no effect without '
+                      'config.init_from.checkpoint; set it to a workdir (or WORKDIR/checkpoints/STEP)')
+
+
+def _check_parallelism(config: ml_collections.ConfigDict) -> None:
+  _one_of('parallelism', config.parallelism, PARALLELISMS)
   _positive('mesh.data', config.mesh.data, allow=(-1,))
   _positive('mesh.fsdp', config.mesh.fsdp, allow=(-1,))
   if config.mesh.data == -1 and config.mesh.fsdp == -1:
@@ -147,22 +222,54 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.parallelism == 'pmap' and config.mesh.fsdp not in (1,):
     raise ConfigError(f'config.mesh.fsdp={config.mesh.fsdp} needs parallelism=jit; pmap only '
                       'replicates parameters (set --config.mesh.fsdp=1 or --config.parallelism=jit)')
+  _one_of('require_platform', config.require_platform, PLATFORMS)
   if config.cpu_devices < 0:
     raise ConfigError(f'config.cpu_devices={config.cpu_devices} must be >= 0 (0 = XLA default)')
   _one_of('cpu_convolutions', config.cpu_convolutions, tuple(CPU_CONVOLUTION_FLAGS))
-  for key in ('optimizer.momentum', 'optimizer.b1', 'optimizer.b2', 'optimizer.lookahead_decay',
-              'label_smoothing'):
-    if not 0.0 <= config[key] < 1.0:
-      raise ConfigError(f'config.{key}={config[key]!r} must be in [0, 1)')
-  if not 0.0 <= config.schedule.final_lr_fraction <= 1.0:
-    raise ConfigError(f'config.schedule.final_lr_fraction={config.schedule.final_lr_fraction!r} '
-                      'must be in [0, 1]')
-  for key in ('optimizer.weight_decay', 'optimizer.bias_weight_decay', 'optimizer.lookahead_every',
-              'optimizer.lookahead_decay_power', 'optimizer.grad_clip_norm', 'schedule.warmup_epochs',
-              'augment.crop_padding', 'augment.cutout', 'eval.translate_tta'):
-    if config[key] < 0:
-      raise ConfigError(f'config.{key}={config[key]!r} must be >= 0')
-  _check_fine_tuning(config)
+
+
+def _check_loop(config: ml_collections.ConfigDict) -> None:
+  _positive('log_every_steps', config.log_every_steps)
+  if config.profile_steps < 0 or config.log_every_secs < 0:
+    raise ConfigError('config.profile_steps and config.log_every_secs must be >= 0 (0 = off)')
+  _positive('eval_every_steps', config.eval_every_steps, allow=(-1,))
+  _positive('checkpoint_every_steps', config.checkpoint_every_steps, allow=(-1,))
+
+
+def _check_checkpoint(config: ml_collections.ConfigDict) -> None:
+  checkpoint = config.checkpoint
+  _positive('checkpoint.keep', checkpoint.keep)
+  _one_of('checkpoint.best_metric', checkpoint.best_metric,
+          ('', 'eval_accuracy', 'eval_loss', 'eval_accuracy_ema', 'eval_loss_ema'))
+  _one_of('checkpoint.best_mode', checkpoint.best_mode, ('max', 'min'))
+  if checkpoint.best_metric.endswith('_ema') and not config.ema.decay:
+    raise ConfigError(f'config.checkpoint.best_metric={checkpoint.best_metric!r} needs an EMA of the '
+                      'weights; set --config.ema.decay (e.g. 0.999) or pick eval_accuracy')
+
+
+def _check_eval(config: ml_collections.ConfigDict) -> None:
+  if config.eval.ema and not config.ema.decay:
+    raise ConfigError('config.eval.ema=True needs an EMA of the weights (config.ema.decay > 0); set '
+                      '--config.eval.ema=false or --config.ema.decay=0.999')
+  if config.eval.translate_tta < 0:
+    raise ConfigError(f'config.eval.translate_tta={config.eval.translate_tta!r} must be >= 0')
+
+
+def _check_predict(config: ml_collections.ConfigDict) -> None:
+  _positive('predict.top_k', config.predict.top_k)
+
+
+def _check_wandb(config: ml_collections.ConfigDict) -> None:
+  _one_of('wandb.mode', config.wandb.mode, ('online', 'offline'))
+  if config.wandb.project and importlib.util.find_spec('wandb') is None:
+    raise ConfigError(f'config.wandb.project={config.wandb.project!r} needs Weights & Biases: '
+                      "pip install 'flaxtpu[wandb]' (or leave wandb.project empty)")
+
+
+# The sections of defaults.py, in its order.
+SECTION_CHECKS = (_check_dataset, _check_input, _check_augment, _check_model, _check_training,
+                  _check_optimizer, _check_schedule, _check_ema, _check_init_from, _check_parallelism,
+                  _check_loop, _check_checkpoint, _check_eval, _check_predict, _check_wandb)
 
 
 def eval_metric_prefix(split: str, first: bool) -> str:
@@ -181,29 +288,6 @@ def _check_eval_split_names(first: str, others) -> None:
                         f'{clash}with another metric; list each split once, written so the names differ '
                         "(e.g. 'train[:5000]', 'train[45000:]')")
     seen[prefix] = split
-
-
-def _check_augment(config: ml_collections.ConfigDict) -> None:
-  augment = config.augment
-  _one_of('augment.policy', augment.policy, ('', 'randaugment', 'trivialaugment'))
-  _one_of('augment.crop_pad_mode', augment.crop_pad_mode, ('zeros', 'reflect', 'edge'))
-  if augment.alternate_flip and not augment.flip:
-    raise ConfigError('config.augment.alternate_flip=True alternates the flip, which is off; set '
-                      '--config.augment.flip=true as well (or alternate_flip=false)')
-  if augment.policy == 'randaugment':
-    _positive('augment.randaugment_layers', augment.randaugment_layers)
-    if not 0.0 <= augment.randaugment_magnitude <= 30.0:
-      raise ConfigError(f'config.augment.randaugment_magnitude={augment.randaugment_magnitude!r} must be '
-                        'in [0, 30] (9-10 is the usual strength)')
-  for key in ('mixup_alpha', 'cutmix_alpha'):
-    if augment[key] < 0:
-      raise ConfigError(f'config.augment.{key}={augment[key]!r} must be >= 0 (0 = off)')
-  for key in ('mix_prob', 'mix_switch_prob'):
-    if not 0.0 <= augment[key] <= 1.0:
-      raise ConfigError(f'config.augment.{key}={augment[key]!r} must be a probability in [0, 1]')
-  if (augment.mixup_alpha or augment.cutmix_alpha) and config.batch_size % 2:
-    raise ConfigError(f'config.batch_size={config.batch_size} must be even with mixup/CutMix (examples are '
-                      'mixed in pairs); use an even batch size')
 
 
 def _check_patterns(key: str, patterns) -> None:
@@ -250,19 +334,6 @@ def _parse_pattern_values(key: str, entries, value_name: str, example: str) -> l
     parsed.append((pattern, value))
   _check_patterns(key, [pattern for pattern, _ in parsed])
   return parsed
-
-
-def _check_fine_tuning(config: ml_collections.ConfigDict) -> None:
-  _check_patterns('optimizer.freeze', config.optimizer.freeze)
-  parse_lr_multipliers(config.optimizer.lr_multipliers)
-  parse_freeze_after(config.optimizer.freeze_after)
-  _check_patterns('init_from.skip', config.init_from.skip)
-  step = str(config.init_from.step)
-  if step not in ('latest', 'best') and not step.isdigit():
-    raise ConfigError(f'config.init_from.step={step!r} is not valid; choose latest, best or a step number')
-  if not config.init_from.checkpoint and (config.init_from.skip or step != 'latest'):
-    raise ConfigError('config.init_from.skip and config.init_from.step have no effect without '
-                      'config.init_from.checkpoint; set it to a workdir (or WORKDIR/checkpoints/STEP)')
 
 
 def resolved_eval_batch_size(config: ml_collections.ConfigDict) -> int:

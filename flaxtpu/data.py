@@ -167,9 +167,6 @@ def load(config: ml_collections.ConfigDict, *, need_train: bool = True,
       config.dataset.mean, config.dataset.std = ((float(np.mean(config.dataset[key])),) for key in ('mean', 'std'))
       logging.info('dataset.mean/std: the colour channels\' averages for 1-channel images, %.3f/%.3f',
                    config.dataset.mean[0], config.dataset.std[0])
-    if len(config.dataset.mean) != channels:
-      raise DataError(f'config.dataset.mean/std have {len(config.dataset.mean)} channels but the images have '
-                      f'{channels}; give one value per channel')
     dataset = dataclasses.replace(dataset, mean=np.asarray(config.dataset.mean, np.float32),
                                   std=np.asarray(config.dataset.std, np.float32))
   return dataset

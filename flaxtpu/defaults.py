@@ -24,55 +24,94 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- data -------------------------------------------------------------
   config.dataset = ml_collections.ConfigDict()
-  config.dataset.name = 'cifar10'  # TFDS catalog name (cifar10, cifar100, mnist, fashion_mnist, ...).
+  # TFDS catalog name (cifar10, cifar100, mnist, fashion_mnist, ...).
+  config.dataset.name = 'cifar10'
   config.dataset.folder = ''  # Image-folder root (split/class/image); wins over `name` when set.
   config.dataset.data_dir = ''  # TFDS data_dir ('' = TFDS default, ~/tensorflow_datasets).
   config.dataset.train_split = 'train'  # Split to train on; TFDS-style slices work: 'train[:90%]'.
-  config.dataset.eval_split = 'test'  # Split to evaluate on (every example counted once), e.g. 'train[90%:]'.
-  config.dataset.eval_splits = ()  # More splits evaluated with it during training, e.g. ('train[:5000]',): logged as eval_train_5000_accuracy; eval_split picks the best checkpoint.
-  config.dataset.image_size = 0  # Square side the model sees; 0 = init_from's published size, else the native size (every image must share it).
-  config.dataset.crop_fraction = 0.0  # Eval at image_size > 0: resize the shorter side to image_size / this, take the centre (0 = init_from's, else 0.875).
-  config.dataset.cache = 'auto'  # auto | memory | none: decode once into host memory (auto: when it fits 1/8 of RAM, at most 4 GiB) or stream from disk.
-  config.dataset.skip_corrupt = False  # Skip files that cannot be decoded (logged) instead of stopping with their name.
-  config.dataset.unknown_classes = 'error'  # error | drop: a class folder of an eval split that training (or the checkpoint) lacks stops the run naming it, or its images are left out with a warning.
-  config.dataset.normalize = 'auto'  # unit (pixels/255 in [0, 1]) | standardize (per-channel mean/std of the train split) | fixed (dataset.mean/std) | auto (init_from's, else unit).
-  config.dataset.mean = ()  # normalize=fixed: per-channel mean of pixels in [0, 1], e.g. ImageNet's (0.485, 0.456, 0.406).
-  config.dataset.std = ()  # normalize=fixed: per-channel std, e.g. ImageNet's (0.229, 0.224, 0.225).
+  # Split to evaluate on (every example counted once), e.g. 'train[90%:]'.
+  config.dataset.eval_split = 'test'
+  # More splits evaluated with it during training, e.g. ('train[:5000]',): logged as
+  # eval_train_5000_accuracy; eval_split picks the best checkpoint.
+  config.dataset.eval_splits = ()
+  # Square side the model sees; 0 = init_from's published size, else the native size (every image
+  # must share it).
+  config.dataset.image_size = 0
+  # Eval at image_size > 0: resize the shorter side to image_size / this, take the centre (0 =
+  # init_from's, else 0.875).
+  config.dataset.crop_fraction = 0.0
+  # auto | memory | none: decode once into host memory (auto: when it fits 1/8 of RAM, at most 4
+  # GiB) or stream from disk.
+  config.dataset.cache = 'auto'
+  # Skip files that cannot be decoded (logged) instead of stopping with their name.
+  config.dataset.skip_corrupt = False
+  # error | drop: a class folder of an eval split that training (or the checkpoint) lacks stops the
+  # run naming it, or its images are left out with a warning.
+  config.dataset.unknown_classes = 'error'
+  # unit (pixels/255 in [0, 1]) | standardize (per-channel mean/std of the train split) | fixed
+  # (dataset.mean/std) | auto (init_from's, else unit).
+  config.dataset.normalize = 'auto'
+  # normalize=fixed: per-channel mean of pixels in [0, 1], e.g. ImageNet's (0.485, 0.456, 0.406).
+  config.dataset.mean = ()
+  # normalize=fixed: per-channel std, e.g. ImageNet's (0.229, 0.224, 0.225).
+  config.dataset.std = ()
 
   config.input = ml_collections.ConfigDict()
-  config.input.workers = -1  # Processes that read and decode streamed batches (-1 = one per core but one, at most 32; 0 = a thread).
+  # Processes that read and decode streamed batches (-1 = one per core but one, at most 32; 0 = a
+  # thread).
+  config.input.workers = -1
   config.input.prefetch = 4  # Batches decoded ahead of the training step.
 
   # --- augmentation (train batches only) --------------------------------
   config.augment = ml_collections.ConfigDict()
-  config.augment.crop_area = (0.08, 1.0)  # At image_size > 0: random-resized crop's area fraction range (Inception-style).
-  config.augment.crop_aspect = (3 / 4, 4 / 3)  # ... and its aspect-ratio range (sampled log-uniformly).
+  # At image_size > 0: random-resized crop's area fraction range (Inception-style).
+  config.augment.crop_area = (0.08, 1.0)
+  # ... and its aspect-ratio range (sampled log-uniformly).
+  config.augment.crop_aspect = (3 / 4, 4 / 3)
   # On the device, after the crop:
   config.augment.crop_padding = 0  # Random crop after padding by this many pixels (0 = off).
-  config.augment.crop_pad_mode = 'zeros'  # zeros (black) | reflect (mirrored pixels, airbench's) | edge (repeated).
+  # zeros (black) | reflect (mirrored pixels, airbench's) | edge (repeated).
+  config.augment.crop_pad_mode = 'zeros'
   config.augment.flip = False  # Random horizontal flip.
-  config.augment.alternate_flip = False  # With flip: a seeded half of the train images is mirrored in even epochs, the other half in odd ones (airbench), not a coin per view.
-  config.augment.policy = ''  # '' | randaugment | trivialaugment (TrivialAugment-Wide), after crop and flip.
+  # With flip: a seeded half of the train images is mirrored in even epochs, the other half in odd
+  # ones (airbench), not a coin per view.
+  config.augment.alternate_flip = False
+  # '' | randaugment | trivialaugment (TrivialAugment-Wide), after crop and flip.
+  config.augment.policy = ''
   config.augment.randaugment_layers = 2  # randaugment: ops applied per image (N).
-  config.augment.randaugment_magnitude = 9.0  # randaugment: strength M on the 0..30 scale of torchvision/timm.
+  # randaugment: strength M on the 0..30 scale of torchvision/timm.
+  config.augment.randaugment_magnitude = 9.0
   config.augment.cutout = 0  # Side of a random square zeroed per image (0 = off).
-  # mixup/CutMix: each example is mixed with a neighbour in the batch (per example: lambda, box, which one).
+  # mixup/CutMix: each example is mixed with a neighbour in the batch (per example: lambda, box,
+  # which one).
   config.augment.mixup_alpha = 0.0  # mixup lambda ~ Beta(alpha, alpha) (0 = off; 0.2-0.8 usual).
   config.augment.cutmix_alpha = 0.0  # CutMix box area ~ Beta(alpha, alpha) (0 = off; 1.0 usual).
   config.augment.mix_prob = 1.0  # Probability that an example is mixed at all.
-  config.augment.mix_switch_prob = 0.5  # With both alphas set: probability of CutMix instead of mixup.
+  # With both alphas set: probability of CutMix instead of mixup.
+  config.augment.mix_switch_prob = 0.5
 
   # --- model ------------------------------------------------------------
   config.model = ml_collections.ConfigDict()
-  config.model.name = 'cnn'  # cnn | fastnet_s | fastnet | fastnet_whiten | resnet20/32/44/56/110 | resnet18/34/50/101/152 | vit_ti/s/b | convnext_t.
+  # cnn | fastnet_s | fastnet | fastnet_whiten | resnet20/32/44/56/110 | resnet18/34/50/101/152 |
+  # vit_ti/s/b | convnext_t.
+  config.model.name = 'cnn'
   config.model.remat = 'none'  # none | full | a jax.checkpoint_policies name (dots_saveable, ...).
-  config.model.patch_size = 0  # vit/convnext: patch side (convnext: stem stride); 0 = published, 16/4 (on 32x32: 4/2).
-  config.model.pool = 'gap'  # vit: gap (mean of the tokens; big_vision's default) | tok (a class token, as in the paper).
-  config.model.dropout = 0.0  # vit: dropout rate (after the embeddings, in the MLP, on each residual branch).
-  config.model.drop_path = 0.0  # vit/convnext/resnet: stochastic depth of the last block (0 at the first, linear between).
-  config.model.padding = 'torch'  # resnet: torch (symmetric, as PyTorch/timm: imported weights agree) | same (XLA's SAME; runs saved before this key).
-  config.model.gelu = 'exact'  # vit: exact (erf, as timm/PyTorch) | tanh (big_vision's approximation; runs saved before this key).
-  config.dtype = 'float32'  # Compute dtype: float32 | bfloat16 (params, optimizer, BN stats stay float32).
+  # vit/convnext: patch side (convnext: stem stride); 0 = published, 16/4 (on 32x32: 4/2).
+  config.model.patch_size = 0
+  # vit: gap (mean of the tokens; big_vision's default) | tok (a class token, as in the paper).
+  config.model.pool = 'gap'
+  # vit: dropout rate (after the embeddings, in the MLP, on each residual branch).
+  config.model.dropout = 0.0
+  # vit/convnext/resnet: stochastic depth of the last block (0 at the first, linear between).
+  config.model.drop_path = 0.0
+  # resnet: torch (symmetric, as PyTorch/timm: imported weights agree) | same (XLA's SAME; runs
+  # saved before this key).
+  config.model.padding = 'torch'
+  # vit: exact (erf, as timm/PyTorch) | tanh (big_vision's approximation; runs saved before this
+  # key).
+  config.model.gelu = 'exact'
+  # Compute dtype: float32 | bfloat16 (params, optimizer, BN stats stay float32).
+  config.dtype = 'float32'
 
   # --- optimization -----------------------------------------------------
   config.batch_size = 128  # Global batch size, split over all devices and processes.
@@ -88,24 +127,42 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.b1 = 0.9  # adam/adamw: first-moment decay.
   config.optimizer.b2 = 0.999  # adam/adamw: second-moment decay.
   config.optimizer.eps = 1e-7  # adam/adamw: denominator epsilon (Keras' default).
-  config.optimizer.weight_decay = 0.0  # sgd/adam: L2 added to the gradient; adamw: decoupled. On kernels (arrays of 2+ dims) only.
-  config.optimizer.bias_weight_decay = 0.0  # The same, for biases and norm scales (1-dim arrays); 0 = none, as usual.
+  # sgd/adam: L2 added to the gradient; adamw: decoupled. On kernels (arrays of 2+ dims) only.
+  config.optimizer.weight_decay = 0.0
+  # The same, for biases and norm scales (1-dim arrays); 0 = none, as usual.
+  config.optimizer.bias_weight_decay = 0.0
   config.optimizer.grad_clip_norm = 0.0  # Clip gradients to this global norm (0 = off).
-  # Gradient accumulation: average the gradients of this many consecutive batches, then update once, as
-  # one batch of batch_size x accumulate_steps would (BatchNorm aside: it normalises each batch by its own
-  # statistics). Steps, epochs and eval/checkpoint intervals count batches; the learning-rate schedule
+  # Gradient accumulation: average the gradients of this many consecutive batches, then update once,
+  # as
+  # one batch of batch_size x accumulate_steps would (BatchNorm aside: it normalises each batch by
+  # its own
+  # statistics). Steps, epochs and eval/checkpoint intervals count batches; the learning-rate
+  # schedule
   # (warmup included) counts updates. The run ends on an update; a resumed run keeps its value.
   config.optimizer.accumulate_steps = 1
-  # Patterns below are regexes searched in '/'-joined parameter paths ('stage1_block1/Conv_0/kernel'; the
-  # classifier is 'Dense_0' in cnn/resnet, 'head' in fastnet/vit/convnext). On the command line: one pattern,
-  # --config.optimizer.freeze='^stage1', or a tuple, --config.optimizer.freeze="('^stage1', '^stage2')".
-  config.optimizer.freeze = ()  # Parameters that never change (no update, no optimizer state; their BatchNorm statistics stay too).
-  config.optimizer.lr_multipliers = ()  # 'regex=factor' strings: those parameters learn at factor x the rate ('^stage1=0.1'; first match wins; 0 = freeze).
-  config.optimizer.freeze_after = ()  # 'regex=epochs' strings: those parameters stop changing after that many epochs (airbench: '^stem/bias$=3').
-  # Lookahead (Zhang et al. 2019): every `lookahead_every` updates the slow weights move (1 - decay) of the
-  # way to the trained ("fast") ones, and training continues from the slow weights; the last update syncs
-  # too, so the run ends on them. decay = lookahead_decay x (update / total updates) ** lookahead_decay_power:
-  # power 0 is the paper's constant (decay 0.5 = its alpha 0.5); airbench ramps it up (0.95**5, power 3).
+  # Patterns below are regexes searched in '/'-joined parameter paths
+  # ('stage1_block1/Conv_0/kernel'; the
+  # classifier is 'Dense_0' in cnn/resnet, 'head' in fastnet/vit/convnext). On the command line: one
+  # pattern,
+  # --config.optimizer.freeze='^stage1', or a tuple, --config.optimizer.freeze="('^stage1',
+  # '^stage2')".
+  # Parameters that never change (no update, no optimizer state; their BatchNorm statistics stay
+  # too).
+  config.optimizer.freeze = ()
+  # 'regex=factor' strings: those parameters learn at factor x the rate ('^stage1=0.1'; first match
+  # wins; 0 = freeze).
+  config.optimizer.lr_multipliers = ()
+  # 'regex=epochs' strings: those parameters stop changing after that many epochs (airbench:
+  # '^stem/bias$=3').
+  config.optimizer.freeze_after = ()
+  # Lookahead (Zhang et al. 2019): every `lookahead_every` updates the slow weights move (1 - decay)
+  # of the
+  # way to the trained ("fast") ones, and training continues from the slow weights; the last update
+  # syncs
+  # too, so the run ends on them. decay = lookahead_decay x (update / total updates) **
+  # lookahead_decay_power:
+  # power 0 is the paper's constant (decay 0.5 = its alpha 0.5); airbench ramps it up (0.95**5,
+  # power 3).
   # BatchNorm statistics follow the fast weights.
   config.optimizer.lookahead_every = 0  # 0 = off; e.g. 5.
   config.optimizer.lookahead_decay = 0.5
@@ -113,26 +170,37 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.schedule = ml_collections.ConfigDict()
   config.schedule.name = 'constant'  # constant | cosine | linear | onecycle.
-  config.schedule.warmup_epochs = 0.0  # Linear warmup from 0 (cosine, linear, constant); onecycle: its rising phase (0 = 30% of the run).
+  # Linear warmup from 0 (cosine, linear, constant); onecycle: its rising phase (0 = 30% of the
+  # run).
+  config.schedule.warmup_epochs = 0.0
   config.schedule.final_lr_fraction = 0.0  # Final LR as a fraction of the peak (cosine, linear).
 
   config.label_smoothing = 0.0  # Label smoothing in [0, 1).
 
-  # Exponential moving average of the weights and BatchNorm statistics, updated after every optimizer
+  # Exponential moving average of the weights and BatchNorm statistics, updated after every
+  # optimizer
   # update: evaluated next to the raw weights (eval_accuracy_ema, ...) and saved in checkpoints.
   config.ema = ml_collections.ConfigDict()
   config.ema.decay = 0.0  # 0 = off; e.g. 0.999 (about the last 1000 updates).
-  config.ema.warmup = True  # Decay min(decay, (1 + n) / (10 + n)) after n updates (TF's num_updates).
+  # Decay min(decay, (1 + n) / (10 + n)) after n updates (TF's num_updates).
+  config.ema.warmup = True
 
   # --- fine-tuning ------------------------------------------------------
   config.init_from = ml_collections.ConfigDict()
-  # A fresh run starts from these weights ('' = off): a flaxtpu workdir or WORKDIR/checkpoints/STEP, hf-hub:ORG/NAME
-  # (e.g. hf-hub:timm/resnet50.a1_in1k), a timm/torchvision .safetensors/.pth/.bin or a big_vision ViT .npz. Their
-  # model (when model.name is left at cnn), normalisation, image size and crop fraction become the run's defaults.
+  # A fresh run starts from these weights ('' = off): a flaxtpu workdir or WORKDIR/checkpoints/STEP,
+  # hf-hub:ORG/NAME
+  # (e.g. hf-hub:timm/resnet50.a1_in1k), a timm/torchvision .safetensors/.pth/.bin or a big_vision
+  # ViT .npz. Their
+  # model (when model.name is left at cnn), normalisation, image size and crop fraction become the
+  # run's defaults.
   config.init_from.checkpoint = ''
   config.init_from.step = 'latest'  # Of a workdir: latest | best | a step number.
-  config.init_from.keep_head = False  # Keep the source's classifier and class names (e.g. ImageNet's 1,000) instead of a fresh one for the data's classes.
-  config.init_from.skip = ()  # Regexes on parameter paths to re-initialise instead (the classifier is re-initialised anyway when the classes differ).
+  # Keep the source's classifier and class names (e.g. ImageNet's 1,000) instead of a fresh one for
+  # the data's classes.
+  config.init_from.keep_head = False
+  # Regexes on parameter paths to re-initialise instead (the classifier is re-initialised anyway
+  # when the classes differ).
+  config.init_from.skip = ()
 
   # --- parallelism ------------------------------------------------------
   config.parallelism = 'jit'  # jit (jax.jit over a device mesh) | pmap.
@@ -141,27 +209,42 @@ def get_config() -> ml_collections.ConfigDict:
   config.mesh.fsdp = 1  # Shard parameters and optimizer state over this many devices.
   config.mesh.fsdp_min_size = 2**14  # Arrays with fewer elements stay replicated under fsdp.
   config.require_platform = ''  # '' = run on what is there; else tpu | gpu | cpu, or stop.
-  config.cpu_devices = 8  # On CPU, split the host into this many XLA devices (~3x faster convolutions; fewer if the batch sizes need); 0 = XLA's default.
-  config.cpu_convolutions = 'xla'  # XLA:CPU's convolution kernels: xla (its default, YNNPACK) | eigen (faster for wide layers: FastNet 1.36x, the Keras CNN 1.23x, ResNet-20 0.95x).
+  # On CPU, split the host into this many XLA devices (~3x faster convolutions; fewer if the batch
+  # sizes need); 0 = XLA's default.
+  config.cpu_devices = 8
+  # XLA:CPU's convolution kernels: xla (its default, YNNPACK) | eigen (faster for wide layers:
+  # FastNet 1.36x, the Keras CNN 1.23x, ResNet-20 0.95x).
+  config.cpu_convolutions = 'xla'
 
   # --- loop -------------------------------------------------------------
   config.seed = 0  # Seeds parameters, data order and augmentation.
   config.log_every_steps = 100  # Progress line and train metrics every N steps ...
-  config.log_every_secs = 0.0  # ... and also when this many seconds passed since the last one (0 = off; one process only).
-  config.profile_steps = 0  # Trace this many train steps with jax.profiler after 5 warm-up steps into WORKDIR/profile (0 = off).
-  config.eval_every_steps = -1  # Evaluate every N steps (-1 = once per epoch; the end always evaluates).
-  config.checkpoint_every_steps = -1  # Checkpoint every N steps (-1 = once per epoch; the end always saves).
+  # ... and also when this many seconds passed since the last one (0 = off; one process only).
+  config.log_every_secs = 0.0
+  # Trace this many train steps with jax.profiler after 5 warm-up steps into WORKDIR/profile (0 =
+  # off).
+  config.profile_steps = 0
+  # Evaluate every N steps (-1 = once per epoch; the end always evaluates).
+  config.eval_every_steps = -1
+  # Checkpoint every N steps (-1 = once per epoch; the end always saves).
+  config.checkpoint_every_steps = -1
 
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.keep = 2  # Keep the latest N checkpoints ...
-  config.checkpoint.best_metric = 'eval_accuracy'  # ... plus the best by this eval metric ('' = none).
+  # ... plus the best by this eval metric ('' = none).
+  config.checkpoint.best_metric = 'eval_accuracy'
   config.checkpoint.best_mode = 'max'  # max | min for best_metric.
 
   config.eval = ml_collections.ConfigDict()
   config.eval.checkpoint = 'latest'  # --mode=eval/predict restores: latest | best | a step number.
-  config.eval.ema = False  # --mode=eval/predict/export (and the end-of-run report) use the EMA weights; eval.checkpoint=best picks by checkpoint.best_metric, so pair it with eval_accuracy_ema.
-  config.eval.flip_tta = False  # Every evaluation (and predict/export) averages the logits of each image and its mirror.
-  config.eval.translate_tta = 0  # ... and of the image shifted this many pixels diagonally each way (weights 1/2, 1/4, 1/4; 0 = off; costs 3x).
+  # --mode=eval/predict/export (and the end-of-run report) use the EMA weights; eval.checkpoint=best
+  # picks by checkpoint.best_metric, so pair it with eval_accuracy_ema.
+  config.eval.ema = False
+  # Every evaluation (and predict/export) averages the logits of each image and its mirror.
+  config.eval.flip_tta = False
+  # ... and of the image shifted this many pixels diagonally each way (weights 1/2, 1/4, 1/4; 0 =
+  # off; costs 3x).
+  config.eval.translate_tta = 0
 
   config.predict = ml_collections.ConfigDict()
   config.predict.input = ''  # --mode=predict: an image file or a folder of images.
@@ -169,10 +252,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.predict.output_csv = ''  # Also write predictions here ('' = print only).
 
   config.wandb = ml_collections.ConfigDict()
-  config.wandb.project = ''  # Also log to Weights & Biases in this project ('' = off; pip install 'flaxtpu[wandb]').
+  # Also log to Weights & Biases in this project ('' = off; pip install 'flaxtpu[wandb]').
+  config.wandb.project = ''
   config.wandb.entity = ''  # W&B team or user ('' = your default).
-  config.wandb.mode = 'online'  # online | offline (written under WORKDIR/wandb, `wandb sync` later).
+  # online | offline (written under WORKDIR/wandb, `wandb sync` later).
+  config.wandb.mode = 'online'
 
-  config.compilation_cache_dir = ''  # JAX persistent compile cache ('' = ~/.cache/flaxtpu/jax; 'none' = off).
+  # JAX persistent compile cache ('' = ~/.cache/flaxtpu/jax; 'none' = off).
+  config.compilation_cache_dir = ''
   config.lock()
   return config

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from flaxtpu import augment, metrics, models, optim, parallel
-from flaxtpu.config import RunLength, resolved_eval_batch_size, run_length
+from flaxtpu.config import RunLength, check_against_data, resolved_eval_batch_size, run_length
 from flaxtpu.errors import UserError
 
 # --- the task and its state ---------------------------------------------------
@@ -53,15 +53,12 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
                 image_shape: tuple[int, int, int], mean, std,
                 length: Optional[RunLength] = None) -> Task:
   """The model and preprocessing a config describes; with a run `length`, also its optimizer."""
-  if config.eval.translate_tta >= min(image_shape[:2]):
-    raise UserError(f'config.eval.translate_tta={config.eval.translate_tta} must be smaller than the '
-                    f'{image_shape[0]}x{image_shape[1]} images (airbench uses 1)')
+  check_against_data(config, image_shape, num_classes)
   model = models.create(
       config.model.name, num_classes=num_classes, dtype=config.dtype, remat=config.model.remat,
       bn_axis_name=parallel.PMAP_AXIS if config.parallelism == 'pmap' else None,
       patch_size=config.model.patch_size, pool=config.model.pool, dropout=config.model.dropout,
-      drop_path=config.model.drop_path, padding=config.model.padding, gelu=config.model.gelu,
-      image_shape=image_shape)
+      drop_path=config.model.drop_path, padding=config.model.padding, gelu=config.model.gelu)
   optimizer, schedule = optim.create_optimizer(config, length) if length else (None, None)
   standardize = config.dataset.normalize in ('standardize', 'fixed')
   return Task(model=model, num_classes=num_classes, image_shape=tuple(image_shape),
