@@ -1,7 +1,7 @@
 """The input pipeline: batches as a pure function of (seed, step), decoded in worker processes.
 
-A dataset is a train and an eval split (`sources.py`: an image folder or a
-TFDS dataset) and the `preprocess.Transform` that turns an image into the
+A dataset is a train and an eval split (from whichever source `sources.get`
+picks) and the `preprocess.Transform` that turns an image into the
 model's input. Its examples are either
 
 - streamed: each batch is read and decoded from disk when it is needed, in
@@ -34,7 +34,8 @@ import numpy as np
 from flaxtpu import preprocess, sources, workers
 from flaxtpu.errors import UserError
 from flaxtpu.preprocess import IMAGE_EXTENSIONS, Transform
-from flaxtpu.sources import DataError, printable
+from flaxtpu.sources import DataError
+from flaxtpu.sources import printable as printable  # evaluate.py names files with data.printable
 
 # The decoded splits may take this share of host memory before `dataset.cache=auto` streams.
 CACHE_MEMORY_FRACTION = 1 / 8
@@ -91,84 +92,57 @@ def load(config: ml_collections.ConfigDict, *, need_train: bool = True,
          class_names: Optional[Sequence[str]] = None) -> Dataset:
   """The splits named by `config.dataset`, listed (and, when cached, decoded) and checked.
 
-  A folder's classes are the training split's class folders, or `class_names`
-  (a checkpoint's, or the training split's when loading another eval split);
-  the eval split's folders are matched to them by name.
+  Whatever the source (`sources.get`), the classes are the training split's,
+  or `class_names` (a checkpoint's, or the training split's when loading
+  another eval split); a folder's eval split is matched to them by name.
   """
-  source = config.dataset
+  settings = config.dataset
   num_workers = input_workers(config)
-  train_split = eval_split = in_memory_arrays = None  # in_memory_arrays: spec -> (images, labels)
-  if source.folder:
-    if need_train:
-      train_split, class_names = sources.folder_split(source.folder, source.train_split, class_names,
-                                                      source.unknown_classes)
-    elif class_names is None:
-      class_names = sources.folder_classes(source.folder, source.train_split)
-    eval_split, class_names = sources.folder_split(source.folder, source.eval_split, class_names,
-                                                   source.unknown_classes)
-    if missing := sources.missing_classes(eval_split.labels, class_names):
-      logging.warning('eval split %r has no examples of %d of the %d classes: %s; their per-class '
-                      'rows show support 0', source.eval_split, len(missing), len(class_names),
-                      ', '.join(printable(name) for name in missing[:20])
-                      + (', ...' if len(missing) > 20 else ''))
-    channels = 3  # like tfds.ImageFolder and Keras: grayscale and CMYK files become RGB
-    transform = image_transform(config, channels)
-    # A sample of headers sizes the cache; decoding a cached split checks every file anyway.
-    native = set().union(*(sources.sample_sizes(s) for s in (train_split, eval_split) if s))
-    cache = _use_cache(source.cache, _count(train_split, eval_split),
-                       _image_shape(native, transform, channels), transform)
-    if not cache:  # streamed: every header now, so sizes and unreadable files show before step 1
-      train_split, train_sizes = (sources.scan(train_split, num_workers, source.skip_corrupt)
-                                  if need_train else (None, set()))
-      eval_split, eval_sizes = sources.scan(eval_split, num_workers, source.skip_corrupt)
-      native = train_sizes | eval_sizes
-  elif source.name in sources.EMBEDDED:  # small, in memory: like a TFRecord dataset below
-    images, labels, class_names = sources.embedded_arrays(source.name, source.eval_split)
-    channels = images.shape[-1]
-    transform = image_transform(config, channels)
-    native = {images.shape[1:3]}
-    in_memory_arrays = lambda spec: sources.embedded_arrays(source.name, spec)[:2]
-  else:
-    builder = sources.tfds_builder(source.name, source.data_dir)
-    info = sources.tfds_info(builder)
-    class_names, channels = info.class_names, info.image_shape[-1]
-    transform = image_transform(config, channels)
-    native = {info.image_shape[:2]} if None not in info.image_shape[:2] else {None}
-    if info.array_record:
-      train_split = sources.tfds_split(builder, source.train_split) if need_train else None
-      eval_split = sources.tfds_split(builder, source.eval_split)
-      cache = _use_cache(source.cache, _count(train_split, eval_split),
-                         _image_shape(native, transform, channels), transform)
-    else:  # TFRecord reads only in sequence: small datasets go to memory, others need ArrayRecord
-      specs = [source.eval_split] + ([source.train_split] if need_train else [])
-      count = sum(builder.info.splits[spec].num_examples for spec in specs)
-      if None in info.image_shape or not _use_cache(source.cache, count, info.image_shape, transform):
-        sources.tfds_split(builder, source.eval_split)  # raises, explaining how to prepare ArrayRecord
-      in_memory_arrays = functools.partial(sources.tfds_arrays, builder)
-  image_shape = _image_shape(native, transform, channels)
+  source = sources.get(settings)
+  train_split, eval_split, class_names = source.splits(settings.train_split if need_train else None,
+                                                       settings.eval_split, class_names)
+  transform = image_transform(config, source.channels)
+  examples, image_shape = _read(source, [split for split in (train_split, eval_split) if split is not None],
+                                settings, transform, num_workers)
+  dataset = Dataset(train=examples[0] if need_train else None, eval=examples[-1], class_names=tuple(class_names),
+                    image_shape=image_shape, mean=np.zeros(source.channels, np.float32),
+                    std=np.ones(source.channels, np.float32), transform=transform, workers=num_workers,
+                    prefetch=config.input.prefetch, skip_corrupt=settings.skip_corrupt)
+  return _normalized(dataset, settings)
 
-  if in_memory_arrays is not None:
-    train = Examples(None, *in_memory_arrays(source.train_split)) if need_train else None
-    evaluation = Examples(None, *in_memory_arrays(source.eval_split))
-  else:
-    examples = functools.partial(_examples, cache=cache, transform=transform, num_workers=num_workers,
-                                 skip_corrupt=source.skip_corrupt)
-    train = examples(train_split) if need_train else None
-    evaluation = examples(eval_split)
-  dataset = Dataset(train=train, eval=evaluation, class_names=tuple(class_names),
-                    image_shape=tuple(image_shape), mean=np.zeros(channels, np.float32),
-                    std=np.ones(channels, np.float32), transform=transform, workers=num_workers,
-                    prefetch=config.input.prefetch, skip_corrupt=source.skip_corrupt)
-  if source.normalize == 'standardize' and train is not None:
+
+def _read(source: sources.Source, splits: list[sources.Split], settings: ml_collections.ConfigDict,
+          transform: Transform, num_workers: int) -> tuple[list[Examples], tuple[int, int, int]]:
+  """Each split decoded into memory or ready to stream (`dataset.cache`), and the shape the model sees."""
+  channels = source.channels
+  native = source.native_sizes(splits)
+  if source.in_memory:
+    fits = None not in native and _use_cache(settings.cache, _count(*splits), (*next(iter(native)), channels),
+                                             transform)
+    examples = [Examples(None, *source.arrays(split, fits)) for split in splits]
+    return examples, _image_shape(native, transform, channels)
+  cache = _use_cache(settings.cache, _count(*splits), _image_shape(native, transform, channels), transform)
+  if not cache:  # streamed: every header now, so sizes and unreadable files show before step 1
+    checked = [source.checked(split, num_workers, settings.skip_corrupt) for split in splits]
+    splits, native = [split for split, _ in checked], set().union(*(sizes for _, sizes in checked))
+  image_shape = _image_shape(native, transform, channels)
+  return [_examples(split, cache=cache, transform=transform, num_workers=num_workers,
+                    skip_corrupt=settings.skip_corrupt) for split in splits], image_shape
+
+
+def _normalized(dataset: Dataset, settings: ml_collections.ConfigDict) -> Dataset:
+  """The dataset with its standardisation numbers: the train split's (`standardize`) or the config's
+  (`fixed`; an RGB model's three numbers averaged for 1-channel images, in the config too)."""
+  if settings.normalize == 'standardize' and dataset.train is not None:
     mean, std = _statistics(dataset)
-    dataset = dataclasses.replace(dataset, mean=mean, std=std)
-  elif source.normalize == 'fixed':
-    if channels == 1 and len(config.dataset.mean) == 3:  # an RGB model's numbers on grayscale images
-      config.dataset.mean, config.dataset.std = ((float(np.mean(config.dataset[key])),) for key in ('mean', 'std'))
+    return dataclasses.replace(dataset, mean=mean, std=std)
+  if settings.normalize == 'fixed':
+    if dataset.image_shape[-1] == 1 and len(settings.mean) == 3:  # an RGB model's numbers on grayscale images
+      settings.mean, settings.std = ((float(np.mean(settings[key])),) for key in ('mean', 'std'))
       logging.info('dataset.mean/std: the colour channels\' averages for 1-channel images, %.3f/%.3f',
-                   config.dataset.mean[0], config.dataset.std[0])
-    dataset = dataclasses.replace(dataset, mean=np.asarray(config.dataset.mean, np.float32),
-                                  std=np.asarray(config.dataset.std, np.float32))
+                   settings.mean[0], settings.std[0])
+    return dataclasses.replace(dataset, mean=np.asarray(settings.mean, np.float32),
+                               std=np.asarray(settings.std, np.float32))
   return dataset
 
 

@@ -1,9 +1,14 @@
-"""Where examples come from: an image folder or a TFDS dataset, sliced like `train[:90%]`.
+"""Where examples come from: one class per kind of dataset, the same methods for each.
+
+`get(config.dataset)` picks the source: an image folder, an embedded
+dataset, a TFDS dataset prepared as ArrayRecord (streamed) or as TFRecord
+(read into memory). `data.load` builds its batches from whichever it gets
+(`Source` says what each offers), so adding a source adds a class here.
 
 A split is a random-access list of (undecoded image, label): file paths for
-a folder, ArrayRecord records for TFDS. Nothing is decoded here, so a split
-of a million images costs its file list, not its pixels. Both kinds pickle
-cheaply into the input workers.
+a folder, ArrayRecord records for TFDS, arrays for an in-memory source.
+Nothing is decoded here, so a split of a million images costs its file list,
+not its pixels. Every kind pickles cheaply into the input workers.
 
 Folder examples are in a fixed stratified order (the same on every machine
 and run): each class's files are shuffled with a fixed seed, then the
@@ -22,6 +27,7 @@ import threading
 import urllib.parse
 from typing import Optional, Sequence
 
+import ml_collections
 import numpy as np
 
 from flaxtpu import preprocess, workers
@@ -41,33 +47,39 @@ class DataError(UserError):
 class Split:
   """One (possibly sliced) split; `load(i)` gives what `preprocess.open_image` opens, and the label."""
   name: str  # the spec, e.g. 'train[:90%]'
-  paths: Optional[np.ndarray] = None  # folder: bytes [N], relative to `root`
-  labels: Optional[np.ndarray] = None  # folder: int32 [N], known without opening a file
+  paths: Optional[np.ndarray] = None  # files: bytes [N], relative to `root`
+  labels: Optional[np.ndarray] = None  # files, arrays: int32 [N], known without opening a file
   root: str = ''
   records: object = None  # TFDS: a random-access source of {'image': bytes, 'label': int}
   indices: Optional[np.ndarray] = None  # TFDS: the record index of each example
+  images: Optional[np.ndarray] = None  # in memory: uint8 [N, H, W, C], decoded already
 
   def __len__(self) -> int:
-    return len(self.paths) if self.paths is not None else len(self.indices)
+    return len(self.labels) if self.labels is not None else len(self.indices)
 
   def load(self, index: int) -> tuple[object, int]:
     if self.paths is not None:
       return os.path.join(self.root, os.fsdecode(self.paths[index])), int(self.labels[index])
+    if self.images is not None:
+      return self.images[index], int(self.labels[index])
     record = self.records[int(self.indices[index])]
     return record['image'], record['label']
 
   def describe(self, index: int) -> str:
-    """The example as a user finds it: its file, or its record in the TFDS split."""
+    """The example as a user finds it: its file, or its record or position in the split."""
     if self.paths is not None:
       return os.path.join(self.root, os.fsdecode(self.paths[index]))
-    return f'record {int(self.indices[index])} of TFDS split {self.name!r}'
+    if self.indices is not None:
+      return f'record {int(self.indices[index])} of TFDS split {self.name!r}'
+    return f'image {index} of split {self.name!r}'
 
   def subset(self, keep: np.ndarray) -> 'Split':
     """The examples at positions `keep` (e.g. without the files that cannot be read)."""
     return dataclasses.replace(
         self, labels=None if self.labels is None else self.labels[keep],
         paths=None if self.paths is None else self.paths[keep],
-        indices=None if self.indices is None else self.indices[keep])
+        indices=None if self.indices is None else self.indices[keep],
+        images=None if self.images is None else self.images[keep])
 
 
 # --- split specs: 'train', 'train[:90%]', 'train[1000:]', 'train[:10%]+test' ---------------
@@ -422,9 +434,11 @@ DOWNLOAD_HOST = ('storage.googleapis.com', 443)  # where TFDS looks first for pr
 NETWORK_TIMEOUT_S = 5.0
 
 
-def network_problem(address: tuple[str, int] = DOWNLOAD_HOST,
+def network_problem(address: Optional[tuple[str, int]] = None,
                     timeout_s: float = NETWORK_TIMEOUT_S) -> Optional[str]:
-  """None if `address` (or the HTTPS proxy) answers within `timeout_s`, else why not."""
+  """None if `address` (DOWNLOAD_HOST when None, or the HTTPS proxy) answers within `timeout_s`,
+  else why not."""
+  address = address or DOWNLOAD_HOST
   proxy = os.environ.get('HTTPS_PROXY') or os.environ.get('https_proxy')
   parsed = urllib.parse.urlsplit(proxy if '://' in (proxy or '') else f'http://{proxy}') if proxy else None
   host, port = (parsed.hostname, parsed.port or 3128) if parsed and parsed.hostname else address
@@ -497,3 +511,129 @@ class _Records:
   def __getitem__(self, index: int) -> dict:
     record = self._source[index]
     return {'image': record[self._image_key], 'label': int(record[self._label_key])}
+
+
+# --- the sources: one class per kind, the same methods ------------------------------------
+
+
+class Source:
+  """What `data.load` asks of every kind of dataset.
+
+  `splits` lists the train (when asked) and eval split, undecoded, with the
+  class names their labels index. `native_sizes` says the (height, width) of
+  their images ({None} when they vary) without decoding them. A source that
+  is `in_memory` hands each split over decoded (`arrays`); any other split is
+  cached or streamed by `data.py`, and before streaming `checked` drops what
+  cannot be read. The defaults suit splits of files (paths and labels).
+  """
+  in_memory = False
+  channels = 3  # of the decoded images (set by `splits` where the data says)
+
+  def splits(self, train_spec: Optional[str], eval_spec: str,
+             class_names: Optional[Sequence[str]]) -> tuple[Optional[Split], Split, tuple[str, ...]]:
+    """(train split or None when `train_spec` is None, eval split, class names); `class_names`
+    (a checkpoint's, or the training split's) set the classes when given."""
+    raise NotImplementedError
+
+  def native_sizes(self, splits: Sequence[Split]) -> set:
+    # A sample of headers sizes the cache; decoding a cached split checks every file anyway.
+    return set().union(*(sample_sizes(split) for split in splits))
+
+  def checked(self, split: Split, num_workers: int, skip_corrupt: bool) -> tuple[Split, set]:
+    """Before streaming: the split less what cannot be read, and its images' sizes."""
+    return scan(split, num_workers, skip_corrupt)
+
+  def arrays(self, split: Split, fits_in_memory: bool) -> tuple[np.ndarray, np.ndarray]:
+    """An `in_memory` source's split decoded: uint8 images [N, H, W, C] and int32 labels."""
+    raise NotImplementedError
+
+
+class FolderSource(Source):
+  """root/split/class/image (or root/class/image as split `all`): classes matched by folder name."""
+
+  def __init__(self, root: str, train_spec: str, unknown_classes: str = 'error'):
+    self.root, self.train_spec, self.unknown_classes = root, train_spec, unknown_classes
+
+  def splits(self, train_spec, eval_spec, class_names):
+    train = None
+    if train_spec is not None:
+      train, class_names = folder_split(self.root, train_spec, class_names, self.unknown_classes)
+    elif class_names is None:  # evaluating alone: the classes training on train_spec gives
+      class_names = folder_classes(self.root, self.train_spec)
+    evaluation, class_names = folder_split(self.root, eval_spec, class_names, self.unknown_classes)
+    if missing := missing_classes(evaluation.labels, class_names):
+      logging.warning('eval split %r has no examples of %d of the %d classes: %s; their per-class '
+                      'rows show support 0', eval_spec, len(missing), len(class_names),
+                      ', '.join(printable(name) for name in missing[:20]) + (', ...' if len(missing) > 20 else ''))
+    return train, evaluation, class_names
+
+
+class EmbeddedSource(Source):
+  """A small dataset shipped with flaxtpu (`EMBEDDED`), read into memory."""
+  in_memory = True
+
+  def __init__(self, name: str):
+    self.name = name
+
+  def splits(self, train_spec, eval_spec, class_names):
+    del class_names  # the file's own, the same in every split
+    listed = {}
+    for spec in [eval_spec] + ([train_spec] if train_spec is not None else []):
+      images, labels, names = embedded_arrays(self.name, spec)
+      listed[spec] = Split(name=spec, images=images, labels=labels)
+    self.channels = images.shape[-1]
+    return listed.get(train_spec), listed[eval_spec], names
+
+  def native_sizes(self, splits):
+    return {split.images.shape[1:3] for split in splits}
+
+  def arrays(self, split, fits_in_memory):
+    return split.images, split.labels
+
+
+class TfdsSource(Source):
+  """A TFDS dataset prepared as ArrayRecord: records read by index, images decoded when used."""
+
+  def __init__(self, builder):
+    self.builder, self.info = builder, tfds_info(builder)
+    self.channels = self.info.image_shape[-1]
+
+  def splits(self, train_spec, eval_spec, class_names):
+    del class_names  # the builder's label names, the same in every split
+    train = tfds_split(self.builder, train_spec) if train_spec is not None else None
+    return train, tfds_split(self.builder, eval_spec), self.info.class_names
+
+  def native_sizes(self, splits):
+    return {self.info.image_shape[:2]} if None not in self.info.image_shape[:2] else {None}
+
+  def checked(self, split, num_workers, skip_corrupt):
+    return split, self.native_sizes([split])  # a record that cannot be decoded fails when it is read
+
+
+class TfdsMemorySource(TfdsSource):
+  """A TFDS dataset prepared as TFRecord, which reads only in sequence: a small one (MNIST, CIFAR)
+  is read whole into memory; a larger one must be prepared as ArrayRecord."""
+  in_memory = True
+
+  def splits(self, train_spec, eval_spec, class_names):
+    del class_names
+    listed = {}
+    for spec in [eval_spec] + ([train_spec] if train_spec is not None else []):
+      _check_tfds_spec(self.builder, spec)
+      listed[spec] = Split(name=spec, indices=np.arange(self.builder.info.splits[spec].num_examples))
+    return listed.get(train_spec), listed[eval_spec], self.info.class_names
+
+  def arrays(self, split, fits_in_memory):
+    if not fits_in_memory:
+      tfds_split(self.builder, split.name)  # raises, explaining how to prepare ArrayRecord
+    return tfds_arrays(self.builder, split.name)
+
+
+def get(dataset: ml_collections.ConfigDict) -> Source:
+  """The source `config.dataset` names: a folder (wins when set), an embedded dataset or TFDS."""
+  if dataset.folder:
+    return FolderSource(dataset.folder, dataset.train_split, dataset.unknown_classes)
+  if dataset.name in EMBEDDED:
+    return EmbeddedSource(dataset.name)
+  builder = tfds_builder(dataset.name, dataset.data_dir)
+  return TfdsSource(builder) if tfds_info(builder).array_record else TfdsMemorySource(builder)

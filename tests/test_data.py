@@ -368,6 +368,36 @@ def test_embedded_digits_load_without_a_download():
     data.load(config)
 
 
+def test_the_config_picks_one_source_and_every_source_answers_the_same_methods(image_folder):
+  config = defaults.get_config()
+  config.dataset.name = 'digits'
+  assert type(sources.get(config.dataset)) is sources.EmbeddedSource
+  config.dataset.folder = image_folder  # wins over the name
+  folder = sources.get(config.dataset)
+  assert type(folder) is sources.FolderSource and not folder.in_memory
+  train, evaluation, class_names = folder.splits('train', 'test', None)
+  assert class_names == ('cat', 'dog', 'frog') and (len(train), len(evaluation)) == (48, 21)
+  assert folder.native_sizes([train, evaluation]) == {(8, 8)}
+  _, alone, same = folder.splits(None, 'test', None)  # evaluating alone: the training split's classes
+  assert same == class_names and (alone.labels == evaluation.labels).all()
+
+
+def test_rgb_mean_and_std_are_averaged_for_one_channel_images_and_other_counts_refused():
+  from flaxtpu import config as config_lib
+  config = defaults.get_config()
+  config.dataset.name, config.dataset.train_split = 'digits', 'train[:100]'
+  config.dataset.normalize = 'fixed'
+  config.dataset.mean, config.dataset.std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+  dataset = data.load(config)
+  np.testing.assert_allclose(dataset.mean, [np.mean([0.485, 0.456, 0.406])], rtol=1e-6)
+  np.testing.assert_allclose(dataset.std, [np.mean([0.229, 0.224, 0.225])], rtol=1e-6)
+  assert len(config.dataset.mean) == 1  # the averages, as the run's config.json records them
+  config_lib.check_against_data(config, dataset.image_shape, dataset.num_classes)
+  config.dataset.mean, config.dataset.std = (0.5, 0.5), (0.2, 0.2)
+  with pytest.raises(config_lib.ConfigError, match='mean/std have 2 channels but the images have 1'):
+    config_lib.check_against_data(config, dataset.image_shape, dataset.num_classes)
+
+
 def test_file_names_that_are_not_utf8_are_read(tmp_path):
   folder = make_image_folder(tmp_path, train_per_class=2, test_per_class=1)
   os.rename(os.path.join(folder, 'train', 'cat', '000.png'),
