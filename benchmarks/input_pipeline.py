@@ -233,7 +233,7 @@ def cifar_mode(args) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
 
   from configs import cifar10_resnet  # pylint: disable=g-import-not-at-top
-  from flaxtpu import augment, data, parallel, steps  # pylint: disable=g-import-not-at-top
+  from flaxtpu import augment, data, parallel, steps, workers  # pylint: disable=g-import-not-at-top
   from flaxtpu.config import run_length  # pylint: disable=g-import-not-at-top
 
   batches = args.batches
@@ -252,7 +252,7 @@ def cifar_mode(args) -> dict:
     return augment.normalize(augment.augment_batch(key, images, positions, task.augment), task.mean, task.std)
 
   def device_batches(first_step, count):
-    return data.prefetch(placement.put_train_batch(tuple(batch)[:2]) for batch in data.train_batches(
+    return workers.prefetch(placement.put_train_batch(tuple(batch)[:2]) for batch in data.train_batches(
         dataset, seed=0, batch_size=args.batch_size, first_step=first_step, last_step=first_step + count,
         alternate_flip=config.augment.alternate_flip))
 
