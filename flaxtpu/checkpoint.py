@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import jax
 import ml_collections
@@ -85,6 +85,8 @@ MAX_RELISTS = 20
 
 
 UNREADABLE_SUFFIX = '.unreadable'  # an unreadable step directory is renamed aside, never deleted
+
+T = TypeVar('T')  # what a policy's `read(step)` returns
 
 
 class Checkpoints:
@@ -186,67 +188,40 @@ class Checkpoints:
                             f'{self.directory}; saved steps: {steps} (or latest, best)')
     return int(which)
 
-  def restore_which(self, which: str, abstract_state: Any, expected: dict,
-                    config: Optional[ml_collections.ConfigDict] = None, partial: bool = False
-                    ) -> tuple[int, Any, dict]:
-    """'latest' | 'best' | a step number -> (step, state, record), read as `restore` reads.
-
-    'latest' falls back past unreadable steps (restore_newest_readable); a
-    'best' step that a live run replaced and deleted while it was read is
-    looked up again; a named step that was deleted is an error.
-    """
-    if which == 'latest':
-      return self.restore_newest_readable(abstract_state, expected, config=config, partial=partial)
-    for _ in range(MAX_RELISTS):
-      step = self.resolve(which)
-      try:
-        return (step, *self.restore(step, abstract_state, expected, config=config, partial=partial))
-      except VanishedCheckpoint as e:
-        if which != 'best':
-          raise CheckpointError(f'{e}; evaluate a step it still keeps (saved steps: '
-                                f'{_complete_steps(self.directory)}) or latest') from e
-        self._manager.reload()
-    raise CheckpointError(f'the best checkpoint in {self.directory} was replaced faster than it could be '
-                          f'read ({MAX_RELISTS} tries); evaluate it once the run has finished')
-
   def read_record(self, step: int) -> dict:
-    return self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))['record']
-
-  def restore(self, step: int, abstract_state: Any, expected: dict,
-              config: Optional[ml_collections.ConfigDict] = None,
-              partial: bool = False) -> tuple[Any, dict]:
-    """Restores `step` into the shapes and shardings of `abstract_state` (any mesh).
-
-    `abstract_state` may be a function of the checkpoint's record that returns them.
-    `expected` holds record fields (model, num_classes, image_shape) that must
-    match; a mismatch is reported by name instead of as a shape error. When
-    the arrays do not fit, the config keys that changed since the checkpoint
-    was written are named. `partial` restores only the fields of
-    `abstract_state` (a `ModelState` for inference: no optimizer needed).
-    """
-    path = os.path.join(self.directory, str(step))
+    """The JSON record saved with `step` (config, classes, data position, progress)."""
     try:
-      record = self.read_record(step)
+      return self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))['record']
     except Exception as e:  # pylint: disable=broad-except
       self._raise_if_vanished(step, e)
-      raise UnreadableCheckpoint(f'checkpoint {path} cannot be read ({_first_line(e)})') from e
-    if callable(abstract_state):  # the shapes depend on what the checkpoint holds (evaluation)
-      abstract_state = abstract_state(record)
-    for key, value in expected.items():
+      raise UnreadableCheckpoint(f'checkpoint {self._path(step)} cannot be read ({_first_line(e)})') from e
+
+  def restore(self, step: int, target: Any, expected: Optional[dict] = None, *,
+              config: Optional[ml_collections.ConfigDict] = None, subset: bool = False) -> tuple[Any, dict]:
+    """Restores `step` into the shapes and shardings of `target` (any mesh): (arrays, record).
+
+    `target` is what to read: the whole saved state (every field must match),
+    or with `subset` any part of it (a `ModelState` for inference, `{'ema': ...}`,
+    a nested dict of some parameters). `expected` holds record fields (model,
+    num_classes, image_shape) that must match; a mismatch is reported by name
+    instead of as a shape error. When the arrays do not fit, the keys of
+    `config` that changed since the checkpoint was written are named.
+    """
+    path = self._path(step)
+    record = self.read_record(step)
+    for key, value in (expected or {}).items():
       if record.get(key) != value:
         raise CheckpointError(f'checkpoint {path} has {key}={record.get(key)!r} but the config '
                               f'gives {value!r}; use a matching config or another --workdir')
     try:
-      try:
-        state = self._restore_state(path, step, abstract_state, partial)
-      except ValueError:
-        if partial or getattr(abstract_state, 'ema', None) != {}:
-          raise
-        state = self._restore_without_ema(path, step, abstract_state)
+      with ocp.PyTreeCheckpointer() as reader:
+        arrays = reader.restore(os.path.join(path, 'state'), args=ocp.args.PyTreeRestore(
+            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=subset))
     except Exception as e:  # pylint: disable=broad-except
       self._raise_if_vanished(step, e)  # before blaming the config: a half-deleted step fits nothing
       # Only model and optimizer keys shape the saved arrays (an inference restore reads no optimizer).
-      shaping = ('model.', 'ema.decay') if partial else ('model.', 'optimizer.', 'ema.decay')
+      shaping = ('model.', 'ema.decay') if subset else ('model.', 'optimizer.', 'ema.decay')
       changed = [change for change in changed_keys(record.get('config', {}), config.to_dict())
                  if change.startswith(shaping)] if config else []
       if changed:
@@ -256,27 +231,76 @@ class Checkpoints:
             '--workdir') from e
       raise UnreadableCheckpoint(f'checkpoint {path} cannot be restored ({_first_line(e)})') from e
     logging.info('restored checkpoint step %d from %s', step, path)
-    return state, record
+    return arrays, record
 
-  def restore_newest_readable(self, abstract_state: Any, expected: dict,
-                              config: Optional[ml_collections.ConfigDict] = None, partial: bool = False,
-                              newest: Optional[int] = None, set_aside: bool = False
-                              ) -> tuple[int, Any, dict]:
-    """Restores the newest step (at most `newest`) that can be read: (step, state, record).
+  def restore_train_state(self, step: int, abstract_state: Any, expected: dict,
+                          config: ml_collections.ConfigDict) -> tuple[Any, dict]:
+    """The whole train state at `step`: (state, record), read as `restore` reads.
 
-    An unreadable step (truncated or corrupted files) is named in the log and
-    the next older one is tried. With `set_aside` (training), the unreadable
-    steps are renamed STEP.unreadable once a readable one is found, so the run
-    can save those step numbers again; nothing is ever deleted. A checkpoint
-    from another config is an error, not a reason to fall back. A step that a
-    live run deletes while it is read (rotation) is no damage: the steps are
-    listed again and the newest is read.
+    A run without an EMA also resumes a checkpoint that differs from it in the
+    EMA only: one written before flaxtpu had an EMA (no `ema` field), or one
+    of a run that turned its EMA off (read and dropped). Every other field is
+    restored strictly: any other difference still fails.
     """
-    unreadable = []
+    try:
+      return self.restore(step, abstract_state, expected, config=config)
+    except CheckpointError as e:
+      if (abstract_state.ema != {} or isinstance(e, VanishedCheckpoint)
+          or not isinstance(e.__cause__, ValueError)):
+        raise
+    fields = {field.name: getattr(abstract_state, field.name) for field in dataclasses.fields(abstract_state)}
+    if 'ema' in self._metadata(step):
+      fields['ema'] = {'params': abstract_state.params, 'batch_stats': abstract_state.batch_stats}
+    else:
+      del fields['ema']
+    arrays, record = self.restore(step, fields, expected, config=config)
+    logging.info('checkpoint %s: its EMA (or its lack of one) is not used by this run', self._path(step))
+    return abstract_state.replace(**{**arrays, 'ema': {}}), record
+
+  def restore_newest_readable(self, target: Any, expected: dict, **options) -> tuple[int, Any, dict]:
+    """`restore` of the newest readable step: (step, arrays, record); `options` as `newest_readable`."""
+    step, (arrays, record) = self.newest_readable(
+        lambda step: self.restore(step, target, expected), **options)
+    return step, arrays, record
+
+  def restore_which(self, which: str, read: Callable[[int], T]) -> tuple[int, T]:
+    """'latest' | 'best' | a step number -> (step, `read(step)`).
+
+    'latest' falls back past unreadable steps (newest_readable); a 'best' step
+    that a live run replaced and deleted while it was read is looked up again;
+    a named step that was deleted is an error.
+    """
+    if which == 'latest':
+      return self.newest_readable(read)
+    for _ in range(MAX_RELISTS):
+      step = self.resolve(which)
+      try:
+        return step, read(step)
+      except VanishedCheckpoint as e:
+        if which != 'best':
+          raise CheckpointError(f'{e}; evaluate a step it still keeps (saved steps: '
+                                f'{_complete_steps(self.directory)}) or latest') from e
+        self._manager.reload()
+    raise CheckpointError(f'the best checkpoint in {self.directory} was replaced faster than it could be '
+                          f'read ({MAX_RELISTS} tries); evaluate it once the run has finished')
+
+  def newest_readable(self, read: Callable[[int], T], newest: Optional[int] = None,
+                      set_aside: bool = False) -> tuple[int, T]:
+    """(step, `read(step)`) of the newest step (at most `newest`) that `read` can read.
+
+    An unreadable step (truncated or corrupted files: `read` raised
+    UnreadableCheckpoint) is named in the log and the next older one is tried.
+    With `set_aside` (training), the unreadable steps are renamed
+    STEP.unreadable once a readable one is found, so the run can save those
+    step numbers again; nothing is ever deleted. A checkpoint from another
+    config is an error, not a reason to fall back. A step that a live run
+    deletes while it is read (rotation) is no damage: the steps are listed
+    again and the newest is read.
+    """
+    unreadable: list[tuple[int, Exception]] = []  # the damaged steps, across listings
     for _ in range(MAX_RELISTS):
       try:
-        return self._restore_newest_listed(abstract_state, expected, config, partial, newest, set_aside,
-                                           unreadable)
+        return self._newest_listed(read, newest, set_aside, unreadable)
       except VanishedCheckpoint as e:  # a live run rotated it away: its newer steps are on disk now
         logging.info('%s; listing the checkpoints again', e)
         self._manager.reload()
@@ -284,15 +308,15 @@ class Checkpoints:
                           f'read ({MAX_RELISTS} tries); save less often (checkpoint_every_steps) or keep '
                           'more (checkpoint.keep)')
 
-  def _restore_newest_listed(self, abstract_state, expected, config, partial, newest, set_aside,
-                             unreadable: list) -> tuple[int, Any, dict]:
-    """restore_newest_readable over one listing; `unreadable` collects the damaged steps across listings."""
+  def _newest_listed(self, read: Callable[[int], T], newest: Optional[int], set_aside: bool,
+                     unreadable: list) -> tuple[int, T]:
+    """newest_readable over one listing."""
     damaged = {s for s, _ in unreadable}
     candidates = sorted((s for s in self.all_steps() if (newest is None or s <= newest) and s not in damaged),
                         reverse=True)
     for step in candidates:
       try:
-        state, record = self.restore(step, abstract_state, expected, config=config, partial=partial)
+        result = read(step)
       except VanishedCheckpoint:
         raise
       except UnreadableCheckpoint as e:
@@ -304,7 +328,7 @@ class Checkpoints:
                         ', '.join(str(s) for s, _ in unreadable))
         if set_aside:
           self._set_aside([s for s, _ in unreadable])
-      return step, state, record
+      return step, result
     if unreadable:
       steps = ', '.join(str(s) for s, _ in unreadable)
       raise CheckpointError(f'no checkpoint in {self.directory} can be read (steps {steps}; newest: '
@@ -313,6 +337,9 @@ class Checkpoints:
     raise CheckpointError(f'no complete checkpoint in {self.directory}; train first with the same '
                           '--workdir')
 
+  def _path(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
   def _raise_if_vanished(self, step: int, error: Exception) -> None:
     """VanishedCheckpoint if `step` failed to read because it was deleted meanwhile, not damaged.
 
@@ -320,7 +347,7 @@ class Checkpoints:
     then a still present directory is given a moment to go. Without a newer
     step the directory is looked at once.
     """
-    path = os.path.join(self.directory, str(step))
+    path = self._path(step)
     newer = any(s > step for s in _complete_steps(self.directory))
     deadline = time.monotonic() + (VANISH_GRACE_S if newer else 0.0)
     while os.path.isdir(path):
@@ -332,7 +359,7 @@ class Checkpoints:
 
   def _metadata(self, step: int):
     """The saved state's tree of array metadata (shapes, dtypes), read without the arrays."""
-    path = os.path.join(self.directory, str(step), 'state')
+    path = os.path.join(self._path(step), 'state')
     handler = ocp.PyTreeCheckpointHandler()
     try:
       return handler.metadata(epath.Path(path))
@@ -340,23 +367,6 @@ class Checkpoints:
       raise UnreadableCheckpoint(f'checkpoint {path} cannot be read ({_first_line(e)})') from e
     finally:
       handler.close()
-
-  def _restore_without_ema(self, path: str, step: int, abstract_state: Any) -> Any:
-    """A train state without an EMA from a checkpoint that differs from it in the EMA only.
-
-    Checkpoints written before flaxtpu had an EMA hold no `ema` field; a run
-    that turns its EMA off meets a saved one, which is read and dropped. Every
-    other field is restored strictly: any other difference still fails.
-    """
-    fields = {field.name: getattr(abstract_state, field.name) for field in dataclasses.fields(abstract_state)}
-    if 'ema' in self._metadata(step):
-      fields['ema'] = {'params': abstract_state.params, 'batch_stats': abstract_state.batch_stats}
-    else:
-      del fields['ema']
-    restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(fields)))['state']
-    restored['ema'] = {}
-    logging.info('checkpoint %s: its EMA (or its lack of one) is not used by this run', path)
-    return abstract_state.replace(**restored)
 
   def array_shapes(self, step: int, collections: tuple[str, ...]) -> dict[str, dict[str, tuple]]:
     """{collection: {'/'-joined array path: shape}} of the state saved at `step`, read from metadata only."""
@@ -368,31 +378,13 @@ class Checkpoints:
                             for keys, leaf in leaves}
     return shapes
 
-  def restore_subset(self, step: int, abstract: Any) -> Any:
-    """Only the arrays named in `abstract` (a nested dict of the saved state's keys, any subset),
-    read into its shapes and shardings (any mesh): e.g. parameters without the optimizer."""
-    path = os.path.join(self.directory, str(step))
-    try:
-      return self._restore_state(path, step, abstract, partial=True)
-    except Exception as e:  # pylint: disable=broad-except
-      raise UnreadableCheckpoint(f'checkpoint {path} cannot be restored ({_first_line(e)})') from e
-
   def _set_aside(self, steps: list[int]) -> None:
     if jax.process_index() == 0:
       for step in steps:
-        path = os.path.join(self.directory, str(step))
+        path = self._path(step)
         os.replace(path, path + UNREADABLE_SUFFIX)
         logging.warning('renamed unreadable checkpoint %s to %s', path, path + UNREADABLE_SUFFIX)
     self._manager.reload()
-
-  def _restore_state(self, path: str, step: int, abstract_state: Any, partial: bool) -> Any:
-    if not partial:
-      return self._manager.restore(
-          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))['state']
-    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
-    with ocp.PyTreeCheckpointer() as reader:
-      return reader.restore(os.path.join(path, 'state'), args=ocp.args.PyTreeRestore(
-          abstract_state, restore_args=restore_args, partial_restore=True))
 
 
 def expected_record(config: ml_collections.ConfigDict, num_classes: int,

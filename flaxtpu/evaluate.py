@@ -123,34 +123,34 @@ def restore(config: ml_collections.ConfigDict, workdir: str):
       and not os.path.isdir(os.path.join(workdir, 'checkpoints'))):
     return finetune.published_model(config)
   checkpoints = checkpoint.Checkpoints(workdir, config, read_only=True)
-  mesh, placements = parallel.make_mesh(config), []
+  mesh = parallel.make_mesh(config)
+  expected = {'model': config.model.name}  # classes and image shape come from the checkpoint
 
-  def abstract_state(record: dict):
-    task = steps.create_task(config, num_classes=record['num_classes'],
-                             image_shape=tuple(record['image_shape']),
-                             mean=record['normalization']['mean'], std=record['normalization']['std'])
-    placements.append(steps.place(task, mesh, config))
-    return placements[-1].abstract_state
-
-  def abstract_ema(record: dict):  # the saved state's `ema` subtree, read into a ModelState's layout
-    if not record.get('config', {}).get('ema', {}).get('decay'):
+  def read(step: int):
+    """The placement its record describes, and the model state of `step` laid out by it."""
+    record = checkpoints.read_record(step)
+    if config.eval.ema and not record.get('config', {}).get('ema', {}).get('decay'):
       raise checkpoint.CheckpointError(
           f'config.eval.ema=True but the run in {workdir} was trained without an EMA of its weights '
           '(ema.decay=0); drop --config.eval.ema or train with --config.ema.decay=0.999')
-    model = abstract_state(record)
-    return {'ema': {'params': model.params, 'batch_stats': model.batch_stats}}
+    task = steps.create_task(config, num_classes=record['num_classes'],
+                             image_shape=tuple(record['image_shape']),
+                             mean=record['normalization']['mean'], std=record['normalization']['std'])
+    placement = steps.place(task, mesh, config)
+    model = placement.abstract_state
+    if not config.eval.ema:
+      return placement, *checkpoints.restore(step, model, expected, config=config, subset=True)
+    # The saved state's `ema` subtree, read into a ModelState's layout.
+    saved, record = checkpoints.restore(step, {'ema': {'params': model.params, 'batch_stats': model.batch_stats}},
+                                        expected, config=config, subset=True)
+    return placement, steps.ModelState(**saved['ema']), record
 
-  expected = {'model': config.model.name}  # classes and image shape come from the checkpoint
-  target = abstract_ema if config.eval.ema else abstract_state
   # An unreadable latest checkpoint falls back to the newest readable one; one that a live run
   # rotates away while it is read is listed again.
-  step, saved, record = checkpoints.restore_which(str(config.eval.checkpoint), target, expected,
-                                                  config=config, partial=True)
+  step, (placement, saved, record) = checkpoints.restore_which(str(config.eval.checkpoint), read)
   checkpoints.close()
   if config.eval.ema:
-    saved = steps.ModelState(params=saved['ema']['params'], batch_stats=saved['ema']['batch_stats'])
     logging.info('using the EMA weights of checkpoint step %d', step)
-  placement = placements[-1]
   return placement, placement.from_saveable(saved), step, record
 
 

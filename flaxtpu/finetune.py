@@ -167,7 +167,7 @@ def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: st
                             f'with {config.model.name}; start from a checkpoint of this model')
     abstract = {collection: traverse_util.unflatten_dict(arrays, sep='/')
                 for collection, arrays in load.items() if arrays}
-    restored = source.restore_subset(step, abstract)
+    restored, _ = source.restore(step, abstract, subset=True)
   finally:
     source.close()
 

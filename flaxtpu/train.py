@@ -230,9 +230,10 @@ def start_or_resume(config: ml_collections.ConfigDict, task: steps.Task, placeme
     return Start(state, 0, [], {}, initialised_from)
 
   # A resumed run continues from its own checkpoint, never from init_from again.
-  latest, saved, record = checkpoints.restore_newest_readable(
-      placement.abstract_state, config=config, set_aside=True,
-      expected=checkpoint.expected_record(config, task.num_classes, task.image_shape))
+  expected = checkpoint.expected_record(config, task.num_classes, task.image_shape)
+  latest, (saved, record) = checkpoints.newest_readable(
+      lambda step: checkpoints.restore_train_state(step, placement.abstract_state, expected, config),
+      set_aside=True)
   saved_accumulation = record.get('config', {}).get('optimizer', {}).get('accumulate_steps', 1)
   if saved_accumulation != config.optimizer.accumulate_steps:
     # Same arrays, other meaning: the optimizer's update count and the schedule assume the old k.
