@@ -235,6 +235,30 @@ def test_keeps_the_latest_n_plus_the_best(tmp_path):
   by_loss.close()
 
 
+def test_one_restore_reads_the_whole_state_or_any_part_into_the_targets_shardings(tmp_path):
+  config = _config('unused')
+  writer = checkpoint.Checkpoints(str(tmp_path), config)
+  state = {'params': {'dense': {'kernel': jnp.arange(16.0).reshape(8, 2), 'bias': jnp.ones(2)}},
+           'opt_state': {'count': jnp.array(3)}}
+  writer.save(4, state, {'model': 'mlp', 'step': 4})
+  writer.wait()
+  writer.close()
+  reader = checkpoint.Checkpoints(str(tmp_path), config, read_only=True)
+  mesh = jax.make_mesh((8,), ('data',), axis_types=(jax.sharding.AxisType.Explicit,))
+  sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))
+  whole, record = reader.restore(4, state, {'model': 'mlp'})
+  assert record['step'] == 4 and jax.tree.all(jax.tree.map(np.array_equal, whole, state))
+  part = {'params': {'dense': {'kernel': jax.ShapeDtypeStruct((8, 2), jnp.float32, sharding=sharded)}}}
+  kernel = reader.restore(4, part, subset=True)[0]['params']['dense']['kernel']
+  assert kernel.sharding == sharded and np.array_equal(kernel, state['params']['dense']['kernel'])
+  with pytest.raises(checkpoint.CheckpointError, match="has model='mlp' but the config gives 'cnn'"):
+    reader.restore(4, state, {'model': 'cnn'})
+  with pytest.raises(checkpoint.UnreadableCheckpoint, match='cannot be restored'):
+    reader.restore(4, part)  # a part of the state is read only as a subset
+  assert reader.newest_readable(lambda step: step * 10) == (4, 40)
+  reader.close()
+
+
 def _eval_cli(workdir, folder, *extra):
   command, env = _cli(workdir, folder, '--mode=eval', *extra)
   return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

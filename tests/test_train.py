@@ -9,7 +9,7 @@ import pytest
 from configs import cifar10_resnet
 from conftest import tiny_dataset
 from flaxtpu import config as config_lib
-from flaxtpu import data, parallel, steps, train
+from flaxtpu import data, parallel, progress, steps
 from flaxtpu.errors import UserError
 
 STEPS = 5
@@ -134,8 +134,8 @@ def test_batch_that_does_not_divide_over_devices_is_named(key):
 def test_eta_counts_the_evaluations_and_saves_still_to_come(monkeypatch):
   from flaxtpu.config import RunLength
   clock_time = [1000.0]
-  monkeypatch.setattr(train.time, 'time', lambda: clock_time[0])
-  clock = train.TrainClock(first_step=0, progress={})
+  monkeypatch.setattr(progress.time, 'time', lambda: clock_time[0])
+  clock = progress.TrainClock(first_step=0, progress=progress.Progress())
   length = RunLength(total_steps=100, steps_per_epoch=10, eval_every_steps=25, checkpoint_every_steps=10,
                      warmup_steps=0)
   clock_time[0] += 20.0  # 20 steps take 20 s
@@ -147,3 +147,20 @@ def test_eta_counts_the_evaluations_and_saves_still_to_come(monkeypatch):
   # 80 steps x 1 s + evals at 25, 50, 75, 100 x 5 s + saves at 30, ..., 100 x 1 s.
   assert clock.eta(20, length) == 80 + 4 * 5 + 8 * 1
   assert clock.eta(100, length) == 0
+
+
+def test_progress_keeps_the_layout_of_the_checkpoint_record_and_adds_up_the_attempts(monkeypatch):
+  saved = {'train': {'train_loss': 1.5, 'train_accuracy': 0.25}, 'eval': {'eval_accuracy': 0.5},
+           'train_seconds': 10.0, 'train_steps': 20, 'time_to_first_step_s': 3.0, 'wall_time_s': 15.0,
+           'memory_plan': {'total_bytes': 7}}
+  assert progress.Progress.from_json(saved).to_json() == saved  # what earlier runs saved reads back the same
+  assert progress.Progress.from_json({'train_steps': 2}) == progress.Progress(train_steps=2)  # older records
+  clock_time = [1000.0]
+  monkeypatch.setattr(progress.time, 'time', lambda: clock_time[0])
+  clock = progress.TrainClock(first_step=20, progress=progress.Progress.from_json(saved), started=990.0)
+  clock_time[0] += 5.0  # 10 more steps in 5 s, 15 s after this attempt started
+  clock.lap(30, batch_size=8)
+  results = clock.record().results(total_steps=30, batch_size=8)
+  assert results == {'step': 30, 'eval_accuracy': 0.5, 'train_loss': 1.5, 'train_accuracy': 0.25,
+                     'train_images_per_sec': 30 * 8 / 15.0, 'wall_time_s': 15.0 + 15.0,
+                     'time_to_first_step_s': 3.0, 'memory_plan': {'total_bytes': 7}}

@@ -1,0 +1,126 @@
+"""A run's progress (latest metrics, time, memory plan) and the clock that keeps it.
+
+As big_vision's `chrono`: the clock writes one `Progress` record as the run
+goes, every checkpoint saves it and a resumed run loads it, so results.json
+reports the images/s, time to first step and wall time of all the attempts
+of a run, not only of the last one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass
+class Progress:
+  """The 'progress' of a checkpoint record (its JSON layout is what resumed runs read back)."""
+  train: dict = dataclasses.field(default_factory=dict)  # the latest logged train metrics
+  eval: dict = dataclasses.field(default_factory=dict)  # the latest evaluation's metrics
+  train_seconds: float = 0.0  # time in train steps, of every attempt: no compiling, evaluating, saving
+  train_steps: int = 0  # the steps those seconds cover
+  time_to_first_step_s: Optional[float] = None  # of the first attempt: data, init, compile, one step
+  wall_time_s: Optional[float] = None  # of every attempt, from its start to its latest save
+  memory_plan: dict = dataclasses.field(default_factory=dict)  # XLA's per-device plan of the train step
+
+  @classmethod
+  def from_json(cls, saved: Optional[dict]) -> Progress:
+    """The progress a checkpoint saved; fields it lacks (older checkpoints) take their defaults."""
+    names = {field.name for field in dataclasses.fields(cls)}
+    return cls(**{name: value for name, value in (saved or {}).items() if name in names})
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  def results(self, total_steps: int, batch_size: int) -> dict:
+    """results.json of a run finished with this progress."""
+    return {
+        'step': total_steps,
+        **self.eval,
+        'train_loss': self.train.get('train_loss'),
+        'train_accuracy': self.train.get('train_accuracy'),
+        'train_images_per_sec': self.train_steps * batch_size / max(self.train_seconds, 1e-9),
+        'wall_time_s': self.wall_time_s,
+        'time_to_first_step_s': self.time_to_first_step_s,
+        'memory_plan': self.memory_plan,
+    }
+
+
+class TrainClock:
+  """Times training steps apart from compiling, evaluating and saving, and splits a step's time.
+
+  It writes the time into the run's `Progress`. Pauses are timed by kind
+  ('eval', 'save'), so the ETA counts the evaluations and saves still to
+  come. Within a lap, `input` is the time spent waiting for the next batch
+  and `step` the time in the train step and waiting for its results.
+  """
+
+  def __init__(self, first_step: int, progress: Progress, started: Optional[float] = None):
+    self.progress = progress
+    self._started = time.time() if started is None else started  # this attempt's start
+    self._wall_time_before = progress.wall_time_s or 0.0  # of the attempts before this one
+    self._lap_start, self._lap_step = time.time(), first_step
+    self.seconds_per_step = 0.0
+    self._pauses: dict[str, list[float]] = {}
+    self._split = {'input': 0.0, 'step': 0.0}
+
+  @contextlib.contextmanager
+  def paused(self, kind: str = '', state=None):
+    jax.block_until_ready(state)  # charge the steps already queued to training, not to the pause
+    paused_at = time.time()
+    yield
+    seconds = time.time() - paused_at
+    self._lap_start += seconds
+    self._pauses.setdefault(kind, []).append(seconds)
+
+  @contextlib.contextmanager
+  def timing(self, part: str):
+    """Charges the time inside to `part` ('input' or 'step') of the current lap."""
+    started = time.time()
+    yield
+    self._split[part] += time.time() - started
+
+  def step_done(self, step_metrics: Any, wait: bool) -> None:
+    """After a train step is dispatched: waits for it where `wait` (and for the first, to time it)."""
+    first = self.progress.time_to_first_step_s is None
+    if wait or first:
+      jax.block_until_ready(step_metrics)
+    if first:
+      self.progress.time_to_first_step_s = time.time() - self._started
+      logging.info('first step done %.1fs after start (data, init, compile)',
+                   self.progress.time_to_first_step_s)
+
+  def lap(self, step: int, batch_size: int) -> tuple[float, dict[str, float]]:
+    """Images/s since the last lap and the share of its time each part took."""
+    seconds, steps_done = time.time() - self._lap_start, step - self._lap_step
+    self.progress.train_seconds += seconds
+    self.progress.train_steps += steps_done
+    self.seconds_per_step = seconds / max(steps_done, 1)
+    shares = {part: spent / max(seconds, 1e-9) for part, spent in self._split.items()}
+    shares['other'] = max(0.0, 1.0 - sum(shares.values()))
+    self._lap_start, self._lap_step = time.time(), step
+    self._split = dict.fromkeys(self._split, 0.0)
+    return steps_done * batch_size / max(seconds, 1e-9), shares
+
+  def eta(self, step: int, length) -> float:
+    """Seconds left: the train steps, and the evaluations and saves they still pass."""
+
+    def still_to_come(every: int) -> int:  # multiples of `every` after `step`, plus the final one
+      total = length.total_steps
+      return total // every - step // every + (1 if total % every and step < total else 0)
+
+    mean = lambda kind: float(np.mean(self._pauses[kind])) if self._pauses.get(kind) else 0.0
+    return ((length.total_steps - step) * self.seconds_per_step
+            + still_to_come(length.eval_every_steps) * mean('eval')
+            + still_to_come(length.checkpoint_every_steps) * mean('save'))
+
+  def record(self) -> Progress:
+    """The progress now, its wall time brought up to date (for a checkpoint or results.json)."""
+    self.progress.wall_time_s = self._wall_time_before + time.time() - self._started
+    return self.progress
