@@ -60,8 +60,10 @@ class StepProfiler:
       jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
       self._tracing = True
 
-  def ends_at(self, step: int) -> bool:
-    return self._tracing and step == self._steps[-1]
+  def after_step(self, step: int, state, clock: TrainClock) -> None:
+    if self._tracing and step == self._steps[-1]:
+      with clock.paused('profile'):  # writing the trace is not training time
+        self.stop(state)
 
   def stop(self, state=None) -> None:
     """Ends the trace once the steps queued for `state` have run (where one is in progress)."""
@@ -431,9 +433,7 @@ def _train(loop: _Loop, batches, profiler: StepProfiler, stop: StopRequest) -> i
     with clock.timing('step'):
       state, step_metrics = train_step(state, batch)
       clock.step_done(step_metrics, wait=one_step_in_flight)
-    if profiler.ends_at(step):
-      with clock.paused('profile'):  # writing the trace is not training time
-        profiler.stop(state)
+    profiler.after_step(step, state, clock)
     loop.window.append(step_metrics)
 
     if loop.log_due(step):
