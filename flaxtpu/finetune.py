@@ -173,7 +173,7 @@ def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: st
 
   loaded = {f'{collection}/{name}': leaf for collection in restored
             for name, leaf in optim.named_leaves(restored[collection]).items()}
-  state = _merge(placement, state, loaded)
+  state = placement.from_saveable(_merge(placement.to_saveable(state), loaded))
 
   counts = {collection: f'{len(load[collection])} of {len(target[collection])}' for collection in COLLECTIONS}
   logging.info('init_from: loaded %s parameter arrays and %s BatchNorm statistics from %s (%s, %d classes)',
@@ -187,10 +187,16 @@ def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: st
                  'reinitialised': {reason: names for reason, names in reasons.items()}}
 
 
-def _merge(placement: steps.Placement, state, loaded: dict[str, Any]):
-  """`state` with the arrays of `loaded` ({'params/NAME' or 'batch_stats/NAME': array}) in their places;
-  numpy arrays are laid out on the state's shardings (every process holds the whole array)."""
-  fresh = placement.to_saveable(state)
+def _shapes(saveable) -> dict[str, tuple[int, ...]]:
+  """{'params/NAME' or 'batch_stats/NAME': shape} of a (saveable or abstract) state."""
+  return {f'{collection}/{name}': tuple(leaf.shape) for collection in COLLECTIONS
+          for name, leaf in optim.named_leaves(getattr(saveable, collection)).items()}
+
+
+def _merge(fresh, loaded: dict[str, Any]):
+  """The saveable (or abstract) state `fresh` with the arrays of `loaded` ({'params/NAME' or
+  'batch_stats/NAME': array}) in their places; numpy arrays are laid out on the leaves' shardings (every
+  process holds the whole array)."""
 
   def pick(collection, keys, leaf):
     array = loaded.get(f'{collection}/{optim.path_name(keys)}')
@@ -206,7 +212,7 @@ def _merge(placement: steps.Placement, state, loaded: dict[str, Any]):
             for collection in COLLECTIONS}
   if getattr(fresh, 'ema', None):  # the average starts at the loaded weights (copies: the step donates both)
     merged['ema'] = jax.tree.map(jnp.copy, {'params': merged['params'], 'batch_stats': merged['batch_stats']})
-  return placement.from_saveable(fresh.replace(**merged))
+  return fresh.replace(**merged)
 
 
 def resample_position_embeddings(embeddings: np.ndarray, shape: tuple[int, ...], prefix_tokens: int) -> np.ndarray:
@@ -254,8 +260,7 @@ def _init_from_published(config: ml_collections.ConfigDict, task: steps.Task, pl
   """init_from for published weights: every array the layout maps, the head unless kept."""
   published = pretrained.describe(config.init_from.checkpoint)
   abstract = placement.abstract_state
-  target = {f'{collection}/{name}': tuple(leaf.shape) for collection in COLLECTIONS
-            for name, leaf in optim.named_leaves(getattr(abstract, collection)).items()}
+  target = _shapes(abstract)
   bare = {name: name.split('/', 1)[1] for name in target}  # without the collection, as the patterns see them
   skip_matches = _matching(config.init_from.skip, list(bare.values()))
   skipped = {name for name in target if bare[name] in skip_matches}
@@ -279,7 +284,7 @@ def _init_from_published(config: ml_collections.ConfigDict, task: steps.Task, pl
   reasons = {reason: sorted(bare[name] for name in names) for reason, names in (
       ('a new head for the data\'s classes', head), ('init_from.skip', skipped),
       ('not in the published weights', set(wanted) - set(loaded))) if names}
-  state = _merge(placement, state, loaded)
+  state = placement.from_saveable(_merge(placement.to_saveable(state), loaded))
   logging.info('init_from: loaded %d of %d arrays from %s (%s, %s layout, %d classes)', len(loaded), len(target),
                published.path, published.model, published.layout, published.num_classes)
   for reason, names in reasons.items():
@@ -301,15 +306,13 @@ def published_model(config: ml_collections.ConfigDict):
                                                                                                      (1.,) * 3)
   task = steps.create_task(config, num_classes=published.num_classes, image_shape=image_shape, mean=mean, std=std)
   placement = steps.place(task, parallel.make_mesh(config), config)
-  fresh = jax.jit(functools.partial(steps.init_model, task), static_argnums=(),
-                  out_shardings=placement.state_shardings)(config.seed)
-  wanted = {f'{collection}/{name}': tuple(leaf.shape) for collection in COLLECTIONS
-            for name, leaf in optim.named_leaves(getattr(placement.abstract_state, collection)).items()}
+  wanted = _shapes(placement.abstract_state)
   loaded = _published_arrays(config, published, wanted)
   if missing := sorted(set(wanted) - set(loaded)):
     raise UserError(f'{published.spec} lacks {len(missing)} arrays of {config.model.name} ({missing[0]}, ...); '
                     'train from it instead of predicting with it')
-  state = _merge(placement, placement.from_saveable(fresh), loaded)
+  # Every array comes from the file: laid straight onto the abstract state's shardings, no initialisation.
+  state = placement.from_saveable(_merge(placement.abstract_state, loaded))
   record = {'model': config.model.name, 'num_classes': published.num_classes, 'image_shape': list(image_shape),
             'class_names': list(pretrained.class_names(published)),
             'normalization': {'mean': list(mean), 'std': list(std)}, 'config': config.to_dict(),
