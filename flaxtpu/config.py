@@ -33,6 +33,9 @@ PLATFORMS = ('', 'cpu', 'gpu', 'tpu')
 YNN_FUSION_FLAG = '--xla_cpu_experimental_ynn_fusion_type'
 CPU_CONVOLUTION_FLAGS = {'xla': '', 'eigen': f'{YNN_FUSION_FLAG}=-individual_convolution'}
 NORMALIZATIONS = ('auto', 'unit', 'standardize', 'fixed')
+TASKS = ('multiclass', 'multilabel')
+SAMPLINGS = ('shuffle', 'balanced', 'shards')
+LABEL_SOURCES = ('labels', 'shards', 'parquet')  # dataset keys that name where images and labels are
 
 
 class ConfigError(UserError, ValueError):
@@ -92,6 +95,17 @@ def _check_dataset(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f'config.dataset.crop_fraction={dataset.crop_fraction!r} must be in (0, 1] '
                       '(0 = the init_from source\'s, else 0.875)')
   _one_of('dataset.cache', dataset.cache, ('auto', 'memory', 'none'))
+  named = [key for key in LABEL_SOURCES if dataset[key]]
+  if len(named) > 1:
+    raise ConfigError(f'config.dataset.{named[0]} and config.dataset.{named[1]} are both set; '
+                      'a run reads one dataset: keep one of them')
+  _one_of('dataset.sampling', dataset.sampling, SAMPLINGS)
+  if dataset.sampling == 'shards' and not dataset.shards:
+    raise ConfigError("config.dataset.sampling='shards' streams tar shards per process; set "
+                      "config.dataset.shards too, or use sampling='shuffle'")
+  if not dataset.class_weights:
+    raise ConfigError("config.dataset.class_weights='' is not valid; choose none, balanced or a CSV/JSON "
+                      'file of class,weight')
   _one_of('dataset.normalize', dataset.normalize, NORMALIZATIONS)
   if dataset.normalize == 'fixed' and not (
       len(dataset.mean) == len(dataset.std) > 0 and min(dataset.std) > 0):
@@ -170,6 +184,10 @@ def _check_training(config: ml_collections.ConfigDict) -> None:
   _positive('num_train_steps', config.num_train_steps, allow=(-1,))
   if not 0.0 <= config.label_smoothing < 1.0:
     raise ConfigError(f'config.label_smoothing={config.label_smoothing!r} must be in [0, 1)')
+  _one_of('task', config.task, TASKS)
+  if config.task == 'multilabel' and not any(config.dataset[key] for key in LABEL_SOURCES):
+    raise ConfigError('config.task=multilabel needs images with any number of tags: set '
+                      'config.dataset.labels (a CSV or JSON Lines file), shards or parquet')
 
 
 def _check_optimizer(config: ml_collections.ConfigDict) -> None:
@@ -253,6 +271,9 @@ def _check_eval(config: ml_collections.ConfigDict) -> None:
                       '--config.eval.ema=false or --config.ema.decay=0.999')
   if config.eval.translate_tta < 0:
     raise ConfigError(f'config.eval.translate_tta={config.eval.translate_tta!r} must be >= 0')
+  if not 0.0 <= config.eval.threshold < 1.0:
+    raise ConfigError(f'config.eval.threshold={config.eval.threshold!r} must be in [0, 1) (0 = chosen '
+                      'per class on the eval split)')
 
 
 def _check_predict(config: ml_collections.ConfigDict) -> None:

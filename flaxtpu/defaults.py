@@ -55,6 +55,28 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset.mean = ()
   # normalize=fixed: per-channel std, e.g. ImageNet's (0.229, 0.224, 0.225).
   config.dataset.std = ()
+  # Labels from a file instead of class folders: a CSV with a header (path, then label, or labels
+  # with ';'-separated tags, optional split) or header-less rows path,label[,label...]; or JSON
+  # Lines with those keys. Image paths are relative to dataset.folder ('' = the file's folder).
+  # Splits: the split column's values (train_split='train'), else 'all' sliced ('all[:80%]').
+  config.dataset.labels = ''
+  # WebDataset-style tar shards, e.g. '/data/train-{0000..0127}.tar' (brace ranges and globs;
+  # '{split}' becomes the split name). Members KEY.jpg (or .png, ...) with KEY.cls (a class index
+  # or name) or KEY.json ({"label": ...} or {"labels": [...]}).
+  config.dataset.shards = ''
+  # Parquet files, e.g. a Hugging Face datasets copy: a file, a folder or a glob ('{split}' as for
+  # shards); in a folder, a file's split is its name's first word (train-00000-of-00004.parquet).
+  config.dataset.parquet = ''
+  # Label files and parquet: the image column ('' = image, img or path) and the label column ('' =
+  # label or labels).
+  config.dataset.image_column = ''
+  config.dataset.label_column = ''
+  # none | balanced (class c weighs n / (C x n_c), Keras' and sklearn's rule) | a CSV or JSON file
+  # of class,weight: each example's loss is weighted by its class (multilabel: each class's term).
+  config.dataset.class_weights = 'none'
+  # shuffle (a seeded permutation per epoch) | balanced (every class drawn equally often, with
+  # replacement) | shards (each process streams its own shards in a seeded order, WebDataset-style).
+  config.dataset.sampling = 'shuffle'
 
   config.input = ml_collections.ConfigDict()
   # Processes that read and decode streamed batches (-1 = one per core but one, at most 32; 0 = a
@@ -132,20 +154,16 @@ def get_config() -> ml_collections.ConfigDict:
   # The same, for biases and norm scales (1-dim arrays); 0 = none, as usual.
   config.optimizer.bias_weight_decay = 0.0
   config.optimizer.grad_clip_norm = 0.0  # Clip gradients to this global norm (0 = off).
-  # Gradient accumulation: average the gradients of this many consecutive batches, then update once,
-  # as
-  # one batch of batch_size x accumulate_steps would (BatchNorm aside: it normalises each batch by
-  # its own
-  # statistics). Steps, epochs and eval/checkpoint intervals count batches; the learning-rate
-  # schedule
-  # (warmup included) counts updates. The run ends on an update; a resumed run keeps its value.
+  # Gradient accumulation: average the gradients of this many consecutive batches, then update
+  # once, as one batch of batch_size x accumulate_steps would (BatchNorm aside: it normalises each
+  # batch by its own statistics). Steps, epochs and eval/checkpoint intervals count batches; the
+  # learning-rate schedule (warmup included) counts updates. The run ends on an update; a resumed
+  # run keeps its value.
   config.optimizer.accumulate_steps = 1
   # Patterns below are regexes searched in '/'-joined parameter paths
-  # ('stage1_block1/Conv_0/kernel'; the
-  # classifier is 'Dense_0' in cnn/resnet, 'head' in fastnet/vit/convnext). On the command line: one
-  # pattern,
-  # --config.optimizer.freeze='^stage1', or a tuple, --config.optimizer.freeze="('^stage1',
-  # '^stage2')".
+  # ('stage1_block1/Conv_0/kernel'; the classifier is 'Dense_0' in cnn/resnet, 'head' in
+  # fastnet/vit/convnext). On the command line: one pattern, --config.optimizer.freeze='^stage1',
+  # or a tuple, --config.optimizer.freeze="('^stage1', '^stage2')".
   # Parameters that never change (no update, no optimizer state; their BatchNorm statistics stay
   # too).
   config.optimizer.freeze = ()
@@ -155,15 +173,12 @@ def get_config() -> ml_collections.ConfigDict:
   # 'regex=epochs' strings: those parameters stop changing after that many epochs (airbench:
   # '^stem/bias$=3').
   config.optimizer.freeze_after = ()
-  # Lookahead (Zhang et al. 2019): every `lookahead_every` updates the slow weights move (1 - decay)
-  # of the
-  # way to the trained ("fast") ones, and training continues from the slow weights; the last update
-  # syncs
-  # too, so the run ends on them. decay = lookahead_decay x (update / total updates) **
-  # lookahead_decay_power:
-  # power 0 is the paper's constant (decay 0.5 = its alpha 0.5); airbench ramps it up (0.95**5,
-  # power 3).
-  # BatchNorm statistics follow the fast weights.
+  # Lookahead (Zhang et al. 2019): every `lookahead_every` updates the slow weights move
+  # (1 - decay) of the way to the trained ("fast") ones, and training continues from the slow
+  # weights; the last update syncs too, so the run ends on them. decay = lookahead_decay x
+  # (update / total updates) ** lookahead_decay_power: power 0 is the paper's constant (decay 0.5 =
+  # its alpha 0.5); airbench ramps it up (0.95**5, power 3). BatchNorm statistics follow the fast
+  # weights.
   config.optimizer.lookahead_every = 0  # 0 = off; e.g. 5.
   config.optimizer.lookahead_decay = 0.5
   config.optimizer.lookahead_decay_power = 0.0
@@ -176,10 +191,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.schedule.final_lr_fraction = 0.0  # Final LR as a fraction of the peak (cosine, linear).
 
   config.label_smoothing = 0.0  # Label smoothing in [0, 1).
+  # multiclass (softmax: one class per image) | multilabel (a sigmoid per class: any number of tags
+  # per image, none included; needs labels with tags: dataset.labels, shards or parquet).
+  config.task = 'multiclass'
 
   # Exponential moving average of the weights and BatchNorm statistics, updated after every
-  # optimizer
-  # update: evaluated next to the raw weights (eval_accuracy_ema, ...) and saved in checkpoints.
+  # optimizer update: evaluated next to the raw weights (eval_accuracy_ema, ...) and saved in
+  # checkpoints.
   config.ema = ml_collections.ConfigDict()
   config.ema.decay = 0.0  # 0 = off; e.g. 0.999 (about the last 1000 updates).
   # Decay min(decay, (1 + n) / (10 + n)) after n updates (TF's num_updates).
@@ -187,12 +205,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- fine-tuning ------------------------------------------------------
   config.init_from = ml_collections.ConfigDict()
-  # A fresh run starts from these weights ('' = off): a flaxtpu workdir or WORKDIR/checkpoints/STEP,
-  # hf-hub:ORG/NAME
-  # (e.g. hf-hub:timm/resnet50.a1_in1k), a timm/torchvision .safetensors/.pth/.bin or a big_vision
-  # ViT .npz. Their
-  # model (when model.name is left at cnn), normalisation, image size and crop fraction become the
-  # run's defaults.
+  # A fresh run starts from these weights ('' = off): a flaxtpu workdir or
+  # WORKDIR/checkpoints/STEP, hf-hub:ORG/NAME (e.g. hf-hub:timm/resnet50.a1_in1k), a
+  # timm/torchvision .safetensors/.pth/.bin or a big_vision ViT .npz. Their model (when model.name
+  # is left at cnn), normalisation, image size and crop fraction become the run's defaults.
   config.init_from.checkpoint = ''
   config.init_from.step = 'latest'  # Of a workdir: latest | best | a step number.
   # Keep the source's classifier and class names (e.g. ImageNet's 1,000) instead of a fresh one for
@@ -245,6 +261,9 @@ def get_config() -> ml_collections.ConfigDict:
   # ... and of the image shifted this many pixels diagonally each way (weights 1/2, 1/4, 1/4; 0 =
   # off; costs 3x).
   config.eval.translate_tta = 0
+  # multilabel: a tag is predicted when its probability reaches this (0 = per-class thresholds
+  # chosen on the eval split for the best F1, saved with each evaluation).
+  config.eval.threshold = 0.0
 
   config.predict = ml_collections.ConfigDict()
   config.predict.input = ''  # --mode=predict: an image file or a folder of images.
