@@ -10,7 +10,8 @@ from conftest import CIFAR10
 from flaxtpu import train
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not os.path.isdir(CIFAR10), reason='set FLAXTPU_CIFAR10 to a CIFAR-10 image folder')]
+              pytest.mark.skipif(not os.path.isdir(CIFAR10),
+                                 reason='set FLAXTPU_CIFAR10 to a CIFAR-10 image folder')]
 
 KERAS_TEST_ACCURACY = 0.422  # the Keras pipeline on this copy (../shared/datasets/README.md)
 

@@ -50,7 +50,8 @@ def test_crop_pads_with_mirrored_or_repeated_pixels(mode, numpy_mode):
     offsets += [(y, x) for y in range(7) for x in range(7) if np.array_equal(o, padded[y:y + 8, x:x + 8])]
   assert len(offsets) >= 16 and len(set(offsets)) > 1  # each a window of the padded image, not all one
   # The same draws as zero padding: only the fill differs.
-  zeros = np.asarray(augment.augment_batch(jax.random.PRNGKey(1), IMAGES, jnp.arange(16), _config(crop_padding=3)))
+  zeros = np.asarray(augment.augment_batch(jax.random.PRNGKey(1), IMAGES, jnp.arange(16),
+                                           _config(crop_padding=3)))
   centre = (slice(None), slice(3, 5), slice(3, 5))
   np.testing.assert_array_equal(out[centre], zeros[centre])
 
@@ -84,7 +85,8 @@ def test_randomness_depends_on_position_not_on_batch_split():
   config = _config(crop_padding=4, flip=True, cutout=3)
   key = jax.random.PRNGKey(3)
   whole = augment.augment_batch(key, IMAGES, jnp.arange(16), config)
-  halves = [augment.augment_batch(key, IMAGES[s], jnp.arange(16)[s], config) for s in (slice(0, 8), slice(8, 16))]
+  halves = [augment.augment_batch(key, IMAGES[s], jnp.arange(16)[s], config)
+            for s in (slice(0, 8), slice(8, 16))]
   np.testing.assert_array_equal(whole, jnp.concatenate(halves))
   other = augment.augment_batch(jax.random.PRNGKey(4), IMAGES, jnp.arange(16), config)
   assert not jnp.array_equal(whole, other)

@@ -174,8 +174,8 @@ def test_sigterm_during_the_final_save_still_writes_results(image_folder, tmp_pa
 
 
 @pytest.mark.parametrize('phase', ['compile', 'final_eval'])
-def test_sigterm_while_compiling_or_in_the_final_eval_leaves_a_resumable_workdir(phase, image_folder, tmp_path,
-                                                                                  monkeypatch):
+def test_sigterm_while_compiling_or_in_the_final_eval_leaves_a_resumable_workdir(
+    phase, image_folder, tmp_path, monkeypatch):
   from flaxtpu import steps
   workdir = str(tmp_path)
   config = _config(image_folder, num_train_steps=6)
@@ -195,7 +195,8 @@ def test_sigterm_while_compiling_or_in_the_final_eval_leaves_a_resumable_workdir
 def test_sigterm_saves_a_complete_checkpoint_and_exits_cleanly(image_folder, tmp_path):
   workdir = str(tmp_path)
   command, env = _cli(workdir, image_folder, '--config.num_train_steps=100000')
-  process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
   for line in process.stderr:
     if 'step 4/100000' in line:
       break
@@ -217,13 +218,14 @@ def test_keeps_the_latest_n_plus_the_best(tmp_path):
   state = {'w': jnp.arange(4.0)}
   accuracies = {1: 0.1, 2: 0.5, 3: 0.3, 4: 0.2, 5: 0.4, 6: None}
   for step, accuracy in accuracies.items():
-    checkpoints.save(step, state, {'step': step},
-                     metrics=None if accuracy is None else {'eval_accuracy': accuracy, 'eval_loss': 1 - accuracy})
+    metrics = None if accuracy is None else {'eval_accuracy': accuracy, 'eval_loss': 1 - accuracy}
+    checkpoints.save(step, state, {'step': step}, metrics=metrics)
     checkpoints.wait()
   assert checkpoints.all_steps() == [2, 5, 6]  # best (0.5) + latest two
   assert checkpoints.best_step() == 2
   assert checkpoints.resolve('best') == 2 and checkpoints.resolve('latest') == 6
-  with pytest.raises(checkpoint.CheckpointError, match=r"config.eval.checkpoint='4' is not a saved step .* \[2, 5, 6\]"):
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"config.eval.checkpoint='4' is not a saved step .* \[2, 5, 6\]"):
     checkpoints.resolve('4')
   checkpoints.close()
   config.checkpoint.best_metric, config.checkpoint.best_mode = 'eval_loss', 'min'
@@ -269,7 +271,8 @@ def test_checkpoint_from_8_devices_evaluates_the_same_on_1(layout, image_folder,
   workdir = str(tmp_path)
   results = train.train_and_evaluate(_config(image_folder, num_train_steps=6, **layout), workdir)
   with open(os.path.join(workdir, 'per_class.csv'), newline='') as f:  # made of the final eval's logits
-    assert sum(int(row['correct']) for row in csv.DictReader(f)) / 21 == pytest.approx(results['eval_accuracy'])
+    assert (sum(int(row['correct']) for row in csv.DictReader(f)) / 21
+            == pytest.approx(results['eval_accuracy']))
   result = _eval_cli(workdir, image_folder, '--config.cpu_devices=1', '--config.eval_batch_size=8')
   assert result.returncode == 0, result.stderr[-3000:]
   with open(os.path.join(workdir, 'eval.json')) as f:
@@ -413,7 +416,8 @@ def test_a_bad_image_mid_run_lets_the_save_in_flight_complete(tmp_path):
       [sys.executable, '-m', 'flaxtpu.main', '--config=configs/cifar10.py', f'--workdir={workdir}',
        f'--config.dataset.folder={folder}', '--config.dataset.image_size=16', '--config.dataset.cache=none',
        '--config.input.workers=2', '--config.batch_size=8', '--config.num_train_steps=60',
-       '--config.checkpoint_every_steps=2', '--config.log_every_steps=2', '--config.compilation_cache_dir=none'],
+       '--config.checkpoint_every_steps=2', '--config.log_every_steps=2',
+       '--config.compilation_cache_dir=none'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 2
   assert f'error: cannot decode image {bad} (OSError: image file is truncated' in result.stderr
@@ -425,7 +429,8 @@ def test_a_bad_image_mid_run_lets_the_save_in_flight_complete(tmp_path):
 def test_one_trainer_per_workdir_and_eval_alongside(image_folder, tmp_path):
   workdir = str(tmp_path)
   # Keep every checkpoint: the live run must not delete the one the evaluation is reading.
-  command, env = _cli(workdir, image_folder, '--config.num_train_steps=100000', '--config.checkpoint.keep=100000')
+  command, env = _cli(workdir, image_folder, '--config.num_train_steps=100000',
+                      '--config.checkpoint.keep=100000')
   process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
   for line in process.stderr:
@@ -466,7 +471,8 @@ def test_a_nan_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(image_f
   workdir = str(tmp_path)
   with pytest.raises(train.TrainingDiverged,
                      match=r'loss became NaN/Inf at step 3; likely causes: a learning rate too high '
-                           r'\(optimizer.learning_rate=1e\+30.*the last good checkpoint, step 2 in .* is intact'):
+                           r'\(optimizer.learning_rate=1e\+30.*the last good checkpoint, '
+                           r'step 2 in .* is intact'):
     train.train_and_evaluate(config, workdir)
   assert _complete_steps(workdir) == [2]
   state = restore_checkpoint(workdir, 2)

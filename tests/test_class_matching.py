@@ -26,7 +26,8 @@ def run_cli(*args, check=True):
   result = subprocess.run([sys.executable, '-m', 'flaxtpu.main', *args], cwd=ROOT, env=env,
                           capture_output=True, timeout=300)
   # Output as the CLI wrote it, undecodable bytes kept visible.
-  result.stdout, result.stderr = (out.decode('utf-8', 'backslashreplace') for out in (result.stdout, result.stderr))
+  result.stdout, result.stderr = (out.decode('utf-8', 'backslashreplace')
+                                  for out in (result.stdout, result.stderr))
   if check and result.returncode:
     raise AssertionError(result.stderr[-3000:])
   return result
@@ -67,7 +68,8 @@ def test_dropped_unknown_class_leaves_the_training_labels(tmp_path, cache):
   _move_class(folder, 'test', 'ant', from_root=tmp_path / 'other')
   dataset = data.load(_config(folder, **{'dataset.unknown_classes': 'drop', 'dataset.cache': cache}))
   assert dataset.class_names == CLASSES and len(dataset.eval) == 9
-  assert np.bincount(dataset.eval.labels if dataset.eval.cached else dataset.eval.source.labels).tolist() == [3, 3, 3]
+  labels = dataset.eval.labels if dataset.eval.cached else dataset.eval.source.labels
+  assert np.bincount(labels).tolist() == [3, 3, 3]
   if not dataset.eval.cached:
     _assert_labels_name_their_folders(dataset.eval.source, CLASSES)
 
@@ -232,7 +234,8 @@ def test_eval_mode_maps_the_eval_folders_by_the_checkpoints_classes(trained, tmp
   shutil.rmtree(os.path.join(other, 'test', 'frog'))
   make_image_folder(tmp_path / 'birds', classes=('bird',), train_per_class=1, test_per_class=2)
   _move_class(other, 'test', 'bird', from_root=tmp_path / 'birds')  # 3 folders, as trained: bird, cat, dog
-  args = ['--config=configs/cifar10.py', f'--workdir={workdir}', '--mode=eval', f'--config.dataset.folder={other}']
+  args = ['--config=configs/cifar10.py', f'--workdir={workdir}', '--mode=eval',
+          f'--config.dataset.folder={other}']
   result = run_cli(*args, check=False)
   assert result.returncode == 2
   [line] = [line for line in result.stderr.splitlines() if line.startswith('error:')]

@@ -42,7 +42,8 @@ def test_imagenet_recipe_is_the_standard_one():
 
 @pytest.mark.parametrize('key, value, message', [
     ('model.name', 'resnet9000', "config.model.name='resnet9000' is not valid; choose one of: 'cnn'"),
-    ('optimizer.name', 'lamb', "config.optimizer.name='lamb' is not valid; choose one of: 'sgd', 'adam', 'adamw'"),
+    ('optimizer.name', 'lamb',
+     "config.optimizer.name='lamb' is not valid; choose one of: 'sgd', 'adam', 'adamw'"),
     ('schedule.name', 'step', "config.schedule.name='step' is not valid"),
     ('model.remat', 'some', "config.model.remat='some' is not valid"),
     ('dtype', 'float16', "config.dtype='float16' is not valid; choose one of: 'float32', 'bfloat16'"),
@@ -53,8 +54,10 @@ def test_imagenet_recipe_is_the_standard_one():
     ('label_smoothing', 1.0, 'config.label_smoothing=1.0 must be in [0, 1)'),
     ('optimizer.weight_decay', -1.0, 'config.optimizer.weight_decay=-1.0 must be >= 0'),
     ('require_platform', 'ipu', "config.require_platform='ipu' is not valid"),
-    ('augment.crop_pad_mode', 'wrap', "config.augment.crop_pad_mode='wrap' is not valid; choose one of: 'zeros', "),
-    ('cpu_convolutions', 'onednn', "config.cpu_convolutions='onednn' is not valid; choose one of: 'xla', 'eigen'"),
+    ('augment.crop_pad_mode', 'wrap',
+     "config.augment.crop_pad_mode='wrap' is not valid; choose one of: 'zeros', "),
+    ('cpu_convolutions', 'onednn',
+     "config.cpu_convolutions='onednn' is not valid; choose one of: 'xla', 'eigen'"),
 ])
 def test_bad_values_name_key_value_and_allowed(key, value, message):
   config = cifar10.get_config()
@@ -78,7 +81,9 @@ def test_alternate_flip_needs_the_flip():
 def test_empty_dataset_source_is_an_error():
   config = cifar10.get_config()
   config.dataset.name = ''
-  with pytest.raises(config_lib.ConfigError, match='config.dataset.folder and config.dataset.name are both empty; set --config.dataset.folder='):
+  with pytest.raises(config_lib.ConfigError,
+                     match='config.dataset.folder and config.dataset.name are both empty; '
+                           'set --config.dataset.folder='):
     config_lib.validate(config)
 
 

@@ -128,7 +128,8 @@ def test_a_folder_of_class_folders_is_the_split_all(tmp_path):
   folder = str(tmp_path / 'photos')
   with pytest.raises(data.DataError, match=r"holds class folders .*train_split='all\[:80%\]'"):
     data.load(_config(folder))
-  dataset = data.load(_config(folder, **{'dataset.train_split': 'all[:80%]', 'dataset.eval_split': 'all[80%:]'}))
+  dataset = data.load(_config(folder, **{'dataset.train_split': 'all[:80%]',
+                                         'dataset.eval_split': 'all[80%:]'}))
   assert (len(dataset.train), len(dataset.eval)) == (16, 4)
   assert np.bincount(dataset.eval.labels).tolist() == [2, 2]
 
@@ -213,7 +214,8 @@ def test_alternate_flip_batches_are_the_plain_ones_mirrored_where_it_says(tmp_pa
     np.testing.assert_array_equal(a.labels, b.labels)
   assert 0 < sum(data.alternate_flips(1, step, size, 8).sum() for step in steps) < 32
   # Two processes' rows are the global batch's.
-  parts = [_batches(dataset, steps=steps, alternate_flip=True, process_index=p, process_count=2) for p in range(2)]
+  parts = [_batches(dataset, steps=steps, alternate_flip=True, process_index=p, process_count=2)
+           for p in range(2)]
   for whole, first, second in zip(flipped, *parts):
     np.testing.assert_array_equal(np.concatenate([first.images, second.images]), whole.images)
 

@@ -32,12 +32,14 @@ export_dir, images_path = sys.argv[1:]
 images = np.load(images_path)
 model = tf.saved_model.load(f'{export_dir}/saved_model')
 serve = model.signatures['serving_default']
-result = {'inputs': {k: [v.dtype.name, v.shape.as_list()] for k, v in serve.structured_input_signature[1].items()},
+result = {'inputs': {k: [v.dtype.name, v.shape.as_list()]
+                     for k, v in serve.structured_input_signature[1].items()},
           'outputs': sorted(serve.structured_outputs), 'saved_model': [], 'probabilities': [], 'tflite': [],
           'class_names': [name.decode() for name in model.class_names.numpy()]}
 with warnings.catch_warnings():
   warnings.simplefilter('ignore')
-  tflite = tf.lite.Interpreter(model_path=f'{export_dir}/model.tflite').get_signature_runner('serving_default')
+  interpreter = tf.lite.Interpreter(model_path=f'{export_dir}/model.tflite')
+  tflite = interpreter.get_signature_runner('serving_default')
 for batch in (images[:1], images[1:6]):
   outputs = serve(images=tf.constant(batch))
   result['saved_model'].append(outputs['logits'].numpy().tolist())

@@ -29,13 +29,15 @@ _RECIPE = 'from flaxtpu import defaults\n\ndef get_config({arg}):\n  config = de
 
 @pytest.mark.parametrize('text, suffix, message', [
     ('def get_config(:\n  pass\n', '', 'bad.py, line 1: SyntaxError: invalid syntax'),
-    ('import no_such_module_xyz\n', '', "bad.py, line 1: ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+    ('import no_such_module_xyz\n', '',
+     "bad.py, line 1: ModuleNotFoundError: No module named 'no_such_module_xyz'"),
     (_RECIPE.format(arg='') + '  config.batch_size = 1 // 0\n  return config\n', '',
      'bad.py, line 5: ZeroDivisionError: integer division or modulo by zero'),
     (_RECIPE.format(arg='') + '  config.batch_size = 8\n', '',
      'bad.py, line 3: get_config() returned None (no return statement?), not an ml_collections ConfigDict'),
     ('def get_config():\n  return {"batch_size": 8}\n', '', 'bad.py, line 1: get_config() returned a dict'),
-    ('import ml_collections\n\ndef get_config():\n  return ml_collections.ConfigDict({"batch_size": 8})\n', '',
+    ('import ml_collections\n\n'
+     'def get_config():\n  return ml_collections.ConfigDict({"batch_size": 8})\n', '',
      'bad.py, line 3: get_config() returned a config without the keys'),
     ('CONFIG = None\n', '', 'bad.py defines no get_config()'),
     (_RECIPE.format(arg='') + '  return config\n', ':tiny',
@@ -185,8 +187,8 @@ if __name__ == '__main__':
 def test_a_streamed_pass_leaves_no_shared_memory_behind(tmp_path):
   script = tmp_path / 'stream.py'
   script.write_text(_STREAM)
-  result = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, 'PYTHONPATH': ROOT})
+  result = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, 'PYTHONPATH': ROOT})
   assert result.returncode == 0 and 'streamed 24' in result.stdout, result.stderr[-2000:]
   assert result.stderr.count('leaked shared_memory') == 0, result.stderr[-2000:]
 

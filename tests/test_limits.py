@@ -91,7 +91,8 @@ def test_cli_refuses_a_huge_image_size_before_the_workdir_exists(tmp_path):
 ])
 def test_each_key_that_sizes_the_pipeline_is_named(overrides, key):
   config = _digits(**overrides)
-  with pytest.raises(ConfigError, match=rf'^config\.{key}=\d+ cannot fit: .* available .*; lower config\.{key}$'):
+  with pytest.raises(ConfigError,
+                     match=rf'^config\.{key}=\d+ cannot fit: .* available .*; lower config\.{key}$'):
     memory.check_before_start(config, 'train')
   memory.check_before_start(_digits(), 'train')  # the recipe itself fits
 
@@ -108,7 +109,8 @@ def test_a_train_step_larger_than_the_device_is_refused(monkeypatch):
   monkeypatch.setattr(memory, 'available_bytes', lambda: 2**30)
   plan = {'argument_bytes': 0, 'output_bytes': 0, 'temp_bytes': 2**30, 'total_bytes': 2**30}
   with pytest.raises(ConfigError, match=r'config.batch_size=32 cannot fit: the compiled train step .* needs '
-                                        r'[\d.]+ GiB \((\d+) bytes\) of device memory, more than the 1.0 GiB'):
+                                        r'[\d.]+ GiB \((\d+) bytes\) of device memory, '
+                                        r'more than the 1.0 GiB'):
     memory.check_device(_digits(), plan)
   memory.check_device(_digits(), {**plan, 'temp_bytes': 2**20})
 

@@ -89,12 +89,14 @@ def _tensorboard_tags(workdir):
 
 def test_profile_wandb_and_progress_by_seconds(image_folder, tmp_path):
   workdir = str(tmp_path)
-  result = run_cli('--config=configs/cifar10.py', f'--workdir={workdir}', f'--config.dataset.folder={image_folder}',
-                   *TINY, '--config.num_train_steps=9', '--config.log_every_steps=100',
+  result = run_cli('--config=configs/cifar10.py', f'--workdir={workdir}',
+                   f'--config.dataset.folder={image_folder}', *TINY,
+                   '--config.num_train_steps=9', '--config.log_every_steps=100',
                    '--config.log_every_secs=1e-9', '--config.profile_steps=2',
                    '--config.wandb.project=flaxtpu-test', '--config.wandb.mode=offline')
   # Every step passes the seconds trigger: one progress line and metrics row per step.
-  assert [r['step'] for r in _rows(os.path.join(workdir, 'metrics.jsonl')) if 'train_loss' in r] == list(range(1, 10))
+  assert ([r['step'] for r in _rows(os.path.join(workdir, 'metrics.jsonl')) if 'train_loss' in r]
+          == list(range(1, 10)))
   profile = os.path.join(workdir, 'profile')
   traces = [os.path.join(d, f) for d, _, names in os.walk(profile) for f in names]
   assert any(t.endswith('.xplane.pb') for t in traces) and any(t.endswith('.trace.json.gz') for t in traces)
@@ -243,9 +245,11 @@ def test_imagenet_recipe_plans_on_a_stand_in_folder(tmp_path):
     (['--config.optimizer.lr=0.1'],
      "error: --config.optimizer.lr: not a config key (did you mean 'optimizer.learning_rate'?)"),
     (['--config.batch_size=abc'], "error: flag --config.batch_size=abc: invalid literal for int()"),
-    (['--config.batch_size=12', '--config.mesh.data=8'], 'error: config.mesh.data=8 x config.mesh.fsdp=1 does not fit 4 devices'),
+    (['--config.batch_size=12', '--config.mesh.data=8'],
+     'error: config.mesh.data=8 x config.mesh.fsdp=1 does not fit 4 devices'),
     (['--config.num_epochs=0'], 'error: config.num_epochs=0.0 must be > 0'),
-    (['--config.dataset.folder=/nonexistent'], "error: config.dataset.folder='/nonexistent' is not a directory"),
+    (['--config.dataset.folder=/nonexistent'],
+     "error: config.dataset.folder='/nonexistent' is not a directory"),
     (['--config.require_platform=tpu'], "error: config.require_platform='tpu' but JAX found cpu"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message, tmp_path):
@@ -318,7 +322,8 @@ print(json.dumps({'ynn': 'ynn_fusion' in compiled.as_text(),
 
 
 def test_eigen_convolutions_leave_ynnpack_and_keep_the_numbers():
-  """`cpu_convolutions=eigen` reaches XLA: no convolution runs as a YNNPACK fusion, gradients match to float32 rounding."""
+  """`cpu_convolutions=eigen` reaches XLA: no convolution runs as a YNNPACK fusion, gradients match to
+  float32 rounding."""
   results = {}
   for setting in ('xla', 'eigen'):
     flags, _ = _cpu_flags(cpu_convolutions=setting, cpu_devices=1)

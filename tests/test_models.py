@@ -15,7 +15,8 @@ EXPECTED_PARAMS = {
     'cnn': 20_042,  # == the Keras model's model.count_params()
     'fastnet_s': 75_280,  # stem 432 + 32, blocks 4,672 + 13,952 + 55,552, head 640 (by hand)
     'fastnet': 1_973_176,  # airbench94's widths: stem 696, blocks 50,944 + 738,304 + 1,180,672, head 2,560
-    'fastnet_whiten': 1_971_640,  # whitening stem 288 + 24, blocks (no BN scale) 50,816 + 737,792 + 1,180,160, head 2,560
+    # fastnet_whiten: whitening stem 288 + 24, blocks (no BN scale) 50,816 + 737,792 + 1,180,160, head 2,560
+    'fastnet_whiten': 1_971_640,
     'resnet20': 272_474,
     'resnet32': 466_906,
     'resnet56': 855_770,
@@ -195,7 +196,8 @@ def test_resnet_stochastic_depth_drops_branches_in_train_only_at_linear_rates():
   names = [f'stage{s}_block{b}' for s in (1, 2, 3) for b in (1, 2, 3)]
   assert rates == pytest.approx({name: 0.05 * i for i, name in enumerate(names)})
   # Without it the parameter tree is the same: checkpoints load either way.
-  assert jax.tree.structure(params) == jax.tree.structure(_random_params(models.create('resnet20', num_classes=10)))
+  plain = models.create('resnet20', num_classes=10)
+  assert jax.tree.structure(params) == jax.tree.structure(_random_params(plain))
 
 
 @pytest.mark.parametrize('family, remat', [('vit', 'full'), ('convnext', 'dots_saveable')])

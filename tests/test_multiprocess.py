@@ -36,7 +36,8 @@ def test_two_processes_end_with_the_parameters_of_one(image_folder, tmp_path):
   single, multi = str(tmp_path / 'single'), str(tmp_path / 'multi')
   common = ARGS + [f'--config.dataset.folder={image_folder}']
   subprocess.run([sys.executable, '-m', 'flaxtpu.main', *common, f'--workdir={single}',
-                  '--config.cpu_devices=8'], cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=300)
+                  '--config.cpu_devices=8'],
+                 cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=300)
   port = _free_port()
   processes = [subprocess.Popen(
       [sys.executable, '-m', 'flaxtpu.main', *common, f'--workdir={multi}', '--config.cpu_devices=4',

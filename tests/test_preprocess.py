@@ -49,7 +49,8 @@ def test_eval_image_is_the_centre_of_the_resized_shorter_side():
 def test_every_mode_decodes_to_rgb(mode):
   rgb = Image.new('RGB', (6, 4), (200, 200, 200))
   image = Image.fromarray(np.full((4, 6), 200 * 257, np.uint16)) if mode == 'I;16' else rgb.convert(mode)
-  out = preprocess.to_array(preprocess.decode(preprocess.open_image(_png(image) if mode != 'CMYK' else _jpeg(image)), 3), 3)
+  encoded = _png(image) if mode != 'CMYK' else _jpeg(image)
+  out = preprocess.to_array(preprocess.decode(preprocess.open_image(encoded), 3), 3)
   assert out.shape == (4, 6, 3)
   assert np.all(np.abs(out.astype(int) - 200) <= 6), out[0, 0]  # CMYK JPEG: Pillow's naive conversion
 

@@ -31,7 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def import_torch():
   """torch, torchvision and timm. The x86_64 torchvision wheel beside the CPU build of torch lacks its C
   operators (detection only); its meta registrations are skipped, the classification models work."""
-  sys.modules.setdefault('torchvision._meta_registrations', types.ModuleType('torchvision._meta_registrations'))
+  sys.modules.setdefault('torchvision._meta_registrations',
+                         types.ModuleType('torchvision._meta_registrations'))
   torch = pytest.importorskip('torch')
   torchvision = pytest.importorskip('torchvision')
   timm = pytest.importorskip('timm')
@@ -168,8 +169,8 @@ def augreg_npz(state: dict, depth: int, path: str) -> None:
     for part, name in enumerate(('query', 'key', 'value')):
       arrays[f'{prefix}MultiHeadDotProductAttention_1/{name}/kernel'] = qkv_w[part].transpose(2, 0, 1)
       arrays[f'{prefix}MultiHeadDotProductAttention_1/{name}/bias'] = qkv_b[part]
-    arrays[f'{prefix}MultiHeadDotProductAttention_1/out/kernel'] = state[block + 'attn.proj.weight'].T.reshape(
-        heads, width // heads, width)
+    arrays[f'{prefix}MultiHeadDotProductAttention_1/out/kernel'] = (
+        state[block + 'attn.proj.weight'].T.reshape(heads, width // heads, width))
     arrays[f'{prefix}MultiHeadDotProductAttention_1/out/bias'] = state[block + 'attn.proj.bias']
     for norm, name in (('norm1', 'LayerNorm_0'), ('norm2', 'LayerNorm_2')):
       arrays[f'{prefix}{name}/scale'], arrays[f'{prefix}{name}/bias'] = (state[f'{block}{norm}.weight'],
@@ -193,7 +194,8 @@ def test_big_vision_npz_imports_with_tanh_gelu(tmp_path):
 
   tensors = pretrained.read_tensors(path)
   layout, name, options = pretrained.infer_model(tensors, path)
-  assert (layout, name, options) == ('big_vision', 'vit_ti', {'patch_size': 16, 'pool': 'tok', 'gelu': 'tanh'})
+  assert (layout, name, options) == ('big_vision', 'vit_ti',
+                                     {'patch_size': 16, 'pool': 'tok', 'gelu': 'tanh'})
   images = _images(2, 224)
   assert_same_function(torch_logits(torch, source, images), flaxtpu_logits(tensors, images))
 
@@ -290,7 +292,8 @@ def test_hub_name_not_cached_offline_fails_fast_in_one_line(tmp_path):
     elapsed = time.monotonic() - started
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith('error: ') and 'hf download timm/resnet50.a1_in1k' in lines[0]
+    assert (len(lines) == 1 and lines[0].startswith('error: ')
+            and 'hf download timm/resnet50.a1_in1k' in lines[0])
     assert elapsed < 10, elapsed
 
 
@@ -368,7 +371,8 @@ def test_finetune_from_the_hub_records_preprocessing_and_exports_to_timm(resnet1
   assert np.abs(actual - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
 
   published = pretrained.describe(str(workdir / 'export' / 'timm'))
-  assert (published.model, published.num_classes, published.class_names) == ('resnet18', 3, ('cat', 'dog', 'frog'))
+  assert ((published.model, published.num_classes, published.class_names)
+          == ('resnet18', 3, ('cat', 'dog', 'frog')))
 
 
 def test_an_rgb_first_layer_sees_gray_images_as_the_rgb_model_does():
@@ -378,4 +382,4 @@ def test_an_rgb_first_layer_sees_gray_images_as_the_rgb_model_does():
   image = np.random.default_rng(1).normal(size=(1, 7, 7, 1)).astype(np.float32)
   as_rgb = np.einsum('nhwc,hwco->no', np.repeat(image, 3, axis=-1), kernel)
   np.testing.assert_allclose(np.einsum('nhwc,hwco->no', image, gray), as_rgb, rtol=1e-5)
-  assert finetune.to_one_channel(kernel, (5, 5, 1, 64)).shape == kernel.shape  # other mismatches: left to load
+  assert finetune.to_one_channel(kernel, (5, 5, 1, 64)).shape == kernel.shape  # other mismatches left to load

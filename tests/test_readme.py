@@ -63,7 +63,8 @@ def parse_main(argv: list[str]):
   config_path = main_lib._flag_value(argv, 'config')  # pylint: disable=protected-access
   if config_path is None:
     # eval/predict/export without --config read the run's config.json, which has every key of defaults.py.
-    assert main_lib._flag_value(argv, 'mode') in RESTORING_MODES, f'{argv}: --config is missing'  # pylint: disable=protected-access
+    mode = main_lib._flag_value(argv, 'mode')  # pylint: disable=protected-access
+    assert mode in RESTORING_MODES, f'{argv}: --config is missing'
     config_path = str(ROOT / 'flaxtpu' / 'defaults.py')
     argv = [argv[0], f'--config={config_path}', *argv[1:]]
   assert (ROOT / config_path.split(':', 1)[0]).is_file(), f'--config={config_path} does not exist'
@@ -124,7 +125,8 @@ def check_make(words: list[str]) -> None:
 
 def check_pip(words: list[str]) -> None:
   # Python 3.10 has no tomllib: the extras are the `name = [` lines of their table.
-  table = (ROOT / 'pyproject.toml').read_text().split('[project.optional-dependencies]', 1)[1].split('\n[', 1)[0]
+  table = ((ROOT / 'pyproject.toml').read_text()
+           .split('[project.optional-dependencies]', 1)[1].split('\n[', 1)[0])
   extras = set(re.findall(r'^([\w-]+)\s*=', table, re.M))
   for word in words[2:]:
     for names in re.findall(r'\[([\w,-]+)\]', word):

@@ -111,7 +111,8 @@ def test_ema_moves_only_on_updates_when_accumulating():
       'ema.decay': 0.5, 'ema.warmup': False, 'optimizer.accumulate_steps': 2}))
   states = _run(task, _batches(4, 8))
   leaf = lambda state: np.asarray(jax.tree.leaves(state.ema['params'])[-1])
-  np.testing.assert_array_equal(leaf(states[0]), np.asarray(jax.tree.leaves(steps.init_state(task, 0).params)[-1]))
+  np.testing.assert_array_equal(leaf(states[0]),
+                                np.asarray(jax.tree.leaves(steps.init_state(task, 0).params)[-1]))
   np.testing.assert_array_equal(leaf(states[2]), leaf(states[1]))
   params = lambda state: np.asarray(jax.tree.leaves(state.params)[-1])
   np.testing.assert_allclose(leaf(states[3]), 0.5 * leaf(states[1]) + 0.5 * params(states[3]), rtol=1e-6)
@@ -202,8 +203,8 @@ def test_a_run_with_lookahead_resumes_bit_for_bit(tmp_path):
   os.remove(os.path.join(resumed, 'results.json'))
   assert int(restore_checkpoint(resumed, 6)['opt_state']['updates']) == 6
   train.train_and_evaluate(config, resumed)
-  for x, y in zip(jax.tree.leaves(restore_checkpoint(whole, 7)), jax.tree.leaves(restore_checkpoint(resumed, 7)),
-                  strict=True):
+  for x, y in zip(jax.tree.leaves(restore_checkpoint(whole, 7)),
+                  jax.tree.leaves(restore_checkpoint(resumed, 7)), strict=True):
     np.testing.assert_array_equal(x, y)
 
 
@@ -211,10 +212,9 @@ def test_bias_weight_decay_is_its_own_coefficient():
   params = {'kernel': jnp.ones((2, 2)), 'bias': jnp.ones((2,))}
   zero = jax.tree.map(jnp.zeros_like, params)
   for name in ('sgd', 'adamw'):
-    config = _config(batch_size=8, num_train_steps=4, **{'optimizer.name': name, 'optimizer.learning_rate': 1.0,
-                                           'optimizer.momentum': 0.0, 'schedule.name': 'constant',
-                                           'optimizer.weight_decay': 0.1,
-                                           'optimizer.bias_weight_decay': 0.01})
+    config = _config(batch_size=8, num_train_steps=4, **{
+        'optimizer.name': name, 'optimizer.learning_rate': 1.0, 'optimizer.momentum': 0.0,
+        'schedule.name': 'constant', 'optimizer.weight_decay': 0.1, 'optimizer.bias_weight_decay': 0.01})
     opt, _ = optim.create_optimizer(config, config_lib.run_length(config, 64))
     updates, _ = opt.update(zero, opt.init(params), params)
     np.testing.assert_allclose(updates['kernel'], -0.1 * np.ones((2, 2)), rtol=1e-6)
@@ -263,11 +263,12 @@ def test_a_run_with_alternate_flip_has_the_host_mirror_its_batches(tmp_path, mon
 
 
 def test_freeze_after_names_a_bad_entry_and_a_pattern_that_matches_nothing():
-  with pytest.raises(ConfigError, match=r"config.optimizer.freeze_after entry 'stem' must be 'regex=epochs' with "
-                     r"epochs >= 0, e.g. --config.optimizer.freeze_after="):
+  with pytest.raises(ConfigError, match=r"config.optimizer.freeze_after entry 'stem' must be 'regex=epochs' "
+                                        r"with epochs >= 0, e.g. --config.optimizer.freeze_after="):
     config_lib.validate(_config(**{'optimizer.freeze_after': ('stem',)}))
   groups = optim.ParamGroups.from_config(_config(**{'optimizer.freeze_after': ('^nowhere=1',)}))
-  with pytest.raises(UserError, match=r"config.optimizer.freeze_after pattern '\^nowhere' matches no parameter"):
+  with pytest.raises(UserError,
+                     match=r"config.optimizer.freeze_after pattern '\^nowhere' matches no parameter"):
     groups.check({'stem': {'bias': jnp.zeros(2)}})
 
 
@@ -416,8 +417,8 @@ def test_eval_ema_of_a_run_without_ema_is_one_line(tmp_path):
 def test_eval_split_names_and_a_bad_one():
   assert config_lib.eval_metric_prefix('train[:5000]', first=False) == 'eval_train_5000_'
   assert config_lib.eval_metric_prefix('test', first=True) == 'eval_'
-  with pytest.raises(ConfigError, match=r"entry 'train\[50%:\]' would log as eval_train_50_accuracy, which clashes "
-                                        r"with 'train\[:50%\]'"):
+  with pytest.raises(ConfigError, match=r"entry 'train\[50%:\]' would log as eval_train_50_accuracy, "
+                                        r"which clashes with 'train\[:50%\]'"):
     config_lib.validate(_config(**{'dataset.eval_splits': ('train[:50%]', 'train[50%:]')}))
   with pytest.raises(ConfigError, match='clashes with another metric'):
     config_lib.validate(_config(**{'dataset.eval_splits': ('top5',)}))
@@ -434,7 +435,8 @@ def test_flip_tta_averages_the_logits_of_each_image_and_its_mirror():
   tta = _task(_config(batch_size=8, num_train_steps=2, **{'eval.flip_tta': True}))
   state = steps.init_model(plain, 0)
   images, _ = _batches(1, 8)[0]
-  expected = 0.5 * (steps.logits_fn(state, images, task=plain) + steps.logits_fn(state, images[:, :, ::-1], task=plain))
+  expected = 0.5 * (steps.logits_fn(state, images, task=plain)
+                    + steps.logits_fn(state, images[:, :, ::-1], task=plain))
   np.testing.assert_allclose(steps.logits_fn(state, images, task=tta), expected, rtol=1e-5, atol=1e-6)
   assert not np.allclose(expected, steps.logits_fn(state, images, task=plain), atol=1e-6)
   symmetric = np.concatenate([images[:, :, :4], images[:, :, :4][:, :, ::-1]], axis=2)
@@ -450,7 +452,8 @@ def test_translate_tta_adds_two_reflected_shifts_at_a_quarter_each():
   images, _ = _batches(1, 8)[0]
   padded = np.pad(images, ((0, 0), (1, 1), (1, 1), (0, 0)), mode='reflect')  # uint8: exact
   down_right, up_left = padded[:, :8, :8], padded[:, 2:, 2:]
-  assert (down_right[:, 1:, 1:] == images[:, :-1, :-1]).all() and (down_right[:, 0] == images[:, 1, [1, *range(7)]]).all()
+  assert ((down_right[:, 1:, 1:] == images[:, :-1, :-1]).all()
+          and (down_right[:, 0] == images[:, 1, [1, *range(7)]]).all())
   logits = lambda x, task: np.asarray(steps.logits_fn(state, x, task=task))
   expected = 0.5 * logits(images, flip) + 0.25 * (logits(down_right, flip) + logits(up_left, flip))
   np.testing.assert_allclose(logits(images, both), expected, rtol=1e-5, atol=1e-6)

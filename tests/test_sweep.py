@@ -303,7 +303,8 @@ def test_report_plots_runs_whose_overrides_hold_dollar_signs(tmp_path, in_repo_r
 
       def get_sweep():
         return [{'optimizer.freeze_after': ('^stem/bias$=0.6',), 'optimizer.learning_rate': 0.1},
-                {'optimizer.freeze_after': ('^b$=2', 'BatchNorm_\\d+/bias$=1'), 'optimizer.learning_rate': 0.2},
+                {'optimizer.freeze_after': ('^b$=2', 'BatchNorm_\\d+/bias$=1'),
+                 'optimizer.learning_rate': 0.2},
                 {'optimizer.freeze_after': (), 'optimizer.learning_rate': 0.3}]
       ''')
   workdir = tmp_path / 'sweep'
@@ -317,7 +318,8 @@ def test_report_plots_runs_whose_overrides_hold_dollar_signs(tmp_path, in_repo_r
 
   plots = sorted(path.name for path in (workdir / 'plots').iterdir())
   assert plots == ['eval_accuracy.png', 'eval_accuracy_vs_optimizer.freeze_after.png',
-                   'eval_accuracy_vs_optimizer.learning_rate.png', 'final_eval_accuracy.png', 'train_loss.png']
+                   'eval_accuracy_vs_optimizer.learning_rate.png', 'final_eval_accuracy.png',
+                   'train_loss.png']
   with open(workdir / 'results.csv') as f:
     assert [float(row['eval_accuracy']) for row in csv.DictReader(f)] == [0.7, 0.6, 0.5]
 
@@ -389,7 +391,8 @@ def test_a_missing_data_folder_stops_the_sweep_before_any_run(tmp_path, in_repo_
   workdir = tmp_path / 'sweep'
   assert cli.main([str(experiment), f'--workdir={workdir}', '--config.dataset.folder=/no/such/dir']) == 2
   assert capsys.readouterr().err == ("error: dataset.folder='/no/such/dir' is not a directory; pass an image "
-                                     'folder laid out as split/class/image with --config.dataset.folder=PATH\n')
+                                     'folder laid out as split/class/image with '
+                                     '--config.dataset.folder=PATH\n')
   assert not workdir.exists()
   config, runs_overrides = runner.load_experiment(str(experiment))
   runner.check_data_folders(config, runs_overrides, [f'--config.dataset.folder={image_folder}'])

@@ -15,7 +15,8 @@ from flaxtpu.models import fastnet
 
 def _patches(images, side=2):
   n, height, width, channels = images.shape
-  rows = [images[:, i:height - side + 1 + i, j:width - side + 1 + j] for i in range(side) for j in range(side)]
+  rows = [images[:, i:height - side + 1 + i, j:width - side + 1 + j]
+          for i in range(side) for j in range(side)]
   return np.stack(rows, axis=3).reshape(-1, side * side * channels)
 
 
