@@ -69,7 +69,8 @@ def main() -> None:
             'steps_while_save_in_flight': in_flight_steps}
   print(f'{args.model}: state {result["state_mib"]:.1f} MiB; step {result["step_ms_without_save"]:.0f} ms '
         f'without a save, {result["step_ms_with_save_in_flight"] or float("nan"):.0f} ms with one in flight '
-        f'({in_flight_steps} steps overlapped); save() blocks the loop {result["save_call_blocking_ms"]:.0f} ms')
+        f'({in_flight_steps} steps overlapped); '
+        f'save() blocks the loop {result["save_call_blocking_ms"]:.0f} ms')
   harness.write_results(args.out, result)
 
 

@@ -69,9 +69,10 @@ def main() -> None:
     return
   table = {}
   for devices in args.devices:
-    out = subprocess.run([sys.executable, '-m', 'benchmarks.conv_lowering', '--worker', f'--batch={args.batch}'],
-                         env=harness.subprocess_env(devices), cwd=harness.ROOT, check=True, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run([sys.executable, '-m', 'benchmarks.conv_lowering', '--worker',
+                          f'--batch={args.batch}'],
+                         env=harness.subprocess_env(devices), cwd=harness.ROOT, check=True,
+                         capture_output=True, text=True).stdout
     table[devices] = json.loads(out.strip().splitlines()[-1])
   rows = list(next(iter(table.values())))
   print('GFLOP/s of one layer, forward + backward, global batch', args.batch)

@@ -1,6 +1,6 @@
 """Batch-64 predict latency: the exported SavedModel (and TFLite model) vs flaxtpu's jitted predict.
 
-    python -m benchmarks.export_latency                                   # trains the embedded digits CNN briefly
+    python -m benchmarks.export_latency                                   # trains the embedded digits CNN
     python -m benchmarks.export_latency --config configs/cifar10_resnet.py --data /path/to/cifar10
     python -m benchmarks.export_latency --config configs/cifar10.py --workdir runs/cifar10   # a trained run
 

@@ -124,7 +124,8 @@ def apply_overrides(recipe, config, text: str):
     return
   if text.isidentifier() and not hasattr(recipe, text):
     raise SystemExit(f'error: --overrides={text} names nothing in the --config module; pass a dict literal '
-                     'or the name of one there (e.g. WITHOUT_AIRBENCH_PARTS with experiments/cifar10_fast_ablation.py)')
+                     'or the name of one there (e.g. WITHOUT_AIRBENCH_PARTS with '
+                     'experiments/cifar10_fast_ablation.py)')
   overrides = getattr(recipe, text) if text.isidentifier() else ast.literal_eval(text)
   if unsupported := set(overrides) - SUPPORTED:
     raise SystemExit(f'error: the PyTorch peer does not implement {sorted(unsupported)}')
@@ -134,12 +135,15 @@ def apply_overrides(recipe, config, text: str):
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--folder', required=True, help='CIFAR-10 in image-folder layout')
-  parser.add_argument('--config', default='configs/cifar10_fast.py', help='the recipe (a fastnet_whiten config)')
+  parser.add_argument('--config', default='configs/cifar10_fast.py',
+                      help='the recipe (a fastnet_whiten config)')
   parser.add_argument('--epochs', type=float, default=None, help="default: the recipe's")
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--out', default='', help='also write the JSON here')
-  parser.add_argument('--overrides', default='', help="an ablation row: a dict literal or a name in --config's module")
-  parser.add_argument('--eval-epochs', default='', help='comma-separated epochs to evaluate at (the end always)')
+  parser.add_argument('--overrides', default='',
+                      help="an ablation row: a dict literal or a name in --config's module")
+  parser.add_argument('--eval-epochs', default='',
+                      help='comma-separated epochs to evaluate at (the end always)')
   args = parser.parse_args()
   import torch  # pylint: disable=g-import-not-at-top
 
@@ -250,8 +254,9 @@ def main() -> None:
       print(f'epoch {curve[-1]["epoch"]}: test accuracy {accuracy:.4f} at {curve[-1]["seconds"]} s',
             file=sys.stderr, flush=True)
   seconds = time.perf_counter() - start
-  result = dict(peer=f'torch {torch.__version__} eager, {torch.get_num_threads()} threads', config=args.config,
-                epochs=config.num_epochs, seed=args.seed, accuracy=curve[-1]['accuracy'], curve=curve,
+  result = dict(peer=f'torch {torch.__version__} eager, {torch.get_num_threads()} threads',
+                config=args.config, epochs=config.num_epochs, seed=args.seed,
+                accuracy=curve[-1]['accuracy'], curve=curve,
                 seconds=round(seconds, 1), first_step_seconds=round(first_step, 1),
                 images_per_second=round(length.total_steps * config.batch_size / seconds, 1))
   print(json.dumps(result))

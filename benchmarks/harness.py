@@ -47,7 +47,8 @@ def cpu_seconds() -> tuple[float, float]:
       times = process.cpu_times()
     except psutil.Error:  # ended between the listing and the read
       continue
-    used = times.user + times.system + getattr(times, 'children_user', 0.0) + getattr(times, 'children_system', 0.0)
+    used = (times.user + times.system
+            + getattr(times, 'children_user', 0.0) + getattr(times, 'children_system', 0.0))
     total += used
     if process is me:
       main = times.user + times.system
@@ -77,7 +78,8 @@ def cpu_load():
 
 def cpu_devices(count: int) -> None:
   """Makes XLA show `count` CPU devices to this process; call before JAX is imported."""
-  os.environ['XLA_FLAGS'] = os.environ.get('XLA_FLAGS', '') + f' --xla_force_host_platform_device_count={count}'
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '')
+                             + f' --xla_force_host_platform_device_count={count}')
 
 
 def subprocess_env(devices: int = 0) -> dict:

@@ -1,6 +1,6 @@
 """Does host memory grow with the dataset? Peak RSS of a streaming CLI run on a big and a small image folder.
 
-    python -m benchmarks.data.make_image_folder --out /data/gen1000                             # 100,000 train images
+    python -m benchmarks.data.make_image_folder --out /data/gen1000  # 100,000 train images
     python -m benchmarks.data.make_image_folder --out /data/gen1000_small --train-per-class 10  # 10,000
     python -m benchmarks.input_memory --big /data/gen1000 --small /data/gen1000_small
 
@@ -143,10 +143,12 @@ def main() -> None:
             'peak_rss_ratio_big_over_small': ratio, 'peak_pss_ratio_big_over_small': pss_ratio,
             'within_10_percent': abs(ratio - 1) <= 0.10, 'runs': runs}
   for name, row in (('small', small), ('big', big)):
-    print(f'{name:5s} {row["train_examples"] or 0:>9,} train images: peak RSS {row["peak_rss_mib"]:7.0f} MiB '
-          f'(PSS {row["peak_pss_mib"]:6.0f}; before / after the first step {row["peak_rss_before_first_step_mib"]:.0f}'
+    print(f'{name:5s} {row["train_examples"] or 0:>9,} train images: '
+          f'peak RSS {row["peak_rss_mib"]:7.0f} MiB (PSS {row["peak_pss_mib"]:6.0f}; '
+          f'before / after the first step {row["peak_rss_before_first_step_mib"]:.0f}'
           f' / {row["peak_rss_after_first_step_mib"]:.0f}) over up to {row["max_processes"]} processes; '
-          f'first step after {row["time_to_first_step_s"] or float("nan"):.1f} s, process {row["process_wall_s"]:.1f} s')
+          f'first step after {row["time_to_first_step_s"] or float("nan"):.1f} s, '
+          f'process {row["process_wall_s"]:.1f} s')
   print(f'peak RSS big / small = {ratio:.3f} (PSS {pss_ratio:.3f}); goal within 10%: '
         f'{"yes" if result["within_10_percent"] else "NO"}')
   harness.write_results(args.out, result)

@@ -186,13 +186,14 @@ def folder_mode(args) -> dict:
   for round_index, round_files in enumerate(rounds):
     for name, measure in (order if round_index % 2 == 0 else order[::-1]):
       measured[name].append(measure(*round_files))
-      print(f'  round {round_index + 1}/{args.rounds} {name:8s} {measured[name][-1]["images_per_sec"]:8,.0f} img/s'
+      print(f'  round {round_index + 1}/{args.rounds} {name:8s} '
+            f'{measured[name][-1]["images_per_sec"]:8,.0f} img/s'
             f'  (others kept {measured[name][-1]["other_cpu_load"]:.1f} cores busy)', flush=True)
 
   cores = os.cpu_count() or 1
-  result = {'mode': 'folder', 'folder': args.folder, 'train_images': len(train), 'image_size': args.image_size,
-            'batch_size': args.batch_size, 'seconds': args.seconds, 'max_batches': max_batches,
-            'warmup_batches': warmup, 'cycle_batches': period,
+  result = {'mode': 'folder', 'folder': args.folder, 'train_images': len(train),
+            'image_size': args.image_size, 'batch_size': args.batch_size, 'seconds': args.seconds,
+            'max_batches': max_batches, 'warmup_batches': warmup, 'cycle_batches': period,
             'rounds': args.rounds, 'workers': workers, 'cpu_count': cores,
             'data_load_seconds': load_seconds,
             'host_flip': {'flaxtpu': False, 'tf_data': True}}
@@ -205,16 +206,18 @@ def folder_mode(args) -> dict:
   result['ratio_flaxtpu_over_tf_data'] = flaxtpu['images_per_sec'] / tf_data['images_per_sec']
   per_core = flaxtpu['images_per_sec_per_core']
   result['resnet50_images_per_sec_assumed'] = RESNET50_IMAGES_PER_SEC
-  result['host_cores_per_accelerator'] = {name: rate / per_core for name, rate in RESNET50_IMAGES_PER_SEC.items()}
+  result['host_cores_per_accelerator'] = {name: rate / per_core
+                                          for name, rate in RESNET50_IMAGES_PER_SEC.items()}
 
   print(f'flaxtpu (grain, {workers} workers) {flaxtpu["images_per_sec"]:8,.0f} img/s  '
-        f'{per_core:6,.0f} img/s per core ({cores} cores), {flaxtpu["images_per_cpu_second"]:5,.0f} per CPU-second used')
+        f'{per_core:6,.0f} img/s per core ({cores} cores), '
+        f'{flaxtpu["images_per_cpu_second"]:5,.0f} per CPU-second used')
   print(f'tf.data (AUTOTUNE)         {tf_data["images_per_sec"]:8,.0f} img/s  '
         f'{tf_data["images_per_sec_per_core"]:6,.0f} img/s per core ({cores} cores), '
         f'{tf_data["images_per_cpu_second"]:5,.0f} per CPU-second used')
-  print(f'flaxtpu / tf.data = {result["ratio_flaxtpu_over_tf_data"]:.2f}x (goal >= 1.0; medians of {args.rounds} '
-        f'interleaved rounds of >= {args.seconds:g} s, batches of {args.batch_size} at '
-        f'{args.image_size}x{args.image_size})')
+  print(f'flaxtpu / tf.data = {result["ratio_flaxtpu_over_tf_data"]:.2f}x '
+        f'(goal >= 1.0; medians of {args.rounds} interleaved rounds of >= {args.seconds:g} s, '
+        f'batches of {args.batch_size} at {args.image_size}x{args.image_size})')
   print('note: tf.data flips on the host; flaxtpu flips on the device (augment.flip, cheap there), so its '
         'host pipeline does not')
   needed = ', '.join(f'{name} (~{rate:,} img/s): {result["host_cores_per_accelerator"][name]:.1f}'

@@ -24,7 +24,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from benchmarks import harness, peers  # noqa: E402  (peers: the CNN's one definition; no Keras import of its own)
+from benchmarks import harness, peers  # noqa: E402  (peers: the CNN's one definition; it imports no Keras)
 
 tf.config.set_visible_devices([], 'GPU')
 
@@ -72,14 +72,16 @@ def run_seed(data_dir: pathlib.Path, seed: int, epochs: int) -> dict:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--data', type=pathlib.Path, default=pathlib.Path(os.environ.get('FLAXTPU_CIFAR10', '')),
+  parser.add_argument('--data', type=pathlib.Path,
+                      default=pathlib.Path(os.environ.get('FLAXTPU_CIFAR10', '')),
                       help='CIFAR-10 image-folder root with train/ and test/ (default: $FLAXTPU_CIFAR10)')
   parser.add_argument('--seeds', type=int, nargs='+', default=[0, 1, 2])
   parser.add_argument('--epochs', type=int, default=5)
   harness.out_argument(parser, 'keras_reference.json')
   args = parser.parse_args()
   if not (args.data / 'train').is_dir() or not (args.data / 'test').is_dir():
-    parser.error(f'--data {args.data} needs train/ and test/ folders: pass --data DIR or set FLAXTPU_CIFAR10=DIR')
+    parser.error(f'--data {args.data} needs train/ and test/ folders: '
+                 'pass --data DIR or set FLAXTPU_CIFAR10=DIR')
 
   start = time.perf_counter()
   runs = []

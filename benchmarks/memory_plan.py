@@ -69,7 +69,8 @@ def main() -> None:
             f'temp {plan["temp_bytes"] / 2**20:8.1f} MiB  total {plan["total_bytes"] / 2**20:8.1f} MiB  '
             f'step {row["step_seconds"] * 1000:8.1f} ms  compile {plan["compile_seconds"]:.1f}s', flush=True)
       del state, step
-  harness.write_results(args.out, {'platform': jax.default_backend(), 'device_kind': jax.devices()[0].device_kind,
+  harness.write_results(args.out, {'platform': jax.default_backend(),
+                                   'device_kind': jax.devices()[0].device_kind,
                                    'devices': jax.device_count(), 'jax': jax.__version__, 'rows': rows})
 
 

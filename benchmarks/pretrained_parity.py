@@ -1,6 +1,6 @@
 """Published weights, imported: flaxtpu's logits against the source framework's on the same images.
 
-    python -m benchmarks.pretrained_parity                      # every architecture and layout, 256 images each
+    python -m benchmarks.pretrained_parity  # every architecture and layout, 256 images each
     python -m benchmarks.pretrained_parity --images 32 --only resnet18
 
 Each source model is built locally with random weights (no download): timm's
@@ -113,7 +113,8 @@ def main():
   parser.add_argument('--out-dir', default=harness.RESULTS)
   args = parser.parse_args()
   os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=1')
-  sys.modules.setdefault('torchvision._meta_registrations', types.ModuleType('torchvision._meta_registrations'))
+  sys.modules.setdefault('torchvision._meta_registrations',
+                         types.ModuleType('torchvision._meta_registrations'))
   rows = []
   with tempfile.TemporaryDirectory() as directory:
     for case in CASES:

@@ -37,7 +37,8 @@ RECIPES = {'cnn': 'configs/cifar10.py', 'resnet20': 'configs/cifar10_resnet.py'}
 
 
 def _env(devices: int, model: str = '') -> dict:
-  """XLA's flags for `devices` CPU devices and, for `model`, its recipe's `cpu_convolutions` (as the CLI sets)."""
+  """XLA's flags for `devices` CPU devices and, for `model`, its recipe's
+  `cpu_convolutions` (as the CLI sets)."""
   env = harness.subprocess_env(devices)
   if model:  # what the CLI adds to these flags for the recipe (the device count above stays)
     from flaxtpu import main as main_lib  # pylint: disable=g-import-not-at-top
@@ -80,7 +81,8 @@ def measure_loop(model: str, parallelism: str, folder: str, steps: int) -> float
 
 
 def train_flops_per_image(model: str) -> float:
-  """3x the forward pass's FLOPs per image (forward + two backward GEMMs), as XLA's cost analysis counts them."""
+  """3x the forward pass's FLOPs per image (forward + two backward GEMMs),
+  as XLA's cost analysis counts them."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
@@ -93,8 +95,9 @@ def train_flops_per_image(model: str) -> float:
 
 
 def measure_in_subprocess(mode: str, model: str, devices: int, steps: int) -> float:
-  out = subprocess.run([sys.executable, '-m', 'benchmarks.throughput', f'--worker={mode}', f'--models={model}',
-                        f'--steps={steps}'], cwd=harness.ROOT, env=_env(devices, model), check=True,
+  out = subprocess.run([sys.executable, '-m', 'benchmarks.throughput', f'--worker={mode}',
+                        f'--models={model}', f'--steps={steps}'],
+                       cwd=harness.ROOT, env=_env(devices, model), check=True,
                        capture_output=True, text=True).stdout
   return json.loads(out.strip().splitlines()[-1])['value']
 
@@ -117,7 +120,8 @@ def worker(mode: str, model: str, steps: int) -> float:
     for _ in range(5):
       np.asarray(placement.logits(state, device_images))
     # To host, like Keras' .numpy().
-    return 1000 * harness.median(harness.timings(lambda: np.asarray(placement.logits(state, device_images)), steps))
+    return 1000 * harness.median(
+        harness.timings(lambda: np.asarray(placement.logits(state, device_images)), steps))
   batch = placement.put_train_batch((images, rng.integers(0, 10, 128).astype(np.int32)))
   for _ in range(3):
     state, metrics = step(state, batch)

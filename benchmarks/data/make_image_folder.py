@@ -1,8 +1,8 @@
 """Writes a generated image folder (split/class/image.jpg, mixed sizes) for the input benchmarks.
 
-    python -m benchmarks.data.make_image_folder --out /data/gen1000                                # 100,000 train JPEGs
-    python -m benchmarks.data.make_image_folder --out /data/gen1000_small --train-per-class 10     # the 10,000 subset
-    python -m benchmarks.data.make_image_folder --out /tmp/tiny --classes 5 --train-per-class 20   # a smoke test
+    python -m benchmarks.data.make_image_folder --out /data/gen1000  # 100,000 train JPEGs
+    python -m benchmarks.data.make_image_folder --out /data/gen1000_small --train-per-class 10  # 10,000
+    python -m benchmarks.data.make_image_folder --out /tmp/tiny --classes 5 --train-per-class 20  # smoke test
 
 Layout `OUT/train/class_0000/00000.jpg ... OUT/test/...`, what `--config.dataset.folder`
 reads. Each image has its own width and height (uniform in [--min-side, --max-side],
@@ -91,7 +91,8 @@ def main() -> None:
   parser.add_argument('--min-side', type=int, default=64)
   parser.add_argument('--max-side', type=int, default=320)
   parser.add_argument('--quality', type=int, default=85)
-  parser.add_argument('--workers', type=int, default=os.cpu_count() or 1, help='processes (default: every core)')
+  parser.add_argument('--workers', type=int, default=os.cpu_count() or 1,
+                      help='processes (default: every core)')
   args = parser.parse_args()
   if not 0 < args.min_side <= args.max_side:
     parser.error('need 0 < --min-side <= --max-side')
@@ -110,7 +111,8 @@ def main() -> None:
       if time.perf_counter() - last_report > 10 and done < len(tasks):
         last_report = time.perf_counter()
         rate = written / (last_report - started)
-        print(f'  {written + skipped:,}/{total:,} ({skipped:,} already there)  {rate:,.0f} images/s', flush=True)
+        print(f'  {written + skipped:,}/{total:,} ({skipped:,} already there)  {rate:,.0f} images/s',
+              flush=True)
   seconds = time.perf_counter() - started
   print(f'wrote {written:,} images ({size / 2**20:,.1f} MiB, {size / max(written, 1) / 1024:.1f} KiB each), '
         f'skipped {skipped:,} already there, in {seconds:.1f} s: {written / seconds:,.0f} images/s '

@@ -237,9 +237,10 @@ def main() -> None:
     sys.exit(f'error: {e}')
   summary = summarize(built['entries'])
   manifest = {
-      'cifar': str(args.cifar.resolve()), 'classes': classes, 'per_class': args.per_class, 'seed': args.seed,
-      'test_fraction': TEST_FRACTION, 'folder': str(out.resolve()), 'split_folder': str(split_dir(out).resolve()),
-      'hard_linked': built['linked'], 'copied': built['copied'], 'summary': summary, 'files': built['entries'],
+      'cifar': str(args.cifar.resolve()), 'classes': classes, 'per_class': args.per_class,
+      'seed': args.seed, 'test_fraction': TEST_FRACTION, 'folder': str(out.resolve()),
+      'split_folder': str(split_dir(out).resolve()), 'hard_linked': built['linked'],
+      'copied': built['copied'], 'summary': summary, 'files': built['entries'],
   }
   manifest_path(out).write_text(json.dumps(manifest, indent=1) + '\n')
 
