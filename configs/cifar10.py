@@ -1,4 +1,4 @@
-"""The Keras/TPU recipe, exactly: the small CNN, Adam 1e-3, batch 128, [0, 1] inputs, no augmentation, 5 epochs.
+"""The Keras/TPU recipe, exactly: small CNN, Adam 1e-3, batch 128, [0, 1] inputs, no augmentation, 5 epochs.
 
     python -m flaxtpu.main --config=configs/cifar10.py --workdir=runs/cifar10
 """
@@ -15,5 +15,5 @@ def get_config():
   config.batch_size = 128
   config.num_epochs = 5.0
   config.log_every_steps = 100
-  config.cpu_convolutions = 'eigen'  # on CPU: 1.23x the images/s of XLA's default (YNNPACK) kernels for this CNN
+  config.cpu_convolutions = 'eigen'  # 1.23x the images/s of XLA's default (YNNPACK) CPU kernels for this CNN
   return config

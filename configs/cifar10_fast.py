@@ -1,7 +1,7 @@
 """The fastest route to a high CIFAR-10 accuracy here: airbench94's recipe (Jordan 2024) in flaxtpu.
 
     python -m flaxtpu.main --config=configs/cifar10_fast.py --workdir=runs/cifar10_fast
-    python -m flaxtpu.sweep experiments/cifar10_fast_ablation.py --workdir=runs/sweeps/fast  # what each part adds
+    python -m flaxtpu.sweep experiments/cifar10_fast_ablation.py --workdir=runs/sweeps/fast  # the ablation
 
 airbench94 (Jordan 2024) in full: its network (`fastnet_whiten`: a frozen 2x2
 whitening stem fitted to the train images, widths 64/256/256, BatchNorm
@@ -51,7 +51,8 @@ def get_config():
   config.label_smoothing = 0.2
   config.eval.flip_tta = True
   config.eval.translate_tta = 1
-  config.eval_every_steps = 1_000_000  # at the end only: each evaluation (6 views of 10,000 images) costs ~1.5 min here
+  # At the end only: each evaluation (6 views of 10,000 images) costs ~1.5 min here.
+  config.eval_every_steps = 1_000_000
   config.checkpoint_every_steps = 48  # every epoch: --mode=eval scores any of them afterwards
   config.checkpoint.keep = 11
   config.log_every_steps = 10

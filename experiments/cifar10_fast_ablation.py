@@ -1,4 +1,4 @@
-"""What each part of configs/cifar10_fast.py adds: the recipe, then the recipe without one part, at equal steps.
+"""What each part of configs/cifar10_fast.py adds: the recipe, then the recipe minus one part, at equal steps.
 
     python -m flaxtpu.sweep experiments/cifar10_fast_ablation.py --workdir=runs/sweeps/fast_ablation \
         [--config.dataset.folder=/path/to/cifar10] [--config.num_epochs=9.9]
