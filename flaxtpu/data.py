@@ -9,21 +9,44 @@ model's input. Its examples are either
 - cached: decoded once into host memory (`dataset.cache`: `auto` does this
   when the decoded splits fit a small share of RAM, as for CIFAR or MNIST).
 
-Either way the global batch of step `s` holds the examples at positions
-`[s mod epoch]` of the seeded permutation of epoch `s // steps_per_epoch`,
-and example `p` of it is augmented with a generator seeded by
-(seed, s, p). So a resumed run, another worker count or another process
-count sees exactly the same batches, and each process reads and decodes only
-its own rows. Evaluation covers the split once, the last batch padded and
-masked.
+A label is a class index (a split's labels are int32 [N]) or, under
+`task=multilabel`, a multi-hot row (uint8 [N, C], all zeros for an image
+without tags). Caching, streaming, eval padding and skip_corrupt carry
+either form unchanged, so a `Batch` holds int32 [B] or uint8 [B, C] labels.
+
+Which examples make up step `s`'s global batch is the sampler's choice
+(`dataset.sampling`, `Sampler`):
+
+- shuffle: positions `[s mod epoch]` of the seeded permutation of epoch
+  `s // steps_per_epoch`;
+- balanced: each epoch draws as many examples as shuffle would use, with
+  replacement, every class equally likely (`balanced_probabilities`);
+- shards: process p of P streams its own tar shards (k % P == p) in a
+  seeded order, shuffled within windows of SHUFFLE_WINDOW examples, as
+  WebDataset's shuffle buffer would but reproducibly.
+
+Example `p` of the global batch is augmented with a generator seeded by
+(seed, s, p). So a resumed run or another worker count sees exactly the
+same batches, and each process reads and decodes only its own rows. Under
+shuffle and balanced another process count sees the same batches too;
+under shards it does not: each process owns different shards, so the
+batches depend on the process count. Evaluation covers the split once, the
+last batch padded and masked.
+
+`dataset.class_weights` becomes `Dataset.class_weights` (`class_weights`):
+a loss weight per class, from the train split's counts or from a file.
 """
 
 from __future__ import annotations
 
 import copy
+import csv
 import dataclasses
 import functools
+import io
+import json
 import logging
+import math
 import os
 import sys
 from typing import Iterator, NamedTuple, Optional, Sequence
@@ -44,14 +67,22 @@ CACHE_CHUNK = 500  # images per cache-decoding task: a hand-over to a worker cos
 DEFAULT_CROP_FRACTION = 0.875  # dataset.crop_fraction=0 without an init_from that says otherwise
 STATISTICS_SAMPLE = 2_000  # images that estimate the per-channel mean/std of a streamed split
 MAX_SUBSTITUTIONS = 100  # skip_corrupt: how far to look for a readable example to stand in
+# sampling=shards: examples shuffled together, a few shards' worth (WebDataset's usual buffer).
+SHUFFLE_WINDOW = 1_000
+
+# Spawn keys of the seed sequences drawn from `seed`, one per stream, so no two ever coincide
+# (the shuffle permutations use the plain sequence [seed, epoch]).
+_FLIPS_STREAM, _BALANCED_STREAM, _SHARD_ORDER_STREAM, _SHARD_WINDOW_STREAM = 1, 2, 3, 4
 
 
 @dataclasses.dataclass(frozen=True)
 class Examples:
-  """One split: streamed from `source`, or cached as `images` (uint8 [N, H, W, C] or a list)."""
+  """One split: streamed from `source`, or cached as `images` (uint8 [N, H, W, C] or a list)
+  with `labels` (int32 [N] or uint8 [N, C]) and, for tar shards, `shards` (int32 [N])."""
   source: Optional[sources.Split] = None
   images: Optional[object] = None
   labels: Optional[np.ndarray] = None
+  shards: Optional[np.ndarray] = None
 
   def __len__(self) -> int:
     return len(self.labels) if self.images is not None else len(self.source)
@@ -59,6 +90,17 @@ class Examples:
   @property
   def cached(self) -> bool:
     return self.images is not None
+
+  @property
+  def listed_labels(self) -> Optional[np.ndarray]:
+    """Every example's label without reading an image; None where a streamed split has them only
+    in its records (TFDS)."""
+    return self.labels if self.cached else self.source.labels
+
+  @property
+  def shard_indices(self) -> Optional[np.ndarray]:
+    """Each example's tar shard (int32 [N]); None for other sources."""
+    return self.shards if self.cached else getattr(self.source, 'shards', None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +115,9 @@ class Dataset:
   workers: int = 0
   prefetch: int = 2
   skip_corrupt: bool = False
+  multilabel: bool = False  # task=multilabel: labels are uint8 multi-hot rows
+  class_weights: Optional[np.ndarray] = None  # float32 [num_classes] loss weights; None = unweighted
+  sampling: str = 'shuffle'  # dataset.sampling: which `Sampler` orders the training examples
 
   @property
   def num_classes(self) -> int:
@@ -81,7 +126,7 @@ class Dataset:
 
 class Batch(NamedTuple):
   images: np.ndarray  # uint8 [B, H, W, C]
-  labels: np.ndarray  # int32 [B]
+  labels: np.ndarray  # int32 [B] class indices, or uint8 [B, C] multi-hot rows (task=multilabel)
   mask: np.ndarray  # bool [B]; False on padding rows of the last eval batch
 
 
@@ -95,31 +140,38 @@ def load(config: ml_collections.ConfigDict, *, need_train: bool = True,
   Whatever the source (`sources.get`), the classes are the training split's,
   or `class_names` (a checkpoint's, or the training split's when loading
   another eval split); a folder's eval split is matched to them by name.
+  The class weights come from the train split, so only when training.
   """
   settings = config.dataset
   num_workers = input_workers(config)
-  source = sources.get(settings)
+  source = sources.get(settings)  # TODO(D): task=config.task once sources.get takes it
   train_split, eval_split, class_names = source.splits(settings.train_split if need_train else None,
                                                        settings.eval_split, class_names)
   transform = image_transform(config, source.channels)
   examples, image_shape = _read(source, [split for split in (train_split, eval_split) if split is not None],
                                 settings, transform, num_workers)
-  dataset = Dataset(train=examples[0] if need_train else None, eval=examples[-1], class_names=tuple(class_names),
-                    image_shape=image_shape, mean=np.zeros(source.channels, np.float32),
-                    std=np.ones(source.channels, np.float32), transform=transform, workers=num_workers,
-                    prefetch=config.input.prefetch, skip_corrupt=settings.skip_corrupt)
+  train = examples[0] if need_train else None
+  dataset = Dataset(
+      train=train, eval=examples[-1], class_names=tuple(class_names), image_shape=image_shape,
+      mean=np.zeros(source.channels, np.float32), std=np.ones(source.channels, np.float32),
+      transform=transform, workers=num_workers, prefetch=config.input.prefetch,
+      skip_corrupt=settings.skip_corrupt, multilabel=config.task == 'multilabel',
+      class_weights=None if train is None else class_weights(settings.class_weights, train, class_names),
+      sampling=settings.sampling)
   return _normalized(dataset, settings)
 
 
 def _read(source: sources.Source, splits: list[sources.Split], settings: ml_collections.ConfigDict,
           transform: Transform, num_workers: int) -> tuple[list[Examples], tuple[int, int, int]]:
-  """Each split decoded into memory or ready to stream (`dataset.cache`), and the shape the model sees."""
+  """Each split decoded into memory or ready to stream (`dataset.cache`), and the shape the model
+  sees."""
   channels = source.channels
   native = source.native_sizes(splits)
   if source.in_memory:
-    fits = None not in native and _use_cache(settings.cache, _count(*splits), (*next(iter(native)), channels),
-                                             transform)
-    examples = [Examples(None, *source.arrays(split, fits)) for split in splits]
+    fits = None not in native and _use_cache(settings.cache, _count(*splits),
+                                             (*next(iter(native)), channels), transform)
+    examples = [Examples(None, *source.arrays(split, fits), shards=getattr(split, 'shards', None))
+                for split in splits]
     return examples, _image_shape(native, transform, channels)
   cache = _use_cache(settings.cache, _count(*splits), _image_shape(native, transform, channels), transform)
   if not cache:  # streamed: every header now, so sizes and unreadable files show before step 1
@@ -137,7 +189,7 @@ def _normalized(dataset: Dataset, settings: ml_collections.ConfigDict) -> Datase
     mean, std = _statistics(dataset)
     return dataclasses.replace(dataset, mean=mean, std=std)
   if settings.normalize == 'fixed':
-    if dataset.image_shape[-1] == 1 and len(settings.mean) == 3:  # an RGB model's numbers on grayscale images
+    if dataset.image_shape[-1] == 1 and len(settings.mean) == 3:  # an RGB model's numbers, grayscale images
       settings.mean, settings.std = ((float(np.mean(settings[key])),) for key in ('mean', 'std'))
       logging.info('dataset.mean/std: the colour channels\' averages for 1-channel images, %.3f/%.3f',
                    settings.mean[0], settings.std[0])
@@ -158,9 +210,10 @@ def load_eval_splits(config: ml_collections.ConfigDict, dataset: Dataset) -> lis
     split_config.dataset.eval_split = split
     other = load(split_config, need_train=False, class_names=dataset.class_names)
     if other.class_names != dataset.class_names or other.image_shape != dataset.image_shape:
-      raise UserError(f'config.dataset.eval_splits entry {split!r} has classes {list(other.class_names)[:5]} '
-                      f'of {other.image_shape} images, unlike the eval split ({list(dataset.class_names)[:5]}, '
-                      f'{dataset.image_shape}); list splits of the same dataset')
+      raise UserError(f'config.dataset.eval_splits entry {split!r} has classes '
+                      f'{list(other.class_names)[:5]} of {other.image_shape} images, unlike the eval split '
+                      f'({list(dataset.class_names)[:5]}, {dataset.image_shape}); list splits of the same '
+                      'dataset')
     logging.info('eval split %r: %d examples', split, len(other.eval))
     loaded.append((split, other))
   return loaded
@@ -176,7 +229,8 @@ def _image_shape(native: set, transform: Transform, channels: int) -> tuple[int,
     return transform.size, transform.size, channels
   if len(native) > 1 or None in native:
     shown = 'vary in size' if None in native else (
-        'have ' + ', '.join(f'{w}x{h}' for h, w in sorted(native)[:3]) + (' and more' if len(native) > 3 else ''))
+        'have ' + ', '.join(f'{w}x{h}' for h, w in sorted(native)[:3])
+        + (' and more' if len(native) > 3 else ''))
     raise DataError(f'the images {shown}; set --config.dataset.image_size=N to train at NxN '
                     '(random-resized crops for training, resize + centre crop for evaluation)')
   return (*next(iter(native)), channels)
@@ -230,11 +284,13 @@ def _examples(split: sources.Split, *, cache: bool, transform: Transform, num_wo
   _, keep = sources.without_unreadable(
       split, [image if isinstance(image, str) else None for image, _ in decoded], skip_corrupt)
   images = [decoded[i][0] for i in keep]
-  labels = np.asarray([decoded[i][1] for i in keep], np.int32)
+  # A split that lists its labels keeps their array (and dtype); TFDS records said them as they decoded.
+  labels = split.labels[keep] if split.labels is not None else _label_batch([decoded[i][1] for i in keep])
   if not transform.size:  # native size: the sampled headers may have missed an odd one
     _image_shape({image.shape[:2] for image in images}, transform, transform.channels)
     images = np.stack(images)
-  return Examples(images=images, labels=labels)
+  return Examples(images=images, labels=labels,
+                  shards=None if getattr(split, 'shards', None) is None else split.shards[keep])
 
 
 def _statistics(dataset: Dataset) -> tuple[np.ndarray, np.ndarray]:
@@ -250,7 +306,8 @@ def _statistics(dataset: Dataset) -> tuple[np.ndarray, np.ndarray]:
 
 
 def train_sample(dataset: Dataset, count: int) -> list[np.ndarray]:
-  """`count` train images spread evenly over the split, as evaluation shows them (uint8 [H, W, C] each).
+  """`count` train images spread evenly over the split, as evaluation shows them (uint8 [H, W, C]
+  each).
 
   The same on every host and in every run: the images at fixed positions, no randomness.
   """
@@ -264,7 +321,139 @@ def train_sample(dataset: Dataset, count: int) -> list[np.ndarray]:
   return images
 
 
-# --- batches ------------------------------------------------------------------------------
+# --- labels and class weights ---------------------------------------------------------------
+
+
+def _label(value) -> object:
+  """One example's label as a loader returns it: an int, or a uint8 [C] multi-hot row."""
+  return int(value) if np.ndim(value) == 0 else np.asarray(value, np.uint8)
+
+
+def _label_batch(labels: list) -> np.ndarray:
+  """Labels read one at a time, as a batch: int32 [B] indices, or uint8 [B, C] multi-hot rows."""
+  if labels and np.ndim(labels[0]) == 1:
+    return np.stack(labels).astype(np.uint8)
+  return np.asarray(labels, np.int32)
+
+
+def class_counts(labels: np.ndarray, num_classes: int) -> np.ndarray:
+  """Examples per class (int64 [C]): of each index, or of each tag's positives in multi-hot rows."""
+  if labels.ndim == 2:
+    return labels.sum(axis=0, dtype=np.int64)
+  return np.bincount(labels, minlength=num_classes).astype(np.int64)
+
+
+def _listed_train_labels(train: Examples, needed_by: str) -> np.ndarray:
+  """The train split's labels, which `needed_by` counts before the first step."""
+  labels = train.listed_labels
+  if labels is None:
+    raise DataError(f'config.dataset.{needed_by} counts the train split\'s labels before training, '
+                    'which a streamed TFDS split does not list; set --config.dataset.cache=memory '
+                    '(or prepare the data as an image folder, label file, shards or parquet)')
+  return labels
+
+
+def class_weights(setting: str, train: Examples, class_names: Sequence[str]) -> Optional[np.ndarray]:
+  """`dataset.class_weights` as float32 [C] loss weights: None for `none`, the train split's
+  `balanced_class_weights`, or a file's (`read_class_weights`); logged once."""
+  if setting == 'none':
+    return None
+  if setting == 'balanced':
+    counts = class_counts(_listed_train_labels(train, 'class_weights=balanced'), len(class_names))
+    weights = balanced_class_weights(counts, len(train))
+    if absent := [printable(name) for name, count in zip(class_names, counts) if not count]:
+      logging.info('dataset.class_weights=balanced: %d classes have no train example and weigh 1.0: %s',
+                   len(absent), ', '.join(absent[:10]) + (', ...' if len(absent) > 10 else ''))
+  else:
+    weights = read_class_weights(setting, class_names)
+  logging.info('dataset.class_weights=%s: weights from %.4g (%s) to %.4g (%s)', setting,
+               weights.min(), printable(class_names[int(weights.argmin())]),
+               weights.max(), printable(class_names[int(weights.argmax())]))
+  return weights
+
+
+def balanced_class_weights(counts: np.ndarray, num_examples: int) -> np.ndarray:
+  """Keras' and sklearn's 'balanced' weights, n / (C x n_c): every class then weighs as much in the
+  loss as a class of the average size, and the mean example weight stays 1 (C counts the classes
+  present). Multi-hot: n_c is class c's positives among the n rows. An absent class weighs 1.0."""
+  present = counts > 0
+  weights = np.ones(len(counts), np.float32)
+  weights[present] = num_examples / (present.sum() * counts[present])
+  return weights
+
+
+def read_class_weights(path: str, class_names: Sequence[str]) -> np.ndarray:
+  """Weights from a CSV of class,weight rows (a header row is optional) or a JSON object
+  {class: weight}; classes it does not list weigh 1.0. Each mistake is one DataError line."""
+  where = f'config.dataset.class_weights={path!r}'
+  try:
+    with open(path, encoding='utf-8') as f:
+      text = f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+    raise DataError(f'{where} cannot be read ({reason}); give a CSV of class,weight or a JSON object '
+                    '{class: weight}, or choose none or balanced') from e
+  is_json = path.lower().endswith('.json') or text.lstrip().startswith('{')
+  entries = _json_weights(text, where) if is_json else _csv_weights(text, where, class_names)
+  index = {name: i for i, name in enumerate(class_names)}
+  weights = np.ones(len(class_names), np.float32)
+  seen = set()
+  for place, name, value in entries:
+    if name not in index:
+      known = ', '.join(printable(n) for n in class_names[:10]) + (', ...' if len(class_names) > 10 else '')
+      raise DataError(f'{where}, {place}: class {printable(name)!r} is not one of the dataset\'s '
+                      f'{len(class_names)} classes ({known}); correct the name or remove it')
+    if name in seen:
+      raise DataError(f'{where}, {place}: class {printable(name)!r} is weighted twice; keep one weight')
+    weight = _weight(value)
+    if weight is None:
+      raise DataError(f'{where}, {place}: the weight of class {printable(name)!r} is {value!r}, not a '
+                      'finite number >= 0; give a number such as 2.5')
+    weights[index[name]] = weight
+    seen.add(name)
+  return weights
+
+
+def _weight(value) -> Optional[float]:
+  """A class weight as a float, or None when it is not a finite number >= 0."""
+  if isinstance(value, bool):
+    return None
+  try:
+    weight = float(value)
+  except (TypeError, ValueError):
+    return None
+  return weight if math.isfinite(weight) and weight >= 0 else None
+
+
+def _json_weights(text: str, where: str) -> list[tuple[str, str, object]]:
+  """(place, class, weight) of a JSON object {class: weight}."""
+  try:
+    weights = json.loads(text)
+  except ValueError as e:
+    raise DataError(f'{where} is not valid JSON ({e}); write an object {{"class": weight, ...}}') from e
+  if not isinstance(weights, dict):
+    raise DataError(f'{where} holds a JSON {type(weights).__name__}, not an object; write '
+                    '{"class": weight, ...}')
+  return [(f'key {name!r}', name, value) for name, value in weights.items()]
+
+
+def _csv_weights(text: str, where: str, class_names: Sequence[str]) -> list[tuple[str, str, str]]:
+  """(place, class, weight) of each class,weight row; the first row is a header when it names no
+  class and holds no number (class,weight)."""
+  rows = [(number, [cell.strip() for cell in row]) for number, row in
+          enumerate(csv.reader(io.StringIO(text)), start=1) if any(cell.strip() for cell in row)]
+  if rows and rows[0][1][0] not in class_names and _weight(rows[0][1][-1]) is None:
+    rows = rows[1:]
+  entries = []
+  for number, row in rows:
+    if len(row) != 2:
+      raise DataError(f'{where}, line {number}: {len(row)} cells ({printable(",".join(row))[:60]}); '
+                      'write one class,weight pair a line')
+    entries.append((f'line {number}', row[0], row[1]))
+  return entries
+
+
+# --- samplers: which examples make up each step's batch -------------------------------------
 
 
 def train_indices(seed: int, step: int, num_examples: int, batch_size: int) -> np.ndarray:
@@ -287,13 +476,19 @@ def alternate_flips(seed: int, step: int, num_examples: int, batch_size: int) ->
   per view repeats a side for half of them (airbench's alternating flip).
   """
   odd_epoch = step // (num_examples // batch_size) % 2 == 1
-  return _first_epoch_flips(seed, num_examples)[train_indices(seed, step, num_examples, batch_size)] ^ odd_epoch
+  indices = train_indices(seed, step, num_examples, batch_size)
+  return _first_epoch_flips(seed, num_examples)[indices] ^ odd_epoch
 
 
 @functools.lru_cache(maxsize=2)
 def _first_epoch_flips(seed: int, num_examples: int) -> np.ndarray:
-  # Its own seed sequence (a spawn key), apart from the epochs' permutations.
-  return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(1,))).random(num_examples) < 0.5
+  return _generator(seed, _FLIPS_STREAM).random(num_examples) < 0.5
+
+
+def _generator(seed: int, stream: int, *key: int) -> np.random.Generator:
+  """A generator for one stream of randomness (`_*_STREAM`): its own seed sequence (a spawn key),
+  apart from every other stream and from the epochs' permutations."""
+  return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(stream, *key)))
 
 
 def process_slice(global_batch_size: int, process_index: int, process_count: int) -> slice:
@@ -305,33 +500,207 @@ def process_slice(global_batch_size: int, process_index: int, process_count: int
   return slice(process_index * per_process, (process_index + 1) * per_process)
 
 
-def train_batches(dataset: Dataset, *, seed: int, batch_size: int, first_step: int, last_step: int,
-                  process_index: int = 0, process_count: int = 1, alternate_flip: bool = False) -> Iterator[Batch]:
-  """This process's part of the global batches for steps [first_step, last_step).
+class Sampler:
+  """Which examples fill this process's rows of each step's global batch.
 
-  With `alternate_flip` the images come mirrored as `alternate_flips` says
+  A pure function of (seed, step) -- and, for shards, of the process layout --
+  so a resumed run continues exactly where it stopped. A subclass orders one
+  epoch (`_epoch_order`); the base class cuts it into batches and keeps the
+  latest epoch's order, which consecutive steps share. It is pickled into the
+  input workers, each of which then orders an epoch once.
+  """
+
+  def __init__(self, seed: int, num_examples: int, batch_size: int, process_index: int = 0,
+               process_count: int = 1):
+    self.seed, self.num_examples, self.batch_size = seed, num_examples, batch_size
+    self.rows = process_slice(batch_size, process_index, process_count)
+    self.steps_per_epoch = num_examples // batch_size
+    if not self.steps_per_epoch:
+      raise DataError(f'config.batch_size={batch_size} is larger than the train split ({num_examples} '
+                      'examples); lower the batch size')
+    self._latest: tuple[int, Optional[np.ndarray]] = (-1, None)
+
+  @property
+  def local_batch_size(self) -> int:
+    return self.rows.stop - self.rows.start
+
+  def indices(self, step: int) -> np.ndarray:
+    """The examples of this process's rows of `step`'s global batch."""
+    epoch, position = divmod(step, self.steps_per_epoch)
+    if self._latest[0] != epoch:
+      self._latest = (epoch, self._epoch_order(epoch))
+    return self._batch(self._latest[1], position)
+
+  def mirrored(self, step: int, indices: np.ndarray) -> np.ndarray:
+    """`augment.alternate_flip`: whether each of `indices` (this step's) is mirrored: a seeded half
+    of the examples in even epochs, the other half in odd ones (see `alternate_flips`)."""
+    odd_epoch = step // self.steps_per_epoch % 2 == 1
+    return _first_epoch_flips(self.seed, self.num_examples)[indices] ^ odd_epoch
+
+  def _epoch_order(self, epoch: int) -> np.ndarray:
+    """The global batches of `epoch` one after the other (example indices)."""
+    raise NotImplementedError
+
+  def _batch(self, order: np.ndarray, position: int) -> np.ndarray:
+    return order[position * self.batch_size:(position + 1) * self.batch_size][self.rows]
+
+
+class ShuffleSampler(Sampler):
+  """Every example once an epoch, in a seeded permutation: exactly `train_indices`."""
+
+  def _epoch_order(self, epoch):
+    return _epoch_permutation(self.seed, epoch, self.num_examples)
+
+
+class BalancedSampler(Sampler):
+  """An epoch draws the examples of `steps_per_epoch` batches with replacement, each with
+  `balanced_probabilities`: the classes come up equally often, a rare class's examples repeatedly."""
+
+  def __init__(self, seed, labels, batch_size, process_index=0, process_count=1):
+    super().__init__(seed, len(labels), batch_size, process_index, process_count)
+    self.probabilities = balanced_probabilities(labels)
+
+  def _epoch_order(self, epoch):
+    draws = self.steps_per_epoch * self.batch_size
+    generator = _generator(self.seed, _BALANCED_STREAM, epoch)
+    return generator.choice(self.num_examples, draws, p=self.probabilities)
+
+
+def balanced_probabilities(labels: np.ndarray) -> np.ndarray:
+  """Each example's chance per draw such that every class present comes up equally often.
+
+  Class indices: 1 / (its class's count), so each class's examples together
+  weigh the same and a class absent from the split simply never comes up.
+  Multi-hot rows: 1 / (the count of the row's rarest tag), the largest of its
+  tags' rates, as LVIS's repeat-factor sampling takes the max: a row that
+  carries a rare tag is drawn as often as that tag needs, where a mean would
+  dilute it by the common tags beside it (every rare "unicycle" photo also
+  shows a "person"). Common tags then come up somewhat more than rare ones,
+  riding along; exactly equally when every row has one tag. Rows without a
+  tag are a group of their own, drawn as often as one class.
+  """
+  if labels.ndim == 1:
+    weights = 1.0 / np.bincount(labels)[labels]
+  else:
+    counts = labels.sum(axis=0, dtype=np.int64)
+    rows, tags = np.nonzero(labels)  # row-major: each row's tags are consecutive
+    starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]]) if len(rows) else np.zeros(0, int)
+    rarest = np.zeros(len(labels), np.int64)
+    if len(rows):
+      rarest[rows[starts]] = np.minimum.reduceat(counts[tags], starts)
+    untagged = rarest == 0
+    rarest[untagged] = untagged.sum()
+    weights = 1.0 / rarest
+  return weights / weights.sum()
+
+
+class ShardSampler(Sampler):
+  """WebDataset-style streaming: process p of P reads only the shards k with k % P == p.
+
+  k is a shard's place among the split's shards (its index when every shard
+  holds examples). Each epoch takes this process's shards in a seeded order,
+  each shard's examples in tar order, then shuffles every window of
+  SHUFFLE_WINDOW consecutive examples (WebDataset's shuffle buffer, made
+  deterministic), so reads stay within a few shards at a time. Every process
+  takes the same number of steps an epoch: the smallest process's examples
+  // its rows of a batch, so none waits on a batch another cannot fill; the
+  rest of each process's epoch is left out (another part each epoch).
+  """
+
+  def __init__(self, seed, shards, batch_size, process_index=0, process_count=1):
+    shard_ids, place = np.unique(shards, return_inverse=True)
+    if len(shard_ids) < process_count:
+      raise DataError(f'config.dataset.sampling=shards gives each process its own shards, but the train '
+                      f'split has {len(shard_ids)} shards for {process_count} processes; write the data '
+                      f'as at least {process_count} shards, or set --config.dataset.sampling=shuffle')
+    super().__init__(seed, len(shards), batch_size, process_index, process_count)
+    self.num_shards, self.process_index = len(shard_ids), process_index
+    self.shard_of = place.astype(np.int32)  # each example's shard place k
+    self.mine = np.flatnonzero(self.shard_of % process_count == process_index)  # in split (tar) order
+    per_process = np.bincount(self.shard_of % process_count, minlength=process_count)
+    self.steps_per_epoch = int(per_process.min()) // self.local_batch_size
+    if not self.steps_per_epoch:
+      smallest = int(per_process.argmin())
+      raise DataError(f'config.dataset.sampling=shards: process {smallest} of {process_count} gets '
+                      f'{per_process[smallest]} examples from its shards, fewer than its '
+                      f'{self.local_batch_size} rows of a batch; lower config.batch_size or use fewer '
+                      'processes')
+
+  def _epoch_order(self, epoch):
+    """This process's rows of the epoch's batches, one after the other."""
+    shard_order = _generator(self.seed, _SHARD_ORDER_STREAM, epoch).permutation(self.num_shards)
+    turn = np.argsort(shard_order)  # when each shard comes this epoch
+    stream = self.mine[np.argsort(turn[self.shard_of[self.mine]], kind='stable')]  # tar order within
+    windows = _generator(self.seed, _SHARD_WINDOW_STREAM, epoch, self.process_index)
+    for start in range(0, len(stream), SHUFFLE_WINDOW):
+      stream[start:start + SHUFFLE_WINDOW] = windows.permutation(stream[start:start + SHUFFLE_WINDOW])
+    return stream[:self.steps_per_epoch * self.local_batch_size]
+
+  def _batch(self, order, position):
+    return order[position * self.local_batch_size:(position + 1) * self.local_batch_size]
+
+
+def sampler(dataset: Dataset, *, seed: int, batch_size: int, process_index: int = 0,
+            process_count: int = 1) -> Sampler:
+  """The `Sampler` that `dataset.sampling` names, over the train split."""
+  train, layout = dataset.train, dict(process_index=process_index, process_count=process_count)
+  if dataset.sampling == 'balanced':
+    return BalancedSampler(seed, _listed_train_labels(train, 'sampling=balanced'), batch_size, **layout)
+  if dataset.sampling == 'shards':
+    if train.shard_indices is None:
+      raise DataError('config.dataset.sampling=shards streams tar shards per process, and the train '
+                      'split is not read from shards; set config.dataset.shards, or '
+                      '--config.dataset.sampling=shuffle')
+    return ShardSampler(seed, train.shard_indices, batch_size, **layout)
+  return ShuffleSampler(seed, len(train), batch_size, **layout)
+
+
+def examples_per_epoch(dataset: Dataset, batch_size: int, process_count: int = 1) -> int:
+  """The train examples an epoch uses, in whole global batches: what the run length counts. Under
+  shards the smallest process's share sets it; it raises the sampler's errors (too few shards)
+  before anything compiles."""
+  chosen = sampler(dataset, seed=0, batch_size=batch_size, process_count=process_count)
+  return chosen.steps_per_epoch * batch_size
+
+
+# --- batches ------------------------------------------------------------------------------
+
+
+def train_batches(dataset: Dataset, *, seed: int, batch_size: int, first_step: int, last_step: int,
+                  process_index: int = 0, process_count: int = 1,
+                  alternate_flip: bool = False) -> Iterator[Batch]:
+  """This process's part of the global batches for steps [first_step, last_step), in the order
+  `dataset.sampling` gives (its errors raise here, before the first batch is asked for).
+
+  With `alternate_flip` the images come mirrored as `Sampler.mirrored` says
   (the device's random flip is then off: `augment.augment_image`).
   """
-  rows = process_slice(batch_size, process_index, process_count)
+  chosen = sampler(dataset, seed=seed, batch_size=batch_size, process_index=process_index,
+                   process_count=process_count)
+  steps = range(first_step, last_step)
   train = dataset.train
   if _sliceable(dataset, train):  # CIFAR-size: slicing is all there is
-    mask = np.ones(rows.stop - rows.start, bool)
-    for step in range(first_step, last_step):
-      indices = train_indices(seed, step, len(train), batch_size)[rows]
-      images = train.images[indices]
-      if alternate_flip:
-        mirror = alternate_flips(seed, step, len(train), batch_size)[rows]
-        images[mirror] = images[mirror][:, :, ::-1]
-      yield Batch(images, train.labels[indices], mask)
-    return
-  loader = _TrainLoader(train, dataset.transform, seed, batch_size, rows, dataset.skip_corrupt, alternate_flip)
-  yield from _checked(workers.run(loader, range(first_step, last_step),
-                                  0 if train.cached else dataset.workers, dataset.prefetch))
+    return _sliced_train_batches(train, chosen, steps, alternate_flip)
+  loader = _TrainLoader(train, dataset.transform, chosen, dataset.skip_corrupt, alternate_flip)
+  return _checked(workers.run(loader, steps, 0 if train.cached else dataset.workers, dataset.prefetch))
+
+
+def _sliced_train_batches(train: Examples, chosen: Sampler, steps: range,
+                          alternate_flip: bool) -> Iterator[Batch]:
+  mask = np.ones(chosen.local_batch_size, bool)
+  for step in steps:
+    indices = chosen.indices(step)
+    images = train.images[indices]
+    if alternate_flip:
+      mirror = chosen.mirrored(step, indices)
+      images[mirror] = images[mirror][:, :, ::-1]
+    yield Batch(images, train.labels[indices], mask)
 
 
 def eval_batches(dataset: Dataset, *, batch_size: int, process_index: int = 0,
                  process_count: int = 1) -> Iterator[Batch]:
-  """Every eval example once, in order; the last global batch is padded and masked, never dropped."""
+  """Every eval example once, in order; the last global batch is padded and masked, never dropped
+  (padding rows repeat example 0, its label included, whichever form the labels take)."""
   rows = process_slice(batch_size, process_index, process_count)
   examples = dataset.eval
   starts = range(0, len(examples), batch_size)
@@ -390,16 +759,17 @@ class _ExampleReader:
   def __init__(self, examples: Examples, transform: Transform, skip_corrupt: bool):
     self.examples, self.transform, self.skip_corrupt = examples, transform, skip_corrupt
 
-  def read(self, index: int, make_image) -> tuple[object, int]:
+  def read(self, index: int, make_image) -> tuple[object, object]:
+    """(image, label: an int or a uint8 [C] row), or (_Failure, 0)."""
     examples = self.examples
     for attempt in range(MAX_SUBSTITUTIONS if self.skip_corrupt else 1):
       position = (index + attempt) % len(examples)
       try:
         if examples.cached:
-          item, label = examples.images[position], int(examples.labels[position])
+          item, label = examples.images[position], examples.labels[position]
         else:
           item, label = examples.source.load(position)
-        return make_image(preprocess.open_image(item)), label
+        return make_image(preprocess.open_image(item)), _label(label)
       except Exception as e:  # pylint: disable=broad-except
         where = examples.source.describe(position) if examples.source else f'cached image {position}'
         reason = sources.unreadable(where, e)
@@ -410,27 +780,28 @@ class _ExampleReader:
 
 
 class _TrainLoader(_ExampleReader):
-  """Step -> this process's rows of the global batch, random-resized-cropped per (seed, step, row)."""
+  """Step -> this process's rows of the global batch (the sampler's examples), random-resized-cropped
+  per (seed, step, row of the global batch)."""
 
-  def __init__(self, examples, transform, seed, batch_size, rows, skip_corrupt, alternate_flip=False):
+  def __init__(self, examples: Examples, transform: Transform, chosen: Sampler, skip_corrupt: bool,
+               alternate_flip: bool = False):
     super().__init__(examples, transform, skip_corrupt)
-    self.seed, self.batch_size, self.rows, self.alternate_flip = seed, batch_size, rows, alternate_flip
+    self.sampler, self.alternate_flip = chosen, alternate_flip
 
   def __call__(self, step: int):
-    indices = train_indices(self.seed, step, len(self.examples), self.batch_size)
-    mirror = (alternate_flips(self.seed, step, len(self.examples), self.batch_size) if self.alternate_flip
-              else np.zeros(len(indices), bool))
+    indices = self.sampler.indices(step)
+    mirror = self.sampler.mirrored(step, indices) if self.alternate_flip else np.zeros(len(indices), bool)
     images, labels = [], []
-    for position in range(self.rows.start, self.rows.stop):
-      rng = np.random.default_rng([self.seed, step, position])
-      image, label = self.read(int(indices[position]),
-                               functools.partial(preprocess.train_image, transform=self.transform, rng=rng))
+    for row, (position, index) in enumerate(zip(range(self.sampler.rows.start, self.sampler.rows.stop),
+                                                indices)):
+      rng = np.random.default_rng([self.sampler.seed, step, position])
+      image, label = self.read(int(index), functools.partial(preprocess.train_image, transform=self.transform,
+                                                             rng=rng))
       if isinstance(image, _Failure):
         return image
-      images.append(image[:, ::-1] if mirror[position] else image)
+      images.append(image[:, ::-1] if mirror[row] else image)
       labels.append(label)
-    return Batch(_stack(images), np.asarray(labels, np.int32),
-                 np.ones(len(labels), bool))
+    return Batch(_stack(images), _label_batch(labels), np.ones(len(labels), bool))
 
 
 class _EvalLoader(_ExampleReader):
@@ -452,7 +823,7 @@ class _EvalLoader(_ExampleReader):
         return image
       images.append(image)
       labels.append(label)
-    return Batch(_stack(images), np.asarray(labels, np.int32), mask)
+    return Batch(_stack(images), _label_batch(labels), mask)
 
 
 class _CacheDecoder:
