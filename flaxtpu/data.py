@@ -682,7 +682,13 @@ def train_batches(dataset: Dataset, *, seed: int, batch_size: int, first_step: i
   if _sliceable(dataset, train):  # CIFAR-size: slicing is all there is
     return _sliced_train_batches(train, chosen, steps, alternate_flip)
   loader = _TrainLoader(train, dataset.transform, chosen, dataset.skip_corrupt, alternate_flip)
-  return _checked(workers.run(loader, steps, 0 if train.cached else dataset.workers, dataset.prefetch))
+  return _loaded_train_batches(loader, steps, 0 if train.cached else dataset.workers, dataset.prefetch)
+
+
+def _loaded_train_batches(loader: _TrainLoader, steps: range, num_workers: int,
+                          prefetch: int) -> Iterator[Batch]:
+  # A generator, so the workers start with the first batch asked for and stop with the last.
+  yield from _checked(workers.run(loader, steps, num_workers, prefetch))
 
 
 def _sliced_train_batches(train: Examples, chosen: Sampler, steps: range,
