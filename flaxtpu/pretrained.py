@@ -85,7 +85,8 @@ def _hub_problem() -> Optional[str]:
     return 'HF_HUB_OFFLINE is set'
   from flaxtpu import sources  # pylint: disable=g-import-not-at-top
   endpoint = urllib.parse.urlsplit(constants.ENDPOINT)
-  address = (endpoint.hostname or 'huggingface.co', endpoint.port or (443 if endpoint.scheme == 'https' else 80))
+  address = (endpoint.hostname or 'huggingface.co',
+             endpoint.port or (443 if endpoint.scheme == 'https' else 80))
   return sources.network_problem(address, HUB_TIMEOUT_S)
 
 
@@ -94,7 +95,8 @@ def _hub_download(spec: str) -> tuple[str, Optional[str]]:
   from huggingface_hub import constants, errors, hf_hub_download  # pylint: disable=g-import-not-at-top
   repo = spec[len(HUB_PREFIX):]
   if not re.fullmatch(r'[\w.-]+/[\w.-]+', repo):
-    raise UserError(f'config.init_from.checkpoint={spec!r} is not hf-hub:ORG/NAME (e.g. hf-hub:timm/resnet50.a1_in1k)')
+    raise UserError(f'config.init_from.checkpoint={spec!r} is not hf-hub:ORG/NAME '
+                    '(e.g. hf-hub:timm/resnet50.a1_in1k)')
   # An unreachable hub would cost huggingface_hub's retries (~25 s) per file: ask the cache alone then.
   problem = _hub_problem()
 
@@ -111,10 +113,10 @@ def _hub_download(spec: str) -> tuple[str, Optional[str]]:
     except errors.LocalEntryNotFoundError:
       if problem:  # not in the cache, and no way to ask
         raise UserError(
-            f'config.init_from.checkpoint={spec!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) '
-            f'and the hub cannot be reached ({problem}): on a machine online run `hf download {repo}` and '
-            f'copy its cache folder models--{repo.replace("/", "--")} into {constants.HF_HUB_CACHE} '
-            '(or set HF_HOME to where it is)') from None
+            f'config.init_from.checkpoint={spec!r} is not in the Hugging Face cache '
+            f'({constants.HF_HUB_CACHE}) and the hub cannot be reached ({problem}): on a machine online '
+            f'run `hf download {repo}` and copy its cache folder models--{repo.replace("/", "--")} '
+            f'into {constants.HF_HUB_CACHE} (or set HF_HOME to where it is)') from None
       return None
     except errors.EntryNotFoundError:
       return None
@@ -123,7 +125,8 @@ def _hub_download(spec: str) -> tuple[str, Optional[str]]:
   for filename in HUB_WEIGHT_FILES:
     if (weights := fetch(filename)) is not None:
       return weights, config_path
-  raise UserError(f'config.init_from.checkpoint={spec!r}: the hub model has none of {", ".join(HUB_WEIGHT_FILES)}; '
+  raise UserError(f'config.init_from.checkpoint={spec!r}: the hub model has none of '
+                  f'{", ".join(HUB_WEIGHT_FILES)}; '
                   'give a timm model (hf-hub:timm/...) or a local weights file')
 
 
@@ -147,7 +150,8 @@ def locate(spec: str) -> tuple[str, Optional[dict]]:
       with open(config_path, encoding='utf-8') as f:
         metadata = json.load(f)
     except (OSError, ValueError) as e:
-      raise UserError(f'{config_path} (the weights\' config) is not readable JSON ({e}); fix or remove it') from e
+      raise UserError(f'{config_path} (the weights\' config) is not readable JSON ({e}); '
+                      'fix or remove it') from e
   return weights, metadata
 
 
@@ -163,7 +167,8 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
       with np.load(path, allow_pickle=False) as archive:
         return {key: archive[key] for key in archive.files}
   except Exception as e:  # pylint: disable=broad-except
-    raise UserError(f'{path} cannot be read as {suffix} weights ({type(e).__name__}: {e}); re-download it') from e
+    raise UserError(f'{path} cannot be read as {suffix} weights ({type(e).__name__}: {e}); '
+                    're-download it') from e
   try:
     import torch  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -231,8 +236,9 @@ def infer_model(tensors: dict, where: str) -> tuple[str, str, dict]:
                  f'{" (bottleneck)" if bottleneck else ""}', stage_sizes=stages, bottleneck=bottleneck)
     return 'timm', name, {'padding': 'torch'}
   if 'patch_embed.proj.weight' in keys:
-    for unsupported, what in (('fc_norm.weight', 'a norm after pooling (fc_norm)'), ('reg_token', 'register tokens'),
-                              ('attn_pool.latent', 'attention pooling'), ('norm_pre.weight', 'a pre-norm')):
+    for unsupported, what in (('fc_norm.weight', 'a norm after pooling (fc_norm)'),
+                              ('reg_token', 'register tokens'), ('attn_pool.latent', 'attention pooling'),
+                              ('norm_pre.weight', 'a pre-norm')):
       if unsupported in keys:
         raise UserError(f'{where} is a ViT with {what}, which flaxtpu\'s ViT lacks; supported: timm '
                         'ViTs with a class token or plain average pooling (e.g. augreg)')
@@ -249,8 +255,8 @@ def infer_model(tensors: dict, where: str) -> tuple[str, str, dict]:
                  stage_sizes=stages, widths=widths)
     return 'timm', name, {'patch_size': int(tensors['stem.0.weight'].shape[-1])}
   shown = ', '.join(sorted(keys)[:4])
-  raise UserError(f'{where} is not a ResNet, ViT or ConvNeXt in timm\'s, torchvision\'s or big_vision\'s layout '
-                  f'(its tensors: {shown}, ...); flaxtpu imports those')
+  raise UserError(f'{where} is not a ResNet, ViT or ConvNeXt in timm\'s, torchvision\'s or big_vision\'s '
+                  f'layout (its tensors: {shown}, ...); flaxtpu imports those')
 
 
 def _head(tensors: dict, layout: str, model: str) -> np.ndarray:
@@ -295,7 +301,8 @@ def describe(spec: str) -> Published:
   if class_names is None and num_classes == 1000:
     class_names = imagenet_class_names()
   if class_names is not None and len(class_names) != num_classes:
-    logging.warning('%s names %d classes for a %d-class head; using class_N', spec, len(class_names), num_classes)
+    logging.warning('%s names %d classes for a %d-class head; using class_N', spec, len(class_names),
+                    num_classes)
     class_names = None
   if not pretrained_cfg:
     logging.info('%s carries no preprocessing; assuming timm\'s defaults for %s: mean %s, std %s, %d px, '
@@ -352,7 +359,8 @@ def apply_defaults(config, workdir: str = '') -> bool:
     config.model.name = resolved[('model', 'name')]
   if config.dataset.normalize == 'auto' and resolved[('dataset', 'normalize')] not in (None, 'auto'):
     config.dataset.normalize = resolved[('dataset', 'normalize')]
-    config.dataset.mean, config.dataset.std = (tuple(resolved[('dataset', key)] or ()) for key in ('mean', 'std'))
+    config.dataset.mean, config.dataset.std = (tuple(resolved[('dataset', key)] or ())
+                                               for key in ('mean', 'std'))
   for (section, key), value in resolved.items():
     if value is None or key in ('name', 'normalize', 'mean', 'std'):
       continue
@@ -380,8 +388,9 @@ def timm_architecture(model: str, options: dict, image_shape: tuple[int, int, in
   model_args = {'num_classes': num_classes, 'in_chans': image_shape[2]}
   if family == 'imagenet_resnet':
     if options.get('padding', 'torch') != 'torch':
-      raise UserError(f'{model} with model.padding={options["padding"]!r} computes another function than timm\'s '
-                      'ResNet (XLA SAME padding); train with model.padding=torch to export it to timm')
+      raise UserError(f'{model} with model.padding={options["padding"]!r} computes another function than '
+                      'timm\'s ResNet (XLA SAME padding); '
+                      'train with model.padding=torch to export it to timm')
     return model, model_args
   if family == 'vit':
     patch = options.get('patch_size') or models.get_spec(model).patch_size
@@ -394,7 +403,8 @@ def timm_architecture(model: str, options: dict, image_shape: tuple[int, int, in
   if family == 'convnext':
     model_args['patch_size'] = options.get('patch_size') or models.get_spec(model).patch_size
     return _TIMM_CONVNEXT[model], model_args
-  raise UserError(f'{model} has no timm twin; timm\'s layout exists for resnet18-152, vit_ti/s/b and convnext_t')
+  raise UserError(f'{model} has no timm twin; '
+                  'timm\'s layout exists for resnet18-152, vit_ti/s/b and convnext_t')
 
 
 def write_timm(directory: str, *, model: str, options: dict, arrays: dict, class_names, mean, std,
@@ -410,7 +420,7 @@ def write_timm(directory: str, *, model: str, options: dict, arrays: dict, class
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   architecture, model_args = timm_architecture(model, options, image_shape, len(class_names))
   tensors = layouts.save(layouts.timm_rules(model, options.get('pool', 'tok')), arrays)
-  for key in [key for key in tensors if key.endswith('.running_mean')]:  # torch's BatchNorm counts its updates
+  for key in [key for key in tensors if key.endswith('.running_mean')]:  # torch's BatchNorm counts updates
     tensors[key[:-len('running_mean')] + 'num_batches_tracked'] = np.zeros((), np.int64)
   save_file(tensors, os.path.join(directory, 'model.safetensors'))
   config = {'architecture': architecture, 'num_classes': len(class_names), 'model_args': model_args,

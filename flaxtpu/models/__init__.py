@@ -18,7 +18,7 @@ class Spec:
   family: str  # 'cnn' | 'fastnet' | 'cifar_resnet' | 'imagenet_resnet' | 'vit' | 'convnext'
   stage_sizes: tuple[int, ...] = ()  # blocks per stage (ResNet, ConvNeXt); (depth,) for ViT
   bottleneck: bool = False
-  widths: tuple[int, ...] = ()  # channels per stage (ConvNeXt); (stem, block...) for FastNet; (width,) for ViT
+  widths: tuple[int, ...] = ()  # channels per stage (ConvNeXt); (stem, *blocks) for FastNet; (width,) for ViT
   num_heads: int = 0  # ViT
   mlp_dim: int = 0  # ViT
   patch_size: int = 0  # the published patch (ViT) or stem stride (ConvNeXt); 0 = no patches
@@ -83,7 +83,8 @@ def check_image_shape(name: str, image_shape: tuple[int, ...], patch_size: int =
   # Each FastNet block halves the side; the whitening stem's unpadded 2x2 kernel takes one pixel.
   smallest = 2 ** (len(spec.widths) - 1) + spec.whiten if spec.family == 'fastnet' else 1
   if min(height, width) < smallest:
-    raise UserError(f'{name} pools {height}x{width} images to nothing: it needs at least {smallest}x{smallest}; '
+    raise UserError(f'{name} pools {height}x{width} images to nothing: '
+                    f'it needs at least {smallest}x{smallest}; '
                     f'set --config.dataset.image_size={smallest} (or larger) or pick another model')
   if patch and (height % patch or width % patch):
     divisors = [d for d in range(1, min(height, width) + 1) if height % d == 0 and width % d == 0]

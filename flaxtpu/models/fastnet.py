@@ -117,7 +117,7 @@ class FastNet(nn.Module):
   dtype: Any = jnp.float32
   bn_axis_name: Optional[str] = None
   logit_scale: float = 1 / 9  # airbench's: small initial logits train faster with a high learning rate
-  whiten: bool = False  # airbench94's whitening stem and initialisation (module docstring); ignores stem_width
+  whiten: bool = False  # airbench94's whitening stem and initialisation (module doc); ignores stem_width
 
   @nn.compact
   def __call__(self, x, train: bool = True):

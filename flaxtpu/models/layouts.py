@@ -55,17 +55,20 @@ def vector(source: str, target: str) -> Rule:
 
 
 def batch_norm(source: str, target: str) -> list[Rule]:
-  return [vector(f'{source}.weight', f'params/{target}/scale'), vector(f'{source}.bias', f'params/{target}/bias'),
+  return [vector(f'{source}.weight', f'params/{target}/scale'),
+          vector(f'{source}.bias', f'params/{target}/bias'),
           vector(f'{source}.running_mean', f'batch_stats/{target}/mean'),
           vector(f'{source}.running_var', f'batch_stats/{target}/var')]
 
 
 def layer_norm(source: str, target: str) -> list[Rule]:
-  return [vector(f'{source}.weight', f'params/{target}/scale'), vector(f'{source}.bias', f'params/{target}/bias')]
+  return [vector(f'{source}.weight', f'params/{target}/scale'),
+          vector(f'{source}.bias', f'params/{target}/bias')]
 
 
 def dense(source: str, target: str, kind=linear) -> list[Rule]:
-  return [kind(f'{source}.weight', f'params/{target}/kernel'), vector(f'{source}.bias', f'params/{target}/bias')]
+  return [kind(f'{source}.weight', f'params/{target}/kernel'),
+          vector(f'{source}.bias', f'params/{target}/bias')]
 
 
 # --- timm / torchvision --------------------------------------------------------------------------
@@ -113,8 +116,10 @@ def vit_rules(depth: int, width: int, heads: int, class_token: bool) -> list[Rul
     source, target = f'blocks.{index}', f'block{index + 1}'
     attention = [f'params/{target}/attention/{name}' for name in ('query', 'key', 'value')]
     rules += [*layer_norm(f'{source}.norm1', f'{target}/norm1'),
-              Rule(f'{source}.attn.qkv.weight', tuple(f'{a}/kernel' for a in attention), load_kernel, save_kernel),
-              Rule(f'{source}.attn.qkv.bias', tuple(f'{a}/bias' for a in attention), load_bias, save_bias),
+              Rule(f'{source}.attn.qkv.weight', tuple(f'{a}/kernel' for a in attention),
+                   load_kernel, save_kernel),
+              Rule(f'{source}.attn.qkv.bias', tuple(f'{a}/bias' for a in attention),
+                   load_bias, save_bias),
               _one(f'{source}.attn.proj.weight', f'params/{target}/attention/out/kernel',
                    lambda w: w.T.reshape(heads, head_dim, width), lambda k: k.reshape(width, width).T),
               vector(f'{source}.attn.proj.bias', f'params/{target}/attention/out/bias'),
@@ -132,8 +137,10 @@ def convnext_rules(stage_sizes) -> list[Rule]:
                 *dense(f'stages.{stage}.downsample.1', f'stage{stage + 1}_downsample', conv)]
     for block in range(blocks):
       source, target = f'stages.{stage}.blocks.{block}', f'stage{stage + 1}_block{block + 1}'
-      rules += [*dense(f'{source}.conv_dw', f'{target}/dwconv', conv), *layer_norm(f'{source}.norm', f'{target}/norm'),
-                *dense(f'{source}.mlp.fc1', f'{target}/pwconv1'), *dense(f'{source}.mlp.fc2', f'{target}/pwconv2'),
+      rules += [*dense(f'{source}.conv_dw', f'{target}/dwconv', conv),
+                *layer_norm(f'{source}.norm', f'{target}/norm'),
+                *dense(f'{source}.mlp.fc1', f'{target}/pwconv1'),
+                *dense(f'{source}.mlp.fc2', f'{target}/pwconv2'),
                 vector(f'{source}.gamma', f'params/{target}/layer_scale')]
   return rules + layer_norm('head.norm', 'head_norm') + dense('head.fc', 'head')
 
@@ -148,7 +155,8 @@ def timm_rules(model_name: str, pool: str = 'tok') -> list[Rule]:
     return vit_rules(spec.stage_sizes[0], spec.widths[0], spec.num_heads, pool == 'tok')
   if spec.family == 'convnext':
     return convnext_rules(spec.stage_sizes)
-  raise UserError(f'{model_name} has no timm twin; timm\'s layout exists for resnet18-152, vit_ti/s/b and convnext_t')
+  raise UserError(f'{model_name} has no timm twin; '
+                  'timm\'s layout exists for resnet18-152, vit_ti/s/b and convnext_t')
 
 
 # --- big_vision / vision_transformer .npz ---------------------------------------------------------
@@ -157,16 +165,19 @@ def timm_rules(model_name: str, pool: str = 'tok') -> list[Rule]:
 def big_vision_rules(keys, depth: int, class_token: bool) -> list[Rule]:
   """The ViT of a big_vision (params/[img/]..., pos_embedding at the top, MlpBlock_0) or AugReg
   (`vision_transformer`: Transformer/posembed_input, MlpBlock_3) .npz, blocks stacked (scan) or not."""
-  prefix = next((p for p in ('params/img/', 'params/', 'opt/target/', '') if f'{p}embedding/kernel' in keys), None)
+  prefix = next((p for p in ('params/img/', 'params/', 'opt/target/', '')
+                 if f'{p}embedding/kernel' in keys), None)
   if prefix is None:
     raise UserError('the .npz holds no ViT: no embedding/kernel (nor params/embedding/kernel, '
                     'params/img/embedding/kernel); give a big_vision or vision_transformer ViT checkpoint')
-  big_vision = f'{prefix}pos_embedding' in keys or f'{prefix}Transformer/encoderblock/LayerNorm_0/scale' in keys
+  big_vision = (f'{prefix}pos_embedding' in keys
+                or f'{prefix}Transformer/encoderblock/LayerNorm_0/scale' in keys)
   attention, mlp, norm2 = ('MultiHeadDotProductAttention_0', 'MlpBlock_0', 'LayerNorm_1') if big_vision else (
       'MultiHeadDotProductAttention_1', 'MlpBlock_3', 'LayerNorm_2')
   same = lambda source, target: vector(prefix + source, f'params/{target}')
   rules = [same('embedding/kernel', 'embedding/kernel'), same('embedding/bias', 'embedding/bias'),
-           same('pos_embedding' if big_vision else 'Transformer/posembed_input/pos_embedding', 'pos_embedding'),
+           same('pos_embedding' if big_vision else 'Transformer/posembed_input/pos_embedding',
+                'pos_embedding'),
            same('Transformer/encoder_norm/scale', 'encoder_norm/scale'),
            same('Transformer/encoder_norm/bias', 'encoder_norm/bias'),
            same('head/kernel', 'head/kernel'), same('head/bias', 'head/bias')]
@@ -179,10 +190,12 @@ def big_vision_rules(keys, depth: int, class_token: bool) -> list[Rule]:
     for there, here in names.items():
       for leaf in (('scale', 'bias') if 'norm' in here else ('kernel', 'bias')):
         if stacked:  # one array per parameter with the blocks along axis 0
-          rules.append(_one(f'{prefix}Transformer/encoderblock/{there}/{leaf}', f'params/block{index + 1}/{here}/{leaf}',
+          rules.append(_one(f'{prefix}Transformer/encoderblock/{there}/{leaf}',
+                            f'params/block{index + 1}/{here}/{leaf}',
                             lambda w, i=index: w[i], lambda k: k))
         else:
-          rules.append(same(f'Transformer/encoderblock_{index}/{there}/{leaf}', f'block{index + 1}/{here}/{leaf}'))
+          rules.append(same(f'Transformer/encoderblock_{index}/{there}/{leaf}',
+                            f'block{index + 1}/{here}/{leaf}'))
   return rules
 
 
@@ -215,9 +228,9 @@ def load(rules: list[Rule], tensors: Mapping[str, np.ndarray], wanted: Mapping[s
         array = adapt[target](array, tuple(wanted[target]))
       if tuple(array.shape) != tuple(wanted[target]):
         raise UserError(f'{where} does not fit config.model: tensor {rule.source!r} has shape '
-                        f'{tuple(source.shape)}, which makes {target} {tuple(array.shape)}, but the model needs '
-                        f'{tuple(wanted[target])}; set config.model.name (and patch_size/pool) to the '
-                        'architecture the file holds')
+                        f'{tuple(source.shape)}, which makes {target} {tuple(array.shape)}, '
+                        f'but the model needs {tuple(wanted[target])}; set config.model.name '
+                        '(and patch_size/pool) to the architecture the file holds')
       loaded[target] = np.ascontiguousarray(array)
   return loaded
 

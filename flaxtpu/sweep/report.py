@@ -132,7 +132,8 @@ def ranked_runs(rows: Sequence[Mapping[str, Any]], width: int = 70) -> tuple[lis
   A run name longer than `width` keeps its start and its end (a long name ends in a hash that tells
   it apart from its neighbours).
   """
-  finished = sorted((row for row in rows if row['eval_accuracy'] is not None), key=lambda row: row['eval_accuracy'])
+  finished = sorted((row for row in rows if row['eval_accuracy'] is not None),
+                    key=lambda row: row['eval_accuracy'])
   labels = [row['run'] if len(row['run']) <= width else f"{row['run'][:width - 10]}…{row['run'][-9:]}"
             for row in finished]
   return labels, [row['eval_accuracy'] for row in finished]
