@@ -100,7 +100,7 @@ class Examples:
   @property
   def shard_indices(self) -> Optional[np.ndarray]:
     """Each example's tar shard (int32 [N]); None for other sources."""
-    return self.shards if self.cached else getattr(self.source, 'shards', None)
+    return self.shards if self.cached else self.source.shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +144,7 @@ def load(config: ml_collections.ConfigDict, *, need_train: bool = True,
   """
   settings = config.dataset
   num_workers = input_workers(config)
-  source = sources.get(settings)  # TODO(D): task=config.task once sources.get takes it
+  source = sources.get(settings, task=config.task)
   train_split, eval_split, class_names = source.splits(settings.train_split if need_train else None,
                                                        settings.eval_split, class_names)
   transform = image_transform(config, source.channels)
@@ -170,8 +170,7 @@ def _read(source: sources.Source, splits: list[sources.Split], settings: ml_coll
   if source.in_memory:
     fits = None not in native and _use_cache(settings.cache, _count(*splits),
                                              (*next(iter(native)), channels), transform)
-    examples = [Examples(None, *source.arrays(split, fits), shards=getattr(split, 'shards', None))
-                for split in splits]
+    examples = [Examples(None, *source.arrays(split, fits), shards=split.shards) for split in splits]
     return examples, _image_shape(native, transform, channels)
   cache = _use_cache(settings.cache, _count(*splits), _image_shape(native, transform, channels), transform)
   if not cache:  # streamed: every header now, so sizes and unreadable files show before step 1
@@ -290,7 +289,7 @@ def _examples(split: sources.Split, *, cache: bool, transform: Transform, num_wo
     _image_shape({image.shape[:2] for image in images}, transform, transform.channels)
     images = np.stack(images)
   return Examples(images=images, labels=labels,
-                  shards=None if getattr(split, 'shards', None) is None else split.shards[keep])
+                  shards=None if split.shards is None else split.shards[keep])
 
 
 def _statistics(dataset: Dataset) -> tuple[np.ndarray, np.ndarray]:
