@@ -94,8 +94,8 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
   try:
     summary = _export_into(tf, staging, task, host_state, record['class_names'], images, expected,
                            TOLERANCES[config.dtype])
-    summary['timm'] = _export_timm(config, os.path.join(staging, 'timm'), os.path.join(os.path.abspath(final), 'timm'),
-                                   host_state, record)
+    summary['timm'] = _export_timm(config, os.path.join(staging, 'timm'),
+                                   os.path.join(os.path.abspath(final), 'timm'), host_state, record)
     summary.update(
         step=step, model=record['model'], dtype=config.dtype, directory=os.path.abspath(final),
         weights='ema' if config.eval.ema else 'raw', flip_tta=bool(config.eval.flip_tta),
@@ -206,9 +206,10 @@ def _check_images(config: ml_collections.ConfigDict, record: dict) -> np.ndarray
   """The first CHECK_IMAGES eval images, at the model's input size, as predict sees them."""
   dataset = data.load(config, need_train=False)
   if dataset.image_shape != tuple(record['image_shape']) or len(dataset.eval) == 0:
-    raise UserError(f'export checks the model on the eval split of {config.dataset.folder or config.dataset.name}'
-                    f', which has {len(dataset.eval)} images of {dataset.image_shape}, but the checkpoint '
-                    f'takes {tuple(record["image_shape"])}; point the config at data like the training data')
+    raise UserError('export checks the model on the eval split of '
+                    f'{config.dataset.folder or config.dataset.name}, which has {len(dataset.eval)} images '
+                    f'of {dataset.image_shape}, but the checkpoint takes {tuple(record["image_shape"])}; '
+                    'point the config at data like the training data')
   batch = next(data.eval_batches(dataset, batch_size=min(CHECK_IMAGES, len(dataset.eval))))
   return batch.images[batch.mask]
 

@@ -215,7 +215,8 @@ def _merge(fresh, loaded: dict[str, Any]):
   return fresh.replace(**merged)
 
 
-def resample_position_embeddings(embeddings: np.ndarray, shape: tuple[int, ...], prefix_tokens: int) -> np.ndarray:
+def resample_position_embeddings(embeddings: np.ndarray, shape: tuple[int, ...],
+                                 prefix_tokens: int) -> np.ndarray:
   """ViT position embeddings [1, prefix + rows * cols, width] for another grid: the grid part
   resampled bicubically with antialiasing (timm's resample_abs_pos_embed), the class token's kept."""
   prefix, grid = embeddings[:, :prefix_tokens], embeddings[:, prefix_tokens:]
@@ -230,7 +231,9 @@ def resample_position_embeddings(embeddings: np.ndarray, shape: tuple[int, ...],
   return np.concatenate([prefix, np.asarray(resized).reshape(1, new * new, width)], axis=1)
 
 
-FIRST_LAYERS = ('params/Conv_0/kernel', 'params/embedding/kernel', 'params/stem/kernel')  # ResNet, ViT, ConvNeXt
+FIRST_LAYERS = ('params/Conv_0/kernel',  # ResNet
+                'params/embedding/kernel',  # ViT
+                'params/stem/kernel')  # ConvNeXt
 
 
 def to_one_channel(kernel: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -246,7 +249,8 @@ def _published_arrays(config: ml_collections.ConfigDict, published: pretrained.P
                       wanted: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
   """The published arrays that `wanted` ({'params/NAME': shape}) names, converted to flaxtpu's layout."""
   prefix_tokens = 1 if config.model.pool == 'tok' else 0
-  adapt = {'params/pos_embedding': functools.partial(resample_position_embeddings, prefix_tokens=prefix_tokens),
+  adapt = {'params/pos_embedding': functools.partial(resample_position_embeddings,
+                                                     prefix_tokens=prefix_tokens),
            **{name: to_one_channel for name in FIRST_LAYERS}}
   if published.model != config.model.name:
     logging.warning('init_from: %s holds %s, read into config.model.name=%s', published.spec, published.model,
@@ -276,8 +280,9 @@ def _init_from_published(config: ml_collections.ConfigDict, task: steps.Task, pl
                       f'{published.spec}, but the data has {task.num_classes} classes; drop keep_head to '
                       'train a new head for them')
     if list(class_names) != source_names and published.class_names:
-      raise UserError(f'config.init_from.keep_head=True: the data\'s classes ({", ".join(class_names[:3])}, ...) '
-                      f'are not the head\'s ({", ".join(source_names[:3])}, ...) in order; drop keep_head')
+      raise UserError(f'config.init_from.keep_head=True: the data\'s classes '
+                      f'({", ".join(class_names[:3])}, ...) are not the head\'s '
+                      f'({", ".join(source_names[:3])}, ...) in order; drop keep_head')
     head = set()
   wanted = {name: shape for name, shape in target.items() if name not in head and name not in skipped}
   loaded = _published_arrays(config, published, wanted)
@@ -285,8 +290,9 @@ def _init_from_published(config: ml_collections.ConfigDict, task: steps.Task, pl
       ('a new head for the data\'s classes', head), ('init_from.skip', skipped),
       ('not in the published weights', set(wanted) - set(loaded))) if names}
   state = placement.from_saveable(_merge(placement.to_saveable(state), loaded))
-  logging.info('init_from: loaded %d of %d arrays from %s (%s, %s layout, %d classes)', len(loaded), len(target),
-               published.path, published.model, published.layout, published.num_classes)
+  logging.info('init_from: loaded %d of %d arrays from %s (%s, %s layout, %d classes)',
+               len(loaded), len(target), published.path, published.model, published.layout,
+               published.num_classes)
   for reason, names in reasons.items():
     logging.info('init_from: not loaded, kept as initialised (%s): %s', reason, ', '.join(names))
   return state, {'checkpoint': published.spec, 'path': published.path, 'step': None, 'model': published.model,
@@ -302,18 +308,20 @@ def published_model(config: ml_collections.ConfigDict):
   published = pretrained.describe(config.init_from.checkpoint)
   size = config.dataset.image_size or published.image_size
   image_shape = (size, size, len(published.mean))
-  mean, std = (config.dataset.mean, config.dataset.std) if config.dataset.normalize == 'fixed' else ((0.,) * 3,
-                                                                                                     (1.,) * 3)
-  task = steps.create_task(config, num_classes=published.num_classes, image_shape=image_shape, mean=mean, std=std)
+  mean, std = ((config.dataset.mean, config.dataset.std) if config.dataset.normalize == 'fixed'
+               else ((0.,) * 3, (1.,) * 3))
+  task = steps.create_task(config, num_classes=published.num_classes, image_shape=image_shape,
+                           mean=mean, std=std)
   placement = steps.place(task, parallel.make_mesh(config), config)
   wanted = _shapes(placement.abstract_state)
   loaded = _published_arrays(config, published, wanted)
   if missing := sorted(set(wanted) - set(loaded)):
-    raise UserError(f'{published.spec} lacks {len(missing)} arrays of {config.model.name} ({missing[0]}, ...); '
-                    'train from it instead of predicting with it')
+    raise UserError(f'{published.spec} lacks {len(missing)} arrays of {config.model.name} '
+                    f'({missing[0]}, ...); train from it instead of predicting with it')
   # Every array comes from the file: laid straight onto the abstract state's shardings, no initialisation.
   state = placement.from_saveable(_merge(placement.abstract_state, loaded))
-  record = {'model': config.model.name, 'num_classes': published.num_classes, 'image_shape': list(image_shape),
+  record = {'model': config.model.name, 'num_classes': published.num_classes,
+            'image_shape': list(image_shape),
             'class_names': list(pretrained.class_names(published)),
             'normalization': {'mean': list(mean), 'std': list(std)}, 'config': config.to_dict(),
             'init_from': {'checkpoint': published.spec, 'path': published.path}}
