@@ -455,41 +455,6 @@ def _csv_weights(text: str, where: str, class_names: Sequence[str]) -> list[tupl
 # --- samplers: which examples make up each step's batch -------------------------------------
 
 
-def train_indices(seed: int, step: int, num_examples: int, batch_size: int) -> np.ndarray:
-  """Indices of the global batch for `step`: epoch `step // steps_per_epoch` of a seeded shuffle."""
-  epoch, position = divmod(step, num_examples // batch_size)
-  permutation = _epoch_permutation(seed, epoch, num_examples)
-  return permutation[position * batch_size:(position + 1) * batch_size]
-
-
-@functools.lru_cache(maxsize=2)
-def _epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
-  return np.random.default_rng([seed, epoch]).permutation(num_examples)
-
-
-def alternate_flips(seed: int, step: int, num_examples: int, batch_size: int) -> np.ndarray:
-  """Which images of `step`'s global batch are mirrored under `augment.alternate_flip` (bool per row).
-
-  A seeded half of the split in even epochs and the other half in odd ones:
-  every image is seen both ways in any two consecutive epochs, where a coin
-  per view repeats a side for half of them (airbench's alternating flip).
-  """
-  odd_epoch = step // (num_examples // batch_size) % 2 == 1
-  indices = train_indices(seed, step, num_examples, batch_size)
-  return _first_epoch_flips(seed, num_examples)[indices] ^ odd_epoch
-
-
-@functools.lru_cache(maxsize=2)
-def _first_epoch_flips(seed: int, num_examples: int) -> np.ndarray:
-  return _generator(seed, _FLIPS_STREAM).random(num_examples) < 0.5
-
-
-def _generator(seed: int, stream: int, *key: int) -> np.random.Generator:
-  """A generator for one stream of randomness (`_*_STREAM`): its own seed sequence (a spawn key),
-  apart from every other stream and from the epochs' permutations."""
-  return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(stream, *key)))
-
-
 def process_slice(global_batch_size: int, process_index: int, process_count: int) -> slice:
   """This process's rows of a global batch (contiguous, as the batch sharding lays them out).
 
@@ -497,6 +462,12 @@ def process_slice(global_batch_size: int, process_index: int, process_count: int
   """
   per_process = global_batch_size // process_count
   return slice(process_index * per_process, (process_index + 1) * per_process)
+
+
+def _generator(seed: int, stream: int, *key: int) -> np.random.Generator:
+  """A generator for one stream of randomness (`_*_STREAM`): its own seed sequence (a spawn key),
+  apart from every other stream and from the epochs' permutations."""
+  return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(stream, *key)))
 
 
 class Sampler:
@@ -532,7 +503,8 @@ class Sampler:
 
   def mirrored(self, step: int, indices: np.ndarray) -> np.ndarray:
     """`augment.alternate_flip`: whether each of `indices` (this step's) is mirrored: a seeded half
-    of the examples in even epochs, the other half in odd ones (see `alternate_flips`)."""
+    of the examples in even epochs, the other half in odd ones (`alternate_flips`). An example
+    drawn in two consecutive epochs is shown both ways, whichever the sampler."""
     odd_epoch = step // self.steps_per_epoch % 2 == 1
     return _first_epoch_flips(self.seed, self.num_examples)[indices] ^ odd_epoch
 
@@ -545,10 +517,38 @@ class Sampler:
 
 
 class ShuffleSampler(Sampler):
-  """Every example once an epoch, in a seeded permutation: exactly `train_indices`."""
+  """Every example once an epoch, in the seeded permutation of (seed, epoch)."""
 
   def _epoch_order(self, epoch):
     return _epoch_permutation(self.seed, epoch, self.num_examples)
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
+  return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+def train_indices(seed: int, step: int, num_examples: int, batch_size: int) -> np.ndarray:
+  """Indices of the global batch for `step` under shuffle: epoch `step // steps_per_epoch` of a
+  seeded shuffle."""
+  return ShuffleSampler(seed, num_examples, batch_size).indices(step)
+
+
+def alternate_flips(seed: int, step: int, num_examples: int, batch_size: int) -> np.ndarray:
+  """Which images of `step`'s global batch under shuffle are mirrored by `augment.alternate_flip`
+  (bool per row; `Sampler.mirrored`).
+
+  A seeded half of the split in even epochs and the other half in odd ones:
+  every image is seen both ways in any two consecutive epochs, where a coin
+  per view repeats a side for half of them (airbench's alternating flip).
+  """
+  shuffle = ShuffleSampler(seed, num_examples, batch_size)
+  return shuffle.mirrored(step, shuffle.indices(step))
+
+
+@functools.lru_cache(maxsize=2)
+def _first_epoch_flips(seed: int, num_examples: int) -> np.ndarray:
+  return _generator(seed, _FLIPS_STREAM).random(num_examples) < 0.5
 
 
 class BalancedSampler(Sampler):
