@@ -557,12 +557,16 @@ class BalancedSampler(Sampler):
 
   def __init__(self, seed, labels, batch_size, process_index=0, process_count=1):
     super().__init__(seed, len(labels), batch_size, process_index, process_count)
-    self.probabilities = balanced_probabilities(labels)
+    self.cumulative = np.cumsum(balanced_probabilities(labels))
 
   def _epoch_order(self, epoch):
-    draws = self.steps_per_epoch * self.batch_size
+    # Inverse-CDF draws from sorted uniforms, then put in a random order (i.i.d. draws stay i.i.d.):
+    # the look-ups then walk the table in order, several times faster on a million examples than
+    # Generator.choice's random ones.
     generator = _generator(self.seed, _BALANCED_STREAM, epoch)
-    return generator.choice(self.num_examples, draws, p=self.probabilities)
+    uniforms = np.sort(generator.random(self.steps_per_epoch * self.batch_size)) * self.cumulative[-1]
+    drawn = np.minimum(np.searchsorted(self.cumulative, uniforms, side='right'), self.num_examples - 1)
+    return generator.permutation(drawn)
 
 
 def balanced_probabilities(labels: np.ndarray) -> np.ndarray:
