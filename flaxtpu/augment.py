@@ -1,4 +1,5 @@
-"""Jittable preprocessing of device batches: normalisation, train-time augmentation, mixup/CutMix.
+"""Jittable preprocessing of device batches: normalisation, train-time augmentation, random erasing,
+mixup/CutMix.
 
 Each example draws its randomness from a key folded from (step key, its
 position in the global batch), so the augmented batch is the same whether it
@@ -6,6 +7,8 @@ is computed on one device, sharded by `jit`, or split by `pmap`.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +19,11 @@ from flaxtpu import randaugment
 
 # Streams apart from the crop/flip/cutout draws, so that turning one of these on leaves the
 # others' draws (and earlier runs' augmentation) unchanged: the policy's is folded into an
-# example's key, the mix's into the step key (then each example's position into it).
+# example's key, the mix's and the erasing's into the step key (then each example's position).
 _POLICY_STREAM = 1
 _MIX_STREAM = 2**31 - 1
+_ERASE_STREAM = 2**31 - 2
+ERASE_ATTEMPTS = 10  # timm's: draws of a box's size before giving that box up
 
 
 def normalize(images: jax.Array, mean: np.ndarray | None, std: np.ndarray | None) -> jax.Array:
@@ -29,7 +34,8 @@ def normalize(images: jax.Array, mean: np.ndarray | None, std: np.ndarray | None
   return images
 
 
-CROP_PAD_MODES = {'zeros': 'constant', 'reflect': 'reflect', 'edge': 'edge'}  # augment.crop_pad_mode -> jnp.pad's
+# augment.crop_pad_mode -> jnp.pad's mode.
+CROP_PAD_MODES = {'zeros': 'constant', 'reflect': 'reflect', 'edge': 'edge'}
 
 
 def random_crop(key: jax.Array, image: jax.Array, padding: int, pad_mode: str = 'zeros') -> jax.Array:
@@ -86,6 +92,72 @@ def augment_batch(key: jax.Array, images: jax.Array, positions: jax.Array,
   return jax.vmap(lambda k, image: augment_image(k, image, config))(keys, images)
 
 
+def erase_box(key: jax.Array, height: int, width: int, count, area: tuple[float, float],
+              aspect: tuple[float, float]) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """(top, left, box height, box width) of one of `count` random-erasing boxes, as timm draws it.
+
+  Up to ERASE_ATTEMPTS draws of an area (a uniform fraction in `area` of the
+  image, divided by `count`) and a log-uniform aspect (height / width) in
+  `aspect`, rounded to whole pixels; the first that fits strictly inside the
+  image is placed uniformly. A 0 x 0 box when none fits.
+  """
+  area_key, aspect_key, top_key, left_key = jax.random.split(key, 4)
+  target = jax.random.uniform(area_key, (ERASE_ATTEMPTS,), minval=area[0], maxval=area[1]) * (
+      height * width / count)
+  ratio = jnp.exp(jax.random.uniform(aspect_key, (ERASE_ATTEMPTS,), minval=math.log(aspect[0]),
+                                     maxval=math.log(aspect[1])))
+  box_height = jnp.round(jnp.sqrt(target * ratio)).astype(jnp.int32)
+  box_width = jnp.round(jnp.sqrt(target / ratio)).astype(jnp.int32)
+  fits = (box_height < height) & (box_width < width)
+  first = jnp.argmax(fits)
+  box_height = jnp.where(fits[first], box_height[first], 0)
+  box_width = jnp.where(fits[first], box_width[first], 0)
+  top = jax.random.randint(top_key, (), 0, height - box_height + 1)
+  left = jax.random.randint(left_key, (), 0, width - box_width + 1)
+  return top, left, box_height, box_width
+
+
+def random_erase(key: jax.Array, image: jax.Array, config: ml_collections.ConfigDict) -> jax.Array:
+  """1..erase_count boxes (uniform) of a normalised [H, W, C] image filled as `erase_mode` says:
+  per-pixel normal noise (pixel), a normal colour per box (rand) or 0 (const); timm's RandomErasing
+  once it has decided to erase."""
+  height, width, channels = image.shape
+  count_key, *box_keys = jax.random.split(key, config.erase_count + 1)
+  count = jax.random.randint(count_key, (), 1, config.erase_count + 1)
+  rows, cols = jnp.arange(height)[:, None], jnp.arange(width)[None, :]
+  for index, box_key in enumerate(box_keys):
+    place_key, fill_key = jax.random.split(box_key)
+    top, left, box_height, box_width = erase_box(place_key, height, width, count, tuple(config.erase_area),
+                                                 tuple(config.erase_aspect))
+    inside = ((rows >= top) & (rows < top + box_height) & (cols >= left) & (cols < left + box_width)
+              & (index < count))
+    shape = {'pixel': image.shape, 'rand': (1, 1, channels), 'const': None}[config.erase_mode]
+    fill = jax.random.normal(fill_key, shape, image.dtype) if shape else jnp.zeros((), image.dtype)
+    image = jnp.where(inside[:, :, None], fill, image)
+  return image
+
+
+def erase_batch(key: jax.Array, images: jax.Array, positions: jax.Array,
+                config: ml_collections.ConfigDict) -> jax.Array:
+  """Random erasing of normalised float images: each example, with probability `erase_prob`, by
+  `random_erase` with a key from `key` and its global batch position.
+
+  After normalisation, as timm's RandomErasing (whose docstring asks for
+  normalised tensors): 'const' 0 is then the mean colour and 'pixel' noise
+  has the data's own per-channel spread; before mixup/CutMix, as in timm.
+  """
+  if not config.get('erase_prob'):
+    return images
+  stream = jax.random.fold_in(key, _ERASE_STREAM)
+
+  def erase(position, image):
+    use_key, erase_key = jax.random.split(jax.random.fold_in(stream, position))
+    erased = random_erase(erase_key, image, config)
+    return jnp.where(jax.random.bernoulli(use_key, config.erase_prob), erased, image)
+
+  return jax.vmap(erase)(positions, images)
+
+
 def mixes(config: ml_collections.ConfigDict) -> bool:
   return bool(config.get('mixup_alpha') or config.get('cutmix_alpha'))
 
@@ -103,7 +175,8 @@ def partner(x: jax.Array) -> jax.Array:
 def cutmix_box(key: jax.Array, height: int, width: int, keep: jax.Array) -> jax.Array:
   """A [H, W] bool box of about (1 - keep) of the image, centred at a random pixel, clipped at the border."""
   cut = jnp.sqrt(1.0 - keep)
-  half_h, half_w = (jnp.floor(height * cut) / 2).astype(jnp.int32), (jnp.floor(width * cut) / 2).astype(jnp.int32)
+  half_h = (jnp.floor(height * cut) / 2).astype(jnp.int32)
+  half_w = (jnp.floor(width * cut) / 2).astype(jnp.int32)
   centre_y, centre_x = jax.random.randint(key, (2,), 0, jnp.array([height, width]))
   rows = (jnp.arange(height) >= centre_y - half_h) & (jnp.arange(height) < centre_y + half_h)
   cols = (jnp.arange(width) >= centre_x - half_w) & (jnp.arange(width) < centre_x + half_w)

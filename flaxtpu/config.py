@@ -19,8 +19,33 @@ import ml_collections
 from flaxtpu import models  # the registry's names; no JAX at import
 from flaxtpu.errors import UserError
 
-OPTIMIZERS = ('sgd', 'adam', 'adamw')
-SCHEDULES = ('constant', 'cosine', 'linear', 'onecycle')
+# The optimizer.* keys each optimizer reads, besides those all of them do (learning rate, weight
+# decay, clipping, accumulation, freezing, lr multipliers, layer decay, Lookahead).
+OPTIMIZER_KEYS = {
+    'sgd': ('momentum', 'nesterov'),
+    'adam': ('b1', 'b2', 'eps'),
+    'adamw': ('b1', 'b2', 'eps'),
+    'lamb': ('b1', 'b2', 'eps'),
+    'lars': ('momentum', 'nesterov', 'trust_coefficient'),
+    'lion': ('b1', 'b2'),
+    'adafactor': ('decay_rate', 'factored', 'min_dim_size_to_factor', 'clipping_threshold',
+                  'multiply_by_parameter_scale'),
+    'rmsprop': ('decay', 'centered', 'eps', 'momentum', 'nesterov'),
+}
+OPTIMIZERS = tuple(OPTIMIZER_KEYS)
+# The schedule.* keys each schedule reads besides warmup_epochs.
+SCHEDULE_KEYS = {
+    'constant': (),
+    'cosine': ('final_lr_fraction',),
+    'linear': ('final_lr_fraction',),
+    'onecycle': (),
+    'step': ('milestones', 'factor'),
+    'exponential': ('decay_rate', 'final_lr_fraction'),
+    'rsqrt': ('timescale', 'cooldown_epochs'),
+}
+SCHEDULES = tuple(SCHEDULE_KEYS)
+POLICIES = ('', 'randaugment', 'trivialaugment', 'autoaugment')  # augment.policy ('' = none)
+ERASE_MODES = ('pixel', 'rand', 'const')  # augment.erase_mode, timm's --remode
 REMAT_POLICIES = ('none', 'full', 'nothing_saveable', 'everything_saveable',
                   'dots_saveable', 'dots_with_no_batch_dims_saveable')
 DTYPES = ('float32', 'bfloat16')
@@ -122,7 +147,8 @@ def _check_input(config: ml_collections.ConfigDict) -> None:
 
 def _check_augment(config: ml_collections.ConfigDict) -> None:
   augment = config.augment
-  for key, low, high in (('crop_area', 0.0, 1.0), ('crop_aspect', 0.0, float('inf'))):
+  for key, low, high in (('crop_area', 0.0, 1.0), ('crop_aspect', 0.0, math.inf), ('erase_area', 0.0, 1.0),
+                         ('erase_aspect', 0.0, math.inf)):
     value = tuple(augment[key])
     if len(value) != 2 or not low < value[0] <= value[1] <= high:
       raise ConfigError(f'config.augment.{key}={value!r} must be a (min, max) pair with '
@@ -134,12 +160,13 @@ def _check_augment(config: ml_collections.ConfigDict) -> None:
   if augment.alternate_flip and not augment.flip:
     raise ConfigError('config.augment.alternate_flip=True alternates the flip, which is off; set '
                       '--config.augment.flip=true as well (or alternate_flip=false)')
-  _one_of('augment.policy', augment.policy, ('', 'randaugment', 'trivialaugment'))
+  _one_of('augment.policy', augment.policy, POLICIES)
   if augment.policy == 'randaugment':
     _positive('augment.randaugment_layers', augment.randaugment_layers)
     if not 0.0 <= augment.randaugment_magnitude <= 30.0:
       raise ConfigError(f'config.augment.randaugment_magnitude={augment.randaugment_magnitude!r} must be '
                         'in [0, 30] (9-10 is the usual strength)')
+  _check_erase(augment)
   for key in ('mixup_alpha', 'cutmix_alpha'):
     if augment[key] < 0:
       raise ConfigError(f'config.augment.{key}={augment[key]!r} must be >= 0 (0 = off)')
@@ -149,6 +176,22 @@ def _check_augment(config: ml_collections.ConfigDict) -> None:
   if (augment.mixup_alpha or augment.cutmix_alpha) and config.batch_size % 2:
     raise ConfigError(f'config.batch_size={config.batch_size} must be even with mixup/CutMix (examples are '
                       'mixed in pairs); use an even batch size')
+
+
+def _check_erase(augment: ml_collections.ConfigDict) -> None:
+  """Random erasing: a probability, a mode, a box count; its other keys only matter when it is on."""
+  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  if not 0.0 <= augment.erase_prob <= 1.0:
+    raise ConfigError(f'config.augment.erase_prob={augment.erase_prob!r} must be a probability in [0, 1] '
+                      '(0 = off; timm uses 0.25)')
+  _one_of('augment.erase_mode', augment.erase_mode, ERASE_MODES)
+  _positive('augment.erase_count', augment.erase_count)
+  default = defaults.get_config().augment
+  for key in ('erase_mode', 'erase_count', 'erase_area', 'erase_aspect'):
+    if not augment.erase_prob and augment[key] != default[key]:
+      raise ConfigError(f'config.augment.{key}={augment[key]!r} has no effect while random erasing is off; '
+                        'set --config.augment.erase_prob (e.g. 0.25) or leave it at '
+                        f'{default[key]!r}')
 
 
 def _check_model(config: ml_collections.ConfigDict) -> None:
@@ -191,28 +234,72 @@ def _check_training(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_optimizer(config: ml_collections.ConfigDict) -> None:
+  """The optimizer's name and keys: valid values, and left at their defaults where it does not read them."""
   optimizer = config.optimizer
   _one_of('optimizer.name', optimizer.name, OPTIMIZERS)
   _positive('optimizer.learning_rate', optimizer.learning_rate)
-  for key in ('momentum', 'b1', 'b2', 'lookahead_decay'):
+  for key in ('momentum', 'b1', 'decay', 'lookahead_decay'):
     if not 0.0 <= optimizer[key] < 1.0:
       raise ConfigError(f'config.optimizer.{key}={optimizer[key]!r} must be in [0, 1)')
-  for key in ('weight_decay', 'bias_weight_decay', 'grad_clip_norm', 'lookahead_every', 'lookahead_decay_power'):
+  if optimizer.b2 != -1 and not 0.0 <= optimizer.b2 < 1.0:
+    raise ConfigError(f'config.optimizer.b2={optimizer.b2!r} must be in [0, 1) (or -1 = the optimizer\'s '
+                      'own: 0.999, lion 0.99)')
+  for key in ('weight_decay', 'bias_weight_decay', 'grad_clip_norm', 'lookahead_every',
+              'lookahead_decay_power', 'eps', 'clipping_threshold'):
     if optimizer[key] < 0:
       raise ConfigError(f'config.optimizer.{key}={optimizer[key]!r} must be >= 0')
+  for key in ('decay_rate', 'layer_decay'):
+    if not 0.0 <= optimizer[key] <= 1.0:
+      raise ConfigError(f'config.optimizer.{key}={optimizer[key]!r} must be in [0, 1]')
+  _positive('optimizer.trust_coefficient', optimizer.trust_coefficient)
+  _positive('optimizer.min_dim_size_to_factor', optimizer.min_dim_size_to_factor)
   _positive('optimizer.accumulate_steps', optimizer.accumulate_steps)
   _check_patterns('optimizer.freeze', optimizer.freeze)
   parse_lr_multipliers(optimizer.lr_multipliers)
   parse_freeze_after(optimizer.freeze_after)
+  _check_read('optimizer', optimizer, OPTIMIZER_KEYS)
+  if optimizer.nesterov and not optimizer.momentum:
+    raise ConfigError('config.optimizer.nesterov=True has no effect with optimizer.momentum=0; set '
+                      '--config.optimizer.momentum (e.g. 0.9) or --config.optimizer.nesterov=false')
 
 
 def _check_schedule(config: ml_collections.ConfigDict) -> None:
+  """The schedule's name and keys: valid values, and left at their defaults where it does not read them."""
   schedule = config.schedule
   _one_of('schedule.name', schedule.name, SCHEDULES)
-  if schedule.warmup_epochs < 0:
-    raise ConfigError(f'config.schedule.warmup_epochs={schedule.warmup_epochs!r} must be >= 0')
-  if not 0.0 <= schedule.final_lr_fraction <= 1.0:
-    raise ConfigError(f'config.schedule.final_lr_fraction={schedule.final_lr_fraction!r} must be in [0, 1]')
+  for key in ('warmup_epochs', 'cooldown_epochs'):
+    if schedule[key] < 0:
+      raise ConfigError(f'config.schedule.{key}={schedule[key]!r} must be >= 0')
+  for key in ('final_lr_fraction', 'decay_rate'):
+    if not 0.0 <= schedule[key] <= 1.0:
+      raise ConfigError(f'config.schedule.{key}={schedule[key]!r} must be in [0, 1]')
+  _positive('schedule.factor', schedule.factor)
+  _positive('schedule.timescale', schedule.timescale)
+  _check_read('schedule', schedule, SCHEDULE_KEYS)
+  milestones = schedule.milestones
+  if isinstance(milestones, str) or not all(isinstance(m, (int, float)) for m in milestones) or any(
+      not schedule.warmup_epochs < m < n for m, n in zip(milestones, [*milestones[1:], math.inf])):
+    raise ConfigError(f'config.schedule.milestones={milestones!r} must be increasing epochs after the '
+                      f'warmup ({schedule.warmup_epochs:g} epochs), e.g. --config.schedule.milestones='
+                      '"(30, 60, 80)"')
+  if schedule.name == 'step' and not milestones:
+    raise ConfigError("config.schedule.name='step' needs the epochs where the rate drops; set "
+                      '--config.schedule.milestones="(30, 60, 80)" (and schedule.factor, 0.1 by default)')
+  if schedule.name == 'exponential' and not (schedule.decay_rate or schedule.final_lr_fraction):
+    raise ConfigError("config.schedule.name='exponential' needs schedule.decay_rate (the factor per epoch, "
+                      'e.g. 0.97) or schedule.final_lr_fraction > 0 (where the run ends)')
+
+
+def _check_read(section: str, values: ml_collections.ConfigDict, readers: dict[str, tuple[str, ...]]) -> None:
+  """The keys of `readers` that `values.name` (the chosen optimizer or schedule) does not read must
+  keep their defaults, as model options do."""
+  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  name, default = values.name, defaults.get_config()[section]
+  for key in dict.fromkeys(key for keys in readers.values() for key in keys):
+    if key not in readers[name] and values[key] != default[key]:
+      takers = [taker for taker, keys in readers.items() if key in keys]
+      raise ConfigError(f'config.{section}.{key}={values[key]!r} has no effect on {section}.name={name!r}; '
+                        f'leave it at {default[key]!r} or pick one that reads it: {", ".join(takers)}')
 
 
 def _check_ema(config: ml_collections.ConfigDict) -> None:

@@ -98,12 +98,23 @@ def get_config() -> ml_collections.ConfigDict:
   # With flip: a seeded half of the train images is mirrored in even epochs, the other half in odd
   # ones (airbench), not a coin per view.
   config.augment.alternate_flip = False
-  # '' | randaugment | trivialaugment (TrivialAugment-Wide), after crop and flip.
+  # '' | randaugment | trivialaugment (TrivialAugment-Wide) | autoaugment (its ImageNet policy),
+  # after crop and flip.
   config.augment.policy = ''
   config.augment.randaugment_layers = 2  # randaugment: ops applied per image (N).
   # randaugment: strength M on the 0..30 scale of torchvision/timm.
   config.augment.randaugment_magnitude = 9.0
   config.augment.cutout = 0  # Side of a random square zeroed per image (0 = off).
+  # Random erasing (Zhong et al. 2017; timm's --reprob/--remode/--recount), after normalisation as
+  # in timm: with this probability an image gets 1..erase_count boxes (0 = off; timm's recipes
+  # 0.25).
+  config.augment.erase_prob = 0.0
+  # pixel (per-pixel normal noise, timm's default) | rand (a normal colour per box) | const (0: the
+  # mean colour when standardised).
+  config.augment.erase_mode = 'pixel'
+  config.augment.erase_count = 1  # Most boxes per image (uniform in 1..count; they share the area).
+  config.augment.erase_area = (0.02, 1 / 3)  # Range of the image's area a box covers (uniform).
+  config.augment.erase_aspect = (0.3, 1 / 0.3)  # Range of a box's height / width (log-uniform).
   # mixup/CutMix: each example is mixed with a neighbour in the batch (per example: lambda, box,
   # which one).
   config.augment.mixup_alpha = 0.0  # mixup lambda ~ Beta(alpha, alpha) (0 = off; 0.2-0.8 usual).
@@ -142,14 +153,34 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_train_steps = -1  # Training length in steps (-1 = from num_epochs).
 
   config.optimizer = ml_collections.ConfigDict()
-  config.optimizer.name = 'adam'  # sgd | adam | adamw.
+  # sgd | adam | adamw | lamb | lars | lion | adafactor | rmsprop (optax's). A key below that the
+  # chosen optimizer does not read must keep its default.
+  config.optimizer.name = 'adam'
   config.optimizer.learning_rate = 1e-3  # Peak learning rate.
-  config.optimizer.momentum = 0.9  # sgd: momentum (0 = plain SGD).
-  config.optimizer.nesterov = False  # sgd: Nesterov momentum.
-  config.optimizer.b1 = 0.9  # adam/adamw: first-moment decay.
-  config.optimizer.b2 = 0.999  # adam/adamw: second-moment decay.
-  config.optimizer.eps = 1e-7  # adam/adamw: denominator epsilon (Keras' default).
-  # sgd/adam: L2 added to the gradient; adamw: decoupled. On kernels (arrays of 2+ dims) only.
+  config.optimizer.momentum = 0.9  # sgd/lars/rmsprop: momentum (0 = none: plain SGD).
+  config.optimizer.nesterov = False  # sgd/lars/rmsprop: Nesterov momentum.
+  config.optimizer.b1 = 0.9  # adam/adamw/lamb/lion: first-moment decay (lion: its interpolation).
+  # adam/adamw/lamb/lion: second-moment decay (lion: its momentum's); -1 = the optimizer's own,
+  # 0.999 (lion 0.99).
+  config.optimizer.b2 = -1.0
+  config.optimizer.eps = 1e-7  # adam/adamw/lamb/rmsprop: denominator epsilon (Keras' default).
+  # lars: the trust ratio's coefficient (the update's norm is this x the kernel's, before the rate).
+  config.optimizer.trust_coefficient = 0.001
+  config.optimizer.decay = 0.9  # rmsprop: decay of the mean squared gradient.
+  # rmsprop: divide by the gradient's variance, not its mean square.
+  config.optimizer.centered = False
+  # adafactor: its second moments decay by 1 - t ** -decay_rate at update t.
+  config.optimizer.decay_rate = 0.8
+  # adafactor: second moments as row and column means (less memory).
+  config.optimizer.factored = True
+  # adafactor: factor only arrays with two dimensions at least this large.
+  config.optimizer.min_dim_size_to_factor = 128
+  config.optimizer.clipping_threshold = 1.0  # adafactor: clip each update's RMS to this (0 = off).
+  # adafactor: scale each update by its parameter's RMS (the learning rate is then relative).
+  config.optimizer.multiply_by_parameter_scale = True
+  # On kernels (arrays of 2+ dims) only. sgd/adam/rmsprop/lars: L2 added to the gradient; adamw,
+  # lamb, lion: decoupled, x the learning rate; adafactor: decoupled, per update, not x the rate
+  # (optax's weight_decay_rate).
   config.optimizer.weight_decay = 0.0
   # The same, for biases and norm scales (1-dim arrays); 0 = none, as usual.
   config.optimizer.bias_weight_decay = 0.0
@@ -173,6 +204,10 @@ def get_config() -> ml_collections.ConfigDict:
   # 'regex=epochs' strings: those parameters stop changing after that many epochs (airbench:
   # '^stem/bias$=3').
   config.optimizer.freeze_after = ()
+  # Layer-wise learning-rate decay (BEiT, timm): a parameter at depth d of a model with L layers
+  # (the stem or embeddings d = 0, then each block, the head d = L) learns at layer_decay ** (L - d)
+  # x the rate, times its lr_multipliers factor (0 = off; 0.65-0.75 usual for fine-tuning).
+  config.optimizer.layer_decay = 0.0
   # Lookahead (Zhang et al. 2019): every `lookahead_every` updates the slow weights move
   # (1 - decay) of the way to the trained ("fast") ones, and training continues from the slow
   # weights; the last update syncs too, so the run ends on them. decay = lookahead_decay x
@@ -184,11 +219,23 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.lookahead_decay_power = 0.0
 
   config.schedule = ml_collections.ConfigDict()
-  config.schedule.name = 'constant'  # constant | cosine | linear | onecycle.
-  # Linear warmup from 0 (cosine, linear, constant); onecycle: its rising phase (0 = 30% of the
+  # constant | cosine | linear | onecycle | step | exponential | rsqrt (big_vision's), over updates.
+  config.schedule.name = 'constant'
+  # Linear warmup from 0 (every schedule but onecycle); onecycle: its rising phase (0 = 30% of the
   # run).
   config.schedule.warmup_epochs = 0.0
-  config.schedule.final_lr_fraction = 0.0  # Final LR as a fraction of the peak (cosine, linear).
+  # Final LR as a fraction of the peak (cosine, linear; exponential: its floor).
+  config.schedule.final_lr_fraction = 0.0
+  # step: the learning rate is multiplied by `factor` at each of these epochs, e.g. (30, 60, 80).
+  config.schedule.milestones = ()
+  config.schedule.factor = 0.1
+  # exponential: the learning rate's factor per epoch (e.g. 0.97); 0 = whatever reaches
+  # final_lr_fraction at the end of the run.
+  config.schedule.decay_rate = 0.0
+  # rsqrt: peak / sqrt(1 + updates after warmup / timescale), big_vision's (timescale in updates).
+  config.schedule.timescale = 10_000
+  # rsqrt: the last epochs ramp the rate linearly down to 0 (big_vision's cooldown; 0 = none).
+  config.schedule.cooldown_epochs = 0.0
 
   config.label_smoothing = 0.0  # Label smoothing in [0, 1).
   # multiclass (softmax: one class per image) | multilabel (a sigmoid per class: any number of tags

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any, Callable, NamedTuple
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from flaxtpu import models
 from flaxtpu.config import RunLength, parse_freeze_after, parse_lr_multipliers
 from flaxtpu.errors import UserError
 
@@ -19,8 +21,14 @@ DEFAULT = repr(1.0)  # the label of parameters at the peak learning rate
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict, length: RunLength) -> optax.Schedule:
-  """constant | cosine | linear (each after a linear warmup from 0) | onecycle, over optimizer updates.
+  """The learning rate as a function of the optimizer update: `schedule.name` after a linear warmup from 0
+  (onecycle: its own rise).
 
+  constant | cosine | linear (to final_lr_fraction x the peak) | onecycle |
+  step (x factor at each milestone epoch) | exponential (x decay_rate per
+  epoch, floored at final_lr_fraction; or to final_lr_fraction at the end) |
+  rsqrt (big_vision's: peak / sqrt(1 + updates after warmup / timescale),
+  with an optional linear cooldown to 0 over the last cooldown_epochs).
   With gradient accumulation an update takes `accumulate_steps` batches; the
   schedule's argument is the update count (what optax's inner state counts).
   """
@@ -36,12 +44,36 @@ def learning_rate_schedule(config: ml_collections.ConfigDict, length: RunLength)
     return optax.cosine_onecycle_schedule(total, peak, pct_start=pct_start)
   if name == 'cosine':
     return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, total, final)
+  if name in ('step', 'exponential', 'rsqrt'):
+    decay = _decay(config.schedule, length, warmup)
+    ramp = (lambda update: jnp.minimum(1.0, update / warmup)) if warmup else (lambda update: 1.0)
+    return lambda update: peak * ramp(update) * decay(update)
   decay_steps = max(1, total - warmup)
   after_warmup = (optax.constant_schedule(peak) if name == 'constant'
                   else optax.linear_schedule(peak, final, decay_steps))
   if not warmup:
     return after_warmup
   return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after_warmup], [warmup])
+
+
+def _decay(schedule: ml_collections.ConfigDict, length: RunLength,
+           warmup: int) -> Callable[[jax.Array], jax.Array]:
+  """step | exponential | rsqrt: the peak's factor at an update (1 until the warmup ends)."""
+  total = length.total_updates
+  updates_per_epoch = length.steps_per_epoch / length.accumulate_steps
+  after_warmup = lambda update: jnp.maximum(update - warmup, 0)
+  if schedule.name == 'step':
+    milestones = jnp.array([round(epochs * updates_per_epoch) for epochs in schedule.milestones])
+    return lambda update: schedule.factor ** jnp.sum(update >= milestones)
+  if schedule.name == 'exponential':
+    final = schedule.final_lr_fraction
+    if not schedule.decay_rate:  # the rate per update that reaches `final` at the end
+      return lambda update: final ** (after_warmup(update) / max(total - warmup, 1))
+    per_epoch = schedule.decay_rate
+    return lambda update: jnp.maximum(per_epoch ** (after_warmup(update) / updates_per_epoch), final)
+  cooldown = round(schedule.cooldown_epochs * updates_per_epoch)
+  cool = (lambda update: jnp.minimum(1.0, (total - update) / cooldown)) if cooldown else (lambda update: 1.0)
+  return lambda update: cool(update) / jnp.sqrt(1.0 + after_warmup(update) / schedule.timescale)
 
 
 def decay_mask(params):
@@ -64,36 +96,100 @@ def named_leaves(tree) -> dict[str, Any]:
   return {path_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+def model_layers(model_name: str) -> list[tuple[str, ...]]:
+  """The top-level modules of each layer of a model, from the input up, as timm's `group_matcher`s
+  count layers for layer decay.
+
+  Layer 0 is the stem (ViT: the embeddings), then one layer per block in
+  order (ConvNeXt's downsampling joins the first block of its stage), then
+  ViT's final norm; the head is layer len(result): every module not listed
+  (the classifier, ConvNeXt's head norm). The Keras CNN's first stage is its
+  stem.
+  """
+  spec = models.get_spec(model_name)
+  if spec.family == 'cnn':
+    return [('stage1',), ('stage2',)]
+  if spec.family == 'fastnet':
+    return [('stem', 'stem_bn')] + [(f'block{index}',) for index in range(1, len(spec.widths))]
+  if spec.family == 'vit':
+    blocks = [(f'block{index}',) for index in range(1, spec.stage_sizes[0] + 1)]
+    return [('embedding', 'cls', 'pos_embedding'), *blocks, ('encoder_norm',)]
+  layers = [('Conv_0', 'BatchNorm_0') if spec.family.endswith('resnet') else ('stem', 'stem_norm')]
+  for stage, size in enumerate(spec.stage_sizes, 1):
+    downsample = (f'stage{stage}_norm', f'stage{stage}_downsample') if spec.family == 'convnext' else ()
+    layers += [(f'stage{stage}_block{block}', *(downsample if block == 1 else ()))
+               for block in range(1, size + 1)]
+  return layers
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_of_module(model_name: str) -> tuple[dict[str, int], int]:
+  """({top-level module: its layer}, the head's layer) of `model_layers`."""
+  layers = model_layers(model_name)
+  return {module: depth for depth, modules in enumerate(layers) for module in modules}, len(layers)
+
+
+def layer_depth(model_name: str, name: str) -> int:
+  """The layer of parameter `name` ('stage1_block1/Conv_0/kernel') for `optimizer.layer_decay`."""
+  depths, head = _layer_of_module(model_name)
+  return depths.get(name.partition('/')[0], head)
+
+
+def layer_decay_multipliers(model_name: str, params, layer_decay: float) -> dict[str, float]:
+  """{parameter name: layer_decay ** (head layer - its layer)}: the learning-rate factor of each
+  parameter under `optimizer.layer_decay` (before `lr_multipliers`)."""
+  groups = ParamGroups(layer_decay=layer_decay, model=model_name)
+  return {name: groups.layer_scale(name) for name in named_leaves(params)}
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamGroups:
-  """Which parameters train at which learning rate: `optimizer.freeze` and `optimizer.lr_multipliers`.
+  """Which parameters train at which learning rate: `optimizer.freeze`, `optimizer.lr_multipliers` and
+  `optimizer.layer_decay`.
 
   Patterns are regexes searched (`re.search`) in '/'-joined parameter paths.
   Freezing wins over multipliers; among multipliers the first matching one
   wins. A multiplier of 0 is a freeze (no update, no optimizer state, BatchNorm
-  statistics kept), so both give the same parameters bit for bit.
+  statistics kept), so both give the same parameters bit for bit. Layer decay
+  multiplies the rate of every parameter by its layer's factor, on top of its
+  multiplier.
   """
   freeze: tuple[str, ...] = ()
   multipliers: tuple[tuple[str, float], ...] = ()
   freeze_after: tuple[tuple[str, float], ...] = ()  # (pattern, epochs): trained that long, then frozen
+  layer_decay: float = 0.0  # 0 = off
+  model: str = ''  # the model whose layers layer_decay counts
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> 'ParamGroups':
     return cls(freeze=tuple(config.optimizer.freeze),
                multipliers=tuple(parse_lr_multipliers(config.optimizer.lr_multipliers)),
-               freeze_after=tuple(parse_freeze_after(config.optimizer.freeze_after)))
+               freeze_after=tuple(parse_freeze_after(config.optimizer.freeze_after)),
+               layer_decay=config.optimizer.layer_decay, model=config.model.name)
 
   def __bool__(self) -> bool:
-    return bool(self.freeze or self.multipliers or self.freeze_after)
+    return bool(self.freeze or self.multipliers or self.freeze_after or self.layer_decay)
+
+  def layer_scale(self, name: str) -> float:
+    """layer_decay ** (the head's layer - the layer of parameter `name`); 1 without layer decay."""
+    if not self.layer_decay:
+      return 1.0
+    _, head = _layer_of_module(self.model)
+    return self.layer_decay ** (head - layer_depth(self.model, name))
+
+  def rates(self) -> set[str]:
+    """The label of every learning-rate factor a trainable parameter can get (DEFAULT among them)."""
+    factors = {1.0} | {factor for _, factor in self.multipliers if factor}
+    _, head = _layer_of_module(self.model) if self.layer_decay else (None, 0)
+    scales = {self.layer_decay ** (head - depth) for depth in range(head + 1)} if self.layer_decay else {1.0}
+    return {repr(float(factor * scale)) for factor in factors for scale in scales} | {DEFAULT}
 
   def label(self, name: str) -> str:
-    """FROZEN, or the learning-rate multiplier as a string ('0.1'; DEFAULT = '1.0')."""
+    """FROZEN, or the learning-rate factor as a string ('0.1'; DEFAULT = '1.0')."""
     if any(re.search(pattern, name) for pattern in self.freeze):
       return FROZEN
-    for pattern, factor in self.multipliers:
-      if re.search(pattern, name):
-        return FROZEN if factor == 0 else repr(float(factor))
-    return DEFAULT
+    factor = next((factor for pattern, factor in self.multipliers if re.search(pattern, name)), 1.0)
+    return FROZEN if factor == 0 else repr(float(factor * self.layer_scale(name)))
 
   def labels(self, params):
     """The label of every leaf of `params` (a tree of the same structure; masked leaves stay masked)."""
@@ -136,7 +232,8 @@ class ParamGroups:
 
 def describe_groups(groups: dict[str, list[str]]) -> str:
   """One log line: how many arrays train at each learning-rate multiplier, and which are frozen."""
-  parts = [f'{len(names)} arrays at lr x{label}' for label, names in groups.items() if label != FROZEN]
+  parts = [f'{len(names)} arrays at lr x{float(label):.4g}'
+           for label, names in groups.items() if label != FROZEN]
   if FROZEN in groups:
     frozen = groups[FROZEN]
     parts.append(f'{len(frozen)} frozen ({", ".join(frozen[:6])}{", ..." if len(frozen) > 6 else ""})')
@@ -145,15 +242,21 @@ def describe_groups(groups: dict[str, list[str]]) -> str:
 
 def create_optimizer(config: ml_collections.ConfigDict,
                      length: RunLength) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """The optax chain: [clip] -> [L2 / decoupled decay] -> sgd|adam|adamw with the schedule [-> lookahead].
+  """The optax chain, one composition for every optimizer: a gradient goes
 
-  sgd and adam add `weight_decay * w` to the gradient (classic L2, as in
-  PyTorch's SGD); adamw decays the weights after the Adam update (decoupled).
-  Biases and norm scales decay at `bias_weight_decay` (0 by default).
-  With `optimizer.accumulate_steps` > 1 the chain sees the mean gradient of
-  that many batches (`optax.MultiSteps`; clipping applies to the mean). With
-  `optimizer.freeze` / `optimizer.lr_multipliers`, see `with_param_groups`.
-  Returns the optimizer and the learning rate as a function of the train step.
+      frozen arrays out -> [accumulate] -> [clip] -> [L2 decay] -> the optimizer (with its
+      decoupled decay, at the scheduled rate) -> x each array's rate factor (lr_multipliers x
+      layer_decay) -> [freeze_after] -> [lookahead]
+
+  sgd, adam, rmsprop and lars add `weight_decay * w` to the gradient (L2, as
+  PyTorch's SGD); adamw, lamb and lion decay the weights beside their update
+  (decoupled, times the learning rate), adafactor after it (per update). Only
+  kernels decay, and biases and norm scales at `bias_weight_decay` (0 by
+  default). With `optimizer.accumulate_steps` > 1 the chain sees the mean
+  gradient of that many batches (`optax.MultiSteps`; clipping applies to the
+  mean). With `optimizer.freeze` / `lr_multipliers` / `layer_decay`, see
+  `with_param_groups`. Returns the optimizer and the learning rate as a
+  function of the train step.
   """
   chain, schedule = _base_chain(config, length)
   accumulate = length.accumulate_steps
@@ -263,33 +366,79 @@ def with_param_groups(inner: optax.GradientTransformation,
   """
   if not groups:
     return inner
-  factors = {repr(float(factor)) for _, factor in groups.multipliers if factor} | {DEFAULT}
-  if factors != {DEFAULT}:
+  rates = groups.rates()
+  if rates != {DEFAULT}:
     # The labels are recomputed from the (masked) tree the inner chain receives.
     inner = optax.chain(inner, optax.multi_transform(
-        {label: optax.scale(float(label)) for label in factors}, groups.labels))
+        {label: optax.scale(float(label)) for label in rates}, groups.labels))
   trainable = lambda params: jax.tree.map(lambda label: FROZEN if label == FROZEN else 'trainable',
                                           groups.labels(params))
   return optax.multi_transform({'trainable': inner, FROZEN: optax.set_to_zero()}, trainable)
 
 
+# Optimizers whose weight decay is L2: added to the gradient before the optimizer sees it (as
+# PyTorch's SGD, Adam and RMSprop, and LARS). The others decay the weights beside their own update.
+L2_DECAY = ('sgd', 'adam', 'rmsprop', 'lars')
+DEFAULT_B2 = {'lion': 0.99}  # optimizer.b2 = -1: the optimizer's own; 0.999 where not listed
+
+
 def _base_chain(config: ml_collections.ConfigDict,
                 length: RunLength) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """[clip] -> [L2 decay] -> the optimizer (with its decoupled decay), and the schedule."""
   opt = config.optimizer
   schedule = learning_rate_schedule(config, length)
-  chain = []
-  if opt.grad_clip_norm:
-    chain.append(optax.clip_by_global_norm(opt.grad_clip_norm))
-  kernel_decay = optax.add_decayed_weights(opt.weight_decay, mask=decay_mask)
-  bias_decay = ([optax.add_decayed_weights(opt.bias_weight_decay, mask=bias_decay_mask)]
-                if opt.bias_weight_decay else [])
-  if opt.name == 'adamw':  # optax.adamw's own chain (same state), with the bias decay beside the kernels'
-    chain.append(optax.chain(optax.scale_by_adam(b1=opt.b1, b2=opt.b2, eps=opt.eps), kernel_decay,
-                             *bias_decay, optax.scale_by_learning_rate(schedule)))
-  else:
-    chain += ([kernel_decay] if opt.weight_decay else []) + bias_decay
-    if opt.name == 'sgd':
-      chain.append(optax.sgd(schedule, momentum=opt.momentum or None, nesterov=opt.nesterov))
-    else:
-      chain.append(optax.adam(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps))
-  return optax.chain(*chain), schedule
+  clip = [optax.clip_by_global_norm(opt.grad_clip_norm)] if opt.grad_clip_norm else []
+  if opt.name in L2_DECAY:
+    return optax.chain(*clip, *_weight_decay(opt), _optimizer(opt, schedule, decay=[])), schedule
+  # adamw's chain keeps its kernel decay at 0 too: the state of optax.adamw (and older checkpoints).
+  return optax.chain(*clip, _optimizer(opt, schedule, decay=_weight_decay(opt, always=True))), schedule
+
+
+def _weight_decay(opt: ml_collections.ConfigDict, always: bool = False) -> list[optax.GradientTransformation]:
+  """Kernels decay at `weight_decay` (when it is > 0, or `always`), biases and norm scales at
+  `bias_weight_decay` (when it is > 0)."""
+  kernels = ([optax.add_decayed_weights(opt.weight_decay, mask=decay_mask)]
+             if opt.weight_decay or always else [])
+  biases = ([optax.add_decayed_weights(opt.bias_weight_decay, mask=bias_decay_mask)]
+            if opt.bias_weight_decay else [])
+  return kernels + biases
+
+
+def _optimizer(opt: ml_collections.ConfigDict, schedule: optax.Schedule,
+               decay: list[optax.GradientTransformation]) -> optax.GradientTransformation:
+  """`optimizer.name` as optax composes it, with `decay` (decoupled weight decay) where it puts it.
+
+  lamb and lars scale kernels by their trust ratio and leave biases and norm
+  scales unadapted, as Google's LAMB/LARS and SimCLR exclude them (optax.lamb
+  adapts every array); with that, lars is optax.lars.
+  """
+  learning_rate = optax.scale_by_learning_rate(schedule)
+  kernels_only = lambda transformation: optax.masked(transformation, decay_mask)
+  momentum = opt.momentum or None  # 0: no momentum (optax's None), plain SGD
+  b2 = opt.b2 if opt.b2 >= 0 else DEFAULT_B2.get(opt.name, 0.999)
+  if opt.name == 'sgd':
+    return optax.sgd(schedule, momentum=momentum, nesterov=opt.nesterov)
+  if opt.name == 'adam':
+    return optax.adam(schedule, b1=opt.b1, b2=b2, eps=opt.eps)
+  if opt.name == 'rmsprop':
+    return optax.rmsprop(schedule, decay=opt.decay, eps=opt.eps, centered=opt.centered, momentum=momentum,
+                         nesterov=opt.nesterov)
+  if opt.name == 'lars':
+    return optax.chain(kernels_only(optax.scale_by_trust_ratio(trust_coefficient=opt.trust_coefficient)),
+                       learning_rate, optax.trace(decay=opt.momentum, nesterov=opt.nesterov))
+  if opt.name == 'adamw':
+    return optax.chain(optax.scale_by_adam(b1=opt.b1, b2=b2, eps=opt.eps), *decay, learning_rate)
+  if opt.name == 'lamb':
+    return optax.chain(optax.scale_by_adam(b1=opt.b1, b2=b2, eps=opt.eps), *decay,
+                       kernels_only(optax.scale_by_trust_ratio()), learning_rate)
+  if opt.name == 'lion':
+    return optax.chain(optax.scale_by_lion(b1=opt.b1, b2=b2), *decay, learning_rate)
+  if opt.name == 'adafactor':  # optax.adafactor's chain; its decay is not scaled by the learning rate
+    return optax.chain(
+        optax.scale_by_factored_rms(opt.factored, opt.decay_rate,
+                                    min_dim_size_to_factor=opt.min_dim_size_to_factor),
+        *([optax.clip_by_block_rms(opt.clipping_threshold)] if opt.clipping_threshold else []),
+        optax.scale_by_learning_rate(schedule, flip_sign=False),
+        *([optax.scale_by_param_block_rms()] if opt.multiply_by_parameter_scale else []),
+        *decay, optax.scale(-1))
+  raise ValueError(f'unknown optimizer {opt.name!r}')

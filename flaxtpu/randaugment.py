@@ -1,10 +1,13 @@
-"""RandAugment and TrivialAugment-Wide as pure, jittable JAX functions on one uint8 image.
+"""RandAugment, TrivialAugment-Wide and AutoAugment as pure, jittable JAX functions on one uint8 image.
 
 RandAugment (Cubuk et al. 2019) applies `num_layers` ops drawn uniformly with
 replacement from OPS, all at one fixed magnitude; TrivialAugment-Wide (Mueller &
-Hutter 2021) applies one op at a magnitude drawn per image. Op set, magnitude
-ranges and op semantics follow torchvision's `RandAugment` / `TrivialAugmentWide`
-on uint8 tensors (nearest-neighbour warps, blends truncated to uint8).
+Hutter 2021) applies one op at a magnitude drawn per image; AutoAugment (Cubuk
+et al. 2018, its ImageNet policy) applies one of 25 learned sub-policies, two
+ops each with their own probability and magnitude. Op set, magnitude ranges and
+op semantics follow torchvision's `RandAugment` / `TrivialAugmentWide` /
+`AutoAugment(AutoAugmentPolicy.IMAGENET)` on uint8 tensors (nearest-neighbour
+warps, blends truncated to uint8).
 
 They run on device, inside the jitted train step, rather than in the input
 pipeline: the host stays a plain uint8 loader, and the result is deterministic
@@ -38,7 +41,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-POLICIES = ('randaugment', 'trivialaugment')
+POLICIES = ('randaugment', 'trivialaugment', 'autoaugment')
 OPS = ('Identity', 'ShearX', 'ShearY', 'TranslateX', 'TranslateY', 'Rotate', 'Brightness',
        'Color', 'Contrast', 'Sharpness', 'Posterize', 'Solarize', 'AutoContrast', 'Equalize')
 FILL = 128  # geometric ops' value outside the source image (timm's gray; torchvision uses 0)
@@ -59,7 +62,7 @@ def _max_levels(policy: str, height: int, width: int) -> dict[str, float]:
   return dict(Identity=0.0, ShearX=shear, ShearY=shear, TranslateX=translate_x,
               TranslateY=translate_y, Rotate=rotate, Brightness=enhance, Color=enhance,
               Contrast=enhance, Sharpness=enhance, Posterize=posterize, Solarize=255.0,
-              AutoContrast=0.0, Equalize=0.0)
+              AutoContrast=0.0, Equalize=0.0, Invert=0.0)
 
 
 # --- geometric ops -----------------------------------------------------------
@@ -207,6 +210,12 @@ def equalize(image: jax.Array, level: jax.Array) -> jax.Array:
   return jax.vmap(_equalize_channel, in_axes=2, out_axes=2)(image)
 
 
+def invert(image: jax.Array, level: jax.Array) -> jax.Array:
+  """255 - every pixel (AutoAugment's; not among RandAugment's OPS)."""
+  del level
+  return 255 - image
+
+
 def identity(image: jax.Array, level: jax.Array) -> jax.Array:
   """The image unchanged."""
   del level
@@ -216,7 +225,7 @@ def identity(image: jax.Array, level: jax.Array) -> jax.Array:
 _FUNCTIONS = dict(Identity=identity, ShearX=shear_x, ShearY=shear_y, TranslateX=translate_x,
                   TranslateY=translate_y, Rotate=rotate, Brightness=brightness, Color=color,
                   Contrast=contrast, Sharpness=sharpness, Posterize=posterize, Solarize=solarize,
-                  AutoContrast=autocontrast, Equalize=equalize)
+                  AutoContrast=autocontrast, Equalize=equalize, Invert=invert)
 
 
 def _snap(level: jax.Array) -> jax.Array:
@@ -248,19 +257,82 @@ def _random_op(key: jax.Array, image: jax.Array, fraction: jax.Array,
   return jax.lax.switch(index, [_FUNCTIONS[op] for op in OPS], image, level)
 
 
+# AutoAugment's ImageNet policy (Cubuk et al. 2018), as torchvision's AutoAugmentPolicy.IMAGENET:
+# 25 sub-policies of two (op, probability, magnitude bin of 0..9 or None) steps. Duplicates are the
+# paper's (and torchvision's): those sub-policies are drawn twice as often.
+AUTOAUGMENT_IMAGENET = (
+    (('Posterize', 0.4, 8), ('Rotate', 0.6, 9)),
+    (('Solarize', 0.6, 5), ('AutoContrast', 0.6, None)),
+    (('Equalize', 0.8, None), ('Equalize', 0.6, None)),
+    (('Posterize', 0.6, 7), ('Posterize', 0.6, 6)),
+    (('Equalize', 0.4, None), ('Solarize', 0.2, 4)),
+    (('Equalize', 0.4, None), ('Rotate', 0.8, 8)),
+    (('Solarize', 0.6, 3), ('Equalize', 0.6, None)),
+    (('Posterize', 0.8, 5), ('Equalize', 1.0, None)),
+    (('Rotate', 0.2, 3), ('Solarize', 0.6, 8)),
+    (('Equalize', 0.6, None), ('Posterize', 0.4, 6)),
+    (('Rotate', 0.8, 8), ('Color', 0.4, 0)),
+    (('Rotate', 0.4, 9), ('Equalize', 0.6, None)),
+    (('Equalize', 0.0, None), ('Equalize', 0.8, None)),
+    (('Invert', 0.6, None), ('Equalize', 1.0, None)),
+    (('Color', 0.6, 4), ('Contrast', 1.0, 8)),
+    (('Rotate', 0.8, 8), ('Color', 1.0, 2)),
+    (('Color', 0.8, 8), ('Solarize', 0.8, 7)),
+    (('Sharpness', 0.4, 7), ('Invert', 0.6, None)),
+    (('ShearX', 0.6, 5), ('Equalize', 1.0, None)),
+    (('Color', 0.4, 0), ('Equalize', 0.6, None)),
+    (('Equalize', 0.4, None), ('Solarize', 0.2, 4)),
+    (('Solarize', 0.6, 5), ('AutoContrast', 0.6, None)),
+    (('Invert', 0.6, None), ('Equalize', 1.0, None)),
+    (('Color', 0.6, 4), ('Contrast', 1.0, 8)),
+    (('Equalize', 0.8, None), ('Equalize', 0.6, None)),
+)
+AUTOAUGMENT_BINS = 10  # magnitude bins 0..9: bin b is b / 9 of an op's full level
+
+
+def autoaugment_step(sub_policy: int, step: int, image_shape: tuple[int, ...]) -> tuple[str, float, float]:
+  """(op, probability, level in the op's unit, unsigned) of step 0 or 1 of an ImageNet sub-policy."""
+  op, probability, magnitude_bin = AUTOAUGMENT_IMAGENET[sub_policy][step]
+  full = _max_levels('randaugment', image_shape[0], image_shape[1])[op]  # torchvision's ranges
+  return op, probability, full * (magnitude_bin or 0) / (AUTOAUGMENT_BINS - 1)
+
+
+def _autoaugment(key: jax.Array, image: jax.Array) -> jax.Array:
+  """One sub-policy drawn uniformly; each of its two ops applied with its probability (torchvision's
+  `probability >= u`), signed ops negated with probability 1/2."""
+  policy_key, apply_key, sign_key = jax.random.split(key, 3)
+  sub_policy = jax.random.randint(policy_key, (), 0, len(AUTOAUGMENT_IMAGENET))
+  draws = jax.random.uniform(apply_key, (2,))
+  negate = jax.random.bernoulli(sign_key, shape=(2,))
+  ops = ('Identity',) + tuple(sorted({op for steps in AUTOAUGMENT_IMAGENET for op, _, _ in steps}))
+  for step in range(2):
+    table = [autoaugment_step(index, step, image.shape) for index in range(len(AUTOAUGMENT_IMAGENET))]
+    op_index = jnp.array([ops.index(op) for op, _, _ in table])[sub_policy]
+    probability = jnp.array([probability for _, probability, _ in table], jnp.float32)[sub_policy]
+    level = jnp.array([level for _, _, level in table], jnp.float32)[sub_policy]
+    signed = jnp.array([op in _SIGNED for op in ops])[op_index]
+    level = _snap(jnp.where(signed & negate[step], -level, level))
+    op_index = jnp.where(draws[step] <= probability, op_index, 0)  # 0: Identity, the step skipped
+    image = jax.lax.switch(op_index, [_FUNCTIONS[op] for op in ops], image, level)
+  return image
+
+
 def apply(key: jax.Array, image: jax.Array, *, policy: str, num_layers: int,
           magnitude: float) -> jax.Array:
   """Augment one uint8 [H, W, C] image (C = 1 or 3); same shape and dtype out.
 
   policy='randaugment': `num_layers` ops, each at `magnitude` on the 0..30
   scale (magnitude / 30 of each op's full strength). policy='trivialaugment':
-  one op at a magnitude bin drawn uniformly from 0..30 (TrivialAugmentWide);
-  `num_layers` and `magnitude` are ignored. Same key and image: same output.
+  one op at a magnitude bin drawn uniformly from 0..30 (TrivialAugmentWide).
+  policy='autoaugment': a sub-policy of AUTOAUGMENT_IMAGENET. The last two
+  ignore `num_layers` and `magnitude`. Same key and image: same output.
   """
   if policy not in POLICIES:
     raise ValueError(f'unknown augmentation policy {policy!r}; expected one of {POLICIES}')
   if image.ndim != 3 or image.shape[-1] not in (1, 3) or image.dtype != jnp.uint8:
     raise ValueError(f'expected a uint8 [H, W, 1 or 3] image, got {image.dtype} {image.shape}')
+  if policy == 'autoaugment':
+    return _autoaugment(key, image)
   height, width, _ = image.shape
   max_levels = _max_levels(policy, height, width)
   if policy == 'trivialaugment':

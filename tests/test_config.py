@@ -42,9 +42,9 @@ def test_imagenet_recipe_is_the_standard_one():
 
 @pytest.mark.parametrize('key, value, message', [
     ('model.name', 'resnet9000', "config.model.name='resnet9000' is not valid; choose one of: 'cnn'"),
-    ('optimizer.name', 'lamb',
-     "config.optimizer.name='lamb' is not valid; choose one of: 'sgd', 'adam', 'adamw'"),
-    ('schedule.name', 'step', "config.schedule.name='step' is not valid"),
+    ('optimizer.name', 'lbfgs',
+     "config.optimizer.name='lbfgs' is not valid; choose one of: 'sgd', 'adam', 'adamw', 'lamb'"),
+    ('schedule.name', 'sawtooth', "config.schedule.name='sawtooth' is not valid"),
     ('model.remat', 'some', "config.model.remat='some' is not valid"),
     ('dtype', 'float16', "config.dtype='float16' is not valid; choose one of: 'float32', 'bfloat16'"),
     ('parallelism', 'pjit', "config.parallelism='pjit' is not valid; choose one of: 'jit', 'pmap'"),
