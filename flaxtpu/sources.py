@@ -1,19 +1,23 @@
 """Where examples come from: one class per kind of dataset, the same methods for each.
 
-`get(config.dataset)` picks the source: an image folder, an embedded
-dataset, a TFDS dataset prepared as ArrayRecord (streamed) or as TFRecord
-(read into memory). `data.load` builds its batches from whichever it gets
-(`Source` says what each offers), so adding a source adds a class here.
+`get(config.dataset, config.task)` picks the source: a label file (CSV or
+JSON Lines beside a folder of images in any layout), WebDataset-style tar
+shards, parquet files (e.g. a Hugging Face copy), an image folder, an
+embedded dataset, a TFDS dataset prepared as ArrayRecord (streamed) or as
+TFRecord (read into memory). `data.load` builds its batches from whichever it
+gets (`Source` says what each offers), so adding a source adds a class here.
 
 A split is a random-access list of (undecoded image, label): file paths for
-a folder, ArrayRecord records for TFDS, arrays for an in-memory source.
-Nothing is decoded here, so a split of a million images costs its file list,
-not its pixels. Every kind pickles cheaply into the input workers.
+a folder or a label file, tar members (by offset) and parquet rows,
+ArrayRecord records for TFDS, arrays for an in-memory source. Nothing is
+decoded here, so a split of a million images costs its file list, not its
+pixels. Every kind pickles cheaply into the input workers. Labels are class
+indices, or multi-hot rows under task=multilabel.
 
-Folder examples are in a fixed stratified order (the same on every machine
-and run): each class's files are shuffled with a fixed seed, then the
+Slices are taken along a fixed stratified order (the same on every machine
+and run): each class's examples are shuffled with a fixed seed, then the
 classes are interleaved evenly. So a slice such as `train[:90%]` takes 90%
-of every class (to within one file) and `train[90%:]` holds out the rest.
+of every class (to within one example) and `train[90%:]` holds out the rest.
 """
 
 from __future__ import annotations
@@ -755,8 +759,9 @@ def _encoded(catalog: _Catalog, positions: np.ndarray, class_names: Sequence[str
                       f"{shown}{more}; the model's {len(class_names)} classes are "
                       f'{_listed(class_names)}; fix the labels, or set '
                       '--config.dataset.unknown_classes=drop to leave them out')
-    logging.warning('leaving out labels of split %r of %s that the model is not trained on '
-                    '(dataset.unknown_classes=drop): %s%s', spec, catalog.what, shown, more)
+    logging.warning('leaving out the %s of split %r of %s with classes the model is not trained on '
+                    '(dataset.unknown_classes=drop): %s%s', 'tags' if multilabel else 'examples', spec,
+                    catalog.what, shown, more)
   if multilabel:
     labels = np.zeros((len(positions), len(class_names)), np.uint8)
     for row, position in enumerate(positions):
