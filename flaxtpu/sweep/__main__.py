@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import signal
 import sys
 import traceback
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from flaxtpu import sweep
-from flaxtpu.sweep import report, runner
+from flaxtpu.sweep import report, runner, slurm
 
 
 def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -21,9 +22,22 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
       epilog='Extra --config.KEY=VALUE arguments are passed to every run.')
   parser.add_argument('experiment', help='experiment file defining get_config() and get_sweep()')
   parser.add_argument('--workdir', required=True, help='sweep directory; each run goes to WORKDIR/<run name>')
-  parser.add_argument('--parallel', type=int, default=1, help='runs at once (each is a full trainer process)')
+  parser.add_argument('--parallel', type=int, default=None,
+                      help='runs at once (each is a full trainer process); local default 1, slurm: no limit')
   parser.add_argument('--dry-run', action='store_true', help='print the commands, one per line; run nothing')
   parser.add_argument('--report', action='store_true', help='only (re)write the results table and plots')
+  parser.add_argument('--launcher', choices=('local', 'slurm'), default='local',
+                      help='local: run here; slurm: submit the runs as one SLURM job array')
+  slurm_flags = parser.add_argument_group('--launcher=slurm', 'what each run (one array task) asks SLURM for')
+  slurm_flags.add_argument('--partition', default='', help='sbatch --partition')
+  slurm_flags.add_argument('--time', default='', help='time limit per run, e.g. 4:00:00')
+  slurm_flags.add_argument('--gpus-per-run', type=int, default=0, help='GPUs per run (--gres=gpu:N)')
+  slurm_flags.add_argument('--cpus-per-run', type=int, default=0, help='CPUs per run (--cpus-per-task)')
+  slurm_flags.add_argument('--mem', default='', help='memory per run, e.g. 32G')
+  slurm_flags.add_argument('--sbatch', action='append', default=[], metavar='OPTION',
+                           help='another sbatch option, repeatable: --sbatch=--account=lab')
+  slurm_flags.add_argument('--wait', action='store_true',
+                           help='wait for the runs to leave the queue, then report (exit status as local)')
   # --config.* overrides are split off first: argparse would take them for abbreviations.
   config_args, other_args, index = [], [], 0
   while index < len(argv):
@@ -43,19 +57,89 @@ def _raise_keyboard_interrupt(signal_number: int, frame: Any) -> None:
   raise KeyboardInterrupt
 
 
+SLURM_ONLY = ('partition', 'time', 'gpus_per_run', 'cpus_per_run', 'mem', 'sbatch', 'wait')
+
+
+def _check_launcher_flags(args: argparse.Namespace) -> None:
+  if args.parallel is not None and args.parallel < 1:
+    raise sweep.SweepError(f'--parallel={args.parallel}: must be at least 1')
+  if args.launcher == 'local':
+    for name in SLURM_ONLY:
+      if getattr(args, name):
+        flag = '--' + name.replace('_', '-')
+        raise sweep.SweepError(f'{flag} is an option of --launcher=slurm; add --launcher=slurm or drop '
+                               f'{flag}')
+  for value in ('gpus_per_run', 'cpus_per_run'):
+    if getattr(args, value) < 0:
+      raise sweep.SweepError(f'--{value.replace("_", "-")}={getattr(args, value)}: must be 0 (the '
+                             'cluster default) or more')
+
+
+def _slurm_options(args: argparse.Namespace) -> slurm.Options:
+  return slurm.Options(partition=args.partition, time=args.time, gpus_per_run=args.gpus_per_run,
+                       cpus_per_run=args.cpus_per_run, mem=args.mem, parallel=args.parallel or 0,
+                       sbatch_args=args.sbatch)
+
+
+def _refresh_slurm_statuses(args: argparse.Namespace, runs: list[runner.Run],
+                            extra_overrides: list[str]) -> None:
+  """Before a report: the statuses of a SLURM sweep's runs as the queue has them now."""
+  if not slurm.is_slurm_sweep(args.workdir):
+    return
+  try:
+    jobs = slurm.refresh(args.workdir, runs)
+  except sweep.SweepError as error:
+    print(f'[sweep] warning: {error}; the report shows what the run directories hold', file=sys.stderr)
+    return
+  slurm.write_record(args.workdir, args.experiment, runs, extra_overrides, jobs)
+  print(slurm.counts_line(runs), flush=True)
+
+
+def _refuse_runs_queued_on_slurm(workdir: str, runs: list[runner.Run]) -> None:
+  """A local run of a sweep whose runs SLURM holds would train them twice at once."""
+  if slurm.is_slurm_sweep(workdir) and shutil.which('squeue'):
+    jobs = slurm.refresh(workdir, runs)
+    queued = [jobs[run.name] for run in runs if run.status in (slurm.QUEUED, runner.RUNNING)]
+    if queued:
+      raise sweep.SweepError(f'{len(queued)} run(s) of this sweep are queued or running on SLURM '
+                             f'({", ".join(queued)}); wait for them, or scancel them, before running it '
+                             'here (or add --launcher=slurm)')
+    for run in runs:
+      run.status, run.error = runner.PENDING, ''
+
+
+def _final_report(args: argparse.Namespace, runs: list[runner.Run], config: Any) -> int:
+  rows = report.write_report(args.experiment, args.workdir, runs, config)
+  print(f'[sweep] results: {os.path.join(args.workdir, "results.md")}', flush=True)
+  best = rows[0] if rows and rows[0]['eval_accuracy'] is not None else None
+  if best:
+    print(f'[sweep] best: {best["run"]} eval_accuracy={best["eval_accuracy"]:.4f}', flush=True)
+  failed = [run.name for run in runs if run.status != runner.DONE]
+  if failed:
+    print(f'error: {len(failed)} of {len(runs)} runs failed: {", ".join(failed)}', file=sys.stderr)
+    return 1
+  return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """The `python -m flaxtpu.sweep` CLI; returns the exit status (0 only if every run finished)."""
   args, config_args = _parse_args(sys.argv[1:] if argv is None else argv)
   try:
-    if args.parallel < 1:
-      raise sweep.SweepError(f'--parallel={args.parallel}: must be at least 1')
+    _check_launcher_flags(args)
     config, runs_overrides = runner.load_experiment(args.experiment)
     swept_keys = {key for overrides in runs_overrides for key in overrides}
     extra_overrides = runner.parse_extra_overrides(config, config_args, swept_keys)
     runs = runner.make_runs(args.experiment, args.workdir, runs_overrides, extra_overrides)
     if not args.dry_run and not args.report:
       runner.check_data_folders(config, runs_overrides, extra_overrides)
-      runner.device_groups(args.parallel)  # refuses a --parallel the accelerators cannot split
+      if args.launcher == 'slurm':
+        slurm.check_commands()
+      else:
+        runner.device_groups(args.parallel or 1)  # refuses a --parallel the accelerators cannot split
+        _refuse_runs_queued_on_slurm(args.workdir, runs)
+    if args.dry_run and args.launcher == 'slurm':
+      slurm.dry_run(args.workdir, runs, _slurm_options(args))
+      return 0
   except sweep.SweepError as error:
     print(f'error: {error}', file=sys.stderr)
     return 2
@@ -69,31 +153,43 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(shlex.join(run.command))
     return 0
   if args.report:
+    _refresh_slurm_statuses(args, runs, extra_overrides)
     report.write_report(args.experiment, args.workdir, runs, config)
     print(f'[sweep] wrote {os.path.join(args.workdir, "results.md")}, results.csv, {report.PLOTS_DIR}/',
           flush=True)
     return 0
+  if args.launcher == 'slurm':
+    return _run_on_slurm(args, runs, extra_overrides, config)
 
-  print(f'[sweep] {len(runs)} runs of {args.experiment} in {args.workdir}, {args.parallel} at a time',
-        flush=True)
+  parallel = args.parallel or 1
+  print(f'[sweep] {len(runs)} runs of {args.experiment} in {args.workdir}, {parallel} at a time', flush=True)
   # A scheduler or `kill` stopping the sweep gets the same clean stop as Ctrl-C.
   signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
   try:
-    runner.run_sweep(args.experiment, args.workdir, runs, args.parallel, extra_overrides)
+    runner.run_sweep(args.experiment, args.workdir, runs, parallel, extra_overrides)
   except KeyboardInterrupt:
     print('[sweep] interrupted; run the same command again to resume', file=sys.stderr)
     report.write_report(args.experiment, args.workdir, runs, config)
     return 130
-  rows = report.write_report(args.experiment, args.workdir, runs, config)
-  print(f'[sweep] results: {os.path.join(args.workdir, "results.md")}', flush=True)
-  best = rows[0] if rows and rows[0]['eval_accuracy'] is not None else None
-  if best:
-    print(f'[sweep] best: {best["run"]} eval_accuracy={best["eval_accuracy"]:.4f}', flush=True)
-  failed = [run.name for run in runs if run.status != runner.DONE]
-  if failed:
-    print(f'error: {len(failed)} of {len(runs)} runs failed: {", ".join(failed)}', file=sys.stderr)
-    return 1
-  return 0
+  return _final_report(args, runs, config)
+
+
+def _run_on_slurm(args: argparse.Namespace, runs: list[runner.Run], extra_overrides: list[str],
+                  config: Any) -> int:
+  print(f'[sweep] {len(runs)} runs of {args.experiment} in {args.workdir}, on SLURM', flush=True)
+  try:
+    slurm.submit(args.experiment, args.workdir, runs, _slurm_options(args), extra_overrides)
+    if not args.wait:
+      return 0
+    slurm.wait(args.experiment, args.workdir, runs, extra_overrides)
+  except sweep.SweepError as error:
+    print(f'error: {error}', file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print('[sweep] stopped waiting; the runs stay queued (--report shows them, scancel stops them)',
+          file=sys.stderr)
+    return 130
+  return _final_report(args, runs, config)
 
 
 if __name__ == '__main__':

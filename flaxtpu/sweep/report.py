@@ -43,7 +43,11 @@ def collect_results(workdir: str, runs: Sequence[Run],
   A key that some runs sweep and others leave alone shows the base `config`'s value for the latter.
   """
   base_values = {key: config[key] for key in _swept_keys(runs)} if config is not None else {}
-  recorded = {entry['name']: entry for entry in read_sweep_record(workdir).get('runs', [])}
+  record = read_sweep_record(workdir)
+  recorded = {entry['name']: entry for entry in record.get('runs', [])}
+  # A SLURM sweep's record holds what the queue said just before this report; the local runner's
+  # 'running' without results means that sweep was stopped.
+  live_statuses = record.get('launcher') == 'slurm'
   rows = []
   for order, run in enumerate(runs):
     run_dir = os.path.join(workdir, run.name)
@@ -57,7 +61,7 @@ def collect_results(workdir: str, runs: Sequence[Run],
       # Status of a run without results: what the last sweep saw, or what its directory shows.
       default_status = 'incomplete' if os.path.isdir(run_dir) else PENDING
       status = recorded.get(run.name, {}).get('status', default_status)
-      if status in (DONE, RUNNING):
+      if status == DONE or (status == RUNNING and not live_statuses):
         status = 'incomplete'
       error = recorded.get(run.name, {}).get('error', '')
     row = {'run': run.name, **base_values, **run.overrides}

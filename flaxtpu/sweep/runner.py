@@ -276,13 +276,17 @@ def progress_line(runs: Sequence[Run], started: Mapping[str, float], parallel: i
   return line + f', ETA {files.format_duration(round(remaining_s / max(parallel, 1)))}'
 
 
+def repo_root() -> str:
+  """The directory holding flaxtpu/ (two levels above this file)."""
+  return os.path.abspath(os.path.join(os.path.dirname(__file__), '..', '..'))
+
+
 def _child_environment() -> dict[str, str]:
   environment = dict(os.environ)
   # The runs must import this same flaxtpu (and configs/) wherever the sweep is started from:
-  # put the directory holding flaxtpu/ (two levels above this file) first on their path.
-  repo_root = os.path.abspath(os.path.join(os.path.dirname(__file__), '..', '..'))
+  # put it first on their path.
   environment['PYTHONPATH'] = os.pathsep.join(
-      [repo_root] + ([environment['PYTHONPATH']] if environment.get('PYTHONPATH') else []))
+      [repo_root()] + ([environment['PYTHONPATH']] if environment.get('PYTHONPATH') else []))
   environment['PYTHONUNBUFFERED'] = '1'  # log.txt shows progress as it happens.
   return environment
 
