@@ -67,15 +67,16 @@ class Cluster:
       assert time.monotonic() < deadline, f'jobs still queued after {timeout_s} s: {self.queue()}'
       time.sleep(0.5)
 
-  def sacct(self) -> str:
-    """Every job this cluster ran, from its job-completion file (the cluster has no slurmdbd), and
-    which array task each one was (`sacct --completion` shows only the raw job id)."""
+  def sacct(self, jobs) -> str:
+    """`jobs` (ids or array ids) as sacct reads them from the job-completion file (the cluster has no
+    slurmdbd), with the array task each one was (`sacct --completion` shows only the raw job id)."""
     lines = self.run('sacct', '--completion', '--parsable2', f'--format={SACCT_FORMAT}').stdout.splitlines()
     fields = [dict(f.split('=', 1) for f in line.split() if '=' in f)
               for line in (self.directory / 'jobcomp.txt').read_text().splitlines()]
     tasks = {f['JobId']: f'{f["ArrayJobId"]}_{f["ArrayTaskId"]}' for f in fields if f.get('ArrayTaskId')}
+    rows = [f'{line}|{tasks.get(line.split("|")[0], "")}' for line in lines[1:]]
     return '\n'.join([lines[0] + '|ArrayTask'] + [
-        f'{line}|{tasks.get(line.split("|")[0], "")}' for line in lines[1:]])
+        row for row in rows if row.split('|')[0] in jobs or row.split('|')[-1].split('_')[0] in jobs])
 
   def log_tails(self) -> str:
     return '\n'.join(f'{name}: {_last_error(self.directory / "log" / f"{name}.log")}' for name in DAEMONS)
@@ -365,7 +366,7 @@ def test_a_sweep_runs_as_one_job_array_and_a_rerun_submits_nothing(slurm, tmp_pa
   third = sweep()
   assert '2 run(s) already finished, skipping them' in third and 'nothing to submit' in third, third
   assert len(arrays()) == 1 and not slurm.queue()
-  print(f'\nsacct of the sweep (array {array_job}):\n{slurm.sacct()}')
+  print(f'\nsacct of the sweep (array {array_job}):\n{slurm.sacct([array_job])}')
 
 
 @pytest.mark.multiprocess
@@ -421,7 +422,7 @@ def test_two_srun_tasks_train_as_one_jax_cluster_like_one_process(slurm, tmp_pat
     jobs[name] = submitted.stdout.strip()
   slurm.wait_for_empty_queue()
   print(f'\nsacct of the training jobs (2 tasks: {jobs["multi"]}, 1 task: {jobs["single"]}):\n'
-        f'{slurm.sacct()}')
+        f'{slurm.sacct(list(jobs.values()))}')
   outputs = {name: Path(f'{tmp_path}/{name}-{job}.out').read_text() for name, job in jobs.items()}
   for name in jobs:
     assert (tmp_path / name / 'results.json').exists(), outputs[name][-3000:]
