@@ -92,55 +92,66 @@ def augment_batch(key: jax.Array, images: jax.Array, positions: jax.Array,
   return jax.vmap(lambda k, image: augment_image(k, image, config))(keys, images)
 
 
-def erase_box(key: jax.Array, height: int, width: int, count, area: tuple[float, float],
+BOX_DRAWS = 2 * ERASE_ATTEMPTS + 2  # uniform numbers a box takes: each attempt's area and aspect, its place
+
+
+def erase_box(uniforms: jax.Array, height: int, width: int, count, area: tuple[float, float],
               aspect: tuple[float, float]) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """(top, left, box height, box width) of one of `count` random-erasing boxes, as timm draws it.
+  """(top, left, box height, box width) of one of `count` random-erasing boxes, as timm draws it, from
+  BOX_DRAWS numbers uniform in [0, 1).
 
   Up to ERASE_ATTEMPTS draws of an area (a uniform fraction in `area` of the
   image, divided by `count`) and a log-uniform aspect (height / width) in
   `aspect`, rounded to whole pixels; the first that fits strictly inside the
   image is placed uniformly. A 0 x 0 box when none fits.
   """
-  area_key, aspect_key, top_key, left_key = jax.random.split(key, 4)
-  target = jax.random.uniform(area_key, (ERASE_ATTEMPTS,), minval=area[0], maxval=area[1]) * (
-      height * width / count)
-  ratio = jnp.exp(jax.random.uniform(aspect_key, (ERASE_ATTEMPTS,), minval=math.log(aspect[0]),
-                                     maxval=math.log(aspect[1])))
+  area_draws, aspect_draws = uniforms[:ERASE_ATTEMPTS], uniforms[ERASE_ATTEMPTS:2 * ERASE_ATTEMPTS]
+  target = (area[0] + (area[1] - area[0]) * area_draws) * (height * width / count)
+  low, high = math.log(aspect[0]), math.log(aspect[1])
+  ratio = jnp.exp(low + (high - low) * aspect_draws)
   box_height = jnp.round(jnp.sqrt(target * ratio)).astype(jnp.int32)
   box_width = jnp.round(jnp.sqrt(target / ratio)).astype(jnp.int32)
   fits = (box_height < height) & (box_width < width)
   first = jnp.argmax(fits)
   box_height = jnp.where(fits[first], box_height[first], 0)
   box_width = jnp.where(fits[first], box_width[first], 0)
-  top = jax.random.randint(top_key, (), 0, height - box_height + 1)
-  left = jax.random.randint(left_key, (), 0, width - box_width + 1)
+  place = lambda draw, room: jnp.minimum(jnp.floor(draw * (room + 1)).astype(jnp.int32), room)
+  top, left = place(uniforms[-2], height - box_height), place(uniforms[-1], width - box_width)
   return top, left, box_height, box_width
 
 
 def random_erase(key: jax.Array, image: jax.Array, config: ml_collections.ConfigDict) -> jax.Array:
-  """1..erase_count boxes (uniform) of a normalised [H, W, C] image filled as `erase_mode` says:
-  per-pixel normal noise (pixel), a normal colour per box (rand) or 0 (const); timm's RandomErasing
-  once it has decided to erase."""
+  """timm's RandomErasing of one normalised [H, W, C] image: with probability `erase_prob`,
+  1..erase_count boxes (uniform) filled as `erase_mode` says: per-pixel normal noise (pixel), a
+  normal colour per box (rand) or 0 (const).
+
+  All its draws come from one uniform and one normal sample: XLA:CPU takes
+  seconds to compile each random-number call.
+  """
   height, width, channels = image.shape
-  count_key, *box_keys = jax.random.split(key, config.erase_count + 1)
-  count = jax.random.randint(count_key, (), 1, config.erase_count + 1)
+  boxes = config.erase_count
+  draw_key, fill_key = jax.random.split(key)
+  uniforms = jax.random.uniform(draw_key, (2 + boxes * BOX_DRAWS,))
+  count = jnp.minimum(jnp.floor(uniforms[1] * boxes).astype(jnp.int32) + 1, boxes)
+  shape = {'pixel': (boxes, *image.shape), 'rand': (boxes, 1, 1, channels), 'const': None}[config.erase_mode]
+  fills = (jax.random.normal(fill_key, shape, image.dtype) if shape
+           else jnp.zeros((boxes, 1, 1, 1), image.dtype))
   rows, cols = jnp.arange(height)[:, None], jnp.arange(width)[None, :]
-  for index, box_key in enumerate(box_keys):
-    place_key, fill_key = jax.random.split(box_key)
-    top, left, box_height, box_width = erase_box(place_key, height, width, count, tuple(config.erase_area),
+  erased = image
+  for index in range(boxes):
+    draws = uniforms[2 + index * BOX_DRAWS:2 + (index + 1) * BOX_DRAWS]
+    top, left, box_height, box_width = erase_box(draws, height, width, count, tuple(config.erase_area),
                                                  tuple(config.erase_aspect))
     inside = ((rows >= top) & (rows < top + box_height) & (cols >= left) & (cols < left + box_width)
               & (index < count))
-    shape = {'pixel': image.shape, 'rand': (1, 1, channels), 'const': None}[config.erase_mode]
-    fill = jax.random.normal(fill_key, shape, image.dtype) if shape else jnp.zeros((), image.dtype)
-    image = jnp.where(inside[:, :, None], fill, image)
-  return image
+    erased = jnp.where(inside[:, :, None], fills[index], erased)
+  return jnp.where(uniforms[0] < config.erase_prob, erased, image)
 
 
 def erase_batch(key: jax.Array, images: jax.Array, positions: jax.Array,
                 config: ml_collections.ConfigDict) -> jax.Array:
-  """Random erasing of normalised float images: each example, with probability `erase_prob`, by
-  `random_erase` with a key from `key` and its global batch position.
+  """Random erasing of normalised float images: `random_erase` of each example with a key from
+  `key` and its global batch position.
 
   After normalisation, as timm's RandomErasing (whose docstring asks for
   normalised tensors): 'const' 0 is then the mean colour and 'pixel' noise
@@ -149,13 +160,8 @@ def erase_batch(key: jax.Array, images: jax.Array, positions: jax.Array,
   if not config.get('erase_prob'):
     return images
   stream = jax.random.fold_in(key, _ERASE_STREAM)
-
-  def erase(position, image):
-    use_key, erase_key = jax.random.split(jax.random.fold_in(stream, position))
-    erased = random_erase(erase_key, image, config)
-    return jnp.where(jax.random.bernoulli(use_key, config.erase_prob), erased, image)
-
-  return jax.vmap(erase)(positions, images)
+  return jax.vmap(lambda position, image: random_erase(jax.random.fold_in(stream, position), image, config))(
+      positions, images)
 
 
 def mixes(config: ml_collections.ConfigDict) -> bool:

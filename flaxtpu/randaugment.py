@@ -297,13 +297,20 @@ def autoaugment_step(sub_policy: int, step: int, image_shape: tuple[int, ...]) -
   return op, probability, full * (magnitude_bin or 0) / (AUTOAUGMENT_BINS - 1)
 
 
+def autoaugment_draws(key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(sub-policy index, two uniform numbers that each step's probability must reach, whether each
+  step's level is negated), from one uniform sample (each random-number call costs XLA:CPU seconds
+  of compilation)."""
+  uniforms = jax.random.uniform(key, (5,))
+  count = len(AUTOAUGMENT_IMAGENET)
+  sub_policy = jnp.minimum(jnp.floor(uniforms[0] * count).astype(jnp.int32), count - 1)
+  return sub_policy, uniforms[1:3], uniforms[3:5] < 0.5
+
+
 def _autoaugment(key: jax.Array, image: jax.Array) -> jax.Array:
-  """One sub-policy drawn uniformly; each of its two ops applied with its probability (torchvision's
-  `probability >= u`), signed ops negated with probability 1/2."""
-  policy_key, apply_key, sign_key = jax.random.split(key, 3)
-  sub_policy = jax.random.randint(policy_key, (), 0, len(AUTOAUGMENT_IMAGENET))
-  draws = jax.random.uniform(apply_key, (2,))
-  negate = jax.random.bernoulli(sign_key, shape=(2,))
+  """One sub-policy drawn uniformly; each of its two ops applied when its draw is <= its probability
+  (torchvision's test), signed ops negated with probability 1/2."""
+  sub_policy, draws, negate = autoaugment_draws(key)
   ops = ('Identity',) + tuple(sorted({op for steps in AUTOAUGMENT_IMAGENET for op, _, _ in steps}))
   for step in range(2):
     table = [autoaugment_step(index, step, image.shape) for index in range(len(AUTOAUGMENT_IMAGENET))]

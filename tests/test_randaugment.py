@@ -163,7 +163,7 @@ def test_zero_layers_is_identity_and_bad_arguments_fail():
   image = jnp.asarray(RGB)
   np.testing.assert_array_equal(_apply(jax.random.PRNGKey(0), image, num_layers=0), image)
   with pytest.raises(ValueError, match='policy'):
-    _apply(jax.random.PRNGKey(0), image, policy='autoaugment')
+    _apply(jax.random.PRNGKey(0), image, policy='augmix')
   with pytest.raises(ValueError, match='uint8'):
     _apply(jax.random.PRNGKey(0), image.astype(jnp.float32))
   with pytest.raises(ValueError, match='magnitude'):
