@@ -31,6 +31,7 @@ def get_sweep():
       'optimizer.name': 'adam',
       'optimizer.learning_rate': 1e-3,
       'optimizer.weight_decay': 0.0,
+      'optimizer.nesterov': False,  # Adam has no Nesterov momentum: the recipe's True is refused
   }]
   resnets = sweep.sweep('model.name', ['resnet20', 'resnet32'])
   return sweep.chain(keras_cnn, resnets)
