@@ -180,8 +180,10 @@ class ParamGroups:
   def rates(self) -> set[str]:
     """The label of every learning-rate factor a trainable parameter can get (DEFAULT among them)."""
     factors = {1.0} | {factor for _, factor in self.multipliers if factor}
-    _, head = _layer_of_module(self.model) if self.layer_decay else (None, 0)
-    scales = {self.layer_decay ** (head - depth) for depth in range(head + 1)} if self.layer_decay else {1.0}
+    scales = {1.0}
+    if self.layer_decay:
+      _, head = _layer_of_module(self.model)
+      scales = {self.layer_decay ** (head - depth) for depth in range(head + 1)}
     return {repr(float(factor * scale)) for factor in factors for scale in scales} | {DEFAULT}
 
   def label(self, name: str) -> str:
