@@ -106,9 +106,10 @@ def check_against_data(config: ml_collections.ConfigDict, image_shape: tuple[int
 
 def _check_dataset(config: ml_collections.ConfigDict) -> None:
   dataset = config.dataset
-  if not dataset.folder and not dataset.name:
+  if not any(dataset[key] for key in ('folder', 'name', *LABEL_SOURCES)):
     raise ConfigError('config.dataset.folder and config.dataset.name are both empty; set '
-                      '--config.dataset.folder=/path/to/images (or a TFDS name, e.g. cifar10)')
+                      '--config.dataset.folder=/path/to/images (or a TFDS name, e.g. cifar10, or '
+                      'dataset.labels, shards or parquet)')
   if isinstance(dataset.eval_splits, str) or not all(
       isinstance(split, str) and split for split in dataset.eval_splits):
     raise ConfigError(f'config.dataset.eval_splits={dataset.eval_splits!r} must be a tuple of split '
