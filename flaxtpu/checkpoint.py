@@ -210,8 +210,9 @@ class Checkpoints:
     path = self._path(step)
     record = self.read_record(step)
     for key, value in (expected or {}).items():
-      if record.get(key) != value:
-        raise CheckpointError(f'checkpoint {path} has {key}={record.get(key)!r} but the config '
+      saved = record.get(key, RECORD_DEFAULTS.get(key))
+      if saved != value:
+        raise CheckpointError(f'checkpoint {path} has {key}={saved!r} but the config '
                               f'gives {value!r}; use a matching config or another --workdir')
     try:
       with ocp.PyTreeCheckpointer() as reader:
@@ -387,10 +388,16 @@ class Checkpoints:
     self._manager.reload()
 
 
+# What a record written before a field existed meant by its absence.
+RECORD_DEFAULTS = {'task': 'multiclass'}
+
+
 def expected_record(config: ml_collections.ConfigDict, num_classes: int,
                     image_shape: tuple[int, ...]) -> dict:
-  """The record fields a checkpoint must match to restore into this config's model."""
-  return {'model': config.model.name, 'num_classes': num_classes, 'image_shape': list(image_shape)}
+  """The record fields a checkpoint must match to restore into this config's model: the same arrays
+  (model, classes, image shape) and the same meaning of its logits (`task`: softmax or sigmoids)."""
+  return {'model': config.model.name, 'num_classes': num_classes, 'image_shape': list(image_shape),
+          'task': config.task}
 
 
 def changed_keys(saved: dict, current: dict, prefix: str = '', defaults: Optional[dict] = None) -> list[str]:

@@ -10,6 +10,7 @@ from typing import NamedTuple, Optional
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
 from flaxtpu import checkpoint, data, files, finetune, parallel, pretrained, report, steps
 from flaxtpu.config import eval_metric_prefix, resolved_eval_batch_size
@@ -17,37 +18,61 @@ from flaxtpu.errors import UserError
 
 
 class Predictions(NamedTuple):
-  """The logits and labels of every eval example, in order."""
+  """The logits and labels (int [N], or multilabel multi-hot [N, classes]) of every eval example, in order."""
   logits: np.ndarray
   labels: np.ndarray
 
 
 def evaluate(placement: steps.Placement, state, dataset: data.Dataset, batch_size: int,
-             keep_logits: bool = False) -> tuple[dict[str, float], Optional[Predictions]]:
-  """Loss and accuracy over every example of the eval split, each counted exactly once.
+             keep_logits: bool = False, threshold: float = 0.0
+             ) -> tuple[dict[str, float], Optional[Predictions]]:
+  """The metrics of every example of the eval split, each counted exactly once.
+
+  Multiclass: loss, accuracy, balanced accuracy (and top-5 accuracy), from the devices. Multilabel:
+  the loss, and from every example's logits on the host (gathered from every process) mAP, micro
+  mAP, micro-F1 at a threshold (`threshold`, or the best one on this split), the threshold, and
+  the exact-match accuracy at it (`report.multilabel_report`).
 
   With `keep_logits`, on one process, the logits and labels of every example
   come back too (for `write_report`); otherwise None.
   """
   totals, one_step_in_flight = None, parallel.one_step_in_flight()
   keep_logits = keep_logits and jax.process_count() == 1  # another process' examples are not here
-  logits, labels = [], []
+  logits, labels, multilabel = [], [], False
   for batch in data.eval_batches(dataset, batch_size=batch_size, process_index=jax.process_index(),
                                  process_count=jax.process_count()):
     batch_metrics, batch_logits = placement.eval_step(state, placement.put_eval_batch(tuple(batch)))
     if one_step_in_flight:
       jax.block_until_ready(batch_metrics)
     totals = batch_metrics if totals is None else totals.merge(batch_metrics)
-    if keep_logits:  # (pmap hands them back per device: flattened here, not on the devices)
-      logits.append(np.asarray(batch_logits).reshape(len(batch.mask), -1)[batch.mask])
-      labels.append(batch.labels[batch.mask])
+    multilabel = batch.labels.ndim == 2
+    if keep_logits or multilabel:
+      rows_logits, rows_labels = _real_rows(batch_logits, batch)
+      logits.append(rows_logits)
+      labels.append(rows_labels)
   result = {f'eval_{k}': float(v) for k, v in totals.compute().items()}
   result['num_examples'] = int(totals.loss.count)
-  return result, (Predictions(np.concatenate(logits), np.concatenate(labels)) if keep_logits else None)
+  predictions = Predictions(np.concatenate(logits), np.concatenate(labels)) if logits else None
+  if multilabel:
+    result.update(report.multilabel_metrics(report.multilabel_report(
+        predictions.logits, predictions.labels, list(dataset.class_names), threshold)))
+  return result, (predictions if keep_logits else None)
+
+
+def _real_rows(batch_logits, batch: data.Batch) -> tuple[np.ndarray, np.ndarray]:
+  """The logits and labels of an eval batch's real (unpadded) rows as numpy arrays: this process's
+  rows on one process; every process's, in global order, on many (multilabel metrics rank them all)."""
+  if jax.process_count() == 1:  # (pmap hands logits back per device: flattened here, not on the devices)
+    return np.asarray(batch_logits).reshape(len(batch.mask), -1)[batch.mask], batch.labels[batch.mask]
+  if batch_logits.is_fully_addressable:  # pmap: this process's devices hold its rows
+    batch_logits = np.asarray(batch_logits).reshape(len(batch.mask), -1)
+  logits, labels, mask = (np.asarray(multihost_utils.process_allgather(x, tiled=True))
+                          for x in (batch_logits, batch.labels, batch.mask))
+  return logits[mask], labels[mask]
 
 
 def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str, data.Dataset]],
-                    batch_size: int, report_weights: Optional[str] = None
+                    batch_size: int, report_weights: Optional[str] = None, threshold: float = 0.0
                     ) -> tuple[dict[str, float], Optional[Predictions]]:
   """Every eval split, with the raw weights and (when the state has them) the EMA weights.
 
@@ -55,7 +80,7 @@ def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str
   the best checkpoint); another split's carry its name (`eval_train_5000_accuracy`);
   the EMA weights' end in `_ema`. `num_examples` counts the first split.
   With `report_weights` ('raw' or 'ema') the first split's predictions under
-  those weights come back too (see `evaluate`).
+  those weights come back too (see `evaluate`). `threshold`: multilabel, as in `evaluate`.
   """
   views = [('raw', '', state)]
   if getattr(state, 'ema', None):
@@ -65,7 +90,8 @@ def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str
     prefix = eval_metric_prefix(split, first=index == 0)
     for weights, suffix, view in views:
       for_report = index == 0 and weights == report_weights
-      scores, kept = evaluate(placement, view, dataset, batch_size, keep_logits=for_report)
+      scores, kept = evaluate(placement, view, dataset, batch_size, keep_logits=for_report,
+                              threshold=threshold)
       if for_report:
         predictions = kept
       count = scores.pop('num_examples')
@@ -76,8 +102,9 @@ def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str
 
 
 def write_report(predictions: Optional[Predictions], dataset: data.Dataset, directory: str,
-                 suffix: str = '') -> dict:
-  """per_class.csv, confusion, mistakes and reliability PNGs of the eval split in `directory`.
+                 suffix: str = '', threshold: float = 0.0, about: Optional[dict] = None) -> dict:
+  """per_class.csv, confusion, mistakes and reliability PNGs of the eval split in `directory`;
+  multilabel, also thresholds.json (`threshold` and `about` as in `report.write_eval_report`).
 
   `predictions` are what `evaluate` kept. Returns the summary numbers (ECE,
   top-5 accuracy) for eval.json. They are kept on one process only, so a run
@@ -89,15 +116,32 @@ def write_report(predictions: Optional[Predictions], dataset: data.Dataset, dire
   logits, labels = predictions
   with files.writing(directory, 'free disk space or choose a writable --workdir'):
     summary = report.write_eval_report(directory, logits, labels, list(dataset.class_names),
-                                       images=lambda index: data.eval_image(dataset, index), suffix=suffix)
+                                       images=lambda index: data.eval_image(dataset, index), suffix=suffix,
+                                       threshold=threshold, about=about)
   logging.info('eval report: ECE %.4f%s; %s in %s', summary['eval_ece'],
                f', top-5 accuracy {summary["eval_top5_accuracy"]:.4f}' if 'eval_top5_accuracy' in summary
                else '', ', '.join(summary['report_files']), directory)
   return summary
 
 
+def report_about(config: ml_collections.ConfigDict, step: int, split: Optional[str] = None) -> dict:
+  """What an evaluation report was made of: the step, the split, the weights and the TTA (kept in
+  thresholds.json, whose thresholds predict matches to the checkpoint it restores)."""
+  return {'step': step, 'split': split or config.dataset.eval_split,
+          'weights': 'ema' if config.eval.ema else 'raw', 'tta': tta_name(config.eval)}
+
+
+def eval_summary(results: dict) -> str:
+  """The log line's metrics: loss and accuracy first, then every other scalar, e.g. 'loss 0.4 ...'."""
+  names = ['eval_loss', 'eval_accuracy'] + [name for name, value in results.items()
+                                            if name.startswith('eval_') and isinstance(value, float)
+                                            and name not in ('eval_loss', 'eval_accuracy')]
+  return '  '.join(f'{name.removeprefix("eval_")} {results[name]:.4f}' for name in names if name in results)
+
+
 def tta_name(eval_config) -> str:
-  """The test-time augmentation of an `eval` config (or its saved dict): 'flip+translate2', 'flip', 'none'..."""
+  """The test-time augmentation of an `eval` config (or its saved dict): 'flip+translate2', 'flip',
+  'none'..."""
   parts = (['flip'] if eval_config.get('flip_tta') else []) + (
       [f'translate{eval_config["translate_tta"]}'] if eval_config.get('translate_tta') else [])
   return '+'.join(parts) or 'none'
@@ -124,7 +168,8 @@ def restore(config: ml_collections.ConfigDict, workdir: str):
     return finetune.published_model(config)
   checkpoints = checkpoint.Checkpoints(workdir, config, read_only=True)
   mesh = parallel.make_mesh(config)
-  expected = {'model': config.model.name}  # classes and image shape come from the checkpoint
+  # Classes and image shape come from the checkpoint; a softmax head read as sigmoids (or back) is refused.
+  expected = {'model': config.model.name, 'task': config.task}
 
   def read(step: int):
     """The placement its record describes, and the model state of `step` laid out by it."""
@@ -141,8 +186,8 @@ def restore(config: ml_collections.ConfigDict, workdir: str):
     if not config.eval.ema:
       return placement, *checkpoints.restore(step, model, expected, config=config, subset=True)
     # The saved state's `ema` subtree, read into a ModelState's layout.
-    saved, record = checkpoints.restore(step, {'ema': {'params': model.params, 'batch_stats': model.batch_stats}},
-                                        expected, config=config, subset=True)
+    ema = {'ema': {'params': model.params, 'batch_stats': model.batch_stats}}
+    saved, record = checkpoints.restore(step, ema, expected, config=config, subset=True)
     return placement, steps.ModelState(**saved['ema']), record
 
   # An unreadable latest checkpoint falls back to the newest readable one; one that a live run
@@ -173,7 +218,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
                     f'trained on {record["num_classes"]} classes of {tuple(record["image_shape"])}; '
                     'evaluate on data like the training data')
   results, predictions = evaluate(placement, state, dataset, resolved_eval_batch_size(config),
-                                  keep_logits=True)
+                                  keep_logits=True, threshold=config.eval.threshold)
   # The run's own final evaluation (its eval split, TTA and weights at its last step) gets the plain
   # names its end-of-run report has; any other view of the checkpoints a suffix naming how it differs,
   # so no result replaces another's.
@@ -189,24 +234,83 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
       ('-ema' if ema else '-raw', other_weights)) if differs)
   key = split + (f':step={step}' if other_step else '') + (f':tta={tta}' if other_tta else '') + (
       ':ema' if ema else '')
-  results.update(write_report(predictions, dataset, output, suffix))
+  results.update(write_report(predictions, dataset, output, suffix, config.eval.threshold,
+                              report_about(config, step, split)))
   results.update(step=step, split=split, tta=tta, weights='ema' if ema else 'raw',
                  source=config.dataset.folder or config.dataset.name,
                  checkpoint=os.path.join(workdir, 'checkpoints', str(step)))
-  logging.info('eval of step %d: loss %.4f  accuracy %.4f  (%d examples)', step,
-               results['eval_loss'], results['eval_accuracy'], results['num_examples'])
+  logging.info('eval of step %d: %s  (%d examples)', step, eval_summary(results), results['num_examples'])
   if jax.process_index() == 0:
     # The latest evaluation on top; every split's latest result kept under 'splits'.
     path = os.path.join(output, 'eval.json')
-    splits = (files.read_json(path) or files.read_json(os.path.join(workdir, 'eval.json')) or {}).get('splits', {})
+    earlier = files.read_json(path) or files.read_json(os.path.join(workdir, 'eval.json')) or {}
+    splits = earlier.get('splits', {})
     splits[key] = dict(results)
     with files.writing(path, 'free disk space or choose a writable --workdir'):
       files.write_json(path, {**results, 'splits': splits})
   return results
 
 
+def tag_thresholds(config: ml_collections.ConfigDict, workdir: str, step: int,
+                   class_names: list[str]) -> tuple[np.ndarray, str]:
+  """(the probability each tag must reach in --mode=predict, where it comes from).
+
+  `eval.threshold` when set (the user's choice wins); else the per-class thresholds of an
+  evaluation saved in WORKDIR/thresholds*.json: the one made of this step, these weights and this
+  TTA, the run's own final evaluation (thresholds.json) first; else 0.5.
+  """
+  if config.eval.threshold:
+    return np.full(len(class_names), config.eval.threshold), f'eval.threshold={config.eval.threshold:g}'
+  wanted = report_about(config, step)
+  candidates = []
+  for name in sorted(os.listdir(workdir)) if os.path.isdir(workdir) else []:
+    if not (name.startswith('thresholds') and name.endswith('.json')):
+      continue
+    saved = files.read_json(os.path.join(workdir, name)) or {}
+    if list(saved.get('class_thresholds', {})) != list(class_names):
+      continue  # another model's classes
+    fit = tuple(saved.get(key) == wanted[key] for key in ('step', 'weights', 'tta'))
+    candidates.append((fit + (name == report.THRESHOLDS_FILE,), name, saved))
+  if not candidates:
+    return (np.full(len(class_names), report.DEFAULT_THRESHOLD),
+            f'{report.DEFAULT_THRESHOLD:g} for every tag: no evaluation has chosen thresholds (run '
+            '--mode=eval, or set --config.eval.threshold)')
+  _, name, saved = max(candidates, key=lambda candidate: candidate[0])
+  source = (f'per-class thresholds from {name} ({saved.get("chosen_by")}, {saved.get("split")} at step '
+            f'{saved.get("step")}, {saved.get("weights")} weights)')
+  if saved.get('step') != step:
+    source += f'; predicting with step {step}: --mode=eval of it would choose its own'
+  return np.array([saved['class_thresholds'][c] for c in class_names], np.float64), source
+
+
+def _multiclass_row(path: str, probabilities: np.ndarray, class_names: list[str], top_k: int) -> dict:
+  """predict's row for one image: its top-k classes and their softmax probabilities."""
+  best = np.argsort(-probabilities)[:top_k]
+  row = {'path': path}
+  for rank, index in enumerate(best, 1):
+    row[f'class_{rank}'], row[f'probability_{rank}'] = class_names[index], float(probabilities[index])
+  print(f'{data.printable(path)}: ' + ', '.join(f'{data.printable(class_names[i])} {probabilities[i]:.3f}'
+                                                for i in best))
+  return row
+
+
+def _multilabel_row(path: str, probabilities: np.ndarray, thresholds: np.ndarray, class_names: list[str],
+                    top_k: int) -> dict:
+  """predict's row for one image: every tag whose probability reaches its threshold ('tags', most
+  probable first, ';'-separated, and their 'tag_probabilities'), then the top-k classes as multiclass."""
+  tags = [c for c in np.argsort(-probabilities, kind='stable') if probabilities[c] >= thresholds[c]]
+  row = {'path': path, 'tags': ';'.join(class_names[c] for c in tags),
+         'tag_probabilities': ';'.join(f'{probabilities[c]:.4f}' for c in tags)}
+  for rank, index in enumerate(np.argsort(-probabilities, kind='stable')[:top_k], 1):
+    row[f'class_{rank}'], row[f'probability_{rank}'] = class_names[index], float(probabilities[index])
+  print(f'{data.printable(path)}: ' + (', '.join(f'{data.printable(class_names[c])} {probabilities[c]:.3f}'
+                                                 for c in tags) or '(no tag)'))
+  return row
+
+
 def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
-  """--mode=predict: top-k classes of each image in `config.predict.input`."""
+  """--mode=predict: top-k classes of each image in `config.predict.input`; multilabel, every tag
+  whose probability reaches its threshold (`tag_thresholds` says which, in the log and on stdout)."""
   if not config.predict.input:
     raise UserError('--mode=predict needs --config.predict.input=IMAGE_OR_FOLDER')
   placement, state, step, record = restore(config, workdir)
@@ -215,18 +319,17 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
                                    data.image_transform(config, channels=image_shape[-1]),
                                    skip_corrupt=config.dataset.skip_corrupt)
   logits = predict_logits(placement, state, images, resolved_eval_batch_size(config))
-  probabilities = np.asarray(jax.nn.softmax(logits, axis=-1))
   class_names = record['class_names']
   top_k = min(config.predict.top_k, len(class_names))
-  rows = []
-  for path, probs in zip(paths, probabilities):
-    best = np.argsort(-probs)[:top_k]
-    row = {'path': path}
-    for rank, index in enumerate(best, 1):
-      row[f'class_{rank}'], row[f'probability_{rank}'] = class_names[index], float(probs[index])
-    rows.append(row)
-    print(f'{data.printable(path)}: ' + ', '.join(f'{data.printable(class_names[i])} {probs[i]:.3f}'
-                                                  for i in best))
+  if config.task == 'multilabel':
+    thresholds, source = tag_thresholds(config, workdir, step, class_names)
+    print(f'tags at or above their thresholds: {source}')
+    logging.info('thresholds: %s', source)
+    rows = [_multilabel_row(path, probs, thresholds, class_names, top_k)
+            for path, probs in zip(paths, report.sigmoid(logits))]
+  else:
+    rows = [_multiclass_row(path, probs, class_names, top_k)
+            for path, probs in zip(paths, np.asarray(jax.nn.softmax(logits, axis=-1)))]
   logging.info('predicted %d images with checkpoint step %d', len(rows), step)
   if config.predict.output_csv and jax.process_index() == 0:
     files.write_csv(config.predict.output_csv, [{**row, 'path': data.csv_path(row['path'])} for row in rows],

@@ -9,15 +9,19 @@
       timm/             ResNets, ViTs, ConvNeXt: model.safetensors in timm's keys + timm's config.json;
                         timm.create_model('local-dir:WORKDIR/export/timm', pretrained=True) gives the
                         same logits in PyTorch (and init_from reads it back)
-      export.json       step, paths, input signature, class names, tolerances, measured differences
+      export.json       step, paths, input signature, class names, tolerances, measured differences;
+                        the task, how its probabilities are made, and (multilabel) each tag's threshold
 
 The `serving_default` signature takes `images`: uint8 [batch, H, W, C] (any
 batch size, H x W x C the model's input size) and returns float32 `logits`
 and `probabilities` [batch, num_classes]; the checkpoint's normalisation is
-built in. Images must already be at the model's input size: for
-`dataset.image_size > 0` runs, resize and centre-crop them as eval does
-(flaxtpu/preprocess.py). Class names are an asset and a string variable
-(`loaded.class_names`).
+built in. Probabilities are the softmax of the logits for `task=multiclass`
+and a sigmoid of each logit for `task=multilabel` (export.json's `task` and
+`probabilities` say which; the SavedModel's `task` variable too; TFLite and
+timm exports carry the logits only: apply the sigmoid yourself). Images
+must already be at the model's input size: for `dataset.image_size > 0`
+runs, resize and centre-crop them as eval does (flaxtpu/preprocess.py).
+Class names are an asset and a string variable (`loaded.class_names`).
 
 Before anything appears under WORKDIR/export, both models are run on eval
 images and compared with flaxtpu's own predict; a difference beyond the
@@ -104,7 +108,8 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
         preprocessing=('uint8 images at the model input size; normalisation is inside the model' + (
             f'; resize and centre-crop photos to {task.image_shape[0]}x{task.image_shape[1]} as eval does '
             '(flaxtpu/preprocess.py)' if config.dataset.image_size else '')),
-        normalization=record['normalization'], class_names=list(record['class_names']))
+        normalization=record['normalization'], class_names=list(record['class_names']),
+        **_task_metadata(config, workdir, step, list(record['class_names'])))
     summary['check'].update(num_images=len(images), split=config.dataset.eval_split)
     files.write_json(os.path.join(staging, COMPLETE_MARKER), summary)  # last: the staging is complete
   except BaseException as e:
@@ -162,6 +167,19 @@ def _export_into(tf, directory: str, task: steps.Task, host_state: steps.ModelSt
                 **checks},
       'export_seconds': round(time.perf_counter() - started, 3),
   }
+
+
+def _task_metadata(config: ml_collections.ConfigDict, workdir: str, step: int,
+                   class_names: list[str]) -> dict[str, Any]:
+  """What the exported logits mean: the task, how `probabilities` come from them and, multilabel,
+  the threshold of each tag that --mode=predict would apply (`evaluate.tag_thresholds`)."""
+  if config.task != 'multilabel':
+    return {'task': 'multiclass', 'probabilities': 'softmax over the classes (they sum to 1)'}
+  thresholds, source = evaluate.tag_thresholds(config, workdir, step, class_names)
+  return {'task': 'multilabel',
+          'probabilities': 'sigmoid of each logit: an independent probability per tag (a tag is present '
+                           'when its probability reaches its threshold)',
+          'thresholds': dict(zip(class_names, thresholds.tolist())), 'thresholds_source': source}
 
 
 def _export_timm(config: ml_collections.ConfigDict, directory: str, final: str, host_state: steps.ModelState,
@@ -238,13 +256,16 @@ def _save(tf, path: str, task: steps.Task, host_state: steps.ModelState, class_n
       lambda x: tf.Variable(x, trainable=False),
       {'params': host_state.params, 'batch_stats': host_state.batch_stats})
   module.class_names = tf.Variable(list(class_names), trainable=False, dtype=tf.string)
+  module.task = tf.Variable('multilabel' if task.multilabel else 'multiclass', trainable=False,
+                            dtype=tf.string)
   module.class_names_file = tf.saved_model.Asset(class_names_file)  # copied to saved_model/assets/
 
   @tf.function(autograph=False, input_signature=[
       tf.TensorSpec([None, height, width, channels], tf.uint8, name='images')])
   def serve(images):
     logits = converted(module.model_variables, images)
-    return {'logits': logits, 'probabilities': tf.nn.softmax(logits, axis=-1)}
+    probabilities = tf.nn.sigmoid(logits) if task.multilabel else tf.nn.softmax(logits, axis=-1)
+    return {'logits': logits, 'probabilities': probabilities}
 
   module.serve = serve
   tf.saved_model.save(module, path, signatures={'serving_default': serve})

@@ -138,7 +138,12 @@ def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: st
                               f'{config.model.name}; names look like {names[0]!r}')
     classes_differ = (record.get('num_classes') != task.num_classes
                       or record.get('class_names', list(class_names)) != list(class_names))
-    head = set(head_names(task, placement.abstract_state.params)) if classes_differ else set()
+    source_task = record.get('task', checkpoint.RECORD_DEFAULTS['task'])
+    check_keep_head_task(config, source_task, path)
+    # A softmax head's logits mean nothing as sigmoids (they are only defined up to a shift): a new one.
+    task_differs = source_task != config.task
+    head = set(head_names(task, placement.abstract_state.params)) if classes_differ or task_differs else set()
+    head_reason = 'classes differ' if classes_differ else f'the task differs ({source_task} there)'
 
     load: dict[str, dict[str, Any]] = {collection: {} for collection in COLLECTIONS}
     reasons: dict[str, list[str]] = {}  # why an array starts from the seed -> its names
@@ -146,7 +151,7 @@ def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: st
     for collection in COLLECTIONS:
       for name, leaf in target[collection].items():
         if name in head:
-          reasons.setdefault('classes differ', []).append(name)
+          reasons.setdefault(head_reason, []).append(name)
         elif name in skipped:
           reasons.setdefault('init_from.skip', []).append(name)
         elif name not in saved[collection]:
@@ -185,6 +190,13 @@ def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: st
                  'class_names': record.get('class_names'),
                  'loaded': sum(len(arrays) for arrays in load.values()),
                  'reinitialised': {reason: names for reason, names in reasons.items()}}
+
+
+def check_keep_head_task(config: ml_collections.ConfigDict, source_task: str, source: str) -> None:
+  """init_from.keep_head keeps the source's classifier: only for a run of the source's task."""
+  if config.init_from.keep_head and source_task != config.task:
+    raise UserError(f'config.init_from.keep_head=True keeps the {source_task} head of {source}, but '
+                    f'config.task={config.task!r}; drop keep_head to train a new head for the task')
 
 
 def _shapes(saveable) -> dict[str, tuple[int, ...]]:
@@ -274,6 +286,7 @@ def _init_from_published(config: ml_collections.ConfigDict, task: steps.Task, pl
                             f'{config.model.name}; names look like {next(iter(bare.values()))!r}')
   head = {f'params/{name}' for name in head_names(task, abstract.params)}
   source_names = list(pretrained.class_names(published))
+  check_keep_head_task(config, 'multiclass', published.spec)  # published classifiers are softmax heads
   if config.init_from.keep_head:
     if task.num_classes != published.num_classes:
       raise UserError(f'config.init_from.keep_head=True keeps the {published.num_classes}-class head of '
@@ -306,6 +319,9 @@ def published_model(config: ml_collections.ConfigDict):
   if not pretrained.apply_defaults(config):
     raise UserError(f'config.init_from.checkpoint={config.init_from.checkpoint!r} is not published weights')
   published = pretrained.describe(config.init_from.checkpoint)
+  if config.task != 'multiclass':
+    raise UserError(f'{published.spec} is a softmax classifier: predict with it as config.task=multiclass, '
+                    'or fine-tune it on tagged images first (init_from) for task=multilabel')
   size = config.dataset.image_size or published.image_size
   image_shape = (size, size, len(published.mean))
   mean, std = ((config.dataset.mean, config.dataset.std) if config.dataset.normalize == 'fixed'
@@ -322,6 +338,7 @@ def published_model(config: ml_collections.ConfigDict):
   state = placement.from_saveable(_merge(placement.abstract_state, loaded))
   record = {'model': config.model.name, 'num_classes': published.num_classes,
             'image_shape': list(image_shape),
+            'task': 'multiclass',
             'class_names': list(pretrained.class_names(published)),
             'normalization': {'mean': list(mean), 'std': list(std)}, 'config': config.to_dict(),
             'init_from': {'checkpoint': published.spec, 'path': published.path}}

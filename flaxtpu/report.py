@@ -6,7 +6,10 @@ curves without starting JAX:
     python -m flaxtpu.report runs/cifar10        # writes runs/cifar10/curves.png and prints its path
 
 `write_eval_report` writes per_class.csv, confusion.png, mistakes.png and reliability.png next to
-eval.json; `write_curves` writes curves.png from metrics.jsonl.
+eval.json (a multilabel evaluation: per-class AP and F1, a TP/FP/FN chart for the confusion matrix,
+and thresholds.json); `write_curves` writes curves.png from metrics.jsonl. Multilabel metrics
+(`multilabel_report`): mAP macro and micro with sklearn's average precision, F1 at thresholds chosen
+on the evaluated split.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ def eval_report(logits: np.ndarray, labels: np.ndarray, class_names: Sequence[st
     support, correct, predicted [C] counts;
     precision, recall, accuracy [C] (accuracy = recall = correct / support; NaN where the denominator is 0);
     top1_accuracy, top5_accuracy (only when C > 5; tied logits rank in class-index order, as in argmax);
+    balanced_accuracy: the mean recall over the classes with examples;
     ece: sum over 15 equal-width confidence bins (lo, hi] of |B|/N * |accuracy(B) - confidence(B)|;
     reliability: {bin_lower, bin_upper, count, accuracy, confidence} arrays of the bins (NaN where empty).
   """
@@ -112,17 +116,7 @@ def eval_report(logits: np.ndarray, labels: np.ndarray, class_names: Sequence[st
   correct = np.diag(confusion).copy()
   recall = _divide(correct, support)
   hits = predictions == labels
-
-  edges = np.linspace(0.0, 1.0, NUM_CALIBRATION_BINS + 1)
-  # Bin b holds confidences in (edges[b], edges[b+1]]; the max softmax is always > 0.
-  bins = np.clip(np.digitize(confidence, edges, right=True) - 1, 0, NUM_CALIBRATION_BINS - 1)
-  bin_count = np.bincount(bins, minlength=NUM_CALIBRATION_BINS)
-  bin_accuracy = _divide(np.bincount(bins, weights=hits, minlength=NUM_CALIBRATION_BINS), bin_count)
-  bin_confidence = _divide(np.bincount(bins, weights=confidence, minlength=NUM_CALIBRATION_BINS), bin_count)
-  filled = bin_count > 0
-  gaps = np.abs(bin_accuracy[filled] - bin_confidence[filled])
-  ece = float(np.sum(bin_count[filled] / num_examples * gaps))
-
+  ece, reliability = _calibration(confidence, hits)
   report = {
       'num_examples': num_examples,
       'num_classes': num_classes,
@@ -138,13 +132,181 @@ def eval_report(logits: np.ndarray, labels: np.ndarray, class_names: Sequence[st
       'recall': recall,
       'accuracy': recall,
       'top1_accuracy': float(hits.mean()),
+      'balanced_accuracy': float(np.mean(recall[support > 0])),
       'ece': ece,
-      'reliability': {'bin_lower': edges[:-1], 'bin_upper': edges[1:], 'count': bin_count,
-                      'accuracy': bin_accuracy, 'confidence': bin_confidence},
+      'reliability': reliability,
   }
   if num_classes > 5:
     report['top5_accuracy'] = float((rank < 5).mean())
   return report
+
+
+def _calibration(confidence: np.ndarray, hits: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+  """(ECE, reliability bins) of predictions made with `confidence` that came true where `hits`.
+
+  ECE: sum over 15 equal-width confidence bins (lo, hi] of |B|/N * |accuracy(B) - confidence(B)|
+  (the first bin also holds confidence 0).
+  """
+  edges = np.linspace(0.0, 1.0, NUM_CALIBRATION_BINS + 1)
+  bins = np.clip(np.digitize(confidence, edges, right=True) - 1, 0, NUM_CALIBRATION_BINS - 1)
+  bin_count = np.bincount(bins, minlength=NUM_CALIBRATION_BINS)
+  bin_accuracy = _divide(np.bincount(bins, weights=hits, minlength=NUM_CALIBRATION_BINS), bin_count)
+  bin_confidence = _divide(np.bincount(bins, weights=confidence, minlength=NUM_CALIBRATION_BINS),
+                           bin_count)
+  filled = bin_count > 0
+  gaps = np.abs(bin_accuracy[filled] - bin_confidence[filled])
+  ece = float(np.sum(bin_count[filled] / len(confidence) * gaps))
+  return ece, {'bin_lower': edges[:-1], 'bin_upper': edges[1:], 'count': bin_count,
+               'accuracy': bin_accuracy, 'confidence': bin_confidence}
+
+
+# --- multilabel: average precision and F1 thresholds -------------------------------------------
+
+THRESHOLDS_FILE = 'thresholds.json'
+DEFAULT_THRESHOLD = 0.5  # a tag's probability that predicts it where no evaluation chose one
+_RANKING_CELLS = 2**22  # per-class ranking works on blocks of columns of about this many cells
+
+
+def sigmoid(logits: Any) -> np.ndarray:
+  """float64 probabilities of independent tags (the tanh form never overflows)."""
+  return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(logits, np.float64)))
+
+
+def _check_multilabel(logits: Any, labels: Any, class_names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+  logits, labels = np.asarray(logits), np.asarray(labels)
+  if logits.ndim != 2 or labels.shape != logits.shape:
+    raise ValueError(f'multilabel logits and labels must both be [examples, classes], got {logits.shape} '
+                     f'and {labels.shape}')
+  if len(class_names) != logits.shape[1]:
+    raise ValueError(f'{len(class_names)} class names for {logits.shape[1]} logits per example')
+  if logits.shape[0] == 0:
+    raise ValueError('no examples to report on')
+  if not np.isin(labels, (0, 1)).all():
+    raise ValueError('multilabel labels must be 0 or 1 (multi-hot rows)')
+  return sigmoid(logits), labels.astype(bool)
+
+
+def ranking_scores(scores: np.ndarray, positives: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Per column of `scores` [N, K] and bool `positives` [N, K]: (average precision, best F1, its threshold).
+
+  Average precision is sklearn's `average_precision_score`: the step-wise area under the
+  precision-recall curve, sum over thresholds of (R_k - R_{k-1}) P_k, no interpolation; tied
+  scores enter together. It is NaN for a column without positives.
+
+  The threshold is the one at which `score >= threshold` gives the column's highest F1 (the
+  highest such threshold on a tie): the midpoint between the lowest score predicted positive and
+  the next score below it (0 below the last), so it sits between the examples, not on one.
+  """
+  num_rows, num_columns = scores.shape
+  average_precision, best_f1, threshold = (np.empty(num_columns) for _ in range(3))
+  rows = np.arange(num_rows)[:, None]
+  step = max(1, _RANKING_CELLS // max(num_rows, 1))
+  for start in range(0, num_columns, step):
+    block = slice(start, start + step)
+    order = np.argsort(-scores[:, block], axis=0, kind='stable')
+    ranked = np.take_along_axis(scores[:, block], order, 0)
+    hits = np.take_along_axis(positives[:, block], order, 0)
+    true_positives = np.cumsum(hits, axis=0)  # of the rows up to and including this one
+    total = true_positives[-1]
+    # The last row of each run of tied scores: a threshold cannot split ties.
+    last_tied = np.ones(ranked.shape, bool)
+    last_tied[:-1] = ranked[1:] != ranked[:-1]
+    group_end = np.minimum.accumulate(np.where(last_tied, rows, num_rows)[::-1], axis=0)[::-1]
+    precision = np.take_along_axis(true_positives, group_end, 0) / (group_end + 1)
+    with np.errstate(invalid='ignore', divide='ignore'):
+      # Each positive adds 1/P recall at its group's end, at that group's precision.
+      average_precision[block] = np.where(total > 0, (hits * precision).sum(0) / total, np.nan)
+    f1 = np.where(last_tied, 2 * true_positives / (rows + 1 + total), -1.0)  # 2TP / (TP + FP + P)
+    best = f1.argmax(0)
+    columns = np.arange(ranked.shape[1])
+    best_f1[block] = f1[best, columns]
+    lowest_in = ranked[best, columns]
+    below = np.where(best + 1 < num_rows, ranked[np.minimum(best + 1, num_rows - 1), columns], 0.0)
+    middle = (lowest_in + below) / 2
+    threshold[block] = np.where(middle > below, middle, lowest_in)  # adjacent floats: no midpoint
+  return average_precision, best_f1, threshold
+
+
+def multilabel_report(logits: np.ndarray, labels: np.ndarray, class_names: Sequence[str],
+                      threshold: float = 0.0) -> dict[str, Any]:
+  """The numbers of one multilabel evaluation.
+
+  Args:
+    logits: [N, C] float scores (a sigmoid per class is taken here).
+    labels: [N, C] multi-hot 0/1 (a row may be all zeros).
+    class_names: C names, in class-index order.
+    threshold: a tag is predicted when its probability reaches this; 0 chooses the thresholds on
+      these examples (then optimistic for them: they are chosen and scored on the same split).
+
+  Returns a dict of numpy arrays and floats:
+    num_examples, num_classes, class_names, probabilities [N, C], positives [N, C] bool;
+    support [C] (examples with the tag), average_precision [C] (NaN without support);
+    map: mean AP over the classes with support (0 when none has); map_micro: AP of every
+      (example, class) pair pooled;
+    threshold: the given one, else the one with the best micro-F1; f1 (micro-F1) and exact_match
+      (the fraction of examples whose every tag is right) at it;
+    class_thresholds [C]: the given one, else each class's best-F1 threshold (the global one for a
+      class without support); predictions [N, C] bool and tp, fp, fn, precision, recall, f1_per_class
+      [C] at them (precision/recall/F1 NaN where undefined);
+    threshold_source: 'eval.threshold' or 'best F1 on the eval split';
+    ece, reliability: calibration of every (example, class) probability against its tag's presence.
+  """
+  probabilities, positives = _check_multilabel(logits, labels, class_names)
+  num_examples, num_classes = probabilities.shape
+  average_precision, _, class_thresholds = ranking_scores(probabilities, positives)
+  pooled_ap, _, pooled_threshold = ranking_scores(probabilities.reshape(-1, 1), positives.reshape(-1, 1))
+  support = positives.sum(0)
+  if threshold:
+    chosen, class_thresholds = float(threshold), np.full(num_classes, float(threshold))
+  else:
+    chosen = float(pooled_threshold[0]) if support.any() else DEFAULT_THRESHOLD
+    class_thresholds = np.where(support > 0, class_thresholds, chosen)
+  predicted_global = probabilities >= chosen
+  pooled_tp = int((predicted_global & positives).sum())
+  pooled_errors = int((predicted_global != positives).sum())
+  predictions = probabilities >= class_thresholds
+  tp = (predictions & positives).sum(0)
+  fp = (predictions & ~positives).sum(0)
+  fn = (~predictions & positives).sum(0)
+  ece, reliability = _calibration(probabilities.ravel(), positives.ravel())
+  return {
+      'num_examples': num_examples,
+      'num_classes': num_classes,
+      'class_names': list(class_names),
+      'probabilities': probabilities,
+      'positives': positives,
+      'support': support,
+      'average_precision': average_precision,
+      'map': float(np.mean(average_precision[support > 0])) if support.any() else 0.0,
+      'map_micro': float(pooled_ap[0]) if support.any() else 0.0,
+      'threshold': chosen,
+      'threshold_source': 'eval.threshold' if threshold else 'best F1 on the eval split',
+      'f1': 2 * pooled_tp / (2 * pooled_tp + pooled_errors) if pooled_tp else 0.0,
+      'exact_match': float(np.all(predicted_global == positives, axis=1).mean()),
+      'class_thresholds': class_thresholds,
+      'predictions': predictions,
+      'tp': tp, 'fp': fp, 'fn': fn,
+      'precision': _divide(tp, tp + fp),
+      'recall': _divide(tp, support),
+      'f1_per_class': _divide(2 * tp, 2 * tp + fp + fn),
+      'ece': ece,
+      'reliability': reliability,
+  }
+
+
+def multilabel_metrics(report: Mapping[str, Any]) -> dict[str, float]:
+  """The evaluation's scalars as metric names: eval_map, eval_map_micro, eval_f1 (micro, at
+  eval_threshold), eval_threshold and eval_accuracy (the exact-match ratio at eval_threshold)."""
+  return {'eval_map': report['map'], 'eval_map_micro': report['map_micro'], 'eval_f1': report['f1'],
+          'eval_threshold': report['threshold'], 'eval_accuracy': report['exact_match']}
+
+
+def thresholds_record(report: Mapping[str, Any], about: Mapping[str, Any] | None = None) -> dict[str, Any]:
+  """What THRESHOLDS_FILE holds: each class's threshold, the global one, how they were chosen, and
+  `about` (which step, weights and split they were chosen on), for --mode=predict and the export."""
+  return {**(about or {}), 'threshold': report['threshold'], 'chosen_by': report['threshold_source'],
+          'class_thresholds': {name: float(value) for name, value in
+                               zip(report['class_names'], report['class_thresholds'])}}
 
 
 def most_confused_with(confusion: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -204,15 +366,17 @@ def plain_text(plot: Callable) -> Callable:
 
 # Fonts with CJK and other scripts, used after matplotlib's DejaVu Sans where the system has them
 # (matplotlib ships none; e.g. apt install fonts-noto-cjk, or fonts-wqy-zenhei).
-FALLBACK_FONTS = ('Noto Sans CJK SC', 'Noto Sans CJK JP', 'Noto Sans CJK KR', 'Noto Sans SC', 'Source Han Sans SC',
-                  'Source Han Sans', 'WenQuanYi Zen Hei', 'WenQuanYi Micro Hei', 'Droid Sans Fallback',
-                  'AR PL UMing CN', 'IPAGothic', 'Microsoft YaHei', 'SimHei', 'PingFang SC', 'Hiragino Sans GB',
-                  'Arial Unicode MS', 'Noto Sans', 'Noto Sans Arabic', 'Noto Sans Devanagari', 'Unifont')
+FALLBACK_FONTS = ('Noto Sans CJK SC', 'Noto Sans CJK JP', 'Noto Sans CJK KR', 'Noto Sans SC',
+                  'Source Han Sans SC', 'Source Han Sans', 'WenQuanYi Zen Hei', 'WenQuanYi Micro Hei',
+                  'Droid Sans Fallback', 'AR PL UMing CN', 'IPAGothic', 'Microsoft YaHei', 'SimHei',
+                  'PingFang SC', 'Hiragino Sans GB', 'Arial Unicode MS', 'Noto Sans', 'Noto Sans Arabic',
+                  'Noto Sans Devanagari', 'Unifont')
 
 
 @functools.cache
 def _fonts() -> tuple[list[str], frozenset[int]]:
-  """(the font families to draw with, the code points they cover): DejaVu Sans, then any fallback installed."""
+  """(the font families to draw with, the code points they cover): DejaVu Sans, then any fallback
+  installed."""
   from matplotlib import font_manager, ft2font
   installed = {font.name for font in font_manager.fontManager.ttflist}
   families = ['DejaVu Sans'] + [name for name in FALLBACK_FONTS if name in installed]
@@ -309,7 +473,8 @@ def plot_confusion(path: str, report: Mapping[str, Any]) -> None:
     side = max(5.0, 0.4 * num_classes + 3)
     figure, axes = pyplot.subplots(figsize=(side + 1, side))
     _heatmap(axes, confusion, support, range(num_classes), names)
-    axes.set_title(f'confusion matrix ({num_classes} classes, accuracy {accuracy:.2%})')
+    axes.set_title(f'confusion matrix ({num_classes} classes, accuracy {accuracy:.2%}, balanced '
+                   f'{report["balanced_accuracy"]:.2%})')
     figure.tight_layout()
     _save_figure(figure, path)
     return
@@ -398,10 +563,12 @@ def plot_reliability(path: str, report: Mapping[str, Any]) -> None:
   centre = (lower + upper) / 2
   accuracy = np.where(filled, bins['accuracy'], 0.0)
   confidence = np.where(filled, bins['confidence'], 0.0)
+  multilabel = 'positives' in report  # every tag's probability against whether the tag is there
   figure, (top, bottom) = pyplot.subplots(2, 1, figsize=(5.5, 6.5), sharex=True,
                                           gridspec_kw={'height_ratios': [3, 1]})
+  observed = 'fraction with the tag' if multilabel else 'accuracy'
   top.bar(centre[filled], accuracy[filled], width[filled], color='tab:blue', edgecolor='black',
-          linewidth=0.5, label='accuracy')
+          linewidth=0.5, label=observed)
   gap_low = np.minimum(accuracy, confidence)[filled]
   top.bar(centre[filled], np.abs(confidence - accuracy)[filled], width[filled], bottom=gap_low,
           color='tab:red', alpha=0.35, edgecolor='tab:red', hatch='//', linewidth=0.5,
@@ -409,26 +576,130 @@ def plot_reliability(path: str, report: Mapping[str, Any]) -> None:
   top.plot([0, 1], [0, 1], '--', color='gray', label='perfect calibration')
   top.set_xlim(0, 1)
   top.set_ylim(0, 1)
-  top.set_ylabel('accuracy')
+  top.set_ylabel(observed)
   top.legend(loc='upper left', fontsize=8)
   top.set_title(f'reliability (ECE {report["ece"]:.4f}, {NUM_CALIBRATION_BINS} bins)')
   top.grid(alpha=0.3)
   bottom.bar(centre, count, width, color='gray', edgecolor='black', linewidth=0.5)
-  bottom.set_xlabel('confidence (max softmax probability)')
-  bottom.set_ylabel('examples')
+  bottom.set_xlabel('probability of each tag of each example (sigmoid)' if multilabel
+                    else 'confidence (max softmax probability)')
+  bottom.set_ylabel('(example, class) pairs' if multilabel else 'examples')
+  figure.tight_layout()
+  _save_figure(figure, path)
+
+
+MAX_TAG_BARS = 40  # classes in the multilabel TP/FP/FN chart; above, the classes with the most errors
+
+
+def write_multilabel_csv(path: str, report: Mapping[str, Any]) -> None:
+  """One row per class: class, support (examples with the tag), average_precision, threshold, and
+  precision, recall, f1, tp, fp, fn at that threshold. Undefined values are empty cells."""
+
+  def write(temporary: str) -> None:
+    with open(temporary, 'w', newline='', encoding='utf-8') as f:
+      writer = csv.writer(f)
+      writer.writerow(['class', 'support', 'average_precision', 'threshold', 'precision', 'recall', 'f1',
+                       'tp', 'fp', 'fn'])
+      for c, name in enumerate(report['class_names']):
+        writer.writerow([name, int(report['support'][c]), _csv_number(report['average_precision'][c]),
+                         repr(float(report['class_thresholds'][c])), _csv_number(report['precision'][c]),
+                         _csv_number(report['recall'][c]), _csv_number(report['f1_per_class'][c]),
+                         int(report['tp'][c]), int(report['fp'][c]), int(report['fn'][c])])
+
+  _atomic(path, write)
+
+
+@plain_text
+def plot_tag_counts(path: str, report: Mapping[str, Any]) -> None:
+  """The multilabel counterpart of the confusion matrix: per class, stacked bars of true positives,
+  missed tags (false negatives) and wrong tags (false positives) at each class's threshold.
+
+  Up to 40 classes in class order; above, the 40 with the most errors, most first.
+  """
+  pyplot = _pyplot()
+  names, tp, fp, fn = report['class_names'], report['tp'], report['fp'], report['fn']
+  shown = list(range(len(names)))
+  if len(names) > MAX_TAG_BARS:
+    shown = sorted(shown, key=lambda c: (-(fp[c] + fn[c]), c))[:MAX_TAG_BARS]
+  positions = np.arange(len(shown))
+  figure, axes = pyplot.subplots(figsize=(9, max(3.0, 0.3 * len(shown) + 1.5)))
+  left = np.zeros(len(shown))
+  for counts, label, colour in ((tp, 'true positives', 'tab:green'), (fn, 'missed (false negatives)',
+                                                                      'tab:orange'),
+                                (fp, 'wrong (false positives)', 'tab:red')):
+    values = counts[shown].astype(float)
+    axes.barh(positions, values, left=left, color=colour, label=label)
+    left += values
+  axes.set_yticks(positions, [_short(names[c]) for c in shown], fontsize=8)
+  axes.invert_yaxis()
+  axes.set_xlabel('examples')
+  axes.legend(fontsize=8, loc='lower right')
+  axes.grid(axis='x', alpha=0.3)
+  subset = f'the {len(shown)} of {len(names)} classes with the most errors' if len(shown) < len(names) \
+      else f'{len(names)} classes'
+  axes.set_title(f'tags at each class\'s threshold ({subset}; mAP {report["map"]:.3f}, '
+                 f'micro-F1 {report["f1"]:.3f} at {report["threshold"]:.2f})', fontsize=9)
+  figure.tight_layout()
+  _save_figure(figure, path)
+
+
+def _tag_list(names: Sequence[str], row: np.ndarray, width: int = 30) -> str:
+  listed = ', '.join(names[c] for c in np.flatnonzero(row)) or '-'
+  return _short(listed, width)
+
+
+@plain_text
+def plot_tag_mistakes(path: str, report: Mapping[str, Any], images: Images) -> None:
+  """The (up to 25) images with the most confident wrong tag at each class's threshold: a tag
+  predicted with probability p that is absent counts p, a tag missed at p counts 1 - p."""
+  pyplot = _pyplot()
+  names, probabilities = report['class_names'], report['probabilities']
+  positives, predictions = report['positives'], report['predictions']
+  wrongness = np.where(predictions == positives, 0.0, np.where(positives, 1.0 - probabilities, probabilities))
+  worst_tag = wrongness.argmax(1)
+  worst = wrongness[np.arange(len(wrongness)), worst_tag]
+  wrong = np.flatnonzero(worst > 0)
+  shown = wrong[np.argsort(-worst[wrong], kind='stable')][:MAX_MISTAKES]
+  get = images if callable(images) else images.__getitem__
+  columns = max(1, min(5, len(shown)))
+  grid_rows = max(1, math.ceil(len(shown) / columns))
+  figure, axes = pyplot.subplots(grid_rows, columns, figsize=(max(4.0, 2.5 * columns), 2.8 * grid_rows),
+                                 squeeze=False)
+  for axis in axes.ravel():
+    axis.axis('off')
+  if not len(shown):
+    axes[0, 0].text(0.5, 0.5, 'no mistakes', ha='center', va='center', fontsize=12)
+  for axis, example in zip(axes.ravel(), shown):
+    image, cmap = _display_image(get(int(example)))
+    grey_range = {'vmin': 0, 'vmax': 255 if image.dtype == np.uint8 else 1} if cmap else {}
+    axis.imshow(image, cmap=cmap, interpolation='nearest', **grey_range)
+    tag = worst_tag[example]
+    kind = 'missed' if positives[example, tag] else 'wrong'
+    axis.set_title(f'true: {_tag_list(names, positives[example])}\n'
+                   f'pred: {_tag_list(names, predictions[example])}\n'
+                   f'{kind}: {_short(names[tag], 16)} ({probabilities[example, tag]:.2f})', fontsize=7)
+  figure.suptitle(f'most confident wrong tags ({len(shown)} of {len(wrong)} images with any)', fontsize=9)
   figure.tight_layout()
   _save_figure(figure, path)
 
 
 def write_eval_report(directory: str, logits: np.ndarray, labels: np.ndarray, class_names: Sequence[str],
-                      images: Images | None = None, suffix: str = '') -> dict[str, Any]:
+                      images: Images | None = None, suffix: str = '', threshold: float = 0.0,
+                      about: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """Writes per_class{suffix}.csv, confusion{suffix}.png, reliability{suffix}.png and, with images,
   mistakes{suffix}.png into `directory` (each atomically); returns numbers for eval.json.
 
   The result: eval_ece, eval_top5_accuracy (when there are more than 5 classes), classes_without_examples
   (the classes the split lacks, when it lacks any) and report_files (the file names written, relative to
   `directory`). `images` as in `plot_mistakes`.
+
+  Multilabel `labels` ([N, C] multi-hot) get the multilabel report (`threshold` as in
+  `multilabel_report`): per_class.csv of `write_multilabel_csv`, confusion.png the per-class
+  TP/FP/FN chart, mistakes.png the most confident wrong tags, reliability.png every tag's
+  probability, and thresholds{suffix}.json (`thresholds_record`, with `about`).
   """
+  if np.ndim(labels) == 2:
+    return _write_multilabel_report(directory, logits, labels, class_names, images, suffix, threshold, about)
   report = eval_report(logits, labels, class_names)
   if images is not None and not callable(images) and len(images) != report['num_examples']:
     raise ValueError(f'{len(images)} images for {report["num_examples"]} examples')
@@ -454,6 +725,34 @@ def write_eval_report(directory: str, logits: np.ndarray, labels: np.ndarray, cl
   return summary
 
 
+def _write_multilabel_report(directory: str, logits: np.ndarray, labels: np.ndarray,
+                             class_names: Sequence[str], images: Images | None, suffix: str, threshold: float,
+                             about: Mapping[str, Any] | None) -> dict[str, Any]:
+  report = multilabel_report(logits, labels, class_names, threshold)
+  if images is not None and not callable(images) and len(images) != report['num_examples']:
+    raise ValueError(f'{len(images)} images for {report["num_examples"]} examples')
+  os.makedirs(directory, exist_ok=True)
+  written = []
+
+  def path(name: str, extension: str) -> str:
+    written.append(f'{name}{suffix}.{extension}')
+    return os.path.join(directory, written[-1])
+
+  write_multilabel_csv(path('per_class', 'csv'), report)
+  plot_tag_counts(path('confusion', 'png'), report)
+  if images is not None:
+    plot_tag_mistakes(path('mistakes', 'png'), report, images)
+  plot_reliability(path('reliability', 'png'), report)
+  record = thresholds_record(report, about)
+  _atomic(path(THRESHOLDS_FILE.removesuffix('.json'), 'json'),
+          lambda temporary: files.write_json(temporary, record))
+  summary: dict[str, Any] = {'eval_ece': report['ece']}
+  if absent := [name for name, count in zip(report['class_names'], report['support']) if count == 0]:
+    summary['classes_without_examples'] = absent
+  summary['report_files'] = written
+  return summary
+
+
 def _series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], list[float]]:
   """(steps, values) of one metric in step order; missing, non-numeric and non-finite values left out."""
   points = sorted((row['step'], float(row[key])) for row in rows
@@ -470,6 +769,7 @@ def _curve_panels(keys: Sequence[str]) -> list[tuple[str, list[str]]]:
   panels = [
       ('loss', [k for k in keys if metric(k) and 'loss' in k]),
       ('accuracy', [k for k in keys if metric(k) and 'accuracy' in k]),
+      ('mAP, F1', [k for k in keys if metric(k) and ('_map' in k or '_f1' in k)]),
       ('learning rate', [k for k in keys if k in ('learning_rate', 'lr')]),
       ('images / s', [k for k in keys if k.endswith('images_per_sec')]),
   ]
@@ -483,7 +783,8 @@ def write_curves(workdir: str) -> str:
   """Writes WORKDIR/curves.png from WORKDIR/metrics.jsonl (live or finished run) and returns its path.
 
   One panel each for loss (train, eval), accuracy (train, eval and every other eval_*accuracy* series, e.g.
-  eval_top5_accuracy), learning rate and images/s, for those present. A line cut off mid-write is skipped.
+  eval_top5_accuracy), mAP and F1 (multilabel), learning rate and images/s, for those present. A line
+  cut off mid-write is skipped.
   """
   if not os.path.isdir(workdir):
     raise UserError(f'{workdir}: no such run directory')
@@ -516,7 +817,7 @@ def write_curves(workdir: str) -> str:
     axis.set_title(title)
     axis.set_xlabel('step')
     axis.grid(alpha=0.3)
-    if title == 'accuracy':
+    if title in ('accuracy', 'mAP, F1'):
       axis.yaxis.set_major_formatter(PercentFormatter(1.0))
     if title != 'learning rate' or len(curves) > 1:
       axis.legend(fontsize=8)

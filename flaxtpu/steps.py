@@ -47,12 +47,17 @@ class Task:
   accumulate_steps: int = 1  # batches per optimizer update
   flip_tta: bool = False  # inference averages the logits of each image and its mirror
   translate_tta: int = 0  # ... and of copies shifted this many pixels diagonally both ways (0 = none)
+  multilabel: bool = False  # a sigmoid per class (any number of tags per image) instead of a softmax
+  class_weights: Optional[np.ndarray] = None  # float32 [classes]: the train loss's weights (None = 1)
 
 
 def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
                 image_shape: tuple[int, int, int], mean, std,
-                length: Optional[RunLength] = None) -> Task:
-  """The model and preprocessing a config describes; with a run `length`, also its optimizer."""
+                length: Optional[RunLength] = None, class_weights: Optional[np.ndarray] = None) -> Task:
+  """The model and preprocessing a config describes; with a run `length`, also its optimizer.
+
+  `class_weights` (the dataset's, float32 [classes]) weigh the train loss; evaluation is unweighted.
+  """
   check_against_data(config, image_shape, num_classes)
   model = models.create(
       config.model.name, num_classes=num_classes, dtype=config.dtype, remat=config.model.remat,
@@ -68,7 +73,8 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
               optimizer=optimizer, schedule=schedule, param_groups=optim.ParamGroups.from_config(config),
               ema_decay=config.ema.decay, ema_warmup=config.ema.warmup,
               accumulate_steps=config.optimizer.accumulate_steps, flip_tta=config.eval.flip_tta,
-              translate_tta=config.eval.translate_tta)
+              translate_tta=config.eval.translate_tta, multilabel=config.task == 'multilabel',
+              class_weights=None if class_weights is None else np.asarray(class_weights, np.float32))
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -179,6 +185,45 @@ def _dropout_key(step_key: jax.Array, axis_name: Optional[str]) -> jax.Array:
   return key if axis_name is None else jax.random.fold_in(key, jax.lax.axis_index(axis_name))
 
 
+def label_targets(labels: jax.Array, task: Task) -> jax.Array:
+  """float32 [batch, classes] targets of a batch's labels: one-hot of int [batch] class indices
+  (multiclass), or the uint8 [batch, classes] multi-hot rows themselves (multilabel)."""
+  if task.multilabel:
+    return labels.astype(jnp.float32)
+  return jax.nn.one_hot(labels, task.num_classes)
+
+
+def loss_per_example(logits: jax.Array, targets: jax.Array, hard_targets: jax.Array, *,
+                     multilabel: bool, class_weights: Optional[np.ndarray] = None) -> jax.Array:
+  """float32 [batch]: each example's cross-entropy, weighted by class as Keras' `class_weight`.
+
+  Multiclass: softmax cross-entropy with the (smoothed, mixed) `targets`, times the weight of the
+  example's class: `hard_targets` (one-hot, mixed by mixup/CutMix) @ class_weights, which is
+  weight[label] for an unmixed example. Multilabel: a sigmoid cross-entropy per class, each class's
+  term times its weight, summed over the classes (big_vision's sigmoid_xent), so an example's loss
+  and its gradients are on the scale of the softmax loss and its learning rates carry over (timm's
+  BCE averages over the classes: C times smaller).
+  """
+  logits = logits.astype(jnp.float32)
+  if multilabel:
+    terms = optax.sigmoid_binary_cross_entropy(logits, targets)
+    if class_weights is not None:
+      terms = terms * jnp.asarray(class_weights)
+    return terms.sum(-1)
+  losses = optax.softmax_cross_entropy(logits, targets)
+  if class_weights is not None:
+    losses = losses * (hard_targets @ jnp.asarray(class_weights))
+  return losses
+
+
+def batch_accuracy(logits: jax.Array, labels: jax.Array, multilabel: bool) -> jax.Array:
+  """float32 [batch]: 1 where the prediction is right. Multilabel: exact match, every tag's sigmoid
+  on the right side of 0.5 (logit 0), so an image counts only with its whole tag set right."""
+  if multilabel:
+    return jnp.all((logits >= 0) == (labels > 0), axis=-1).astype(jnp.float32)
+  return (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+
+
 def train_step(state: TrainState, batch, *, task: Task, axis_name: Optional[str] = None):
   """One batch of (uint8 images, labels) -> (new state, clu metrics): an optimizer update, or
   one of `optimizer.accumulate_steps` batches whose mean gradient makes one.
@@ -191,14 +236,19 @@ def train_step(state: TrainState, batch, *, task: Task, axis_name: Optional[str]
   positions = _batch_positions(len(images), axis_name)
   images = augment.augment_batch(key, images, positions, task.augment)
   images = augment.normalize(images, task.mean, task.std)
-  targets = optax.smooth_labels(jax.nn.one_hot(labels, task.num_classes), task.label_smoothing)
-  images, targets = augment.mix_batch(key, images, targets, positions, task.augment)
+  # Smoothing is linear, so mixing first gives the same targets and keeps the mixed hard labels
+  # that weigh each example by class. Multilabel smoothing is timm's BinaryCrossEntropy: a tag is
+  # 1 - s + s / C, an absent one s / C (the same formula as optax.smooth_labels).
+  images, hard_targets = augment.mix_batch(key, images, label_targets(labels, task), positions,
+                                           task.augment)
+  targets = optax.smooth_labels(hard_targets, task.label_smoothing)
   rngs = {'dropout': _dropout_key(key, axis_name)}  # unused (and compiled away) without dropout
 
   def loss_fn(params):
     logits, updates = task.model.apply({'params': params, 'batch_stats': state.batch_stats},
                                        images, train=True, mutable=['batch_stats'], rngs=rngs)
-    loss = optax.softmax_cross_entropy(logits, targets).mean()
+    loss = loss_per_example(logits, targets, hard_targets, multilabel=task.multilabel,
+                            class_weights=task.class_weights).mean()
     return loss, (logits, updates.get('batch_stats', state.batch_stats))
 
   (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -213,7 +263,7 @@ def train_step(state: TrainState, batch, *, task: Task, axis_name: Optional[str]
   if task.ema_decay:
     new_state = new_state.replace(ema=update_ema(
         task, state, {'params': params, 'batch_stats': batch_stats}, optim.updated(opt_state)))
-  accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
+  accuracy = jnp.mean(batch_accuracy(logits, labels, task.multilabel))
   step_metrics = metrics.Metrics.single_from_model_output(
       loss=_mean(loss, axis_name), accuracy=_mean(accuracy, axis_name))
   return new_state, step_metrics
@@ -250,16 +300,25 @@ def logits_fn(state: TrainState | ModelState, images, *, task: Task):
 
 
 def eval_step(state: TrainState | ModelState, batch, *, task: Task, axis_name: Optional[str] = None):
-  """Masked loss and accuracy of a (padded) eval batch, as clu metrics summed over devices; and its logits."""
+  """Masked metrics of a (padded) eval batch, as clu metrics summed over devices; and its logits.
+
+  The loss is unweighted and unsmoothed. Multiclass: loss, accuracy, balanced accuracy (and top-5
+  accuracy above 5 classes). Multilabel: the loss only; its ranking metrics need every example's
+  logits (`evaluate.evaluate`).
+  """
   images, labels, mask = batch
   logits = logits_fn(state, images, task=task)
-  outputs = dict(loss=optax.softmax_cross_entropy_with_integer_labels(logits, labels),
-                 accuracy=(jnp.argmax(logits, -1) == labels).astype(jnp.float32), mask=mask)
-  collection = metrics.Metrics
-  if task.num_classes > 5:
+  hard_targets = label_targets(labels, task)
+  outputs = dict(loss=loss_per_example(logits, hard_targets, hard_targets, multilabel=task.multilabel),
+                 mask=mask)
+  collection = metrics.LossMetrics
+  if not task.multilabel:
+    outputs.update(accuracy=batch_accuracy(logits, labels, multilabel=False), label_one_hot=hard_targets)
+    collection = metrics.EvalMetrics
+  if not task.multilabel and task.num_classes > 5:
     top5 = jax.lax.top_k(logits, 5)[1]
     outputs['top5_accuracy'] = jnp.any(top5 == labels[:, None], axis=-1).astype(jnp.float32)
-    collection = metrics.EvalMetrics
+    collection = metrics.EvalTop5Metrics
   if axis_name is None:
     return collection.single_from_model_output(**outputs), logits
   return collection.gather_from_model_output(axis_name=axis_name, **outputs), logits
@@ -390,7 +449,8 @@ def compile_on_zeros(config: ml_collections.ConfigDict, *, image_shape: tuple[in
   placement = place(task, parallel.make_mesh(config), config)
   local_batch_size = config.batch_size // jax.process_count()
   images = np.zeros((local_batch_size, *image_shape), np.uint8)
-  labels = np.zeros((local_batch_size,), np.int32)
+  labels = (np.zeros((local_batch_size, num_classes), np.uint8) if task.multilabel
+            else np.zeros((local_batch_size,), np.int32))
   state = create_state(task, placement, config.seed)
   batch = placement.put_train_batch((images, labels))
   step, plan = placement.compile_train_step(state, batch)

@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 from flaxtpu import checkpoint, data, files, finetune, lock, metrics, optim, parallel, report, steps, workers
 from flaxtpu.config import RunLength, resolved_eval_batch_size, run_length
 from flaxtpu.errors import UserError
-from flaxtpu.evaluate import evaluate_splits, write_report
+from flaxtpu.evaluate import evaluate_splits, report_about, write_report
 from flaxtpu.memory import check_device, check_host
 from flaxtpu.progress import Progress, TrainClock
 from flaxtpu.signals import StopRequest
@@ -96,9 +96,13 @@ def log_run_overview(writer, config: ml_collections.ConfigDict, task: steps.Task
 def log_plan(config: ml_collections.ConfigDict, dataset: data.Dataset, length: RunLength,
              task: steps.Task, placement: steps.Placement) -> None:
   """What the run will do: its data and steps, accumulation, and the optimizer's parameter groups."""
-  logging.info('data: %d train / %d eval examples of %s, %d classes; %d steps (%d per epoch)',
+  logging.info('data: %d train / %d eval examples of %s, %d classes%s; %d steps (%d per epoch)',
                len(dataset.train), len(dataset.eval), dataset.image_shape, dataset.num_classes,
+               ' (multilabel: a sigmoid per class; accuracy = exact match)' if task.multilabel else '',
                length.total_steps, length.steps_per_epoch)
+  if task.class_weights is not None:
+    logging.info('class weights of the train loss: %s', ', '.join(
+        f'{name} {weight:.3g}' for name, weight in zip(dataset.class_names, task.class_weights)))
   if length.accumulate_steps > 1:
     logging.info('gradient accumulation: %d batches of %d per update (an effective batch of %d); '
                  '%d updates', length.accumulate_steps, config.batch_size,
@@ -215,8 +219,9 @@ def finish_trained_run(config: ml_collections.ConfigDict, placement: steps.Place
     files.write_json(results_path, results)
   if jax.process_count() == 1 and not os.path.exists(os.path.join(workdir, 'per_class.csv')):
     _, predictions = evaluate_splits(placement, start.state, eval_sets[:1],
-                                     resolved_eval_batch_size(config), report_weights(config))
-    write_pictures(predictions, dataset, workdir)
+                                     resolved_eval_batch_size(config), report_weights(config),
+                                     config.eval.threshold)
+    write_pictures(config, predictions, dataset, workdir, start.step)
   logging.info('already trained to step %d; results in %s', start.step, results_path)
   return results
 
@@ -226,9 +231,12 @@ def report_weights(config: ml_collections.ConfigDict) -> str:
   return 'ema' if config.eval.ema else 'raw'
 
 
-def write_pictures(predictions, dataset: data.Dataset, workdir: str) -> None:
-  """Pictures of the finished run: per-class report and calibration of the eval split, curves."""
-  write_report(predictions, dataset, workdir)
+def write_pictures(config: ml_collections.ConfigDict, predictions, dataset: data.Dataset, workdir: str,
+                   step: int) -> None:
+  """Pictures of the finished run: per-class report and calibration of the eval split (multilabel:
+  and the thresholds that predict uses), curves."""
+  write_report(predictions, dataset, workdir, threshold=config.eval.threshold,
+               about=report_about(config, step))
   logging.info('curves: %s', report.write_curves(workdir))
 
 
@@ -311,7 +319,8 @@ class _Loop:
       # The last evaluation also keeps the logits that the per-class report is made of.
       results, self.predictions = evaluate_splits(self.placement, state, self.eval_sets,
                                                   resolved_eval_batch_size(self.config),
-                                                  report_weights(self.config) if is_last else None)
+                                                  report_weights(self.config) if is_last else None,
+                                                  self.config.eval.threshold)
     num_examples = results.pop('num_examples')
     self.clock.progress.eval = results
     logging.info('eval at step %d: loss %.4f  accuracy %.4f  (%d examples)%s', step,
@@ -372,7 +381,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   eval_sets = [(config.dataset.eval_split, dataset)] + data.load_eval_splits(config, dataset)
 
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
-                           mean=dataset.mean, std=dataset.std, length=length)
+                           mean=dataset.mean, std=dataset.std, length=length,
+                           class_weights=dataset.class_weights)
   placement = steps.place(task, mesh, config)
   log_plan(config, dataset, length, task, placement)
   checkpoints = checkpoint.Checkpoints(workdir, config)
@@ -411,7 +421,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   results = loop.clock.record().results(length.total_steps, config.batch_size)
   if is_main:
     files.write_json(os.path.join(workdir, 'results.json'), results)
-    write_pictures(loop.predictions, dataset, workdir)
+    write_pictures(config, loop.predictions, dataset, workdir, step)
   return results
 
 
