@@ -95,7 +95,7 @@ class Checkpoints:
   def __init__(self, workdir: str, config: ml_collections.ConfigDict, *, read_only: bool = False):
     self.directory = os.path.abspath(os.path.join(workdir, 'checkpoints'))
     preserve = [policies.LatestN(config.checkpoint.keep)]
-    metric = config.checkpoint.best_metric
+    metric = best_metric(config)
     if metric:
       # BestN sorts by the metric and keeps the end of the list: ascending for 'max'.
       preserve.append(policies.BestN(get_metric_fn=lambda metrics: metrics[metric],
@@ -386,6 +386,15 @@ class Checkpoints:
         os.replace(path, path + UNREADABLE_SUFFIX)
         logging.warning('renamed unreadable checkpoint %s to %s', path, path + UNREADABLE_SUFFIX)
     self._manager.reload()
+
+
+def best_metric(config: ml_collections.ConfigDict) -> str:
+  """checkpoint.best_metric, 'auto' resolved: eval_map for task=multilabel (the ranking quality, which
+  no threshold sways), else eval_accuracy. Both are kept at their maximum."""
+  metric = config.checkpoint.best_metric
+  if metric != 'auto':
+    return metric
+  return 'eval_map' if config.task == 'multilabel' else 'eval_accuracy'
 
 
 # What a record written before a field existed meant by its absence.

@@ -385,3 +385,12 @@ def test_multilabel_export_says_its_task_and_serves_sigmoids(scenes_run):
   outputs = model.signatures['serving_default'](images=tf.constant(images))
   np.testing.assert_allclose(outputs['probabilities'].numpy(), report.sigmoid(outputs['logits'].numpy()),
                              rtol=1e-5, atol=1e-6)
+
+
+def test_best_checkpoint_by_default_metric_of_the_task():
+  config = cifar10.get_config()
+  assert checkpoint.best_metric(config) == 'eval_accuracy'  # as set
+  config.checkpoint.best_metric = 'auto'
+  assert checkpoint.best_metric(config) == 'eval_accuracy'
+  config.task = 'multilabel'  # exact match at a tuned threshold is noisy; mAP needs no threshold
+  assert checkpoint.best_metric(config) == 'eval_map'
