@@ -345,9 +345,20 @@ def _check_loop(config: ml_collections.ConfigDict) -> None:
 def _check_checkpoint(config: ml_collections.ConfigDict) -> None:
   checkpoint = config.checkpoint
   _positive('checkpoint.keep', checkpoint.keep)
+  metrics = ('eval_accuracy', 'eval_loss', 'eval_balanced_accuracy', 'eval_map', 'eval_map_micro', 'eval_f1')
   _one_of('checkpoint.best_metric', checkpoint.best_metric,
-          ('', 'eval_accuracy', 'eval_loss', 'eval_accuracy_ema', 'eval_loss_ema'))
+          ('auto', '', *metrics, *(f'{metric}_ema' for metric in metrics)))
   _one_of('checkpoint.best_mode', checkpoint.best_mode, ('max', 'min'))
+  if checkpoint.best_metric == 'auto' and checkpoint.best_mode != 'max':
+    raise ConfigError("config.checkpoint.best_metric='auto' picks eval_accuracy or eval_map, both kept at "
+                      'their maximum; set best_mode=max or name the metric')
+  multilabel_only = ('eval_map', 'eval_map_micro', 'eval_f1')
+  if checkpoint.best_metric.removesuffix('_ema') in multilabel_only and config.task != 'multilabel':
+    raise ConfigError(f'config.checkpoint.best_metric={checkpoint.best_metric!r} is a multilabel metric; '
+                      'pick eval_accuracy (or auto) for task=multiclass')
+  if checkpoint.best_metric.removesuffix('_ema') == 'eval_balanced_accuracy' and config.task == 'multilabel':
+    raise ConfigError('config.checkpoint.best_metric=eval_balanced_accuracy is a multiclass metric; pick '
+                      'eval_map (or auto) for task=multilabel')
   if checkpoint.best_metric.endswith('_ema') and not config.ema.decay:
     raise ConfigError(f'config.checkpoint.best_metric={checkpoint.best_metric!r} needs an EMA of the '
                       'weights; set --config.ema.decay (e.g. 0.999) or pick eval_accuracy')
@@ -391,7 +402,8 @@ def _check_eval_split_names(first: str, others) -> None:
   seen = {}
   for split in others:
     prefix = eval_metric_prefix(split, first=False)
-    if prefix in seen or prefix.startswith(('eval_top5_', 'eval_loss_', 'eval_accuracy_')):
+    if prefix in seen or prefix.startswith(('eval_top5_', 'eval_loss_', 'eval_accuracy_', 'eval_balanced_',
+                                            'eval_map_', 'eval_f1_', 'eval_threshold_')):
       clash = f'with {seen[prefix]!r} ' if prefix in seen else ''
       raise ConfigError(f'config.dataset.eval_splits entry {split!r} would log as {prefix}accuracy, which clashes '
                         f'{clash}with another metric; list each split once, written so the names differ '

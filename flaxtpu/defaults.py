@@ -294,8 +294,9 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.keep = 2  # Keep the latest N checkpoints ...
-  # ... plus the best by this eval metric ('' = none).
-  config.checkpoint.best_metric = 'eval_accuracy'
+  # ... plus the best by this eval metric ('' = none; auto = eval_map for task=multilabel, else
+  # eval_accuracy; also eval_loss, eval_balanced_accuracy, eval_map_micro, eval_f1, each with _ema).
+  config.checkpoint.best_metric = 'auto'
   config.checkpoint.best_mode = 'max'  # max | min for best_metric.
 
   config.eval = ml_collections.ConfigDict()
@@ -308,8 +309,9 @@ def get_config() -> ml_collections.ConfigDict:
   # ... and of the image shifted this many pixels diagonally each way (weights 1/2, 1/4, 1/4; 0 =
   # off; costs 3x).
   config.eval.translate_tta = 0
-  # multilabel: a tag is predicted when its probability reaches this (0 = per-class thresholds
-  # chosen on the eval split for the best F1, saved with each evaluation).
+  # multilabel: a tag is predicted when its probability reaches this (0 = each class's threshold
+  # with the best F1 on the eval split: tuned on the split it scores, so optimistic there; saved to
+  # thresholds.json by the end-of-run report and --mode=eval, which predict reads).
   config.eval.threshold = 0.0
 
   config.predict = ml_collections.ConfigDict()

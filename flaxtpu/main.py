@@ -242,11 +242,10 @@ def _start_jax(config, mode: str):
     logging.info(note)
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   import jax  # pylint: disable=g-import-not-at-top
-  if FLAGS.coordinator_address or (FLAGS.num_processes or 1) > 1:
+  if FLAGS.coordinator_address or (FLAGS.num_processes or 1) > 1 or _in_detectable_cluster():
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    # Arguments left None: JAX reads them from the SLURM, MPI or TPU environment itself.
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  elif _in_detectable_cluster():
-    jax.distributed.initialize()
   cache_dir = config.compilation_cache_dir or os.path.expanduser('~/.cache/flaxtpu/jax')
   if cache_dir != 'none':
     jax.config.update('jax_compilation_cache_dir', cache_dir)
@@ -256,7 +255,8 @@ def _start_jax(config, mode: str):
 def _in_detectable_cluster() -> bool:
   """TPU pods and SLURM/MPI jobs, which jax.distributed.initialize() configures by itself."""
   env = os.environ
-  return (int(env.get('SLURM_NTASKS', '1')) > 1 or int(env.get('OMPI_COMM_WORLD_SIZE', '1')) > 1
+  # SLURM_STEP_NUM_TASKS is set inside an srun step only: a many-task job's batch script is one process.
+  return (int(env.get('SLURM_STEP_NUM_TASKS', '1')) > 1 or int(env.get('OMPI_COMM_WORLD_SIZE', '1')) > 1
           or len(env.get('TPU_WORKER_HOSTNAMES', '').split(',')) > 1)
 
 

@@ -236,6 +236,7 @@ def train_step(state: TrainState, batch, *, task: Task, axis_name: Optional[str]
   positions = _batch_positions(len(images), axis_name)
   images = augment.augment_batch(key, images, positions, task.augment)
   images = augment.normalize(images, task.mean, task.std)
+  images = augment.erase_batch(key, images, positions, task.augment)  # timm: on normalised pixels
   # Smoothing is linear, so mixing first gives the same targets and keeps the mixed hard labels
   # that weigh each example by class. Multilabel smoothing is timm's BinaryCrossEntropy: a tag is
   # 1 - s + s / C, an absent one s / C (the same formula as optax.smooth_labels).

@@ -376,7 +376,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
 
   finetune.apply_source_defaults(config, workdir)  # the source's preprocessing, before the data is read
   dataset = data.load(config)
-  length = run_length(config, len(dataset.train))
+  # A run's epoch is its sampler's: sampling=shards takes the smallest process's share.
+  length = run_length(config, data.examples_per_epoch(dataset, config.batch_size, jax.process_count()))
   check_host(config, dataset.image_shape, streamed=not (dataset.train.cached and dataset.eval.cached))
   eval_sets = [(config.dataset.eval_split, dataset)] + data.load_eval_splits(config, dataset)
 

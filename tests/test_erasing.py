@@ -7,6 +7,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from flaxtpu import augment, defaults
@@ -181,3 +182,23 @@ def test_autoaugment_applies_the_drawn_sub_policy_per_key():
         expected = apply_op(expected, op, -level if op in ra._SIGNED and negate[step] else level)
     np.testing.assert_array_equal(row, expected, err_msg=str(ra.AUTOAUGMENT_IMAGENET[sub_policy]))
   assert 20 <= sum(not np.array_equal(row, image) for row in out) < 64  # Equalize 0.0 / 0.8 and such
+
+
+def test_the_train_step_erases_the_normalised_images_when_asked():
+  """augment.erase_prob reaches the train step: the same state and batch give another loss with
+  erasing on, and the same loss with it off (erase_batch is identity at erase_prob=0)."""
+  from flaxtpu import models, steps  # pylint: disable=g-import-not-at-top
+
+  def loss(erase_prob: float) -> float:
+    augment_config = _erasing(erase_prob=erase_prob)
+    task = steps.Task(model=models.create('cnn', num_classes=4), num_classes=4, image_shape=(16, 16, 3),
+                      augment=augment_config, label_smoothing=0.0, mean=None, std=None,
+                      optimizer=optax.sgd(0.1))
+    params = task.model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 3)), train=False)['params']
+    state = steps.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats={}, ema={},
+                             opt_state=task.optimizer.init(params), rng=jax.random.PRNGKey(0))
+    images = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 16, 16, 3)), jnp.uint8)
+    return float(steps.train_step(state, (images, jnp.arange(8) % 4), task=task)[1].loss.compute())
+
+  assert loss(0.0) == loss(0.0)
+  assert loss(1.0) != loss(0.0)

@@ -21,7 +21,7 @@ PLOTS_DIR = 'plots'
 REPORT_COLUMNS = ('eval_accuracy', 'best_eval_accuracy', 'eval_loss', 'train_loss', 'step',
                   'train_images_per_sec', 'wall_time_s')
 # Shown after eval_accuracy when some run has them (EMA weights, more than 5 classes).
-OPTIONAL_COLUMNS = ('eval_accuracy_ema', 'eval_top5_accuracy')
+OPTIONAL_COLUMNS = ('eval_accuracy_ema', 'eval_top5_accuracy', 'eval_balanced_accuracy', 'eval_map', 'eval_f1')
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
@@ -112,7 +112,8 @@ def write_tables(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, 
   headers = {'eval_accuracy': 'eval acc', 'best_eval_accuracy': 'best eval acc', 'eval_loss': 'eval loss',
              'train_loss': 'train loss', 'step': 'steps', 'train_images_per_sec': 'images/s',
              'wall_time_s': 'wall s', 'status': 'status', 'eval_accuracy_ema': 'eval acc (EMA)',
-             'eval_top5_accuracy': 'eval top-5'}
+             'eval_top5_accuracy': 'eval top-5', 'eval_balanced_accuracy': 'eval balanced acc.',
+             'eval_map': 'eval mAP', 'eval_f1': 'eval F1'}
   table_columns = keys + metrics + ['status']
   lines = [f'# {title}', '', '| ' + ' | '.join(headers.get(c, c) for c in table_columns) + ' |',
            '|' + '|'.join('---' for _ in table_columns) + '|']
