@@ -135,9 +135,10 @@ def _check_dataset(config: ml_collections.ConfigDict) -> None:
   _one_of('dataset.normalize', dataset.normalize, NORMALIZATIONS)
   if dataset.normalize == 'fixed' and not (
       len(dataset.mean) == len(dataset.std) > 0 and min(dataset.std) > 0):
-    raise ConfigError(f'config.dataset.normalize=fixed needs dataset.mean and dataset.std, one positive std per '
-                      f'channel (got mean={tuple(dataset.mean)}, std={tuple(dataset.std)}); e.g. '
-                      "--config.dataset.mean='(0.485, 0.456, 0.406)' --config.dataset.std='(0.229, 0.224, 0.225)'")
+    raise ConfigError(f'config.dataset.normalize=fixed needs dataset.mean and dataset.std, one positive '
+                      f'std per channel (got mean={tuple(dataset.mean)}, std={tuple(dataset.std)}); e.g. '
+                      "--config.dataset.mean='(0.485, 0.456, 0.406)' "
+                      "--config.dataset.std='(0.229, 0.224, 0.225)'")
 
 
 def _check_input(config: ml_collections.ConfigDict) -> None:
@@ -405,9 +406,9 @@ def _check_eval_split_names(first: str, others) -> None:
     if prefix in seen or prefix.startswith(('eval_top5_', 'eval_loss_', 'eval_accuracy_', 'eval_balanced_',
                                             'eval_map_', 'eval_f1_', 'eval_threshold_')):
       clash = f'with {seen[prefix]!r} ' if prefix in seen else ''
-      raise ConfigError(f'config.dataset.eval_splits entry {split!r} would log as {prefix}accuracy, which clashes '
-                        f'{clash}with another metric; list each split once, written so the names differ '
-                        "(e.g. 'train[:5000]', 'train[45000:]')")
+      raise ConfigError(f'config.dataset.eval_splits entry {split!r} would log as {prefix}accuracy, '
+                        f'which clashes {clash}with another metric; list each split once, written so the '
+                        "names differ (e.g. 'train[:5000]', 'train[45000:]')")
     seen[prefix] = split
 
 

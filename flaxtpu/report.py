@@ -492,7 +492,8 @@ def plot_confusion(path: str, report: Mapping[str, Any]) -> None:
     shown = pairs[:TOP_CONFUSED_PAIRS]
     positions = np.arange(len(shown))
     right.barh(positions, [count for _, _, count in shown], color='tab:red')
-    right.set_yticks(positions, [f'{_short(names[t])} → {_short(names[p])}' for t, p, _ in shown], fontsize=8)
+    pair_names = [f'{_short(names[t])} → {_short(names[p])}' for t, p, _ in shown]
+    right.set_yticks(positions, pair_names, fontsize=8)
     right.invert_yaxis()
     right.set_xlabel('examples')
     right.set_title(f'top {len(shown)} confusions (true → predicted)')

@@ -21,7 +21,8 @@ PLOTS_DIR = 'plots'
 REPORT_COLUMNS = ('eval_accuracy', 'best_eval_accuracy', 'eval_loss', 'train_loss', 'step',
                   'train_images_per_sec', 'wall_time_s')
 # Shown after eval_accuracy when some run has them (EMA weights, more than 5 classes).
-OPTIONAL_COLUMNS = ('eval_accuracy_ema', 'eval_top5_accuracy', 'eval_balanced_accuracy', 'eval_map', 'eval_f1')
+OPTIONAL_COLUMNS = ('eval_accuracy_ema', 'eval_top5_accuracy', 'eval_balanced_accuracy', 'eval_map',
+                    'eval_f1')
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
