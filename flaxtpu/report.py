@@ -521,6 +521,26 @@ def _display_image(image: np.ndarray) -> tuple[np.ndarray, str | None]:
   return image, ('gray' if image.ndim == 2 else None)
 
 
+def _mistake_grid(pyplot, count: int, cell: tuple[float, float], min_width: float = 0.0):
+  """A figure of `count` image panels, five a row, axes off; 'no mistakes' written when empty."""
+  columns = max(1, min(5, count))
+  grid_rows = max(1, math.ceil(count / columns))
+  figure, axes = pyplot.subplots(grid_rows, columns, squeeze=False,
+                                 figsize=(max(min_width, cell[0] * columns), cell[1] * grid_rows))
+  for axis in axes.ravel():
+    axis.axis('off')
+  if not count:
+    axes[0, 0].text(0.5, 0.5, 'no mistakes', ha='center', va='center', fontsize=12)
+  return figure, axes
+
+
+def _show_image(axis, image: np.ndarray) -> None:
+  image, cmap = _display_image(image)
+  # Grayscale keeps its absolute brightness (imshow would stretch each image's own range).
+  grey_range = {'vmin': 0, 'vmax': 255 if image.dtype == np.uint8 else 1} if cmap else {}
+  axis.imshow(image, cmap=cmap, interpolation='nearest', **grey_range)
+
+
 @plain_text
 def plot_mistakes(path: str, report: Mapping[str, Any], images: Images) -> None:
   """A grid of the (up to 25) most confident mistakes: the image, true and predicted class, probability.
@@ -534,18 +554,9 @@ def plot_mistakes(path: str, report: Mapping[str, Any], images: Images) -> None:
   wrong = np.flatnonzero(predictions != labels)
   worst = wrong[np.argsort(-confidence[wrong], kind='stable')][:MAX_MISTAKES]
   get = images if callable(images) else images.__getitem__
-  columns = max(1, min(5, len(worst)))
-  grid_rows = max(1, math.ceil(len(worst) / columns))
-  figure, axes = pyplot.subplots(grid_rows, columns, figsize=(2.3 * columns, 2.6 * grid_rows), squeeze=False)
-  for axis in axes.ravel():
-    axis.axis('off')
-  if not len(worst):
-    axes[0, 0].text(0.5, 0.5, 'no mistakes', ha='center', va='center', fontsize=12)
+  figure, axes = _mistake_grid(pyplot, len(worst), cell=(2.3, 2.6))
   for axis, example in zip(axes.ravel(), worst):
-    image, cmap = _display_image(get(int(example)))
-    # Grayscale keeps its absolute brightness (imshow would stretch each image's own range).
-    grey_range = {'vmin': 0, 'vmax': 255 if image.dtype == np.uint8 else 1} if cmap else {}
-    axis.imshow(image, cmap=cmap, interpolation='nearest', **grey_range)
+    _show_image(axis, get(int(example)))
     axis.set_title(f'true: {_short(names[labels[example]], 18)}\n'
                    f'pred: {_short(names[predictions[example]], 18)} ({confidence[example]:.2f})', fontsize=7)
   figure.suptitle(f'most confident mistakes ({len(worst)} of {len(wrong)})', fontsize=9)
@@ -662,18 +673,9 @@ def plot_tag_mistakes(path: str, report: Mapping[str, Any], images: Images) -> N
   wrong = np.flatnonzero(worst > 0)
   shown = wrong[np.argsort(-worst[wrong], kind='stable')][:MAX_MISTAKES]
   get = images if callable(images) else images.__getitem__
-  columns = max(1, min(5, len(shown)))
-  grid_rows = max(1, math.ceil(len(shown) / columns))
-  figure, axes = pyplot.subplots(grid_rows, columns, figsize=(max(4.0, 2.5 * columns), 2.8 * grid_rows),
-                                 squeeze=False)
-  for axis in axes.ravel():
-    axis.axis('off')
-  if not len(shown):
-    axes[0, 0].text(0.5, 0.5, 'no mistakes', ha='center', va='center', fontsize=12)
+  figure, axes = _mistake_grid(pyplot, len(shown), cell=(2.5, 2.8), min_width=4.0)
   for axis, example in zip(axes.ravel(), shown):
-    image, cmap = _display_image(get(int(example)))
-    grey_range = {'vmin': 0, 'vmax': 255 if image.dtype == np.uint8 else 1} if cmap else {}
-    axis.imshow(image, cmap=cmap, interpolation='nearest', **grey_range)
+    _show_image(axis, get(int(example)))
     tag = worst_tag[example]
     kind = 'missed' if positives[example, tag] else 'wrong'
     axis.set_title(f'true: {_tag_list(names, positives[example])}\n'
