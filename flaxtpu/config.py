@@ -42,6 +42,7 @@ SCHEDULE_KEYS = {
     'step': ('milestones', 'factor'),
     'exponential': ('decay_rate', 'final_lr_fraction'),
     'rsqrt': ('timescale', 'cooldown_epochs'),
+    'plateau': ('factor', 'final_lr_fraction', 'plateau_patience', 'plateau_metric', 'plateau_cooldown'),
 }
 SCHEDULES = tuple(SCHEDULE_KEYS)
 POLICIES = ('', 'randaugment', 'trivialaugment', 'autoaugment')  # augment.policy ('' = none)
@@ -287,6 +288,12 @@ def _check_schedule(config: ml_collections.ConfigDict) -> None:
   if schedule.name == 'step' and not milestones:
     raise ConfigError("config.schedule.name='step' needs the epochs where the rate drops; set "
                       '--config.schedule.milestones="(30, 60, 80)" (and schedule.factor, 0.1 by default)')
+  if schedule.name == 'plateau':
+    _positive('schedule.plateau_patience', schedule.plateau_patience)
+    if schedule.plateau_cooldown < 0 or not schedule.factor < 1.0:
+      raise ConfigError(f'config.schedule.plateau_cooldown={schedule.plateau_cooldown!r} must be >= 0 and '
+                        f'config.schedule.factor={schedule.factor!r} < 1 for schedule.name=plateau')
+    _check_eval_metric('schedule.plateau_metric', schedule.plateau_metric or 'eval_loss')
   if schedule.name == 'exponential' and not (schedule.decay_rate or schedule.final_lr_fraction):
     raise ConfigError("config.schedule.name='exponential' needs schedule.decay_rate (the factor per epoch, "
                       'e.g. 0.97) or schedule.final_lr_fraction > 0 (where the run ends)')
@@ -365,6 +372,39 @@ def _check_checkpoint(config: ml_collections.ConfigDict) -> None:
                       'weights; set --config.ema.decay (e.g. 0.999) or pick eval_accuracy')
 
 
+def _check_eval_metric(key: str, metric: str) -> None:
+  if not (isinstance(metric, str) and metric.startswith('eval_')):
+    raise ConfigError(f'config.{key}={metric!r} is not an eval metric; name one that the evaluation logs, '
+                      'e.g. eval_loss, eval_accuracy or eval_map')
+
+
+def metric_mode(metric: str, mode: str = 'auto') -> str:
+  """'min' or 'max' for a watched eval metric: `mode`, or where 'auto', min for a *loss and max otherwise."""
+  return mode if mode != 'auto' else ('min' if metric.removesuffix('_ema').endswith('loss') else 'max')
+
+
+def early_stopping_metric(config: ml_collections.ConfigDict) -> str:
+  """early_stopping.metric, 'auto' resolved to the checkpoint's best metric ('' = off)."""
+  metric = config.early_stopping.metric
+  if metric != 'auto':
+    return metric
+  best = config.checkpoint.best_metric
+  return best if best != 'auto' else ('eval_map' if config.task == 'multilabel' else 'eval_accuracy')
+
+
+def _check_early_stopping(config: ml_collections.ConfigDict) -> None:
+  stopping = config.early_stopping
+  _one_of('early_stopping.mode', stopping.mode, ('auto', 'max', 'min'))
+  _positive('early_stopping.patience', stopping.patience)
+  if not stopping.min_delta >= 0:
+    raise ConfigError(f'config.early_stopping.min_delta={stopping.min_delta!r} must be >= 0')
+  if stopping.metric == 'auto' and not config.checkpoint.best_metric:
+    raise ConfigError("config.early_stopping.metric='auto' follows checkpoint.best_metric, which is '' "
+                      '(none); name the metric, e.g. --config.early_stopping.metric=eval_loss')
+  if stopping.metric:
+    _check_eval_metric('early_stopping.metric', early_stopping_metric(config))
+
+
 def _check_eval(config: ml_collections.ConfigDict) -> None:
   if config.eval.ema and not config.ema.decay:
     raise ConfigError('config.eval.ema=True needs an EMA of the weights (config.ema.decay > 0); set '
@@ -390,7 +430,8 @@ def _check_wandb(config: ml_collections.ConfigDict) -> None:
 # The sections of defaults.py, in its order.
 SECTION_CHECKS = (_check_dataset, _check_input, _check_augment, _check_model, _check_training,
                   _check_optimizer, _check_schedule, _check_ema, _check_init_from, _check_parallelism,
-                  _check_loop, _check_checkpoint, _check_eval, _check_predict, _check_wandb)
+                  _check_loop, _check_checkpoint, _check_early_stopping, _check_eval, _check_predict,
+                  _check_wandb)
 
 
 def eval_metric_prefix(split: str, first: bool) -> str:

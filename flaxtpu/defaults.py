@@ -219,14 +219,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.lookahead_decay_power = 0.0
 
   config.schedule = ml_collections.ConfigDict()
-  # constant | cosine | linear | onecycle | step | exponential | rsqrt (big_vision's), over updates.
+  # constant | cosine | linear | onecycle | step | exponential | rsqrt (big_vision's), over updates;
+  # plateau: the peak times optax.contrib.reduce_on_plateau's scale, updated at each evaluation.
   config.schedule.name = 'constant'
   # Linear warmup from 0 (every schedule but onecycle); onecycle: its rising phase (0 = 30% of the
   # run).
   config.schedule.warmup_epochs = 0.0
   # Final LR as a fraction of the peak (cosine, linear; exponential: its floor).
   config.schedule.final_lr_fraction = 0.0
-  # step: the learning rate is multiplied by `factor` at each of these epochs, e.g. (30, 60, 80).
+  # step: the learning rate is multiplied by `factor` at each of these epochs, e.g. (30, 60, 80);
+  # plateau: by `factor` after plateau_patience evaluations without improvement (floor: final_lr_fraction).
   config.schedule.milestones = ()
   config.schedule.factor = 0.1
   # exponential: the learning rate's factor per epoch (e.g. 0.97); 0 = whatever reaches
@@ -236,6 +238,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.schedule.timescale = 10_000
   # rsqrt: the last epochs ramp the rate linearly down to 0 (big_vision's cooldown; 0 = none).
   config.schedule.cooldown_epochs = 0.0
+  # plateau: evaluations without improvement of plateau_metric before the rate drops by `factor`.
+  config.schedule.plateau_patience = 5
+  # plateau: the eval metric it watches ('' = eval_loss); a *loss is minimised, others maximised.
+  config.schedule.plateau_metric = ''
+  config.schedule.plateau_cooldown = 0  # plateau: evaluations after a drop before counting again.
 
   config.label_smoothing = 0.0  # Label smoothing in [0, 1).
   # multiclass (softmax: one class per image) | multilabel (a sigmoid per class: any number of tags
@@ -298,6 +305,14 @@ def get_config() -> ml_collections.ConfigDict:
   # eval_accuracy; also eval_loss, eval_balanced_accuracy, eval_map_micro, eval_f1, each with _ema).
   config.checkpoint.best_metric = 'auto'
   config.checkpoint.best_mode = 'max'  # max | min for best_metric.
+
+  # Stop a run whose eval metric stopped improving: a final checkpoint, results.json, exit 0.
+  config.early_stopping = ml_collections.ConfigDict()
+  # '' = off; an eval metric (eval_loss, eval_accuracy, eval_map, ...); auto = checkpoint.best_metric's.
+  config.early_stopping.metric = ''
+  config.early_stopping.mode = 'auto'  # max | min | auto (min for a *loss, else max).
+  config.early_stopping.patience = 5  # Evaluations without improvement before the run stops.
+  config.early_stopping.min_delta = 0.0  # The least change that counts as an improvement.
 
   config.eval = ml_collections.ConfigDict()
   config.eval.checkpoint = 'latest'  # --mode=eval/predict restores: latest | best | a step number.

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from flaxtpu import models
-from flaxtpu.config import RunLength, parse_freeze_after, parse_lr_multipliers
+from flaxtpu.config import RunLength, metric_mode, parse_freeze_after, parse_lr_multipliers
 from flaxtpu.errors import UserError
 
 FROZEN = 'frozen'  # the label of parameters that get no update and no optimizer state
@@ -28,7 +30,9 @@ def learning_rate_schedule(config: ml_collections.ConfigDict, length: RunLength)
   step (x factor at each milestone epoch) | exponential (x decay_rate per
   epoch, floored at final_lr_fraction; or to final_lr_fraction at the end) |
   rsqrt (big_vision's: peak / sqrt(1 + updates after warmup / timescale),
-  with an optional linear cooldown to 0 over the last cooldown_epochs).
+  with an optional linear cooldown to 0 over the last cooldown_epochs) |
+  plateau (constant here; the optimizer's updates are scaled by `Plateau`'s
+  scale, which the loop sets after each evaluation).
   With gradient accumulation an update takes `accumulate_steps` batches; the
   schedule's argument is the update count (what optax's inner state counts).
   """
@@ -49,7 +53,7 @@ def learning_rate_schedule(config: ml_collections.ConfigDict, length: RunLength)
     ramp = (lambda update: jnp.minimum(1.0, update / warmup)) if warmup else (lambda update: 1.0)
     return lambda update: peak * ramp(update) * decay(update)
   decay_steps = max(1, total - warmup)
-  after_warmup = (optax.constant_schedule(peak) if name == 'constant'
+  after_warmup = (optax.constant_schedule(peak) if name in ('constant', 'plateau')
                   else optax.linear_schedule(peak, final, decay_steps))
   if not warmup:
     return after_warmup
@@ -390,10 +394,77 @@ def _base_chain(config: ml_collections.ConfigDict,
   opt = config.optimizer
   schedule = learning_rate_schedule(config, length)
   clip = [optax.clip_by_global_norm(opt.grad_clip_norm)] if opt.grad_clip_norm else []
+  plateau = [plateau_scale()] if config.schedule.name == 'plateau' else []
   if opt.name in L2_DECAY:
-    return optax.chain(*clip, *_weight_decay(opt), _optimizer(opt, schedule, decay=[])), schedule
+    return optax.chain(*clip, *_weight_decay(opt), _optimizer(opt, schedule, decay=[]), *plateau), schedule
   # adamw's chain keeps its kernel decay at 0 too: the state of optax.adamw (and older checkpoints).
-  return optax.chain(*clip, _optimizer(opt, schedule, decay=_weight_decay(opt, always=True))), schedule
+  return optax.chain(*clip, _optimizer(opt, schedule, decay=_weight_decay(opt, always=True)),
+                     *plateau), schedule
+
+
+class PlateauScaleState(NamedTuple):
+  plateau_scale: jax.Array  # float32 []: the learning rate's factor, set by the loop (`set_plateau_scale`)
+
+
+def plateau_scale() -> optax.GradientTransformation:
+  """Multiplies the optimizer's updates (the learning rate, decoupled decay included) by a scale kept in
+  its state, which the host sets after each evaluation: schedule.name=plateau."""
+
+  def init(params):
+    del params
+    return PlateauScaleState(jnp.ones([], jnp.float32))
+
+  def update(updates, state, params=None):
+    del params
+    return jax.tree.map(lambda u: u * state.plateau_scale.astype(u.dtype), updates), state
+
+  return optax.GradientTransformation(init, update)
+
+
+def set_plateau_scale(opt_state, scale: float):
+  """`opt_state` with its plateau scale set to `scale`, placed (sharded) as the one it replaces."""
+  old = optax.tree_utils.tree_get(opt_state, 'plateau_scale')
+  full = np.full(old.shape, scale, old.dtype)
+  new = jax.make_array_from_callback(old.shape, old.sharding, lambda index: full[index])
+  return optax.tree_utils.tree_set(opt_state, plateau_scale=new)
+
+
+class Plateau:
+  """schedule.name=plateau on the host: optax.contrib.reduce_on_plateau's state machine, fed each
+  evaluation's metric (negated where it is maximised). Its state is a dict of numbers (for `Progress`);
+  any improvement counts (Keras' min_delta=0)."""
+
+  FIELDS = optax.contrib.ReduceLROnPlateauState._fields
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    schedule = config.schedule
+    self.metric = schedule.plateau_metric or 'eval_loss'
+    self.sign = -1.0 if metric_mode(self.metric) == 'max' else 1.0
+    self._transform = optax.contrib.reduce_on_plateau(
+        factor=schedule.factor, patience=schedule.plateau_patience, rtol=0.0, atol=1e-12,
+        cooldown=schedule.plateau_cooldown, accumulation_size=1, min_scale=schedule.final_lr_fraction)
+
+  def initial(self) -> dict:
+    return self._to_json(self._template())
+
+  def _template(self):
+    return self._transform.init(jnp.zeros([], jnp.float32))
+
+  def update(self, state: dict, metrics: dict) -> dict:
+    """The state after an evaluation whose metrics are `metrics`."""
+    if self.metric not in metrics:
+      raise UserError(f'config.schedule.plateau_metric={self.metric!r} is not among the eval metrics '
+                      f'({", ".join(sorted(metrics))}); pick one of them')
+    template = self._template()
+    current = template._replace(**{name: jnp.asarray(math.inf if state[name] is None else state[name],
+                                                     getattr(template, name).dtype) for name in self.FIELDS})
+    _, new = self._transform.update({}, current, value=jnp.float32(self.sign * metrics[self.metric]))
+    return self._to_json(new)
+
+  @staticmethod
+  def _to_json(state) -> dict:
+    values = {name: getattr(state, name).item() for name in Plateau.FIELDS}
+    return {name: None if value == math.inf else value for name, value in values.items()}  # JSON: no inf
 
 
 def _weight_decay(opt: ml_collections.ConfigDict, always: bool = False) -> list[optax.GradientTransformation]:

@@ -17,6 +17,8 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+OPTIONAL = ('plateau', 'early_stopping', 'stopped_early')  # left out of the record while empty
+
 
 @dataclasses.dataclass
 class Progress:
@@ -28,6 +30,10 @@ class Progress:
   time_to_first_step_s: Optional[float] = None  # of the first attempt: data, init, compile, one step
   wall_time_s: Optional[float] = None  # of every attempt, from its start to its latest save
   memory_plan: dict = dataclasses.field(default_factory=dict)  # XLA's per-device plan of the train step
+  plateau: Optional[dict] = None  # schedule.name=plateau: reduce_on_plateau's state (optim.Plateau)
+  # early_stopping.metric: its best value, the step of it, and the evaluations since without improvement
+  early_stopping: dict = dataclasses.field(default_factory=dict)
+  stopped_early: Optional[dict] = None  # where early stopping ended the run: {step, metric, best, ...}
 
   @classmethod
   def from_json(cls, saved: Optional[dict]) -> Progress:
@@ -36,12 +42,15 @@ class Progress:
     return cls(**{name: value for name, value in (saved or {}).items() if name in names})
 
   def to_json(self) -> dict:
-    return dataclasses.asdict(self)
+    """As a checkpoint record saves it; the fields of plateau and early stopping only where they are used
+    (a run without them saves the layout that earlier runs did)."""
+    saved = dataclasses.asdict(self)
+    return {name: value for name, value in saved.items() if name not in OPTIONAL or value}
 
   def results(self, total_steps: int, batch_size: int) -> dict:
     """results.json of a run finished with this progress."""
     return {
-        'step': total_steps,
+        'step': self.stopped_early['step'] if self.stopped_early else total_steps,
         **self.eval,
         'train_loss': self.train.get('train_loss'),
         'train_accuracy': self.train.get('train_accuracy'),
@@ -49,6 +58,7 @@ class Progress:
         'wall_time_s': self.wall_time_s,
         'time_to_first_step_s': self.time_to_first_step_s,
         'memory_plan': self.memory_plan,
+        **({'stopped_early': self.stopped_early} if self.stopped_early else {}),
     }
 
 

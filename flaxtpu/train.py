@@ -26,7 +26,7 @@ from clu import parameter_overview
 from jax.experimental import multihost_utils
 
 from flaxtpu import checkpoint, data, files, finetune, lock, metrics, optim, parallel, report, steps, workers
-from flaxtpu.config import RunLength, resolved_eval_batch_size, run_length
+from flaxtpu.config import RunLength, early_stopping_metric, metric_mode, resolved_eval_batch_size, run_length
 from flaxtpu.errors import UserError
 from flaxtpu.evaluate import evaluate_splits, report_about, write_report
 from flaxtpu.memory import check_device, check_host
@@ -300,7 +300,9 @@ class _Loop:
       train = {f'train_{k}': float(v) for k, v in self._merged_window().compute().items()}
     self.raise_if_diverged(step, train['train_loss'])
     images_per_sec, shares = self.clock.lap(step, self.config.batch_size)
-    train.update(images_per_sec=images_per_sec, learning_rate=float(self.task.schedule(step - 1)),
+    plateau_scale = (self.clock.progress.plateau or {}).get('scale', 1.0)
+    train.update(images_per_sec=images_per_sec,
+                 learning_rate=float(self.task.schedule(step - 1)) * plateau_scale,
                  input_wait_fraction=shares['input'])
     self.clock.progress.train = train
     logging.info('step %d/%d (epoch %.2f)  loss %.4f  accuracy %.4f  %.0f img/s  lr %.3g  '
@@ -314,7 +316,8 @@ class _Loop:
 
   def evaluate(self, step: int, state) -> None:
     """Every eval split: to the log, TensorBoard and metrics.jsonl."""
-    is_last = step == self.length.total_steps
+    # Where early stopping may end the run, any evaluation may be its last.
+    is_last = step == self.length.total_steps or bool(self.config.early_stopping.metric)
     with self.clock.paused('eval', state):
       # The last evaluation also keeps the logits that the per-class report is made of.
       results, self.predictions = evaluate_splits(self.placement, state, self.eval_sets,
@@ -329,6 +332,39 @@ class _Loop:
                          if name not in ('eval_loss', 'eval_accuracy')))
     self.writer.write_scalars(step, results)
     self.writer.flush()
+
+  def after_evaluation(self, step: int, state):
+    """The plateau schedule's scale (set in `state`) and early stopping, updated with the evaluation."""
+    progress, results = self.clock.progress, self.clock.progress.eval
+    if self.config.schedule.name == 'plateau':
+      plateau = optim.Plateau(self.config)
+      before = (progress.plateau or plateau.initial())['scale']
+      progress.plateau = plateau.update(progress.plateau or plateau.initial(), results)
+      if progress.plateau['scale'] != before:
+        logging.info('plateau: %s has not improved for %d evaluations; the learning rate is now %.3g x the '
+                     'peak', plateau.metric, self.config.schedule.plateau_patience, progress.plateau['scale'])
+        state = state.replace(opt_state=optim.set_plateau_scale(state.opt_state, progress.plateau['scale']))
+    metric = early_stopping_metric(self.config)
+    if metric:
+      self._check_early_stopping(step, metric, results)
+    return state
+
+  def _check_early_stopping(self, step: int, metric: str, results: dict) -> None:
+    """Counts the evaluations without improvement of `metric`; at `patience` of them, the run stops."""
+    if metric not in results:
+      raise UserError(f'config.early_stopping.metric={metric!r} is not among the eval metrics '
+                      f'({", ".join(sorted(results))}); pick one of them')
+    stopping, progress, value = self.config.early_stopping, self.clock.progress, float(results[metric])
+    counters = progress.early_stopping
+    best = counters.get('best')
+    sign = 1.0 if metric_mode(metric, stopping.mode) == 'max' else -1.0
+    if best is None or sign * (value - best) > stopping.min_delta:
+      progress.early_stopping = {'best': value, 'best_step': step, 'evaluations_without_improvement': 0}
+      return
+    counters['evaluations_without_improvement'] += 1
+    if counters['evaluations_without_improvement'] >= stopping.patience:
+      progress.stopped_early = {'step': step, 'metric': metric, 'value': value, 'best': best,
+                                'best_step': counters['best_step'], 'patience': stopping.patience}
 
   def save(self, step: int, state, evaluated: bool) -> None:
     """An asynchronous checkpoint of `state` with its record (and the evaluation, for keeping the best)."""
@@ -388,7 +424,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   log_plan(config, dataset, length, task, placement)
   checkpoints = checkpoint.Checkpoints(workdir, config)
   start = start_or_resume(config, task, placement, checkpoints, dataset)
-  if start.step >= length.total_steps:
+  if start.step >= length.total_steps or start.progress.stopped_early:
     return finish_trained_run(config, placement, start, checkpoints, dataset, eval_sets, length, workdir)
   if is_main:  # only once the checkpoint has proven to belong to this config
     files.write_json(os.path.join(workdir, 'config.json'), config.to_dict())
@@ -413,7 +449,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   except _Diverged as diverged:
     raise TrainingDiverged(divergence_message(config, diverged.step, checkpoints)) from None
 
-  if step < length.total_steps:
+  stopped_early = loop.clock.progress.stopped_early
+  if step < length.total_steps and not stopped_early:
     saved = (f'checkpoint complete in {checkpoints.directory}' if step > start.step
              else 'nothing new to save')
     logging.info('stopped by %s at step %d; %s; run the same command to resume', stop.signal_name,
@@ -423,7 +460,24 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   if is_main:
     files.write_json(os.path.join(workdir, 'results.json'), results)
     write_pictures(config, loop.predictions, dataset, workdir, step)
+  if stopped_early:
+    log_early_stop(config, stopped_early, checkpoints)
   return results
+
+
+def log_early_stop(config: ml_collections.ConfigDict, stopped: dict, checkpoints) -> None:
+  """One line: why the run stopped early and which checkpoint is the best."""
+  kept_by = checkpoint.best_metric(config)
+  if not kept_by:
+    best = "no best checkpoint is kept (checkpoint.best_metric='')"
+  else:
+    best_step = checkpoints.best_step()
+    best = (f'the best checkpoint by {kept_by} is step {best_step} in {checkpoints.directory}'
+            + (f' (checkpoint.best_metric={kept_by} is not early_stopping.metric={stopped["metric"]}: set it '
+               f'to keep the best by {stopped["metric"]})' if kept_by != stopped['metric'] else ''))
+  logging.info('stopped early at step %d: %s has not improved on its best, %.4g at step %d, for %d '
+               'evaluations (early_stopping.patience); %s', stopped['step'], stopped['metric'],
+               stopped['best'], stopped['best_step'], stopped['patience'], best)
 
 
 def _train(loop: _Loop, batches, profiler: StepProfiler, stop: StopRequest) -> int:
@@ -452,10 +506,12 @@ def _train(loop: _Loop, batches, profiler: StepProfiler, stop: StopRequest) -> i
     evaluated = loop.due(step, length.eval_every_steps)
     if evaluated:
       loop.evaluate(step, state)
+      state = loop.after_evaluation(step, state)  # the plateau schedule's scale; early stopping
     stopping = stop_requested(stop, check_all_processes=loop.due(step, loop.config.log_every_steps))
-    if loop.due(step, length.checkpoint_every_steps) or stopping:
+    stopping_early = bool(clock.progress.stopped_early)
+    if loop.due(step, length.checkpoint_every_steps) or stopping or stopping_early:
       loop.save(step, state, evaluated)
-    if stopping:
+    if stopping or stopping_early:
       break
   profiler.stop(state)
   return step
