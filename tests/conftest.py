@@ -92,3 +92,19 @@ def restore_checkpoint(workdir, step):
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)
   return jax.tree.map(np.asarray, checkpointer.restore(path, target))
+
+
+def metric_rows(workdir):
+  """A run's metrics.jsonl records without the timing fields (how fast, not what was computed)."""
+  import json
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  timing = ('images_per_sec', 'input_wait_fraction')
+  return [{k: v for k, v in row.items() if k not in timing} for row in rows]
+
+
+def assert_same_state(a, b):
+  """Two pytrees of arrays are bitwise equal, leaf by leaf."""
+  import jax
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(x, y)

@@ -15,7 +15,14 @@ import psutil
 import pytest
 
 from configs import cifar10_resnet
-from conftest import ROOT, make_image_folder, make_mixed_folder, restore_checkpoint
+from conftest import (
+  ROOT,
+  assert_same_state,
+  make_image_folder,
+  make_mixed_folder,
+  metric_rows,
+  restore_checkpoint,
+)
 from flaxtpu import checkpoint, data, lock, train
 
 
@@ -31,18 +38,6 @@ def _config(folder, **overrides):
   config.compilation_cache_dir = 'none'
   config.update_from_flattened_dict(overrides)
   return config
-
-
-def _metric_rows(workdir):
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    rows = [json.loads(line) for line in f]
-  timing = ('images_per_sec', 'input_wait_fraction')  # how fast, not what was computed
-  return [{k: v for k, v in row.items() if k not in timing} for row in rows]
-
-
-def _assert_same_state(a, b):
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    np.testing.assert_array_equal(x, y)  # bitwise
 
 
 @pytest.fixture(scope='module')
@@ -78,8 +73,8 @@ def test_stopped_and_resumed_equals_uninterrupted(uninterrupted, image_folder, t
   assert not os.path.exists(os.path.join(workdir, 'results.json'))
   monkeypatch.undo()
   results = train.train_and_evaluate(_config(image_folder, **streamed), workdir)
-  _assert_same_state(restore_checkpoint(workdir, 12), restore_checkpoint(reference_dir, 12))
-  assert _metric_rows(workdir) == _metric_rows(reference_dir)
+  assert_same_state(restore_checkpoint(workdir, 12), restore_checkpoint(reference_dir, 12))
+  assert metric_rows(workdir) == metric_rows(reference_dir)
   for key in ('step', 'eval_accuracy', 'eval_loss', 'train_loss', 'train_accuracy'):
     assert results[key] == reference[key]
 
@@ -120,8 +115,8 @@ def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(uninterrupted, im
   restart = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert restart.returncode == 0, restart.stderr[-3000:]
   assert f'resuming from step {killed_at[-1]}' in restart.stderr  # ... does not block the restart
-  _assert_same_state(restore_checkpoint(workdir, 12), restore_checkpoint(reference_dir, 12))
-  assert _metric_rows(workdir) == _metric_rows(reference_dir)
+  assert_same_state(restore_checkpoint(workdir, 12), restore_checkpoint(reference_dir, 12))
+  assert metric_rows(workdir) == metric_rows(reference_dir)
 
 
 def test_killed_between_final_checkpoint_and_results_rebuilds_them(uninterrupted, image_folder, tmp_path):

@@ -6,12 +6,10 @@ import signal
 import subprocess
 import sys
 
-import jax
-import numpy as np
 import pytest
 
 from configs import digits
-from conftest import ROOT, restore_checkpoint
+from conftest import ROOT, assert_same_state, metric_rows, restore_checkpoint
 from flaxtpu import config as config_lib
 from flaxtpu import data, defaults, optim, train
 
@@ -37,18 +35,6 @@ def _config(**overrides):
 
 def _flags(overrides):
   return [f'--config.{key}={value}' for key, value in overrides.items()]
-
-
-def _metric_rows(workdir):
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    rows = [json.loads(line) for line in f]
-  timing = ('images_per_sec', 'input_wait_fraction')  # how fast, not what was computed
-  return [{k: v for k, v in row.items() if k not in timing} for row in rows]
-
-
-def _assert_same_state(a, b):
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    np.testing.assert_array_equal(x, y)  # bitwise
 
 
 def _signal_at_step(monkeypatch, step_to_signal):
@@ -141,8 +127,8 @@ def test_early_stopping_resumed_stops_where_an_uninterrupted_run_does(stopped_ea
   assert results['stopped_early'] == reference['stopped_early']  # 1 more evaluation, not 3
   for key in ('step', 'eval_accuracy', 'eval_loss', 'train_loss'):
     assert results[key] == reference[key]
-  _assert_same_state(restore_checkpoint(workdir, 16), restore_checkpoint(reference_dir, 16))
-  assert _metric_rows(workdir) == _metric_rows(reference_dir)
+  assert_same_state(restore_checkpoint(workdir, 16), restore_checkpoint(reference_dir, 16))
+  assert metric_rows(workdir) == metric_rows(reference_dir)
   again = train.train_and_evaluate(_config(**STOPPING), workdir)  # a finished run: nothing to train
   assert again['stopped_early'] == reference['stopped_early']
   assert sorted(map(int, filter(str.isdigit, os.listdir(os.path.join(workdir, 'checkpoints')))))[-1] == 16
@@ -151,13 +137,13 @@ def test_early_stopping_resumed_stops_where_an_uninterrupted_run_does(stopped_ea
 def test_plateau_resumed_continues_with_the_same_scale(tmp_path, monkeypatch):
   reference_dir, workdir = str(tmp_path / 'uninterrupted'), str(tmp_path / 'resumed')
   reference = train.train_and_evaluate(_config(**PLATEAU), reference_dir)
-  rates = [row['learning_rate'] for row in _metric_rows(reference_dir) if 'learning_rate' in row]
+  rates = [row['learning_rate'] for row in metric_rows(reference_dir) if 'learning_rate' in row]
   assert rates[:2] == [0.03, 0.03] and rates[2:] == [pytest.approx(0.003)] * (len(rates) - 2)
   _signal_at_step(monkeypatch, 14)  # after the drop at step 8: the scale must survive the resume
   assert 8 < train.train_and_evaluate(_config(**PLATEAU), workdir)['stopped_at_step'] < 14
   monkeypatch.undo()
   results = train.train_and_evaluate(_config(**PLATEAU), workdir)
-  _assert_same_state(restore_checkpoint(workdir, 24), restore_checkpoint(reference_dir, 24))
-  assert _metric_rows(workdir) == _metric_rows(reference_dir)
+  assert_same_state(restore_checkpoint(workdir, 24), restore_checkpoint(reference_dir, 24))
+  assert metric_rows(workdir) == metric_rows(reference_dir)
   for key in ('step', 'eval_accuracy', 'eval_loss', 'train_loss'):
     assert results[key] == reference[key]
