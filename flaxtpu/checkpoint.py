@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src import asyncio_utils as _asyncio_utils
 
-from flaxtpu import files
+from flaxtpu import files, storage
 from flaxtpu.errors import UserError
 
 policies = ocp.checkpoint_managers
@@ -85,6 +85,7 @@ MAX_RELISTS = 20
 
 
 UNREADABLE_SUFFIX = '.unreadable'  # an unreadable step directory is renamed aside, never deleted
+COMMIT_MARKER = 'commit_success.txt'  # orbax's mark of a complete step on an object store
 
 T = TypeVar('T')  # what a policy's `read(step)` returns
 
@@ -93,7 +94,7 @@ class Checkpoints:
   """Saves and restores train states; one per workdir."""
 
   def __init__(self, workdir: str, config: ml_collections.ConfigDict, *, read_only: bool = False):
-    self.directory = os.path.abspath(os.path.join(workdir, 'checkpoints'))
+    self.directory = files.absolute(os.path.join(workdir, 'checkpoints'))
     preserve = [policies.LatestN(config.checkpoint.keep)]
     metric = best_metric(config)
     if metric:
@@ -101,7 +102,7 @@ class Checkpoints:
       preserve.append(policies.BestN(get_metric_fn=lambda metrics: metrics[metric],
                                      reverse=config.checkpoint.best_mode == 'min', n=1,
                                      keep_checkpoints_without_metrics=False))
-    if read_only and not os.path.isdir(self.directory):
+    if read_only and not files.isdir(self.directory):
       raise CheckpointError(f'no checkpoints in {self.directory}; train first with the same '
                             '--workdir (or point --workdir at a finished run)')
     self._best_metric = metric
@@ -148,7 +149,7 @@ class Checkpoints:
     try:
       yield
     except Exception as e:  # pylint: disable=broad-except
-      complete = sorted(int(name) for name in os.listdir(self.directory) if name.isdigit())
+      complete = sorted(_complete_steps(self.directory))
       pending = getattr(self, '_saving_step', None)
       failed = pending if pending is not None and pending not in complete else step
       kept = [s for s in complete if s != failed]
@@ -351,7 +352,7 @@ class Checkpoints:
     path = self._path(step)
     newer = any(s > step for s in _complete_steps(self.directory))
     deadline = time.monotonic() + (VANISH_GRACE_S if newer else 0.0)
-    while os.path.isdir(path):
+    while files.isdir(path):
       if time.monotonic() >= deadline:
         return
       time.sleep(0.05)
@@ -383,7 +384,7 @@ class Checkpoints:
     if jax.process_index() == 0:
       for step in steps:
         path = self._path(step)
-        os.replace(path, path + UNREADABLE_SUFFIX)
+        files.rename(path, path + UNREADABLE_SUFFIX)
         logging.warning('renamed unreadable checkpoint %s to %s', path, path + UNREADABLE_SUFFIX)
     self._manager.reload()
 
@@ -435,11 +436,18 @@ def changed_keys(saved: dict, current: dict, prefix: str = '', defaults: Optiona
 
 
 def _complete_steps(directory: str) -> list[int]:
-  """The step directories orbax has renamed into place (a save in flight is STEP.orbax-checkpoint-tmp)."""
+  """The step directories orbax has renamed into place (a save in flight is STEP.orbax-checkpoint-tmp).
+
+  An object store has no rename: there orbax writes STEP/ in place and marks it complete last with
+  STEP/commit_success.txt.
+  """
   try:
-    return [int(name) for name in os.listdir(directory) if name.isdigit()]
+    names = [name for name in files.listdir(directory) if name.isdigit()]
   except OSError:
     return []
+  if storage.is_remote(directory):
+    names = [name for name in names if files.exists(os.path.join(directory, name, COMMIT_MARKER))]
+  return [int(name) for name in names]
 
 
 def _first_line(error: Exception) -> str:

@@ -43,6 +43,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import time
 import warnings
 from typing import Any, Callable
@@ -52,7 +53,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from flaxtpu import data, evaluate, files, models, optim, parallel, pretrained, steps
+from flaxtpu import data, evaluate, files, models, optim, parallel, pretrained, steps, storage
 from flaxtpu.config import resolved_eval_batch_size
 from flaxtpu.errors import UserError
 from flaxtpu.models import layouts
@@ -93,15 +94,17 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
                            image_shape=tuple(record['image_shape']), mean=record['normalization']['mean'],
                            std=record['normalization']['std'])
   final = os.path.join(workdir, EXPORT_DIR)
-  staging = os.path.join(workdir, f'{EXPORT_DIR}.staging-{os.getpid()}')  # not mkdtemp: its mode is 0700
-  os.makedirs(staging)
+  remote = storage.is_remote(workdir)  # TensorFlow writes the SavedModel locally; it is uploaded after
+  staging = (tempfile.mkdtemp(prefix='flaxtpu-export-') if remote
+             else os.path.join(workdir, f'{EXPORT_DIR}.staging-{os.getpid()}'))  # not mkdtemp: mode 0700
+  os.makedirs(staging, exist_ok=remote)
   try:
     summary = _export_into(tf, staging, task, host_state, record['class_names'], images, expected,
                            TOLERANCES[config.dtype])
     summary['timm'] = _export_timm(config, os.path.join(staging, 'timm'),
-                                   os.path.join(os.path.abspath(final), 'timm'), host_state, record)
+                                   os.path.join(files.absolute(final), 'timm'), host_state, record)
     summary.update(
-        step=step, model=record['model'], dtype=config.dtype, directory=os.path.abspath(final),
+        step=step, model=record['model'], dtype=config.dtype, directory=files.absolute(final),
         weights='ema' if config.eval.ema else 'raw', flip_tta=bool(config.eval.flip_tta),
         translate_tta=int(config.eval.translate_tta),
         checkpoint=os.path.join(workdir, 'checkpoints', str(step)),
@@ -118,7 +121,7 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
       raise UserError(f'exporting step {step} into {workdir} failed ({reason}); the previous export in '
                       f'{final} is unchanged; free disk space and run the same command') from e
     raise
-  _move_into_place(staging, final)
+  (_upload_into_place if remote else _move_into_place)(staging, final)
   checks = summary['check']
   logging.info('exported step %d to %s: SavedModel max |logit diff| %.2g; %s', step, final,
                checks['saved_model']['max_abs_diff'],
@@ -347,6 +350,19 @@ def _move_into_place(staging: str, final: str) -> None:
   shutil.rmtree(old, ignore_errors=True)
 
 
+def _upload_into_place(staging: str, final: str) -> None:
+  """_move_into_place for an object store, which renames nothing: the previous export's objects are
+  deleted and the staging's uploaded, export.json last (a reader that finds it finds the whole export)."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  if epath.Path(final).exists():
+    epath.Path(final).rmtree()
+  paths = sorted((os.path.join(root, name) for root, _, names in os.walk(staging) for name in names),
+                 key=lambda path: path == os.path.join(staging, COMPLETE_MARKER))
+  for path in paths:
+    files.upload(path, os.path.join(final, os.path.relpath(path, staging)))
+  shutil.rmtree(staging, ignore_errors=True)
+
+
 def _alive(pid: int) -> bool:
   if pid == os.getpid():
     return False  # ours from before: this process has staged nothing yet when it recovers
@@ -362,8 +378,9 @@ def _alive(pid: int) -> bool:
 def recover(workdir: str) -> None:
   """Repairs what a killed export left in `workdir`: with WORKDIR/export missing, the newest complete
   staging (the kill came between the two renames) or else the old export is moved back into place;
-  then the staging and old directories of processes no longer running are removed."""
-  if not os.path.isdir(workdir):
+  then the staging and old directories of processes no longer running are removed. An object
+  store's workdir has none: its export is staged on the local disk."""
+  if storage.is_remote(workdir) or not os.path.isdir(workdir):
     return
   final = os.path.join(workdir, EXPORT_DIR)
   with _locked(workdir):

@@ -1,7 +1,10 @@
 """The files a run and a sweep leave behind: atomic JSON, metrics.jsonl rows, durations; failed writes
 (a full disk, a read-only workdir) as one line.
 
-JAX-free: the sweep runner and the CLI use it before (or without) starting JAX.
+Every helper takes a local path or an object-store one (gs://, s3://): local paths go through `os`
+exactly as before, remote ones through `etils.epath` (an object write is atomic by itself, so no
+temporary file is renamed there). JAX-free: the sweep runner and the CLI use it before (or without)
+starting JAX.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import tempfile
 from typing import Any, Iterator, Mapping, Optional
 
 from flaxtpu.errors import UserError
+from flaxtpu.storage import is_remote
 
 # Failures of the storage rather than of flaxtpu, by errno and by the words TensorStore and orbax wrap
 # them in (their messages carry a spec of ~2,000 characters around the OSError's text).
@@ -24,6 +28,108 @@ STORAGE_ERRORS = {code: os.strerror(code) for code in (errno.ENOSPC, errno.EDQUO
                                                         errno.EACCES, errno.EPERM)}
 _STORAGE_TEXTS = {**{text.lower(): text for text in STORAGE_ERRORS.values()},
                   f"os_error_code='{errno.ENOSPC}'": STORAGE_ERRORS[errno.ENOSPC]}
+
+
+def _epath(path: str):
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  return epath.Path(path)
+
+
+def join(directory: str, *names: str) -> str:
+  """os.path.join, which also joins gs://bucket/run and a name correctly."""
+  return os.path.join(directory, *names)
+
+
+def absolute(path: str) -> str:
+  """os.path.abspath for a local path; a remote path is absolute already (abspath would mangle it)."""
+  return path if is_remote(path) else os.path.abspath(path)
+
+
+def exists(path: str) -> bool:
+  return _epath(path).exists() if is_remote(path) else os.path.exists(path)
+
+
+def isdir(path: str) -> bool:
+  return _epath(path).is_dir() if is_remote(path) else os.path.isdir(path)
+
+
+def isfile(path: str) -> bool:
+  return _epath(path).is_file() if is_remote(path) else os.path.isfile(path)
+
+
+def listdir(path: str) -> list[str]:
+  """The names in directory `path` (OSError when it is missing)."""
+  if not is_remote(path):
+    return os.listdir(path)
+  directory = _epath(path)
+  if not directory.is_dir():
+    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+  return [child.name for child in directory.iterdir()]
+
+
+def makedirs(path: str) -> None:
+  """Creates directory `path` and its parents (an object store needs none: a no-op beyond a check)."""
+  if is_remote(path):
+    _epath(path).mkdir(parents=True, exist_ok=True)
+  else:
+    os.makedirs(path, exist_ok=True)
+
+
+def remove(path: str) -> None:
+  if is_remote(path):
+    _epath(path).unlink()
+  else:
+    os.remove(path)
+
+
+def rename(source: str, target: str) -> None:
+  """os.replace; on an object store a copy and a delete (files and directories alike)."""
+  if is_remote(source):
+    _epath(source).rename(target)
+  else:
+    os.replace(source, target)
+
+
+def open_file(path: str, mode: str = 'r', **kwargs):
+  """`open` for a local path, epath's open for a remote one (text modes read UTF-8)."""
+  if not is_remote(path):
+    return open(path, mode, **kwargs)  # pylint: disable=unspecified-encoding
+  return _epath(path).open(mode, **({} if 'b' in mode else {'encoding': kwargs.get('encoding', 'utf-8')}))
+
+
+def upload(local_path: str, path: str) -> None:
+  """Copies the local file `local_path` to `path` (any store), whole."""
+  if is_remote(path):
+    _epath(path).write_bytes(open_bytes(local_path))
+  else:
+    os.replace(local_path, path)
+
+
+def open_bytes(path: str) -> bytes:
+  with open_file(path, 'rb') as f:
+    return f.read()
+
+
+def atomic_write(path: str, write) -> None:
+  """Calls write(local temporary path) and puts the file at `path` whole: a rename on a local disk,
+  one object write on a store. A crash never leaves half a file."""
+  if not is_remote(path):
+    temporary = f'{path}.tmp.{os.getpid()}'  # per process: a CLI run and a trainer may write one file
+    try:
+      write(temporary)
+      os.replace(temporary, path)
+    finally:
+      if os.path.exists(temporary):
+        os.remove(temporary)
+    return
+  handle, temporary = tempfile.mkstemp(prefix='flaxtpu-upload-', suffix=os.path.splitext(path)[1])
+  os.close(handle)
+  try:
+    write(temporary)
+    upload(temporary, path)
+  finally:
+    if os.path.exists(temporary):
+      os.remove(temporary)
 
 
 def storage_error(error: BaseException) -> Optional[str]:
@@ -65,8 +171,17 @@ def writing(path: str, fix: str) -> Iterator[None]:
 def unwritable(directory: str) -> Optional[str]:
   """Why files cannot be created in `directory` (made if missing), or None when they can.
 
-  Tried, not asked: os.access says yes to root on a read-only mount's files in some setups.
+  Tried, not asked: os.access says yes to root on a read-only mount's files in some setups. On an
+  object store a probe object is written and deleted.
   """
+  if is_remote(directory):
+    probe = _epath(directory) / f'.write-test-{os.getpid()}'
+    try:
+      probe.write_bytes(b'')
+      probe.unlink()
+    except Exception as e:  # pylint: disable=broad-except  # each store's client raises its own errors
+      return short_error(e)
+    return None
   try:
     os.makedirs(directory, exist_ok=True)
     handle, probe = tempfile.mkstemp(dir=directory, prefix='.write-test-')
@@ -83,6 +198,8 @@ def writable_or_elsewhere(directory: str, what: str) -> str:
   reason = unwritable(directory)
   if reason is None:
     return directory
+  if is_remote(directory):
+    raise UserError(f'cannot write {what} to {directory} ({reason}); check the bucket\'s permissions')
   elsewhere = os.path.join(tempfile.gettempdir(), 'flaxtpu',
                            os.path.abspath(directory).strip(os.sep).replace(os.sep, '_'))
   if (other := unwritable(elsewhere)) is not None:
@@ -94,16 +211,21 @@ def writable_or_elsewhere(directory: str, what: str) -> str:
 
 def write_csv(path: str, rows: list[dict], key: str) -> None:
   """`rows` as a CSV at `path`, through a temporary file; a refused write names config.`key`."""
-  with writing(path, f'choose another --config.{key}'):
-    with open(f'{path}.tmp', 'w', newline='', encoding='utf-8') as f:
+  def write(temporary: str) -> None:
+    with open(temporary, 'w', newline='', encoding='utf-8') as f:
       writer = csv.DictWriter(f, fieldnames=list(rows[0]))
       writer.writeheader()
       writer.writerows(rows)
-    os.replace(f'{path}.tmp', path)
+
+  with writing(path, f'choose another --config.{key}'):
+    atomic_write(path, write)
 
 
 def write_json(path: str, payload: Mapping[str, Any]) -> None:
   """Writes through a temporary file and a rename, so a reader (or a crash) never sees half a file."""
+  if is_remote(path):
+    _epath(path).write_text(json.dumps(payload, indent=2, sort_keys=True) + '\n')
+    return
   temporary = f'{path}.tmp'
   with open(temporary, 'w', encoding='utf-8') as f:
     json.dump(payload, f, indent=2, sort_keys=True)
@@ -114,7 +236,7 @@ def write_json(path: str, payload: Mapping[str, Any]) -> None:
 def read_json(path: str) -> dict[str, Any] | None:
   """The JSON object in `path`, or None when it is missing or unreadable (e.g. cut off by a crash)."""
   try:
-    with open(path, encoding='utf-8') as f:
+    with open_file(path, encoding='utf-8') as f:
       return json.load(f)
   except (OSError, ValueError):
     return None
@@ -124,7 +246,7 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
   """Every complete JSON line of `path` ([] when missing); a line cut off mid-write is skipped."""
   rows = []
   try:
-    with open(path, encoding='utf-8') as f:
+    with open_file(path, encoding='utf-8') as f:
       for line in f:
         try:
           rows.append(json.loads(line))
@@ -137,9 +259,12 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
 
 def truncate_jsonl(path: str, last_step: int) -> None:
   """Drops metrics rows after `last_step`: a resumed run rewrites them, as if never interrupted."""
-  if not os.path.exists(path):
+  if not exists(path):
     return
   rows = [row for row in read_jsonl(path) if row.get('step', 0) <= last_step]
+  if is_remote(path):
+    _epath(path).write_text(''.join(json.dumps(row) + '\n' for row in rows))
+    return
   with open(f'{path}.tmp', 'w', encoding='utf-8') as f:
     f.writelines(json.dumps(row) + '\n' for row in rows)
   os.replace(f'{path}.tmp', path)

@@ -4,6 +4,13 @@ The lock is an `flock` held for the whole run, so the kernel releases it when
 the process ends in any way (kill -9 included): a dead run never blocks the
 next one. The file names the holder (pid, host, start time) for the refusal.
 Evaluating a live run's checkpoints takes no lock.
+
+An object store (gs://, s3://) has no flock: there the lock is a lease, the
+object WORKDIR/train.lock written only if it is absent or expired (a
+conditional write, through TensorStore's kvstore) and renewed while the run
+lives. Nothing releases it when a process is killed: a kill -9'd run's lease
+blocks the workdir until it expires (LEASE_SECONDS after its last renewal),
+and the refusal says how long that is.
 """
 
 from __future__ import annotations
@@ -14,11 +21,16 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 
+from flaxtpu import storage
 from flaxtpu.errors import UserError
 
 LOCK_FILE = 'train.lock'
+# A lease not renewed for this long belongs to a dead run. Renewed every third of it, so a slow store
+# (or a long checkpoint save, which does not block the renewing thread) misses two renewals before then.
+LEASE_SECONDS = float(os.environ.get('FLAXTPU_LEASE_SECONDS', 120))
 
 
 class WorkdirBusy(UserError):
@@ -27,6 +39,11 @@ class WorkdirBusy(UserError):
 
 class WorkdirLock:
   """`with WorkdirLock(workdir):` trains alone in `workdir`, or raises WorkdirBusy naming the holder."""
+
+  def __new__(cls, workdir: str):
+    if cls is WorkdirLock and storage.is_remote(workdir):
+      return WorkdirLease(workdir)
+    return super().__new__(cls)
 
   def __init__(self, workdir: str):
     self.path = os.path.join(workdir, LOCK_FILE)
@@ -66,3 +83,81 @@ def _describe(content: bytes) -> str:
     return f'pid {holder["pid"]} on host {holder["host"]}, started {holder["started"]}'
   except (ValueError, KeyError, TypeError):
     return 'a process that has not written its pid yet'
+
+
+class WorkdirLease(WorkdirLock):
+  """WorkdirLock on an object store: WORKDIR/train.lock is a lease object (holder's pid, host, start
+  and renewal times), written only where the generation read before is still the one stored, so of
+  two trainers racing for it one wins. Renewed by a thread every LEASE_SECONDS / 3; deleted on exit."""
+
+  def __init__(self, workdir: str, seconds: float | None = None):  # pylint: disable=super-init-not-called
+    self.path = os.path.join(workdir, LOCK_FILE)
+    self.seconds = LEASE_SECONDS if seconds is None else seconds
+    self._store = None
+    self._generation = None
+    self._holder = {'pid': os.getpid(), 'host': socket.gethostname(),
+                    'started': time.strftime('%Y-%m-%d %H:%M:%S')}
+    self._stopped = threading.Event()
+    self._renewer = None
+
+  def __enter__(self) -> 'WorkdirLease':
+    import tensorstore as ts  # pylint: disable=g-import-not-at-top
+    self._store = ts.KvStore.open(self.path).result()
+    current = self._store.read('').result()
+    if current.state == 'value':
+      holder = _lease_holder(current.value) or {'renewed': 0.0}  # unreadable: expired
+      age, limit = time.time() - holder['renewed'], holder.get('seconds', self.seconds)
+      if age < limit:
+        wait = limit - age
+        raise WorkdirBusy(f'--workdir={os.path.dirname(self.path)} is leased by a trainer '
+                          f'({_describe(current.value)}, renewed {age:.0f} s ago); if it was killed, '
+                          f'its lease expires in {wait:.0f} s: run again then, or delete {self.path} to '
+                          'take over now; else use another --workdir')
+      logging.warning('taking over %s: its holder (%s) has not renewed it for %.0f s', self.path,
+                      _describe(current.value), age)
+    if not self._write(current.stamp.generation):
+      raise WorkdirBusy(f'--workdir={os.path.dirname(self.path)} was leased by another trainer at the same '
+                        f'moment ({_describe(self._store.read("").result().value)}); use another --workdir')
+    self._renewer = threading.Thread(target=self._renew, name='flaxtpu-lease', daemon=True)
+    self._renewer.start()
+    return self
+
+  def _write(self, generation) -> bool:
+    """Writes the lease where `generation` is still the stored one; whether it was written."""
+    payload = json.dumps({**self._holder, 'renewed': time.time(), 'seconds': self.seconds}).encode()
+    written = self._store.write('', payload, if_equal=generation).result()
+    if not written.generation:  # TensorStore's answer to a failed condition: no generation
+      return False
+    self._generation = written.generation
+    return True
+
+  def _renew(self) -> None:
+    while not self._stopped.wait(self.seconds / 3):
+      try:
+        if not self._write(self._generation):
+          logging.error('lost the lease %s to another trainer (%s); stop this run: two trainers now write '
+                        'into one workdir', self.path, _describe(self._store.read('').result().value))
+          return
+      except Exception as e:  # pylint: disable=broad-except  # a store that fails now may answer later
+        logging.warning('could not renew the lease %s (%s); retrying', self.path, e)
+
+  def __exit__(self, *exc_info) -> None:
+    self._stopped.set()
+    if self._renewer is not None:
+      self._renewer.join()
+      self._renewer = None
+    if self._generation is not None:
+      try:
+        self._store.write('', None, if_equal=self._generation).result()  # only our own lease
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning('could not release the lease %s (%s); it expires in %.0f s', self.path, e,
+                        self.seconds)
+      self._generation = None
+
+
+def _lease_holder(content: bytes) -> dict | None:
+  try:
+    holder = json.loads(content)
+    return holder if isinstance(holder, dict) and isinstance(holder.get('renewed'), (int, float)) else None
+  except ValueError:
+    return None

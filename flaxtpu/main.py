@@ -23,7 +23,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from flaxtpu import config as config_lib  # no JAX inside: safe before XLA's flags are set
-from flaxtpu import memory  # no JAX inside either
+from flaxtpu import files, memory, storage  # no JAX inside either
 from flaxtpu.config import CPU_CONVOLUTION_FLAGS, YNN_FUSION_FLAG, resolved_eval_batch_size
 from flaxtpu.errors import UserError
 from flaxtpu.signals import StopRequest
@@ -45,6 +45,7 @@ flags.DEFINE_integer('process_id', None, 'Many hosts: this process\'s index.')
 
 def _parse_flags(argv):
   """absl's parser, but a bad flag, config file or config override becomes one `error:` line."""
+  storage.configure()  # before any library reads a gs:// workdir (its config.json is read below)
   if (spec := _flag_value(argv, 'config')) is not None:
     path = spec.split(':', 1)[0]  # FILE:ARG passes ARG to get_config
     _check_config_path(path)
@@ -170,14 +171,14 @@ def _with_workdir_config(argv):
     return argv
   workdir = _flag_value(argv, 'workdir')
   from flaxtpu import workdir_config  # pylint: disable=g-import-not-at-top
-  if _flag_value(argv, 'config.init_from.checkpoint') and not os.path.isfile(
+  if _flag_value(argv, 'config.init_from.checkpoint') and not files.isfile(
       os.path.join(workdir or '', workdir_config.CONFIG_FILE)):
     # Published weights with no trained run: every key at its default, the model from the weights.
     from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
     return [argv[0], f'--config={defaults.__file__}', *argv[1:]]
   if not workdir:
     _exit_with_error('--workdir is required: the trained run to restore')
-  if not os.path.isfile(os.path.join(workdir, workdir_config.CONFIG_FILE)):
+  if not files.isfile(os.path.join(workdir, workdir_config.CONFIG_FILE)):
     _exit_with_error(f'--workdir={workdir} holds no {workdir_config.CONFIG_FILE} of a training run; '
                      'point --workdir at a trained run, or pass its --config')
   return [argv[0], f'--config={workdir_config.__file__}:{workdir}', *argv[1:]]
@@ -261,6 +262,11 @@ def _in_detectable_cluster() -> bool:
 
 
 def _check_workdir(workdir: str) -> None:
+  if storage.is_remote(workdir):
+    if (reason := storage.check_workdir_scheme(workdir)) or (reason := files.unwritable(workdir)):
+      raise UserError(f'--workdir={workdir} cannot be written ({reason}); check the bucket\'s name and '
+                      'permissions (and STORAGE_EMULATOR_HOST for an emulator), or use a local directory')
+    return
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
@@ -272,7 +278,7 @@ def _check_workdir(workdir: str) -> None:
 
 def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   from flaxtpu import pretrained  # pylint: disable=g-import-not-at-top
-  from_published = mode in RESTORING_MODES and not os.path.isfile(os.path.join(workdir or '', 'config.json'))
+  from_published = mode in RESTORING_MODES and not files.isfile(os.path.join(workdir or '', 'config.json'))
   if mode in ('train', 'plan') or from_published:  # the published model's preprocessing, before validation
     pretrained.apply_defaults(config, workdir if mode in ('train', 'plan') else '')
   config_lib.validate(config)
@@ -286,7 +292,7 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   jax = _start_jax(config, mode)
   # Imported after JAX has started with the right flags.
   # pylint: disable=g-import-not-at-top
-  from flaxtpu import data, evaluate, files, parallel, steps, train
+  from flaxtpu import data, evaluate, parallel, steps, train
   parallel.check_platform(config.require_platform)
   logging.info('JAX %s on %s', jax.__version__, parallel.describe_devices())
   if mode == 'train':
@@ -313,6 +319,7 @@ def _quiet_libraries() -> None:
 
 
 def main(argv):
+  storage.configure()
   _quiet_libraries()
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')

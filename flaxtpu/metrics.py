@@ -5,6 +5,8 @@ import functools
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from typing import Any, Mapping
 
 import flax.serialization
@@ -12,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from clu import metric_writers, metrics
+
+from flaxtpu import files, storage
 
 
 @metrics.flax.struct.dataclass
@@ -105,11 +109,19 @@ class JsonlWriter(metric_writers.MetricWriter):
   """
 
   def __init__(self, path: str):
-    self._file = open(path, 'a', encoding='utf-8')  # pylint: disable=consider-using-with
+    self._path = path
+    if storage.is_remote(path):  # an object cannot be appended to: it is rewritten whole on flush
+      self._file, self._lines = None, [json.dumps(row) + '\n' for row in files.read_jsonl(path)]
+      self._flushed = len(self._lines)
+    else:
+      self._file = open(path, 'a', encoding='utf-8')  # pylint: disable=consider-using-with
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
     row = {'step': int(step), **{k: float(v) for k, v in scalars.items()}}
-    self._file.write(json.dumps(row) + '\n')
+    if self._file is None:
+      self._lines.append(json.dumps(row) + '\n')
+    else:
+      self._file.write(json.dumps(row) + '\n')
 
   def write_summaries(self, step, values, metadata=None):
     pass
@@ -133,10 +145,48 @@ class JsonlWriter(metric_writers.MetricWriter):
     pass
 
   def flush(self):
-    self._file.flush()
+    if self._file is not None:
+      self._file.flush()
+    elif len(self._lines) != self._flushed:
+      files.atomic_write(self._path, lambda temporary: _write_lines(temporary, self._lines))
+      self._flushed = len(self._lines)
 
   def close(self):
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
+    else:
+      self.flush()
+
+
+def _write_lines(path: str, lines: list[str]) -> None:
+  with open(path, 'w', encoding='utf-8') as f:
+    f.writelines(lines)
+
+
+class StagedSummaryWriter(metric_writers.SummaryWriter):
+  """clu's TensorBoard writer for a workdir on an object store that TensorFlow cannot reach (its GCS
+  client has fixed endpoints, so no emulator; it has no s3:// at all): events are written to a local
+  directory and each flush copies the event files, whole, to the workdir with etils.epath."""
+
+  def __init__(self, workdir: str):
+    self._staging = tempfile.mkdtemp(prefix='flaxtpu-events-')
+    self._workdir = workdir
+    self._copied: dict[str, int] = {}
+    super().__init__(self._staging)
+
+  def flush(self):
+    super().flush()
+    for name in os.listdir(self._staging):
+      size = os.path.getsize(os.path.join(self._staging, name))
+      if self._copied.get(name) != size:
+        files.atomic_write(files.join(self._workdir, name),
+                           functools.partial(shutil.copyfile, os.path.join(self._staging, name)))
+        self._copied[name] = size
+
+  def close(self):
+    super().close()
+    self.flush()
+    shutil.rmtree(self._staging, ignore_errors=True)
 
 
 class WandbWriter(metric_writers.MetricWriter):
@@ -202,7 +252,9 @@ def create_writer(workdir: str, *, is_main_process: bool,
   """TensorBoard events + metrics.jsonl (+ W&B when config.wandb.project is set) from process 0."""
   if not is_main_process:
     return metric_writers.MultiWriter([])
-  writers = [metric_writers.SummaryWriter(workdir), JsonlWriter(os.path.join(workdir, 'metrics.jsonl'))]
+  staged = storage.is_remote(workdir)
+  events = StagedSummaryWriter(workdir) if staged else metric_writers.SummaryWriter(workdir)
+  writers = [events, JsonlWriter(os.path.join(workdir, 'metrics.jsonl'))]
   if config is not None and config.wandb.project:
     writers.append(WandbWriter(workdir, config.wandb.project, config.wandb.entity, config.wandb.mode,
                                flat_hparams(config.to_dict())))

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from flaxtpu import files
+from flaxtpu import files, storage
 from flaxtpu.errors import UserError
 
 METRICS_FILE = 'metrics.jsonl'
@@ -333,14 +333,9 @@ def top_confusions(confusion: np.ndarray, k: int) -> list[tuple[int, int, int]]:
 
 
 def _atomic(path: str, write: Callable[[str], None]) -> None:
-  """Calls write(temporary path), then renames it onto `path`: a crash never leaves half a file."""
-  temporary = f'{path}.tmp.{os.getpid()}'  # Per process: a CLI run and a trainer may write the same file.
-  try:
-    write(temporary)
-    os.replace(temporary, path)
-  finally:
-    if os.path.exists(temporary):
-      os.remove(temporary)
+  """Calls write(temporary path), then renames it onto `path` (an object store: uploads it whole): a crash
+  never leaves half a file."""
+  files.atomic_write(path, write)
 
 
 def _pyplot():
@@ -706,7 +701,7 @@ def write_eval_report(directory: str, logits: np.ndarray, labels: np.ndarray, cl
   report = eval_report(logits, labels, class_names)
   if images is not None and not callable(images) and len(images) != report['num_examples']:
     raise ValueError(f'{len(images)} images for {report["num_examples"]} examples')
-  os.makedirs(directory, exist_ok=True)
+  files.makedirs(directory)
   written = []
 
   def path(name: str) -> str:
@@ -734,7 +729,7 @@ def _write_multilabel_report(directory: str, logits: np.ndarray, labels: np.ndar
   report = multilabel_report(logits, labels, class_names, threshold)
   if images is not None and not callable(images) and len(images) != report['num_examples']:
     raise ValueError(f'{len(images)} images for {report["num_examples"]} examples')
-  os.makedirs(directory, exist_ok=True)
+  files.makedirs(directory)
   written = []
 
   def path(name: str, extension: str) -> str:
@@ -789,10 +784,10 @@ def write_curves(workdir: str) -> str:
   eval_top5_accuracy), mAP and F1 (multilabel), learning rate and images/s, for those present. A line
   cut off mid-write is skipped.
   """
-  if not os.path.isdir(workdir):
+  if not files.isdir(workdir):
     raise UserError(f'{workdir}: no such run directory')
   metrics_path = os.path.join(workdir, METRICS_FILE)
-  if not os.path.isfile(metrics_path):
+  if not files.isfile(metrics_path):
     raise UserError(f'{metrics_path} not found: is {workdir} a run\'s --workdir? '
                     '(the file appears at the first log step)')
   rows = [row for row in files.read_jsonl(metrics_path)
@@ -825,7 +820,8 @@ def write_curves(workdir: str) -> str:
     if title != 'learning rate' or len(curves) > 1:
       axis.legend(fontsize=8)
   last_step = max(row['step'] for row in rows)
-  figure.suptitle(f'{_legible(os.path.basename(os.path.abspath(workdir)))}: step {last_step}', fontsize=11)
+  figure.suptitle(f'{_legible(os.path.basename(files.absolute(workdir).rstrip("/")))}: step {last_step}',
+                  fontsize=11)
   figure.tight_layout()
   path = os.path.join(workdir, CURVES_FILE)
   _save_figure(figure, path)
@@ -839,6 +835,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       description='Plot a live or finished run\'s curves from WORKDIR/metrics.jsonl into WORKDIR/curves.png.')
   parser.add_argument('workdir', help='the run\'s --workdir')
   args = parser.parse_args(argv)
+  storage.configure()  # a gs:// workdir on an emulator: STORAGE_EMULATOR_HOST
   try:
     print(write_curves(args.workdir))
   except UserError as error:
