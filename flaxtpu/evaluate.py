@@ -164,7 +164,7 @@ def restore(config: ml_collections.ConfigDict, workdir: str):
   the published model, its head and classes kept.
   """
   if (config.init_from.checkpoint and pretrained.is_published(config.init_from.checkpoint)
-      and not os.path.isdir(os.path.join(workdir, 'checkpoints'))):
+      and not files.isdir(os.path.join(workdir, 'checkpoints'))):
     return finetune.published_model(config)
   checkpoints = checkpoint.Checkpoints(workdir, config, read_only=True)
   mesh = parallel.make_mesh(config)
@@ -263,7 +263,7 @@ def tag_thresholds(config: ml_collections.ConfigDict, workdir: str, step: int,
     return np.full(len(class_names), config.eval.threshold), f'eval.threshold={config.eval.threshold:g}'
   wanted = report_about(config, step)
   candidates = []
-  for name in sorted(os.listdir(workdir)) if os.path.isdir(workdir) else []:
+  for name in sorted(files.listdir(workdir)) if files.isdir(workdir) else []:
     if not (name.startswith('thresholds') and name.endswith('.json')):
       continue
     saved = files.read_json(os.path.join(workdir, name)) or {}

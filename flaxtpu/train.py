@@ -217,7 +217,7 @@ def finish_trained_run(config: ml_collections.ConfigDict, placement: steps.Place
   results = files.read_json(results_path) or start.progress.results(length.total_steps, config.batch_size)
   if jax.process_index() == 0:
     files.write_json(results_path, results)
-  if jax.process_count() == 1 and not os.path.exists(os.path.join(workdir, 'per_class.csv')):
+  if jax.process_count() == 1 and not files.exists(os.path.join(workdir, 'per_class.csv')):
     _, predictions = evaluate_splits(placement, start.state, eval_sets[:1],
                                      resolved_eval_batch_size(config), report_weights(config),
                                      config.eval.threshold)
