@@ -40,9 +40,9 @@ class WorkdirBusy(UserError):
 class WorkdirLock:
   """`with WorkdirLock(workdir):` trains alone in `workdir`, or raises WorkdirBusy naming the holder."""
 
-  def __new__(cls, workdir: str):
+  def __new__(cls, workdir: str, *args, **kwargs):
     if cls is WorkdirLock and storage.is_remote(workdir):
-      return WorkdirLease(workdir)
+      return WorkdirLease(workdir, *args, **kwargs)
     return super().__new__(cls)
 
   def __init__(self, workdir: str):

@@ -42,7 +42,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import ml_collections
 import numpy as np
 
-from flaxtpu import preprocess, workers
+from flaxtpu import files, preprocess, storage, workers
 from flaxtpu.errors import UserError
 from flaxtpu.preprocess import IMAGE_EXTENSIONS
 
@@ -77,6 +77,8 @@ class Split:
   def load(self, index: int) -> tuple[object, int | np.ndarray]:
     if self.paths is not None:
       item = os.path.join(self.root, os.fsdecode(self.paths[index]))
+      if storage.is_remote(item):  # an object in a bucket: its bytes (a local file is opened lazily)
+        item = files.open_bytes(item)
     elif self.images is not None:
       item = self.images[index]
     else:
@@ -174,7 +176,7 @@ def folder_split(root: str, spec: str, class_names: Optional[Sequence[str]] = No
   the list is a DataError naming it, or with `unknown_classes='drop'` its
   images are left out with a warning; a split may lack classes.
   """
-  if not os.path.isdir(root):
+  if not files.isdir(root):
     raise DataError(f'config.dataset.folder={root!r} is not a directory; point it at a folder '
                     'laid out as split/class/image')
   if unknown_classes not in UNKNOWN_CLASSES:
@@ -276,6 +278,8 @@ def folder_classes(root: str, spec: str) -> Optional[tuple[str, ...]]:
 
 def _class_dirs(root: str, split: str) -> tuple[str, dict[str, str]]:
   """The split's folder and its class folders: name -> real path, in name order."""
+  if storage.is_remote(root):
+    return _remote_class_dirs(root, split)
   # `all` is the root itself when it holds the class folders directly (root/class/image).
   split_dir = (root if split == ALL and not os.path.isdir(os.path.join(root, ALL))
                else os.path.join(root, split))
@@ -302,9 +306,40 @@ def _class_dirs(root: str, split: str) -> tuple[str, dict[str, str]]:
   return split_dir, class_dirs
 
 
+def _remote_class_dirs(root: str, split: str) -> tuple[str, dict[str, str]]:
+  """_class_dirs of a folder in an object store (no links there to follow or refuse)."""
+  split_dir = root if split == ALL and not files.isdir(files.join(root, ALL)) else files.join(root, split)
+  if not files.isdir(split_dir):
+    found = sorted(name for name in files.listdir(root) if files.isdir(files.join(root, name)))
+    raise DataError(f'{split_dir} does not exist; splits found in {root}: '
+                    f'{", ".join(found) or "none"} (set config.dataset.train_split/eval_split)')
+  class_dirs = {name: files.join(split_dir, name) for name in sorted(files.listdir(split_dir))
+                if files.isdir(files.join(split_dir, name))}
+  if not class_dirs:
+    raise DataError(f'{split_dir} has no class folders; expected {split_dir}/<class>/<image>')
+  return split_dir, class_dirs
+
+
+def _remote_image_files(top: str) -> list[str]:
+  """image_files of a folder in an object store."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  top = top.rstrip('/')
+  found = []
+  for directory, _, names in epath.Path(top).walk():
+    # gcsfs names the folders it walks without their gs://, TensorFlow's gfile with it.
+    below = str(directory).split('://', 1)[-1][len(top.split('://', 1)[-1]):].strip('/')
+    found += [posixpath.join(top, below, name) for name in names
+              if name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith('._')]
+  return found
+
+
 def _list_folder_split(root: str, split: str) -> dict[str, list[str]]:
   """Class folder name -> its image paths (relative to `root`, sorted), in class-name order."""
   split_dir, class_dirs = _class_dirs(root, split)
+  if storage.is_remote(root):
+    prefix = len(root.rstrip('/')) + 1
+    return {name: sorted(path[prefix:] for path in _remote_image_files(class_dir)) or _no_images(class_dir)
+            for name, class_dir in class_dirs.items()}
   split_real = os.path.realpath(split_dir)
   images_by_class = {}
   for name in class_dirs:
@@ -316,6 +351,11 @@ def _list_folder_split(root: str, split: str) -> dict[str, list[str]]:
                       'add images or remove the folder')
     images_by_class[name] = images
   return images_by_class
+
+
+def _no_images(class_dir: str):
+  raise DataError(f'class folder {class_dir} has no images ({", ".join(IMAGE_EXTENSIONS)}); '
+                  'add images or remove the folder')
 
 
 def image_files(top: str, split_real: str = '', other_classes: Sequence[str] = ()) -> list[str]:

