@@ -316,6 +316,8 @@ def _quiet_libraries() -> None:
   """orbax logs every save through absl, and a failed save with tracebacks from its threads;
   flaxtpu reports each checkpoint failure itself in one line, so orbax's own records are dropped."""
   logging.get_absl_handler().addFilter(lambda record: 'orbax' not in record.pathname)
+  import logging as python_logging  # pylint: disable=g-import-not-at-top
+  python_logging.getLogger('gcsfs').setLevel(python_logging.WARNING)  # a line per object it reads
 
 
 def main(argv):

@@ -7,7 +7,8 @@ Who reads and writes a `gs://` path in flaxtpu, and how each finds an emulator:
   and a fixed token (GOOGLE_AUTH_TOKEN_FOR_TESTING) so it never asks the GCE metadata server for one.
 - checkpoint directories, JSON, metrics, pictures, SavedModels, image folders, TFDS: `etils.epath`
   (orbax, TFDS and flaxtpu.files use it). EPATH_USE_TF=false: epath then uses fsspec's gcsfs, which
-  reads STORAGE_EMULATOR_HOST itself; FSSPEC_GCS_TOKEN=anon; GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false
+  reads STORAGE_EMULATOR_HOST itself; FSSPEC_GCS (no token, no cached listings);
+  GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false
   (its bucket-type probe is a gRPC call to the real control plane).
 - TensorBoard events: TensorFlow's GCS filesystem (clu's SummaryWriter) cannot be pointed at an
   emulator: its endpoints are fixed (https://www.googleapis.com). flaxtpu.metrics writes events to a
@@ -19,12 +20,16 @@ STORAGE_EMULATOR_HOST nothing is set and every library talks to the real store a
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import MutableMapping
 
 SCHEMES = ('gs://', 's3://')
 EMULATOR_VARIABLE = 'STORAGE_EMULATOR_HOST'
+# gcsfs on an emulator: no credentials, and no cached listings (TensorStore writes checkpoints behind
+# gcsfs's back, and another process may be writing the bucket: a cached listing would miss their objects).
+GCSFS_OPTIONS = {'token': 'anon', 'use_listings_cache': False}
 
 
 def is_remote(path) -> bool:
@@ -42,7 +47,7 @@ def emulator_settings(environ: MutableMapping[str, str]) -> dict[str, str]:
       'TENSORSTORE_GCS_HTTP_URL': url,
       'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'emulator',
       'EPATH_USE_TF': 'false',
-      'FSSPEC_GCS_TOKEN': 'anon',
+      'FSSPEC_GCS': json.dumps(GCSFS_OPTIONS),
       'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false',
   }
 
@@ -57,7 +62,9 @@ def configure(environ: MutableMapping[str, str] | None = None) -> dict[str, str]
       environ[name] = applied[name] = value
   if applied and environ is os.environ and 'fsspec' in sys.modules:
     # fsspec reads FSSPEC_* variables once, when it is imported.
-    sys.modules['fsspec'].config.conf.setdefault('gcs', {}).setdefault('token', environ['FSSPEC_GCS_TOKEN'])
+    conf = sys.modules['fsspec'].config.conf.setdefault('gcs', {})
+    for key, value in json.loads(environ['FSSPEC_GCS']).items():
+      conf.setdefault(key, value)
   return applied
 
 

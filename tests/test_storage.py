@@ -20,7 +20,7 @@ STEPS = 120
 RUN_FLAGS = ['--config=configs/digits.py', f'--config.num_train_steps={STEPS}', '--config.batch_size=32',
              '--config.log_every_steps=8', '--config.eval_every_steps=60',
              '--config.checkpoint_every_steps=8', '--config.compilation_cache_dir=none']
-LEASE_SECONDS = 6  # the killed run's lease: short, so the test waits for its expiry
+LEASE_SECONDS = 20  # the killed run's lease: outlasts a restart's start-up, short enough to wait for
 
 
 def _free_port():
@@ -90,7 +90,7 @@ def test_the_emulator_variable_alone_configures_every_library():
   settings = storage.emulator_settings({'STORAGE_EMULATOR_HOST': 'localhost:9023'})
   assert settings['TENSORSTORE_GCS_HTTP_URL'] == 'http://localhost:9023'  # TensorStore: arrays, lease
   assert settings['EPATH_USE_TF'] == 'false'  # epath through gcsfs, which reads the variable itself
-  assert settings['FSSPEC_GCS_TOKEN'] == 'anon' and settings['GOOGLE_AUTH_TOKEN_FOR_TESTING']
+  assert json.loads(settings['FSSPEC_GCS'])['token'] == 'anon' and settings['GOOGLE_AUTH_TOKEN_FOR_TESTING']
   assert settings['GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT'] == 'false'
   assert storage.emulator_settings({'STORAGE_EMULATOR_HOST': 'https://h:1/'})['TENSORSTORE_GCS_HTTP_URL'] == \
       'https://h:1'
@@ -171,7 +171,7 @@ def test_bucket_run_killed_resumes_bitwise_then_evaluates_and_exports(emulator, 
   errors = [line for line in refused.stderr.splitlines() if line.startswith('error:')]
   if refused.returncode != 0:  # (on a very slow machine the restart may start after the expiry)
     assert len(errors) == 1 and f'(pid {process.pid} on host' in errors[0] and 'expires in' in errors[0]
-    time.sleep(LEASE_SECONDS)
+    time.sleep(float(errors[0].split('expires in ')[1].split()[0]) + 1)
     restart = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   else:
     restart = refused
@@ -179,6 +179,7 @@ def test_bucket_run_killed_resumes_bitwise_then_evaluates_and_exports(emulator, 
   assert 'taking over gs://bucket/killed/train.lock' in restart.stderr
   resumed_from = int(restart.stderr.split('resuming from step ')[1].split()[0])
   assert resumed_from in killed_at
+  print(f'\nkilled after complete steps {killed_at}; refused: {errors}; resumed from step {resumed_from}')
   assert_same_state(restore_checkpoint(workdir, STEPS), restore_checkpoint(reference, STEPS))
   timing = ('images_per_sec', 'input_wait_fraction')
   rows = [[{k: v for k, v in row.items() if k not in timing}
