@@ -37,6 +37,7 @@ step waits on? Its images/s against the step's on the same batches.
 
 import argparse
 import concurrent.futures
+import dataclasses
 import os
 import time
 
@@ -164,14 +165,18 @@ def folder_mode(args) -> dict:
   tf.config.set_visible_devices([], 'GPU')
   crop_area, crop_aspect = tuple(config.augment.crop_area), tuple(config.augment.crop_aspect)
 
-  def measure_flaxtpu(steps, indices) -> dict:
+  def measure_flaxtpu(steps, indices, threads=False) -> dict:
     del indices  # flaxtpu finds them itself: the same ones
-    batches_iter = data.train_batches(dataset, seed=0, batch_size=args.batch_size, first_step=steps.start,
+    batches_iter = data.train_batches(dataclasses.replace(dataset, worker_threads=threads), seed=0,
+                                      batch_size=args.batch_size, first_step=steps.start,
                                       last_step=steps.stop, alternate_flip=config.augment.alternate_flip)
     try:
       return time_batches(batches_iter, warmup, args.seconds, max_batches, period)
     finally:
       batches_iter.close()  # stops the worker processes
+
+  def measure_flaxtpu_threads(steps, indices) -> dict:
+    return measure_flaxtpu(steps, indices, threads=True)
 
   def measure_tf(steps, indices) -> dict:
     del steps
@@ -181,12 +186,13 @@ def folder_mode(args) -> dict:
     del examples
     return time_batches(iterator, warmup, args.seconds, max_batches, period)
 
-  measured = {'flaxtpu': [], 'tf_data': []}
-  order = [('flaxtpu', measure_flaxtpu), ('tf_data', measure_tf)]
+  measured = {'flaxtpu': [], 'flaxtpu_threads': [], 'tf_data': []}
+  order = [('flaxtpu', measure_flaxtpu), ('flaxtpu_threads', measure_flaxtpu_threads),
+           ('tf_data', measure_tf)]
   for round_index, round_files in enumerate(rounds):
     for name, measure in (order if round_index % 2 == 0 else order[::-1]):
       measured[name].append(measure(*round_files))
-      print(f'  round {round_index + 1}/{args.rounds} {name:8s} '
+      print(f'  round {round_index + 1}/{args.rounds} {name:15s} '
             f'{measured[name][-1]["images_per_sec"]:8,.0f} img/s'
             f'  (others kept {measured[name][-1]["other_cpu_load"]:.1f} cores busy)', flush=True)
 
@@ -202,29 +208,44 @@ def folder_mode(args) -> dict:
                     'images_per_sec_per_core': harness.median(rows, 'images_per_sec') / cores,
                     'images_per_cpu_second': harness.median(rows, 'images_per_cpu_second'),
                     'other_cpu_load': harness.median(rows, 'other_cpu_load'), 'rounds': rows}
-  flaxtpu, tf_data = result['flaxtpu'], result['tf_data']
-  result['ratio_flaxtpu_over_tf_data'] = flaxtpu['images_per_sec'] / tf_data['images_per_sec']
-  per_core = flaxtpu['images_per_sec_per_core']
+  for name, rows in measured.items():  # ratios per round (measured side by side), then their median
+    result[name]['cpu_seconds_per_image'] = 1 / result[name]['images_per_cpu_second']
+    if name != 'tf_data':
+      ratios = [row['images_per_sec'] / tf_row['images_per_sec']
+                for row, tf_row in zip(rows, measured['tf_data'])]
+      result[name]['ratio_over_tf_data_per_round'] = ratios
+      result[name]['ratio_over_tf_data'] = harness.median(ratios)
+  flaxtpu, threads = result['flaxtpu'], result['flaxtpu_threads']
+  result['ratio_flaxtpu_over_tf_data'] = flaxtpu['ratio_over_tf_data']
+  result['ratio_flaxtpu_threads_over_tf_data'] = threads['ratio_over_tf_data']
   result['resnet50_images_per_sec_assumed'] = RESNET50_IMAGES_PER_SEC
-  result['host_cores_per_accelerator'] = {name: rate / per_core
-                                          for name, rate in RESNET50_IMAGES_PER_SEC.items()}
+  # Per CPU-second actually used: the machine is shared, so per wall-clock core undercounts.
+  result['host_cores_per_accelerator'] = {
+      name: {chip: rate * result[name]['cpu_seconds_per_image']
+             for chip, rate in RESNET50_IMAGES_PER_SEC.items()}
+      for name in measured}
 
-  print(f'flaxtpu (grain, {workers} workers) {flaxtpu["images_per_sec"]:8,.0f} img/s  '
-        f'{per_core:6,.0f} img/s per core ({cores} cores), '
-        f'{flaxtpu["images_per_cpu_second"]:5,.0f} per CPU-second used')
-  print(f'tf.data (AUTOTUNE)         {tf_data["images_per_sec"]:8,.0f} img/s  '
-        f'{tf_data["images_per_sec_per_core"]:6,.0f} img/s per core ({cores} cores), '
-        f'{tf_data["images_per_cpu_second"]:5,.0f} per CPU-second used')
-  print(f'flaxtpu / tf.data = {result["ratio_flaxtpu_over_tf_data"]:.2f}x '
-        f'(goal >= 1.0; medians of {args.rounds} interleaved rounds of >= {args.seconds:g} s, '
+  for name, label in (('flaxtpu', f'flaxtpu (grain, {workers} processes)'),
+                      ('flaxtpu_threads', f'flaxtpu ({workers} threads)'),
+                      ('tf_data', 'tf.data (AUTOTUNE)')):
+    row = result[name]
+    print(f'{label:28s} {row["images_per_sec"]:8,.0f} img/s  '
+          f'{row["images_per_sec_per_core"]:6,.0f} img/s per core ({cores} cores), '
+          f'{row["images_per_cpu_second"]:5,.0f} per CPU-second used '
+          f'({1e3 * row["cpu_seconds_per_image"]:.2f} CPU-ms per image)')
+  print(f'flaxtpu / tf.data = {result["ratio_flaxtpu_over_tf_data"]:.2f}x with processes, '
+        f'{result["ratio_flaxtpu_threads_over_tf_data"]:.2f}x with threads '
+        f'(goal >= 1.0; medians of the per-round ratios, {args.rounds} interleaved rounds of '
+        f'>= {args.seconds:g} s, '
         f'batches of {args.batch_size} at {args.image_size}x{args.image_size})')
   print('note: tf.data flips on the host; flaxtpu flips on the device (augment.flip, cheap there), so its '
         'host pipeline does not')
-  needed = ', '.join(f'{name} (~{rate:,} img/s): {result["host_cores_per_accelerator"][name]:.1f}'
-                     for name, rate in RESNET50_IMAGES_PER_SEC.items())
-  print(f'host cores per accelerator to feed ResNet-50 at {per_core:,.0f} img/s per core: {needed} '
-        '(approximate per-chip training rates; these JPEGs are smaller than ImageNet\'s, so real '
-        'photos need more)')
+  for name in measured:
+    needed = ', '.join(f'{chip} (~{rate:,} img/s): {result["host_cores_per_accelerator"][name][chip]:.1f}'
+                       for chip, rate in RESNET50_IMAGES_PER_SEC.items())
+    print(f'host cores per accelerator to feed ResNet-50, {name}: {needed}')
+  print('(per CPU-second used; approximate per-chip training rates; these JPEGs are smaller than '
+        'ImageNet\'s, so real photos need more)')
   return result
 
 

@@ -114,6 +114,10 @@ class Dataset:
   transform: Transform
   workers: int = 0
   prefetch: int = 2
+  # Streamed batches built by `workers` threads of this process instead of processes: no
+  # shared-memory hand-over (see workers.run). Off by default; benchmarks/input_pipeline.py
+  # measures both.
+  worker_threads: bool = False
   skip_corrupt: bool = False
   multilabel: bool = False  # task=multilabel: labels are uint8 multi-hot rows
   class_weights: Optional[np.ndarray] = None  # float32 [num_classes] loss weights; None = unweighted
@@ -311,8 +315,14 @@ def train_sample(dataset: Dataset, count: int) -> list[np.ndarray]:
   The same on every host and in every run: the images at fixed positions, no randomness.
   """
   train = dataset.train
-  positions = np.linspace(0, len(train) - 1, min(len(train), count)).astype(int)
-  loader = _EvalLoader(train, dataset.transform, dataset.skip_corrupt)
+  return split_images(dataset, train, np.linspace(0, len(train) - 1, min(len(train), count)).astype(int))
+
+
+def split_images(dataset: Dataset, examples: Examples, positions: np.ndarray) -> list[np.ndarray]:
+  """The examples of a split at `positions`, as evaluation shows them (uint8 [H, W, C] each)."""
+  if _sliceable(dataset, examples):
+    return list(examples.images[positions])
+  loader = _EvalLoader(examples, dataset.transform, dataset.skip_corrupt)
   images = [image for image, _ in workers.run(loader.example, positions, dataset.workers, buffer=64,
                                               min_items_per_worker=500)]
   if failures := [image for image in images if isinstance(image, _Failure)]:
@@ -685,13 +695,14 @@ def train_batches(dataset: Dataset, *, seed: int, batch_size: int, first_step: i
   if _sliceable(dataset, train):  # CIFAR-size: slicing is all there is
     return _sliced_train_batches(train, chosen, steps, alternate_flip)
   loader = _TrainLoader(train, dataset.transform, chosen, dataset.skip_corrupt, alternate_flip)
-  return _loaded_train_batches(loader, steps, 0 if train.cached else dataset.workers, dataset.prefetch)
+  return _loaded_train_batches(loader, steps, 0 if train.cached else dataset.workers, dataset.prefetch,
+                               dataset.worker_threads)
 
 
 def _loaded_train_batches(loader: _TrainLoader, steps: range, num_workers: int,
-                          prefetch: int) -> Iterator[Batch]:
+                          prefetch: int, threads: bool = False) -> Iterator[Batch]:
   # A generator, so the workers start with the first batch asked for and stop with the last.
-  yield from _checked(workers.run(loader, steps, num_workers, prefetch))
+  yield from _checked(workers.run(loader, steps, num_workers, prefetch, threads=threads))
 
 
 def _sliced_train_batches(train: Examples, chosen: Sampler, steps: range,
@@ -720,7 +731,7 @@ def eval_batches(dataset: Dataset, *, batch_size: int, process_index: int = 0,
     return
   loader = _EvalLoader(examples, dataset.transform, dataset.skip_corrupt, batch_size, rows)
   yield from _checked(workers.run(loader, starts, 0 if examples.cached else dataset.workers,
-                                  dataset.prefetch))
+                                  dataset.prefetch, threads=dataset.worker_threads))
 
 
 def eval_image(dataset: Dataset, index: int) -> np.ndarray:
@@ -778,7 +789,7 @@ class _ExampleReader:
           item, label = examples.images[position], examples.labels[position]
         else:
           item, label = examples.source.load(position)
-        return make_image(preprocess.open_image(item)), _label(label)
+        return make_image(item), _label(label)
       except Exception as e:  # pylint: disable=broad-except
         where = examples.source.describe(position) if examples.source else f'cached image {position}'
         reason = sources.unreadable(where, e)
@@ -800,17 +811,28 @@ class _TrainLoader(_ExampleReader):
   def __call__(self, step: int):
     indices = self.sampler.indices(step)
     mirror = self.sampler.mirrored(step, indices) if self.alternate_flip else np.zeros(len(indices), bool)
-    images, labels = [], []
+    images, labels = _batch_images(len(indices), self.transform), []
     for row, (position, index) in enumerate(zip(range(self.sampler.rows.start, self.sampler.rows.stop),
                                                 indices)):
       rng = np.random.default_rng([self.sampler.seed, step, position])
+      out = images[row] if isinstance(images, np.ndarray) else None
       image, label = self.read(int(index), functools.partial(preprocess.train_image, transform=self.transform,
-                                                             rng=rng))
+                                                             rng=rng, out=out))
       if isinstance(image, _Failure):
         return image
-      images.append(image[:, ::-1] if mirror[row] else image)
+      if out is None:
+        images.append(image[:, ::-1] if mirror[row] else image)
+      elif mirror[row]:
+        out[:] = out[:, ::-1]  # numpy copies overlapping operands first
       labels.append(label)
     return Batch(_stack(images), _label_batch(labels), np.ones(len(labels), bool))
+
+
+def _batch_images(count: int, transform: Transform) -> np.ndarray | list:
+  """Where a batch's images go: at a fixed image size, one array each image is resized straight
+  into (no copy when the batch is stacked); at native sizes, a list to stack."""
+  return np.empty((count, transform.size, transform.size, transform.channels), np.uint8) if transform.size \
+      else []
 
 
 class _EvalLoader(_ExampleReader):
@@ -820,17 +842,19 @@ class _EvalLoader(_ExampleReader):
     super().__init__(examples, transform, skip_corrupt)
     self.batch_size, self.rows = batch_size, rows
 
-  def example(self, index: int):
-    return self.read(int(index), functools.partial(preprocess.eval_image, transform=self.transform))
+  def example(self, index: int, out: Optional[np.ndarray] = None):
+    return self.read(int(index), functools.partial(preprocess.eval_image, transform=self.transform, out=out))
 
   def __call__(self, start: int):
     indices, mask = _eval_rows(start, self.batch_size, self.rows, len(self.examples))
-    images, labels = [], []
-    for index in indices:
-      image, label = self.example(index)
+    images, labels = _batch_images(len(indices), self.transform), []
+    for row, index in enumerate(indices):
+      out = images[row] if isinstance(images, np.ndarray) else None
+      image, label = self.example(index, out)
       if isinstance(image, _Failure):
         return image
-      images.append(image)
+      if out is None:
+        images.append(image)
       labels.append(label)
     return Batch(_stack(images), _label_batch(labels), mask)
 
@@ -868,7 +892,9 @@ class _CacheDecoder:
     return preprocess.to_array(decoded, channels)
 
 
-def _stack(images: list[np.ndarray]) -> np.ndarray:
+def _stack(images: np.ndarray | list[np.ndarray]) -> np.ndarray:
+  if isinstance(images, np.ndarray):
+    return images
   shapes = {image.shape for image in images}
   if len(shapes) > 1:  # only possible with image_size=0 on a source whose sizes were not scanned
     raise DataError(f'images of sizes {sorted(shapes)[:3]} in one batch; set '

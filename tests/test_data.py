@@ -1,6 +1,8 @@
 """The input pipeline: folders of any size and format, slices, batches by (seed, step), bad data."""
 
+import dataclasses
 import os
+import time
 
 import numpy as np
 import pytest
@@ -84,10 +86,12 @@ def test_batches_do_not_depend_on_workers_or_processes(tmp_path):
   threaded = data.load(config)
   reference = _batches(threaded, steps=range(4, 7))
   config.input.workers = 2
-  in_workers = _batches(data.load(config), steps=range(4, 7))
-  for a, b in zip(reference, in_workers, strict=True):
-    np.testing.assert_array_equal(a.images, b.images)
-    np.testing.assert_array_equal(a.labels, b.labels)
+  in_workers = data.load(config)
+  in_threads = dataclasses.replace(in_workers, worker_threads=True)
+  for other in (_batches(in_workers, steps=range(4, 7)), _batches(in_threads, steps=range(4, 7))):
+    for a, b in zip(reference, other, strict=True):
+      np.testing.assert_array_equal(a.images, b.images)
+      np.testing.assert_array_equal(a.labels, b.labels)
   # Two processes read disjoint rows that together are the global batch.
   parts = [_batches(threaded, steps=range(4, 7), process_index=p, process_count=2) for p in range(2)]
   for whole, first, second in zip(reference, *parts):
@@ -255,6 +259,27 @@ def test_prefetch_yields_in_order_reraises_and_closes():
   with workers.prefetch(endless(), size=2) as items:
     next(items)
   assert closed == [True]
+
+
+def test_thread_workers_yield_in_order_reraise_and_stop_when_closed():
+  started = []
+
+  def slow_square(item):
+    started.append(item)
+    time.sleep(0.01 * (item % 3))  # finishing out of order
+    if item == 7:
+      raise ValueError('seven')
+    return item * item
+
+  assert list(workers.run(slow_square, range(7), workers=3, buffer=2, threads=True)) == [
+      i * i for i in range(7)]
+  with pytest.raises(ValueError, match='seven'):
+    list(workers.run(slow_square, range(10), workers=3, buffer=2, threads=True))
+  started.clear()
+  results = workers.run(slow_square, range(1000), workers=2, buffer=4, threads=True)
+  assert next(results) == 0
+  results.close()
+  assert len(started) <= 6  # computed at most `buffer` ahead; the rest never started
 
 
 # --- bad data: one error naming the file or folder ---------------------------------------
