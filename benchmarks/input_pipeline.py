@@ -10,11 +10,13 @@ and the same files in the same order:
 - flaxtpu: `data.load` with `dataset.cache=none` (a header scan, no pixels)
   and `data.train_batches` with --workers grain processes (default: every
   core). Each image is read, given an Inception-style random crop (area
-  0.08-1, aspect 3/4-4/3), decoded only as finely as that crop needs (libjpeg
-  DCT scaling), resized to --image-size (Pillow bilinear) and stacked into
-  uint8 [B, N, N, 3] batches. No flip: flaxtpu flips on the device
+  0.08-1, aspect 3/4-4/3), decoded only as finely as that crop needs (libjpeg-turbo
+  DCT scaling, through simplejpeg for plain JPEGs), resized to --image-size
+  (OpenCV bilinear, area when shrinking) into uint8 [B, N, N, 3] batches. No flip: flaxtpu flips on the device
   (`config.augment.flip`, `augment.random_flip`, one select per image inside the
   jitted step, cheap there), so its host pipeline has none to do.
+- flaxtpu with threads: the same, with `Dataset.worker_threads` (--workers threads of this process,
+  no shared-memory hand-over of the batches).
 - tf.data: the classic TPU ResNet-50 input: `tf.io.read_file` ->
   `tf.image.sample_distorted_bounding_box` (the same ranges, min_object_covered
   0.1, 10 attempts) -> `tf.image.decode_and_crop_jpeg` -> random flip ->
@@ -25,7 +27,7 @@ Each round times both (which goes first alternates) on its own steps for at
 least --seconds, after warm-up batches (worker start-up, AUTOTUNE ramp-up),
 over a whole number of worker cycles (see `time_batches`); every file a round
 reads is read once before any timing, so both find them in the page cache. Reports
-the medians, flaxtpu / tf.data (goal: >= 1), images/s per core
+the medians, flaxtpu / tf.data (the median of the per-round ratios; goal: >= 1), images/s per core
 (os.cpu_count()) and per CPU-second the pipeline actually used, and what that
 means in host cores per accelerator for ResNet-50 at published per-chip rates.
 
