@@ -414,6 +414,42 @@ def _check_eval(config: ml_collections.ConfigDict) -> None:
   if not 0.0 <= config.eval.threshold < 1.0:
     raise ConfigError(f'config.eval.threshold={config.eval.threshold!r} must be in [0, 1) (0 = chosen '
                       'per class on the eval split)')
+  _check_fewshot(config)
+
+
+def _check_fewshot(config: ml_collections.ConfigDict) -> None:
+  fewshot = config.eval.fewshot
+  if not fewshot.shots:
+    if fewshot.datasets:
+      raise ConfigError(f'config.eval.fewshot.datasets={tuple(fewshot.datasets)} needs shot counts: set '
+                        '--config.eval.fewshot.shots=1,5,10')
+    return
+  if any(not isinstance(k, int) or k < 1 for k in fewshot.shots):
+    raise ConfigError(f'config.eval.fewshot.shots={tuple(fewshot.shots)} must be positive whole numbers of '
+                      'images per class, e.g. 1,5,10')
+  _positive('eval.fewshot.seeds', fewshot.seeds)
+  _positive('eval.fewshot.l2_reg', fewshot.l2_reg)
+  if config.task == 'multilabel':
+    raise ConfigError('config.eval.fewshot probes one class per image and this run is task=multilabel; '
+                      'leave eval.fewshot.shots empty')
+
+
+def _check_distill(config: ml_collections.ConfigDict) -> None:
+  distill = config.distill
+  if not distill.teacher:
+    return
+  _one_of('distill.loss', distill.loss, ('soft', 'hard', 'function_matching'))
+  if not 0.0 <= distill.alpha <= 1.0:
+    raise ConfigError(f'config.distill.alpha={distill.alpha!r} must be in [0, 1]: the teacher\'s share of '
+                      'the loss (1 = the teacher alone)')
+  if not distill.temperature > 0:
+    raise ConfigError(f'config.distill.temperature={distill.temperature!r} must be > 0 (1 = the '
+                      'teacher\'s own probabilities; Hinton et al. use 2-4)')
+  if distill.loss == 'hard' and distill.temperature != 1.0:
+    raise ConfigError(f'config.distill.loss=hard learns the teacher\'s top class, which no temperature '
+                      f'changes; drop config.distill.temperature={distill.temperature!r} or use loss=soft')
+  if not (distill.step in ('best', 'latest') or str(distill.step).isdigit()):
+    raise ConfigError(f'config.distill.step={distill.step!r} must be best, latest or a step number')
 
 
 def _check_predict(config: ml_collections.ConfigDict) -> None:
@@ -429,7 +465,8 @@ def _check_wandb(config: ml_collections.ConfigDict) -> None:
 
 # The sections of defaults.py, in its order.
 SECTION_CHECKS = (_check_dataset, _check_input, _check_augment, _check_model, _check_training,
-                  _check_optimizer, _check_schedule, _check_ema, _check_init_from, _check_parallelism,
+                  _check_optimizer, _check_schedule, _check_ema, _check_init_from, _check_distill,
+                  _check_parallelism,
                   _check_loop, _check_checkpoint, _check_early_stopping, _check_eval, _check_predict,
                   _check_wandb)
 

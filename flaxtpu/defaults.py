@@ -272,6 +272,21 @@ def get_config() -> ml_collections.ConfigDict:
   # when the classes differ).
   config.init_from.skip = ()
 
+  # --- distillation -----------------------------------------------------
+  config.distill = ml_collections.ConfigDict()
+  # A frozen teacher whose predictions the model learns from ('' = off): a flaxtpu workdir or
+  # WORKDIR/checkpoints/STEP, or published weights (as init_from.checkpoint). It runs in eval mode
+  # inside the train step, on the same devices and in the same dtype; checkpoints hold the student.
+  config.distill.teacher = ''
+  config.distill.step = 'best'  # Of a teacher workdir: best | latest | a step number.
+  # soft: the teacher's probabilities at `temperature` (Hinton et al.); hard: its top class as a
+  # label (DeiT); function_matching: the teacher sees the very (mixed) image the student sees
+  # (Beyer et al.; pair with mixup/CutMix, alpha=1, long schedules).
+  config.distill.loss = 'soft'
+  # The teacher term's share of the loss: (1 - alpha) x labels' cross-entropy + alpha x T^2 x KL.
+  config.distill.alpha = 0.5
+  config.distill.temperature = 1.0  # Softens both distributions in the KL (soft, function_matching).
+
   # --- parallelism ------------------------------------------------------
   config.parallelism = 'jit'  # jit (jax.jit over a device mesh) | pmap.
   config.mesh = ml_collections.ConfigDict()
@@ -328,6 +343,16 @@ def get_config() -> ml_collections.ConfigDict:
   # with the best F1 on the eval split: tuned on the split it scores, so optimistic there; saved to
   # thresholds.json by the end-of-run report and --mode=eval, which predict reads).
   config.eval.threshold = 0.0
+  # Few-shot linear probes of the frozen features at every evaluation and in --mode=eval:
+  # big_vision's closed-form ridge regression on `shots` train images per class, scored on the eval
+  # split, logged as eval_fewshot_{K}shot (other datasets: eval_fewshot_{NAME}_{K}shot).
+  config.eval.fewshot = ml_collections.ConfigDict()
+  config.eval.fewshot.shots = ()  # () = off; e.g. (1, 5, 10).
+  # Besides the run's own data: image folders or TFDS names, each read as NAME with its train split
+  # for the probe's images and its test split (or NAME:TRAIN_SPLIT:EVAL_SPLIT) to score.
+  config.eval.fewshot.datasets = ()
+  config.eval.fewshot.seeds = 3  # Probe images drawn this many times per shot count; the mean is logged.
+  config.eval.fewshot.l2_reg = 1024.0  # The ridge penalty on standardised features (big_vision's 2^10).
 
   config.predict = ml_collections.ConfigDict()
   config.predict.input = ''  # --mode=predict: an image file or a folder of images.

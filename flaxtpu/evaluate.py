@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flaxtpu import checkpoint, data, files, finetune, parallel, pretrained, report, steps
+from flaxtpu import checkpoint, data, fewshot, files, finetune, parallel, pretrained, report, steps
 from flaxtpu.config import eval_metric_prefix, resolved_eval_batch_size
 from flaxtpu.errors import UserError
 
@@ -219,6 +219,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
                     'evaluate on data like the training data')
   results, predictions = evaluate(placement, state, dataset, resolved_eval_batch_size(config),
                                   keep_logits=True, threshold=config.eval.threshold)
+  if config.eval.fewshot.shots:
+    results.update(fewshot_accuracies(config, placement, state, record))
   # The run's own final evaluation (its eval split, TTA and weights at its last step) gets the plain
   # names its end-of-run report has; any other view of the checkpoints a suffix naming how it differs,
   # so no result replaces another's.
@@ -249,6 +251,16 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
     with files.writing(path, 'free disk space or choose a writable --workdir'):
       files.write_json(path, {**results, 'splits': splits})
   return results
+
+
+def fewshot_accuracies(config: ml_collections.ConfigDict, placement: steps.Placement, state,
+                       record: dict) -> dict[str, float]:
+  """eval.fewshot's probe accuracies of a restored model (they need the train split too)."""
+  dataset = data.load(config, class_names=record.get('class_names'))
+  norm = record['normalization']
+  task = steps.create_task(config, num_classes=record['num_classes'],
+                           image_shape=tuple(record['image_shape']), mean=norm['mean'], std=norm['std'])
+  return fewshot.Probe(config, dataset, task, placement)(state)
 
 
 def tag_thresholds(config: ml_collections.ConfigDict, workdir: str, step: int,

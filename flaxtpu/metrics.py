@@ -93,10 +93,11 @@ def window_to_json(window: Metrics | None) -> dict | None:
   return jax.tree.map(lambda x: np.asarray(x).item(), flax.serialization.to_state_dict(window))
 
 
-def window_from_json(saved: dict | None) -> Metrics | None:
+def window_from_json(saved: dict | None, collection=Metrics):
+  """`window_to_json`'s record read back into the train step's metric `collection` (None stays None)."""
   if saved is None:
     return None
-  empty = Metrics.empty()
+  empty = collection.empty()
   restored = flax.serialization.from_state_dict(empty, saved)
   return jax.tree.map(lambda like, value: jnp.asarray(value, like.dtype), empty, restored)
 

@@ -49,14 +49,17 @@ class Task:
   translate_tta: int = 0  # ... and of copies shifted this many pixels diagonally both ways (0 = none)
   multilabel: bool = False  # a sigmoid per class (any number of tags per image) instead of a softmax
   class_weights: Optional[np.ndarray] = None  # float32 [classes]: the train loss's weights (None = 1)
+  teacher: Any = None  # distill.Teacher: a frozen teacher's predictions join the targets (None = no teacher)
 
 
 def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
                 image_shape: tuple[int, int, int], mean, std,
-                length: Optional[RunLength] = None, class_weights: Optional[np.ndarray] = None) -> Task:
+                length: Optional[RunLength] = None, class_weights: Optional[np.ndarray] = None,
+                teacher=None) -> Task:
   """The model and preprocessing a config describes; with a run `length`, also its optimizer.
 
   `class_weights` (the dataset's, float32 [classes]) weigh the train loss; evaluation is unweighted.
+  `teacher` (a `distill.Teacher`) distils into the model.
   """
   check_against_data(config, image_shape, num_classes)
   model = models.create(
@@ -74,7 +77,8 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
               ema_decay=config.ema.decay, ema_warmup=config.ema.warmup,
               accumulate_steps=config.optimizer.accumulate_steps, flip_tta=config.eval.flip_tta,
               translate_tta=config.eval.translate_tta, multilabel=config.task == 'multilabel',
-              class_weights=None if class_weights is None else np.asarray(class_weights, np.float32))
+              class_weights=None if class_weights is None else np.asarray(class_weights, np.float32),
+              teacher=teacher)
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -224,12 +228,19 @@ def batch_accuracy(logits: jax.Array, labels: jax.Array, multilabel: bool) -> ja
   return (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
 
 
-def train_step(state: TrainState, batch, *, task: Task, axis_name: Optional[str] = None):
+def train_metrics_collection(task: Task):
+  """The clu collection a train step returns: loss and accuracy (and the teacher's term when distilling)."""
+  return task.teacher.metric_collection if task.teacher else metrics.Metrics
+
+
+def train_step(state: TrainState, batch, teacher_variables: Optional[ModelState] = None, *, task: Task,
+               axis_name: Optional[str] = None):
   """One batch of (uint8 images, labels) -> (new state, clu metrics): an optimizer update, or
   one of `optimizer.accumulate_steps` batches whose mean gradient makes one.
 
   `axis_name` is None under jit (XLA sees the global batch); under pmap it
-  names the device axis that gradients and metrics are averaged over.
+  names the device axis that gradients and metrics are averaged over. With a
+  `task.teacher`, `teacher_variables` are its frozen weights (see distill.py).
   """
   images, labels = batch
   key = jax.random.fold_in(state.rng, state.step)
@@ -240,19 +251,29 @@ def train_step(state: TrainState, batch, *, task: Task, axis_name: Optional[str]
   # Smoothing is linear, so mixing first gives the same targets and keeps the mixed hard labels
   # that weigh each example by class. Multilabel smoothing is timm's BinaryCrossEntropy: a tag is
   # 1 - s + s / C, an absent one s / C (the same formula as optax.smooth_labels).
-  images, hard_targets = augment.mix_batch(key, images, label_targets(labels, task), positions,
-                                           task.augment)
+  teacher = task.teacher
+  targets = label_targets(labels, task)
+  if teacher and not teacher.sees_mixed_images:  # its targets for the images before mixing, mixed as labels
+    teacher_logits = teacher.logits(teacher_variables, images, task.mean, task.std)
+    targets = jnp.concatenate([targets, teacher.targets(teacher_logits)], axis=-1)
+  images, targets = augment.mix_batch(key, images, targets, positions, task.augment)
+  hard_targets, teacher_targets = targets[:, :task.num_classes], targets[:, task.num_classes:]
+  if teacher and teacher.sees_mixed_images:  # function matching: it scores the very image the student sees
+    teacher_targets = teacher.targets(teacher.logits(teacher_variables, images, task.mean, task.std))
   targets = optax.smooth_labels(hard_targets, task.label_smoothing)
   rngs = {'dropout': _dropout_key(key, axis_name)}  # unused (and compiled away) without dropout
 
   def loss_fn(params):
     logits, updates = task.model.apply({'params': params, 'batch_stats': state.batch_stats},
                                        images, train=True, mutable=['batch_stats'], rngs=rngs)
-    loss = loss_per_example(logits, targets, hard_targets, multilabel=task.multilabel,
-                            class_weights=task.class_weights).mean()
-    return loss, (logits, updates.get('batch_stats', state.batch_stats))
+    losses = loss_per_example(logits, targets, hard_targets, multilabel=task.multilabel,
+                              class_weights=task.class_weights)
+    kl = teacher.kl(logits, teacher_targets) if teacher else jnp.zeros_like(losses)
+    if teacher:
+      losses = teacher.combine(losses, kl)
+    return losses.mean(), (logits, updates.get('batch_stats', state.batch_stats), kl.mean())
 
-  (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  (loss, (logits, batch_stats, kl)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   grads = _mean(grads, axis_name)
   updates, opt_state = task.optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -265,8 +286,8 @@ def train_step(state: TrainState, batch, *, task: Task, axis_name: Optional[str]
     new_state = new_state.replace(ema=update_ema(
         task, state, {'params': params, 'batch_stats': batch_stats}, optim.updated(opt_state)))
   accuracy = jnp.mean(batch_accuracy(logits, labels, task.multilabel))
-  step_metrics = metrics.Metrics.single_from_model_output(
-      loss=_mean(loss, axis_name), accuracy=_mean(accuracy, axis_name))
+  step_metrics = train_metrics_collection(task).single_from_model_output(
+      loss=_mean(loss, axis_name), accuracy=_mean(accuracy, axis_name), distill_kl=_mean(kl, axis_name))
   return new_state, step_metrics
 
 
@@ -350,13 +371,16 @@ class Placement:
   to_saveable: Callable
   from_saveable: Callable
   to_host_metrics: Callable
+  frozen: tuple = ()  # what every train step takes after (state, batch), never changed: a teacher's weights
 
   def compile_train_step(self, state, batch) -> tuple[Callable, dict]:
-    """Compiles the train step ahead of time; returns it with the per-device memory XLA plans."""
+    """Compiles the train step ahead of time; returns it, called as (state, batch), with the
+    per-device memory XLA plans."""
     started = time.time()
-    compiled = self.train_step.lower(state, batch).compile()
+    compiled = self.train_step.lower(state, batch, *self.frozen).compile()
     plan = {'compile_seconds': round(time.time() - started, 3), **_memory_plan(compiled)}
-    return compiled, plan
+    frozen = self.frozen
+    return (lambda state, batch: compiled(state, batch, *frozen)) if frozen else compiled, plan
 
 
 def _memory_plan(compiled) -> dict:
@@ -373,11 +397,15 @@ def _memory_plan(compiled) -> dict:
   return plan
 
 
-def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict) -> Placement:
+def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict,
+          teacher_variables: Optional[ModelState] = None) -> Placement:
   """jax.jit over the mesh with explicit shardings, or jax.pmap: the same step functions.
 
   A task without an optimizer places a `ModelState` (inference); with one, a
   `TrainState`. Both batch sizes are checked against the devices here, once.
+  A distilling task's `teacher_variables` (already laid out as `place` lays
+  out a model: global arrays under jit, replicated under pmap) become the
+  train step's third argument, in the shardings they have.
   """
   parallel.check_batch_size('batch_size', config.batch_size)
   parallel.check_batch_size('eval_batch_size', resolved_eval_batch_size(config))
@@ -392,13 +420,15 @@ def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict
   abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 abstract_state, state_shardings)
   replicated = parallel.replicated(mesh)
+  frozen = () if teacher_variables is None else (teacher_variables,)
   if config.parallelism == 'jit':
     batch_sharding = parallel.batch_sharding(mesh)
     put_batch = functools.partial(parallel.to_global, sharding=batch_sharding)
+    frozen_shardings = tuple(jax.tree.map(lambda x: x.sharding, f) for f in frozen)
     return Placement(
         mesh=mesh, parallelism='jit', state_shardings=state_shardings, abstract_state=abstract_state,
         train_step=jax.jit(functools.partial(train_step, task=task),
-                           in_shardings=(state_shardings, batch_sharding),
+                           in_shardings=(state_shardings, batch_sharding, *frozen_shardings),
                            out_shardings=(state_shardings, replicated),
                            donate_argnums=0) if task.optimizer else None,
         eval_step=jax.jit(functools.partial(eval_step, task=task),
@@ -408,7 +438,7 @@ def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict
                        in_shardings=(state_shardings, batch_sharding), out_shardings=replicated),
         put_train_batch=put_batch, put_eval_batch=put_batch,
         to_saveable=lambda state: state, from_saveable=lambda state: state,
-        to_host_metrics=lambda collection: collection)
+        to_host_metrics=lambda collection: collection, frozen=frozen)
   axis = parallel.PMAP_AXIS
   pmapped_eval = jax.pmap(functools.partial(eval_step, task=task, axis_name=axis), axis_name=axis)
   pmapped_logits = jax.pmap(functools.partial(logits_fn, task=task), axis_name=axis)
@@ -421,7 +451,7 @@ def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict
       put_train_batch=parallel.to_pmap_batch, put_eval_batch=parallel.to_pmap_batch,
       to_saveable=lambda state: parallel.unreplicate_to_mesh(state, mesh),
       from_saveable=parallel.replicate,
-      to_host_metrics=lambda collection: collection.unreplicate())
+      to_host_metrics=lambda collection: collection.unreplicate(), frozen=frozen)
 
 
 def _first_metrics(batch_metrics, logits):

@@ -25,7 +25,21 @@ import numpy as np
 from clu import parameter_overview
 from jax.experimental import multihost_utils
 
-from flaxtpu import checkpoint, data, files, finetune, lock, metrics, optim, parallel, report, steps, workers
+from flaxtpu import (
+  checkpoint,
+  data,
+  distill,
+  fewshot,
+  files,
+  finetune,
+  lock,
+  metrics,
+  optim,
+  parallel,
+  report,
+  steps,
+  workers,
+)
 from flaxtpu.config import RunLength, early_stopping_metric, metric_mode, resolved_eval_batch_size, run_length
 from flaxtpu.errors import UserError
 from flaxtpu.evaluate import evaluate_splits, report_about, write_report
@@ -157,7 +171,21 @@ def checkpoint_record(config: ml_collections.ConfigDict, task: steps.Task, step:
           'normalization': {'mean': dataset.mean.tolist(), 'std': dataset.std.tolist()},
           'data_position': {'seed': config.seed, 'next_step': step},
           'progress': progress,
+          'distill': distill.record_of(task.teacher),
           'config': config.to_dict()}
+
+
+def load_teacher(config: ml_collections.ConfigDict, dataset: data.Dataset, mesh,
+                 checkpoints: checkpoint.Checkpoints) -> tuple[Optional[distill.Teacher], Any]:
+  """distill.teacher and its weights (None, None without one); a resumed run reads the teacher step
+  it started with, whatever `best` or `latest` means now."""
+  if not config.distill.teacher:
+    return None, None
+  started_step, latest = None, checkpoints.latest_step()
+  if latest is not None:
+    with contextlib.suppress(checkpoint.UnreadableCheckpoint):  # the restore names it if it matters
+      started_step = distill.recorded_step(checkpoints.read_record(latest), config.distill.teacher)
+  return distill.load_teacher(config, dataset.class_names, dataset.image_shape, mesh, started_step)
 
 
 class Start(NamedTuple):
@@ -201,7 +229,8 @@ def start_or_resume(config: ml_collections.ConfigDict, task: steps.Task, placeme
         f'{saved_accumulation}, and its optimizer state counts updates of that many batches; resume with '
         f'--config.optimizer.accumulate_steps={saved_accumulation} or use another --workdir')
   logging.info('resuming from step %d (%s)', latest, os.path.join(checkpoints.directory, str(latest)))
-  saved_window = metrics.window_from_json(record.get('train_metrics_window'))
+  saved_window = metrics.window_from_json(record.get('train_metrics_window'),
+                                          steps.train_metrics_collection(task))
   window = [placement.from_saveable(saved_window)] if saved_window is not None else []
   return Start(placement.from_saveable(saved), latest, window, Progress.from_json(record.get('progress')),
                record.get('init_from'))
@@ -273,6 +302,7 @@ class _Loop:
   window: list  # per-step train metrics since the last log line
   last_log_time: float = dataclasses.field(default_factory=time.time)
   predictions: Any = None  # the last evaluation's logits and labels, for the per-class report
+  probe: Optional[fewshot.Probe] = None  # eval.fewshot's linear probes, run with every evaluation
 
   def due(self, step: int, every: int) -> bool:
     """Whether an action taken every `every` steps (and after the last) is due after `step`."""
@@ -324,6 +354,8 @@ class _Loop:
                                                   resolved_eval_batch_size(self.config),
                                                   report_weights(self.config) if is_last else None,
                                                   self.config.eval.threshold)
+      if self.probe:
+        results.update(self.probe(state))
     num_examples = results.pop('num_examples')
     self.clock.progress.eval = results
     logging.info('eval at step %d: loss %.4f  accuracy %.4f  (%d examples)%s', step,
@@ -417,12 +449,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   check_host(config, dataset.image_shape, streamed=not (dataset.train.cached and dataset.eval.cached))
   eval_sets = [(config.dataset.eval_split, dataset)] + data.load_eval_splits(config, dataset)
 
+  checkpoints = checkpoint.Checkpoints(workdir, config)
+  teacher, teacher_variables = load_teacher(config, dataset, mesh, checkpoints)
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std, length=length,
-                           class_weights=dataset.class_weights)
-  placement = steps.place(task, mesh, config)
+                           class_weights=dataset.class_weights, teacher=teacher)
+  placement = steps.place(task, mesh, config, teacher_variables)
   log_plan(config, dataset, length, task, placement)
-  checkpoints = checkpoint.Checkpoints(workdir, config)
   start = start_or_resume(config, task, placement, checkpoints, dataset)
   if start.step >= length.total_steps or start.progress.stopped_early:
     return finish_trained_run(config, placement, start, checkpoints, dataset, eval_sets, length, workdir)
@@ -439,7 +472,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
           last_step=length.total_steps, process_index=jax.process_index(),
           process_count=jax.process_count(), alternate_flip=config.augment.alternate_flip))
   loop = _Loop(config, task, placement, dataset, eval_sets, length, checkpoints, writer,
-               TrainClock(start.step, start.progress, started), start, start.window)
+               TrainClock(start.step, start.progress, started), start, start.window,
+               probe=fewshot.maybe_probe(config, dataset, task, placement))
   profiler = StepProfiler(workdir, start.step, config.profile_steps, length.total_steps)
   try:
     with _Closing() as closing:

@@ -108,3 +108,19 @@ def assert_same_state(a, b):
   import jax
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(x, y)
+
+
+def signal_at_step(monkeypatch, step_to_signal):
+  """SIGTERM to this process when the data pipeline reaches a step (like a preemption)."""
+  import signal
+
+  from flaxtpu import data
+  real = data.train_batches
+
+  def batches(*args, **kwargs):
+    for step, batch in enumerate(real(*args, **kwargs), kwargs['first_step'] + 1):
+      if step == step_to_signal:
+        os.kill(os.getpid(), signal.SIGTERM)
+      yield batch
+
+  monkeypatch.setattr(data, 'train_batches', batches)

@@ -2,16 +2,17 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from configs import digits
-from conftest import ROOT, assert_same_state, metric_rows, restore_checkpoint
+from conftest import ROOT, assert_same_state, metric_rows, restore_checkpoint, signal_at_step
 from flaxtpu import config as config_lib
-from flaxtpu import data, defaults, optim, train
+from flaxtpu import defaults, optim, train
 
 # Every 4 steps an evaluation; eval_loss never improves by min_delta=1, so with patience 3 the run
 # stops at the 4th evaluation (step 16), its best the first (step 4).
@@ -35,19 +36,6 @@ def _config(**overrides):
 
 def _flags(overrides):
   return [f'--config.{key}={value}' for key, value in overrides.items()]
-
-
-def _signal_at_step(monkeypatch, step_to_signal):
-  """SIGTERM to this process when the data pipeline reaches a step (like a preemption)."""
-  real = data.train_batches
-
-  def batches(*args, **kwargs):
-    for step, batch in enumerate(real(*args, **kwargs), kwargs['first_step'] + 1):
-      if step == step_to_signal:
-        os.kill(os.getpid(), signal.SIGTERM)
-      yield batch
-
-  monkeypatch.setattr(data, 'train_batches', batches)
 
 
 def test_plateau_scale_drops_by_the_factor_after_patience_evaluations():
@@ -119,7 +107,7 @@ def test_early_stopping_resumed_stops_where_an_uninterrupted_run_does(stopped_ea
   workdir = str(tmp_path)
   # The prefetcher runs ahead of the loop by a few steps: the stop lands after 2 evaluations without
   # improvement (steps 8, 12) and before the third.
-  _signal_at_step(monkeypatch, 16)
+  signal_at_step(monkeypatch, 16)
   stopped = train.train_and_evaluate(_config(**STOPPING), workdir)
   assert 12 <= stopped['stopped_at_step'] < 16
   monkeypatch.undo()
@@ -134,12 +122,24 @@ def test_early_stopping_resumed_stops_where_an_uninterrupted_run_does(stopped_ea
   assert sorted(map(int, filter(str.isdigit, os.listdir(os.path.join(workdir, 'checkpoints')))))[-1] == 16
 
 
+def test_plateau_under_pmap_drops_the_rate_as_under_jit(tmp_path):
+  jit_dir, pmap_dir = str(tmp_path / 'jit'), str(tmp_path / 'pmap')
+  train.train_and_evaluate(_config(**PLATEAU), jit_dir)
+  train.train_and_evaluate(_config(parallelism='pmap', **PLATEAU), pmap_dir)
+  rates = lambda workdir: [row['learning_rate'] for row in metric_rows(workdir) if 'learning_rate' in row]
+  assert rates(pmap_dir) == rates(jit_dir) and rates(jit_dir)[-1] == pytest.approx(0.003)
+  # The scale lives in the (replicated) optimizer state and is saved with it.
+  scale = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(restore_checkpoint(pmap_dir, 24))
+           if 'plateau_scale' in jax.tree_util.keystr(path)]
+  assert len(scale) == 1 and float(np.asarray(scale[0]).reshape(-1)[0]) == pytest.approx(0.1)
+
+
 def test_plateau_resumed_continues_with_the_same_scale(tmp_path, monkeypatch):
   reference_dir, workdir = str(tmp_path / 'uninterrupted'), str(tmp_path / 'resumed')
   reference = train.train_and_evaluate(_config(**PLATEAU), reference_dir)
   rates = [row['learning_rate'] for row in metric_rows(reference_dir) if 'learning_rate' in row]
   assert rates[:2] == [0.03, 0.03] and rates[2:] == [pytest.approx(0.003)] * (len(rates) - 2)
-  _signal_at_step(monkeypatch, 14)  # after the drop at step 8: the scale must survive the resume
+  signal_at_step(monkeypatch, 14)  # after the drop at step 8: the scale must survive the resume
   assert 8 < train.train_and_evaluate(_config(**PLATEAU), workdir)['stopped_at_step'] < 14
   monkeypatch.undo()
   results = train.train_and_evaluate(_config(**PLATEAU), workdir)

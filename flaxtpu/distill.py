@@ -1,0 +1,237 @@
+"""Knowledge distillation: a frozen teacher's predictions as (part of) the student's targets.
+
+`distill.teacher` names a flaxtpu workdir (its `distill.step`), one of its
+checkpoint directories, or published weights (hf-hub:ORG/NAME, .safetensors,
+.pth, .npz: whatever `init_from` accepts). The teacher runs inside the train
+step in eval mode (BatchNorm on its running statistics), on the student's
+mesh and shardings and in the student's `dtype`; its weights are an argument
+of the step, never part of the train state, so checkpoints hold the student
+alone. Per example the loss is
+
+    (1 - alpha) * cross-entropy(labels) + alpha * T^2 * KL(teacher_T || student_T)
+
+with `distill.loss`:
+
+- `soft` (Hinton et al.): the teacher's softmax at temperature T of the
+  augmented image; under mixup/CutMix its probabilities are mixed as the
+  labels are.
+- `hard` (DeiT's hard distillation): the teacher's top class (multilabel: its
+  tags at 0.5) as a one-hot label, mixed as the labels are; T is 1.
+- `function_matching` (Beyer et al., "Knowledge distillation: A good teacher
+  is patient and consistent"): the teacher sees exactly the student's input,
+  the mixed image included, and scores it at temperature T.
+
+The teacher's images are the student's normalised pixels mapped onto the
+teacher's own normalisation (an affine map, so erasing noise and mixing carry
+over exactly). Multilabel teachers give per-tag sigmoids and the KL is the
+per-tag binary one, summed over the tags.
+"""
+
+import copy
+import dataclasses
+import logging
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from clu import metrics as clu_metrics
+from jax.scipy.special import xlogy
+
+from flaxtpu import checkpoint, defaults, finetune, models, pretrained, steps
+from flaxtpu.config import from_saved
+from flaxtpu.errors import UserError
+
+
+@clu_metrics.flax.struct.dataclass
+class Metrics(clu_metrics.Collection):
+  """A distilling train step's: the loss, accuracy, and the teacher term (T^2 x KL) on its own."""
+  loss: clu_metrics.Average.from_output('loss')
+  accuracy: clu_metrics.Average.from_output('accuracy')
+  distill_kl: clu_metrics.Average.from_output('distill_kl')
+
+
+@dataclasses.dataclass(frozen=True)
+class Teacher:
+  """The static half of distillation, closed over by the train step (its weights are an argument)."""
+  model: nn.Module
+  mean: Optional[np.ndarray]  # the teacher's normalisation (None: pixels in [0, 1])
+  std: Optional[np.ndarray]
+  order: Optional[np.ndarray]  # int32 [classes]: the teacher logit of each of the run's classes; None = same
+  loss: str  # soft | hard | function_matching
+  alpha: float
+  temperature: float
+  multilabel: bool
+  source: str = ''  # distill.teacher as given
+  step: int = 0  # the teacher checkpoint's step (0 for published weights)
+  metric_collection = Metrics  # the train step's metrics (a class attribute, not a field)
+
+  @property
+  def sees_mixed_images(self) -> bool:
+    """function_matching: the teacher scores the mixed image itself, not the images before mixing."""
+    return self.loss == 'function_matching'
+
+  def logits(self, variables, images: jax.Array, mean: Optional[np.ndarray],
+             std: Optional[np.ndarray]) -> jax.Array:
+    """float32 [batch, classes] teacher logits of the student's normalised `images` (normalised by
+    `mean`/`std`), in the run's class order. No gradient flows into the teacher."""
+    pixels = images if mean is None else images * std + mean  # back to [0, 1]
+    inputs = pixels if self.mean is None else (pixels - self.mean) / self.std
+    logits = self.model.apply({'params': variables.params, 'batch_stats': variables.batch_stats},
+                              inputs, train=False)
+    logits = jax.lax.stop_gradient(logits.astype(jnp.float32))
+    return logits if self.order is None else logits[:, self.order]
+
+  def targets(self, logits: jax.Array) -> jax.Array:
+    """The teacher's targets from its logits: probabilities at the temperature, or hard labels."""
+    if self.loss == 'hard':
+      if self.multilabel:
+        return (logits >= 0).astype(jnp.float32)
+      return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1])
+    scaled = logits / self.temperature
+    return jax.nn.sigmoid(scaled) if self.multilabel else jax.nn.softmax(scaled)
+
+  @property
+  def kl_temperature(self) -> float:
+    return 1.0 if self.loss == 'hard' else self.temperature
+
+  def kl(self, student_logits: jax.Array, teacher_targets: jax.Array) -> jax.Array:
+    """float32 [batch]: T^2 x KL(teacher targets || student at T) per example (`kl_per_example`)."""
+    return kl_per_example(student_logits, teacher_targets, self.kl_temperature, self.multilabel)
+
+  def combine(self, label_loss: jax.Array, kl: jax.Array) -> jax.Array:
+    return (1.0 - self.alpha) * label_loss + self.alpha * kl
+
+
+def kl_per_example(student_logits: jax.Array, targets: jax.Array, temperature: float,
+                   multilabel: bool) -> jax.Array:
+  """float32 [batch]: temperature^2 x KL(targets || the student's distribution at the temperature).
+
+  Multiclass: the softmax KL over the classes. Multilabel: the binary KL of each tag's sigmoid,
+  summed over the tags. The T^2 factor keeps the gradients' scale as T changes (Hinton et al.).
+  With one-hot targets this is the cross-entropy.
+  """
+  scaled = student_logits.astype(jnp.float32) / temperature
+  if multilabel:
+    entropy_terms = xlogy(targets, targets) + xlogy(1 - targets, 1 - targets)
+    cross_terms = targets * jax.nn.log_sigmoid(scaled) + (1 - targets) * jax.nn.log_sigmoid(-scaled)
+    return temperature ** 2 * jnp.sum(entropy_terms - cross_terms, axis=-1)
+  return temperature ** 2 * jnp.sum(xlogy(targets, targets) - targets * jax.nn.log_softmax(scaled), axis=-1)
+
+
+# --- loading the teacher ------------------------------------------------------------------------
+
+
+def record_of(teacher: Optional[Teacher]) -> Optional[dict]:
+  """What a checkpoint record keeps of the teacher, so that a resumed run reads the same step."""
+  return {'teacher': teacher.source, 'step': teacher.step} if teacher else None
+
+
+def recorded_step(saved_record: dict, teacher: str) -> Optional[int]:
+  """The teacher step a run started with (from its checkpoint record), so that `best` or `latest`
+  does not move to a newer teacher checkpoint when it resumes."""
+  saved = saved_record.get('distill') or {}
+  return int(saved['step']) if saved.get('teacher') == teacher and saved.get('step') is not None else None
+
+
+def load_teacher(config: ml_collections.ConfigDict, class_names, image_shape: tuple[int, ...],
+                 mesh: jax.sharding.Mesh, started_step: Optional[int] = None
+                 ) -> tuple[Teacher, Any]:
+  """(the Teacher, its weights laid out on `mesh` for the run's parallelism).
+
+  The teacher must predict the run's classes (by name, in any order) from images of the run's
+  shape. `started_step`: the step a resumed run's teacher was read at.
+  """
+  spec = config.distill.teacher
+  teacher_config = _inference_config(config)
+  if pretrained.is_published(spec):  # its model, normalisation and classes, at the run's image size
+    teacher_config.init_from.checkpoint = spec
+    teacher_config.model.name = defaults.get_config().model.name
+    teacher_config.dataset.normalize = 'auto'
+    teacher_config.dataset.image_size = image_shape[0]
+    placement, variables, step, record = finetune.published_model(teacher_config)
+    source_config = teacher_config
+  else:
+    lookup = copy.deepcopy(config)
+    with lookup.unlocked():
+      lookup.init_from.checkpoint = spec
+      lookup.init_from.step = str(started_step) if started_step is not None else config.distill.step
+    try:
+      source, step = finetune.resolve_source(lookup)
+    except checkpoint.CheckpointError as e:
+      raise checkpoint.CheckpointError(str(e).replace('config.init_from.checkpoint', 'config.distill.teacher')
+                                       .replace('init_from.step', 'distill.step')) from None
+    try:
+      record = source.read_record(step)
+      source_config = from_saved(record.get('config', {}))
+      for section in ('parallelism', 'mesh', 'dtype', 'batch_size', 'eval_batch_size', 'cpu_devices'):
+        source_config[section] = copy.deepcopy(teacher_config[section])
+      source_config.eval = copy.deepcopy(teacher_config.eval)
+      norm = record['normalization']
+      task = steps.create_task(source_config, num_classes=record['num_classes'],
+                               image_shape=tuple(record['image_shape']), mean=norm['mean'], std=norm['std'])
+      placement = steps.place(task, mesh, source_config)
+      saved, _ = source.restore(step, placement.abstract_state, {'model': source_config.model.name},
+                                config=source_config, subset=True)
+      variables = placement.from_saveable(saved)
+    finally:
+      source.close()
+  teacher_task = record.get('task', 'multiclass')
+  if teacher_task != config.task:
+    raise UserError(f'config.distill.teacher={spec!r} is a {teacher_task} model and this run is '
+                    f'task={config.task}; distill from a teacher of the same task')
+  order = class_order(record.get('class_names') or [], list(class_names), spec)
+  mean, std = _normalization(source_config, record)
+  model = steps.create_task(source_config, num_classes=record['num_classes'],
+                            image_shape=tuple(record['image_shape']), mean=mean, std=std).model
+  teacher_shape = tuple(record['image_shape'])
+  if teacher_shape[-1] != image_shape[-1] or (
+      teacher_shape != tuple(image_shape) and models.get_spec(source_config.model.name).family == 'vit'):
+    raise UserError(f'config.distill.teacher={spec!r} ({source_config.model.name}) reads {teacher_shape} '
+                    f'images and the data gives {tuple(image_shape)}; distill from a teacher trained on '
+                    'images of this shape (or set config.dataset.image_size to its size)')
+  settings = config.distill
+  teacher = Teacher(model=model, mean=mean, std=std, order=order, loss=settings.loss, alpha=settings.alpha,
+                    temperature=settings.temperature, multilabel=config.task == 'multilabel', source=spec,
+                    step=int(step))
+  logging.info('distilling from %s (%s, step %d, %d classes): loss=%s alpha=%g temperature=%g', spec,
+               source_config.model.name, step, record['num_classes'], settings.loss, settings.alpha,
+               settings.temperature)
+  return teacher, variables
+
+
+def _inference_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The run's config as the teacher's placement needs it: its devices, precision and batch sizes,
+  no test-time augmentation, no EMA, no init_from."""
+  teacher_config = copy.deepcopy(config)
+  with teacher_config.unlocked():
+    teacher_config.eval.flip_tta, teacher_config.eval.translate_tta = False, 0
+    teacher_config.eval.ema = False
+    teacher_config.init_from.checkpoint = ''
+    teacher_config.model.remat = 'none'
+  return teacher_config
+
+
+def _normalization(source_config: ml_collections.ConfigDict, record: dict):
+  """The teacher's (mean, std) as its train step applied them; None when it saw pixels in [0, 1]."""
+  if source_config.dataset.normalize not in ('standardize', 'fixed'):
+    return None, None
+  norm = record['normalization']
+  return np.asarray(norm['mean'], np.float32), np.asarray(norm['std'], np.float32)
+
+
+def class_order(teacher_names: list[str], run_names: list[str], spec: str) -> Optional[np.ndarray]:
+  """Where each of the run's classes is among the teacher's (None when the lists are equal)."""
+  if teacher_names == run_names:
+    return None
+  missing = [name for name in run_names if name not in teacher_names]
+  if missing or len(teacher_names) != len(run_names):
+    extra = [name for name in teacher_names if name not in run_names]
+    raise UserError(f'config.distill.teacher={spec!r} predicts {len(teacher_names)} classes and the data '
+                    f'has {len(run_names)}' + (f' (the teacher lacks {missing[:3]})' if missing else '')
+                    + (f' (the data lacks {extra[:3]})' if extra else '') + '; distill from a teacher of '
+                    'these classes (fine-tune one first with init_from)')
+  position = {name: index for index, name in enumerate(teacher_names)}
+  return np.asarray([position[name] for name in run_names], np.int32)
