@@ -159,6 +159,7 @@ def load(config: ml_collections.ConfigDict, *, need_train: bool = True,
       train=train, eval=examples[-1], class_names=tuple(class_names), image_shape=image_shape,
       mean=np.zeros(source.channels, np.float32), std=np.ones(source.channels, np.float32),
       transform=transform, workers=num_workers, prefetch=config.input.prefetch,
+      worker_threads=config.input.threads,
       skip_corrupt=settings.skip_corrupt, multilabel=config.task == 'multilabel',
       class_weights=None if train is None else class_weights(settings.class_weights, train, class_names),
       sampling=settings.sampling)
