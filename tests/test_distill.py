@@ -10,7 +10,7 @@ import pytest
 
 from configs import digits
 from conftest import assert_same_state, metric_rows, restore_checkpoint, signal_at_step, tiny_dataset
-from flaxtpu import augment, checkpoint, distill, steps, train
+from flaxtpu import augment, checkpoint, distill, parallel, steps, train
 from flaxtpu import config as config_lib
 from flaxtpu.config import ConfigError
 from flaxtpu.errors import UserError
@@ -213,3 +213,22 @@ def test_a_teacher_of_other_classes_or_no_checkpoint_is_one_line(tmp_path, teach
     distill.class_order([str(i) for i in range(10)], ['0', '1', '2'], teacher_workdir)
   assert list(distill.class_order(['b', 'c', 'a'], ['a', 'b', 'c'], 't')) == [2, 0, 1]
   assert not os.path.exists(tmp_path / 'a' / 'checkpoints' / '6')
+
+
+def test_a_published_teacher_scores_images_as_its_source_framework(tmp_path):
+  from safetensors.torch import save_file  # pylint: disable=g-import-not-at-top
+  from test_pretrained import import_torch, randomise_batch_norm  # pylint: disable=g-import-not-at-top
+  torch, _, timm = import_torch()
+  torch.manual_seed(0)
+  source = randomise_batch_norm(torch, timm.create_model('resnet18', num_classes=3)).eval()
+  path = str(tmp_path / 'resnet18_3.safetensors')
+  save_file({key: value.contiguous() for key, value in source.state_dict().items()}, path)
+  config = _step_config(**{'distill.teacher': path, 'distill.temperature': 2.0})
+  names = ['class_2', 'class_0', 'class_1']  # the run's classes in another order than the teacher's
+  teacher, variables = distill.load_teacher(config, names, (32, 32, 3), parallel.make_mesh(config))
+  assert teacher.step == 0 and teacher.source == path and list(teacher.order) == [2, 0, 1]
+  pixels = np.random.default_rng(0).random((2, 32, 32, 3)).astype(np.float32)
+  mean, std = np.full(3, 0.5, np.float32), np.full(3, 0.25, np.float32)  # the student's normalisation
+  ours = teacher.logits(variables, jnp.asarray((pixels - mean) / std), mean, std)
+  expected = source(torch.from_numpy(((pixels - teacher.mean) / teacher.std).transpose(0, 3, 1, 2)))
+  np.testing.assert_allclose(ours, expected.detach().numpy()[:, [2, 0, 1]], rtol=1e-4, atol=1e-4)
