@@ -10,6 +10,8 @@ Who reads and writes a `gs://` path in flaxtpu, and how each finds an emulator:
   reads STORAGE_EMULATOR_HOST itself; FSSPEC_GCS (no token, no cached listings);
   GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false
   (its bucket-type probe is a gRPC call to the real control plane).
+- TFDS's ArrayRecord files: array_record's C++ reader, through google-cloud-cpp, which reads
+  CLOUD_STORAGE_EMULATOR_ENDPOINT (without it, it waits on the real endpoints and the metadata server).
 - TensorBoard events: TensorFlow's GCS filesystem (clu's SummaryWriter) cannot be pointed at an
   emulator: its endpoints are fixed (https://www.googleapis.com). flaxtpu.metrics writes events to a
   local directory and copies them with epath.
@@ -46,6 +48,7 @@ def emulator_settings(environ: MutableMapping[str, str]) -> dict[str, str]:
   return {
       'TENSORSTORE_GCS_HTTP_URL': url,
       'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'emulator',
+      'CLOUD_STORAGE_EMULATOR_ENDPOINT': url,
       'EPATH_USE_TF': 'false',
       'FSSPEC_GCS': json.dumps(GCSFS_OPTIONS),
       'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false',
