@@ -10,7 +10,9 @@ object WORKDIR/train.lock written only if it is absent or expired (a
 conditional write, through TensorStore's kvstore) and renewed while the run
 lives. Nothing releases it when a process is killed: a kill -9'd run's lease
 blocks the workdir until it expires (LEASE_SECONDS after its last renewal),
-and the refusal says how long that is.
+and the refusal says how long that is. A lease this run no longer holds (another
+trainer took it over, or it could not be renewed before it expired) is reported
+to `on_lost`: the trainer stops at its next step without saving.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import os
 import socket
 import threading
 import time
+from typing import Callable, Optional
 
-from flaxtpu import storage
+from flaxtpu import files, storage
 from flaxtpu.errors import UserError
 
 LOCK_FILE = 'train.lock'
@@ -45,7 +48,8 @@ class WorkdirLock:
       return WorkdirLease(workdir, *args, **kwargs)
     return super().__new__(cls)
 
-  def __init__(self, workdir: str):
+  def __init__(self, workdir: str, on_lost: Optional[Callable[[str], None]] = None):
+    del on_lost  # an flock is held until the process ends: it cannot be lost
     self.path = os.path.join(workdir, LOCK_FILE)
     self._fd = None
 
@@ -88,13 +92,24 @@ def _describe(content: bytes) -> str:
 class WorkdirLease(WorkdirLock):
   """WorkdirLock on an object store: WORKDIR/train.lock is a lease object (holder's pid, host, start
   and renewal times), written only where the generation read before is still the one stored, so of
-  two trainers racing for it one wins. Renewed by a thread every LEASE_SECONDS / 3; deleted on exit."""
+  two trainers racing for it one wins. Renewed by a thread every LEASE_SECONDS / 3; deleted on exit.
 
-  def __init__(self, workdir: str, seconds: float | None = None):  # pylint: disable=super-init-not-called
+  Each renewal first reads the lease back: another holder's content (or none) means it was taken over.
+  (The conditional write alone would say so on GCS, but not on an emulator that ignores it.) A lease
+  taken over, or not renewed for 2/3 of its life (the store kept failing), is lost: `on_lost(message)`
+  is called once, from the renewing thread, and renewing stops.
+  """
+
+  def __init__(self, workdir: str, seconds: float | None = None,  # pylint: disable=super-init-not-called
+               on_lost: Optional[Callable[[str], None]] = None):
     self.path = os.path.join(workdir, LOCK_FILE)
     self.seconds = LEASE_SECONDS if seconds is None else seconds
+    self.on_lost = on_lost
+    self.lost: Optional[str] = None
     self._store = None
     self._generation = None
+    self._written = b''  # the lease as this run last wrote it
+    self._renewed = 0.0
     self._holder = {'pid': os.getpid(), 'host': socket.gethostname(),
                     'started': time.strftime('%Y-%m-%d %H:%M:%S')}
     self._stopped = threading.Event()
@@ -124,22 +139,43 @@ class WorkdirLease(WorkdirLock):
 
   def _write(self, generation) -> bool:
     """Writes the lease where `generation` is still the stored one; whether it was written."""
-    payload = json.dumps({**self._holder, 'renewed': time.time(), 'seconds': self.seconds}).encode()
+    renewed = time.time()
+    payload = json.dumps({**self._holder, 'renewed': renewed, 'seconds': self.seconds}).encode()
     written = self._store.write('', payload, if_equal=generation).result()
     if not written.generation:  # TensorStore's answer to a failed condition: no generation
       return False
-    self._generation = written.generation
+    self._generation, self._written, self._renewed = written.generation, payload, renewed
     return True
 
   def _renew(self) -> None:
-    while not self._stopped.wait(self.seconds / 3):
+    interval = self.seconds / 3
+    while not self._stopped.wait(interval):
       try:
-        if not self._write(self._generation):
-          logging.error('lost the lease %s to another trainer (%s); stop this run: two trainers now write '
-                        'into one workdir', self.path, _describe(self._store.read('').result().value))
+        current = self._store.read('').result()
+        if current.state != 'value' or current.value != self._written or not self._write(self._generation):
+          taker = (f'another trainer ({_describe(current.value)})' if current.state == 'value'
+                   else 'nobody: it was deleted')
+          self._lose(f'the lease {self.path} was taken over by {taker}; this run stopped without saving, '
+                     'so that it never writes over that trainer\'s checkpoints; let that trainer finish, or '
+                     'stop it and run this command again to resume')
           return
+        interval = self.seconds / 3
       except Exception as e:  # pylint: disable=broad-except  # a store that fails now may answer later
-        logging.warning('could not renew the lease %s (%s); retrying', self.path, e)
+        age = time.time() - self._renewed
+        if age >= 2 * self.seconds / 3:  # another trainer may take it over once it expires
+          self._lose(f'could not renew the lease {self.path} for {age:.0f} s ({files.short_error(e, 200)}); '
+                     f'it expires after {self.seconds:.0f} s and another trainer could then take over '
+                     'the workdir, so this run stopped without saving; check the connection to the bucket '
+                     'and run the same command again to resume')
+          return
+        logging.warning('could not renew the lease %s (%s); retrying', self.path, files.short_error(e, 200))
+        interval = min(self.seconds / 3, 5.0)  # retry sooner than the usual renewal
+
+  def _lose(self, message: str) -> None:
+    self.lost, self._generation = message, None  # nothing of ours left to delete on exit
+    logging.error('%s', message)
+    if self.on_lost is not None:
+      self.on_lost(message)
 
   def __exit__(self, *exc_info) -> None:
     self._stopped.set()
@@ -148,10 +184,12 @@ class WorkdirLease(WorkdirLock):
       self._renewer = None
     if self._generation is not None:
       try:
-        self._store.write('', None, if_equal=self._generation).result()  # only our own lease
+        current = self._store.read('').result()
+        if current.state == 'value' and current.value == self._written:  # only our own lease
+          self._store.write('', None, if_equal=self._generation).result()
       except Exception as e:  # pylint: disable=broad-except
-        logging.warning('could not release the lease %s (%s); it expires in %.0f s', self.path, e,
-                        self.seconds)
+        logging.warning('could not release the lease %s (%s); it expires in %.0f s', self.path,
+                        files.short_error(e, 200), self.seconds)
       self._generation = None
 
 

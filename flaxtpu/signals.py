@@ -1,4 +1,5 @@
-"""SIGTERM and Ctrl-C become a request to stop at the next safe point, not a lost run.
+"""SIGTERM and Ctrl-C become a request to stop at the next safe point, not a lost run; a lost workdir
+lease (flaxtpu.lock), a request to stop there without saving.
 
 JAX-free, so the CLI can install it before JAX starts: a preemption during
 start-up, data loading, compilation or the final writes is honoured like one
@@ -10,6 +11,8 @@ from __future__ import annotations
 import logging
 import signal
 
+from flaxtpu.errors import UserError
+
 
 class StopRequest:
   """While active, the first SIGTERM/SIGINT is recorded; the trainer saves and exits 0.
@@ -19,6 +22,7 @@ class StopRequest:
 
   def __init__(self):
     self.signal_name: str | None = None
+    self.abort_reason: str | None = None  # set from another thread: stop without saving, as an error
     self._previous: dict = {}
 
   def __enter__(self) -> 'StopRequest':
@@ -43,3 +47,12 @@ class StopRequest:
       logging.warning('%s received: stopping at the next safe point, after saving '
                       '(press Ctrl-C again to stop at once)', signal.Signals(signum).name)
     self.signal_name = signal.Signals(signum).name
+
+  def abort(self, reason: str) -> None:
+    """Asks the trainer to stop at its next step without saving, and to fail with `reason` (one line):
+    what it would save no longer belongs to it (a lease lost to another trainer)."""
+    self.abort_reason = self.abort_reason or reason
+
+  def raise_if_aborted(self) -> None:
+    if self.abort_reason is not None:
+      raise UserError(self.abort_reason)

@@ -49,14 +49,20 @@ from flaxtpu.signals import StopRequest
 
 
 def stop_requested(stop: StopRequest, check_all_processes: bool) -> bool:
-  """Whether to stop now. With many processes they must agree on the step, so a signal
-  is only acted on where `check_all_processes` (a collective every process reaches) is set."""
+  """Whether to stop now; UserError where the stop is an abort (a lost lease: nothing may be saved).
+  With many processes they must agree on the step, so a signal or an abort is only acted on where
+  `check_all_processes` (a collective every process reaches) is set."""
   if jax.process_count() == 1:
+    stop.raise_if_aborted()
     return stop.signal_name is not None
   if not check_all_processes:
     return False
-  flags = multihost_utils.process_allgather(np.array(stop.signal_name is not None))
-  return bool(np.any(flags))
+  flags = multihost_utils.process_allgather(np.array([stop.signal_name is not None,
+                                                      stop.abort_reason is not None]))
+  if np.any(flags[..., 1]):
+    stop.abort(stop.abort_reason or 'process 0 lost the workdir\'s lease; see its error line')
+    stop.raise_if_aborted()
+  return bool(np.any(flags[..., 0]))
 
 
 class StepProfiler:
@@ -432,7 +438,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   """
   with contextlib.nullcontext(stop) if stop and stop.active else StopRequest() as stop:
     # Process 0 holds the workdir for the run: a second trainer there stops at once.
-    with lock.WorkdirLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
+    # A lease (gs://) that another trainer takes over stops this run at its next step, unsaved.
+    holding = lock.WorkdirLock(workdir, on_lost=stop.abort) if jax.process_index() == 0 else None
+    with holding or contextlib.nullcontext():
       return _train_and_evaluate(config, workdir, stop)
 
 
