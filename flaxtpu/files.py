@@ -16,6 +16,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import tempfile
 from typing import Any, Iterator, Mapping, Optional
 
@@ -103,6 +104,33 @@ def upload(local_path: str, path: str) -> None:
     _epath(path).write_bytes(open_bytes(local_path))
   else:
     os.replace(local_path, path)
+
+
+class LocalStage:
+  """Directory `path` for a library that writes only local files (jax.profiler: its own GCS client
+  cannot reach an emulator): `local` is `path` itself when it is local, else a temporary directory
+  (made on first use) whose files `publish()` uploads under `path`, keeping their relative paths."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self._local = None if is_remote(path) else path
+
+  @property
+  def local(self) -> str:
+    if self._local is None:
+      self._local = tempfile.mkdtemp(prefix='flaxtpu-stage-')
+    return self._local
+
+  def publish(self) -> None:
+    """Uploads what the local directory holds (a no-op for a local `path`), then removes it."""
+    if self._local is None or self._local == self.path:
+      return
+    for directory, _, names in os.walk(self._local):
+      for name in names:
+        source = os.path.join(directory, name)
+        _epath(join(self.path, os.path.relpath(source, self._local))).write_bytes(open_bytes(source))
+    shutil.rmtree(self._local, ignore_errors=True)
+    self._local = None
 
 
 def open_bytes(path: str) -> bytes:
@@ -194,14 +222,13 @@ def unwritable(directory: str) -> Optional[str]:
 
 def writable_or_elsewhere(directory: str, what: str) -> str:
   """`directory` when files can be written there, else one under the system's temporary directory
-  (said in a warning): the evaluation of a run on a read-only disk still leaves `what`."""
+  (said in a warning): the evaluation of a run on a read-only disk, or in a bucket this user may only
+  read, still leaves `what`."""
   reason = unwritable(directory)
   if reason is None:
     return directory
-  if is_remote(directory):
-    raise UserError(f'cannot write {what} to {directory} ({reason}); check the bucket\'s permissions')
-  elsewhere = os.path.join(tempfile.gettempdir(), 'flaxtpu',
-                           os.path.abspath(directory).strip(os.sep).replace(os.sep, '_'))
+  name = directory.replace('://', '_', 1) if is_remote(directory) else os.path.abspath(directory)
+  elsewhere = os.path.join(tempfile.gettempdir(), 'flaxtpu', name.strip(os.sep).replace(os.sep, '_'))
   if (other := unwritable(elsewhere)) is not None:
     raise UserError(f'cannot write {what}: {directory} ({reason}) and {elsewhere} ({other}) refuse '
                     'files; free disk space or copy the run to a writable directory')

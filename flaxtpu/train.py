@@ -71,13 +71,14 @@ class StepProfiler:
 
   def __init__(self, workdir: str, first_step: int, num_steps: int, total_steps: int):
     self.directory = os.path.join(workdir, 'profile')
+    self._trace_dir = files.LocalStage(self.directory)  # on gs://: traced locally, uploaded at the end
     start = min(first_step + self.WARMUP_STEPS, max(first_step, total_steps - num_steps))
     self._steps = range(start + 1, min(start + num_steps, total_steps) + 1) if num_steps else range(0)
     self._tracing = False
 
   def before_step(self, step: int) -> None:
     if self._steps and step == self._steps.start:
-      jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+      jax.profiler.start_trace(self._trace_dir.local, create_perfetto_trace=True)
       self._tracing = True
 
   def after_step(self, step: int, state, clock: TrainClock) -> None:
@@ -90,6 +91,7 @@ class StepProfiler:
     if self._tracing:
       jax.block_until_ready(state)
       jax.profiler.stop_trace()
+      self._trace_dir.publish()
       self._tracing = False
       logging.info('profile of steps %d-%d in %s: open it with `tensorboard --logdir %s` (Profile '
                    'tab) or the *.trace.json.gz in https://ui.perfetto.dev', self._steps.start,
