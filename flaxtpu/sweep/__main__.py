@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from flaxtpu import sweep
+from flaxtpu import storage, sweep
 from flaxtpu.sweep import report, runner, slurm
 
 
@@ -21,7 +21,11 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
       prog='python -m flaxtpu.sweep', description=sweep.__doc__.split('\n\n')[0],
       epilog='Extra --config.KEY=VALUE arguments are passed to every run.')
   parser.add_argument('experiment', help='experiment file defining get_config() and get_sweep()')
-  parser.add_argument('--workdir', required=True, help='sweep directory; each run goes to WORKDIR/<run name>')
+  parser.add_argument('--workdir', required=True, help='sweep directory (or gs://bucket/path); each run goes '
+                      'to WORKDIR/<run name>')
+  parser.add_argument('--log-dir', default='', help='local directory for the runs\' log.txt while they run '
+                      '(default: WORKDIR, or for a gs:// WORKDIR ~/.cache/flaxtpu/sweep-logs/...; copied '
+                      'to WORKDIR/<run>/log.txt as each run ends)')
   parser.add_argument('--parallel', type=int, default=None,
                       help='runs at once (each is a full trainer process); local default 1, slurm: no limit')
   parser.add_argument('--dry-run', action='store_true', help='print the commands, one per line; run nothing')
@@ -61,6 +65,13 @@ SLURM_ONLY = ('partition', 'time', 'gpus_per_run', 'cpus_per_run', 'mem', 'sbatc
 
 
 def _check_launcher_flags(args: argparse.Namespace) -> None:
+  if (reason := storage.check_workdir_scheme(args.workdir)) is not None:
+    raise sweep.SweepError(f'--workdir={args.workdir}: {reason}')
+  if args.launcher == 'slurm' and storage.is_remote(args.workdir):
+    # Its array scripts, job record and lock, and every run's log are local files beside WORKDIR.
+    raise sweep.SweepError(f'--launcher=slurm keeps its array scripts, job record and run logs as files under'
+                           f' WORKDIR, which {args.workdir} cannot hold; use a directory that the cluster\'s '
+                           'nodes share as --workdir, or drop --launcher=slurm to run the sweep here')
   if args.parallel is not None and args.parallel < 1:
     raise sweep.SweepError(f'--parallel={args.parallel}: must be at least 1')
   if args.launcher == 'local':
@@ -124,6 +135,7 @@ def _final_report(args: argparse.Namespace, runs: list[runner.Run], config: Any)
 def main(argv: Sequence[str] | None = None) -> int:
   """The `python -m flaxtpu.sweep` CLI; returns the exit status (0 only if every run finished)."""
   args, config_args = _parse_args(sys.argv[1:] if argv is None else argv)
+  storage.configure()  # a gs:// WORKDIR on an emulator: STORAGE_EMULATOR_HOST (the runs configure themselves)
   try:
     _check_launcher_flags(args)
     config, runs_overrides = runner.load_experiment(args.experiment)
@@ -163,10 +175,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   parallel = args.parallel or 1
   print(f'[sweep] {len(runs)} runs of {args.experiment} in {args.workdir}, {parallel} at a time', flush=True)
+  if (log_dir := runner.log_directory(args.workdir, args.log_dir)) != args.workdir:
+    print(f'[sweep] run logs: {log_dir}/<run>/log.txt while they run, copied to {args.workdir}/<run>/log.txt '
+          'as each ends', flush=True)
   # A scheduler or `kill` stopping the sweep gets the same clean stop as Ctrl-C.
   signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
   try:
-    runner.run_sweep(args.experiment, args.workdir, runs, parallel, extra_overrides)
+    runner.run_sweep(args.experiment, args.workdir, runs, parallel, extra_overrides, args.log_dir)
   except KeyboardInterrupt:
     print('[sweep] interrupted; run the same command again to resume', file=sys.stderr)
     report.write_report(args.experiment, args.workdir, runs, config)

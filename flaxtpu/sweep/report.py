@@ -1,4 +1,7 @@
-"""Read what a sweep's runs left behind and summarise it: DIR/results.md, DIR/results.csv, DIR/plots/*.png."""
+"""Read what a sweep's runs left behind and summarise it: DIR/results.md, DIR/results.csv, DIR/plots/*.png.
+
+DIR may be a bucket (gs://): everything is read and written through flaxtpu.files (each file whole).
+"""
 
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ def collect_results(workdir: str, runs: Sequence[Run],
       status, error = DONE, ''
     else:
       # Status of a run without results: what the last sweep saw, or what its directory shows.
-      default_status = 'incomplete' if os.path.isdir(run_dir) else PENDING
+      default_status = 'incomplete' if files.isdir(run_dir) else PENDING
       status = recorded.get(run.name, {}).get('status', default_status)
       if status == DONE or (status == RUNNING and not live_statuses):
         status = 'incomplete'
@@ -103,13 +106,16 @@ def write_tables(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, 
   optional = [column for column in OPTIONAL_COLUMNS if any(row.get(column) is not None for row in rows)]
   metrics = [REPORT_COLUMNS[0], *optional, *REPORT_COLUMNS[1:]]
   columns = ['run'] + keys + metrics + ['status', 'error']
-  with open(os.path.join(workdir, 'results.csv'), 'w', newline='') as f:
-    writer = csv.writer(f)
-    writer.writerow(columns)
-    for row in rows:
-      writer.writerow(['' if row.get(column) is None else
-                       (repr(row[column]) if isinstance(row[column], float) else row[column])
-                       for column in columns])
+  def write_csv(path: str) -> None:
+    with open(path, 'w', newline='') as f:
+      writer = csv.writer(f)
+      writer.writerow(columns)
+      for row in rows:
+        writer.writerow(['' if row.get(column) is None else
+                         (repr(row[column]) if isinstance(row[column], float) else row[column])
+                         for column in columns])
+
+  files.atomic_write(os.path.join(workdir, 'results.csv'), write_csv)
   headers = {'eval_accuracy': 'eval acc', 'best_eval_accuracy': 'best eval acc', 'eval_loss': 'eval loss',
              'train_loss': 'train loss', 'step': 'steps', 'train_images_per_sec': 'images/s',
              'wall_time_s': 'wall s', 'status': 'status', 'eval_accuracy_ema': 'eval acc (EMA)',
@@ -124,8 +130,13 @@ def write_tables(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, 
   if errors:
     lines += ['', 'Errors:', '']
     lines += [f'- `{row["run"]}`: {row["error"]}' for row in errors]
-  with open(os.path.join(workdir, 'results.md'), 'w') as f:
-    f.write('\n'.join(lines) + '\n')
+  files.atomic_write(os.path.join(workdir, 'results.md'),
+                     lambda path: _write_text(path, '\n'.join(lines) + '\n'))
+
+
+def _write_text(path: str, text: str) -> None:
+  with open(path, 'w') as f:
+    f.write(text)
 
 
 def _is_number(value: Any) -> bool:
@@ -154,7 +165,7 @@ def write_plots(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, A
   from matplotlib import pyplot
 
   plots_dir = os.path.join(workdir, PLOTS_DIR)
-  os.makedirs(plots_dir, exist_ok=True)
+  files.makedirs(plots_dir)
   written = []
 
   def save(figure, axes, name: str, legend_entries: int) -> None:
@@ -163,7 +174,7 @@ def write_plots(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, A
     axes.grid(alpha=0.3)
     figure.tight_layout()
     path = os.path.join(plots_dir, name)
-    figure.savefig(path, dpi=80)
+    files.atomic_write(path, lambda temporary: figure.savefig(temporary, dpi=80, format='png'))
     pyplot.close(figure)
     written.append(path)
 
@@ -235,7 +246,7 @@ def write_report(experiment_path: str, workdir: str, runs: Sequence[Run],
                  config: ml_collections.ConfigDict | None = None) -> list[dict[str, Any]]:
   """Write DIR/results.md, DIR/results.csv and DIR/plots/*.png; returns the table rows, best first."""
   rows = collect_results(workdir, runs, config)
-  os.makedirs(workdir, exist_ok=True)
+  files.makedirs(workdir)
   write_tables(workdir, runs, rows, title=f'{experiment_path} ({len(runs)} runs)')
   write_plots(workdir, runs, rows)
   return rows

@@ -1,4 +1,10 @@
-"""Turn an experiment into runs and run them: names, commands, checks, DIR/sweep.json, processes, progress."""
+"""Turn an experiment into runs and run them: names, commands, checks, DIR/sweep.json, processes, progress.
+
+DIR may be a bucket (gs://): runs train there, and sweep.json, results and reports go there through
+flaxtpu.files. A run's log.txt cannot be appended to in a bucket: it is written locally while the run
+runs (--log-dir, by default under ~/.cache/flaxtpu/sweep-logs) and copied to DIR/<run>/log.txt when it
+ends.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from typing import Any
 
 import ml_collections
 
-from flaxtpu import files
+from flaxtpu import files, storage
 from flaxtpu.config import config_keys, did_you_mean
 from flaxtpu.sweep import Overrides, Sweep, SweepError
 
@@ -182,7 +188,7 @@ def check_data_folders(config: ml_collections.ConfigDict, runs_overrides: Sequen
   extra = dict(arg[len('--config.'):].split('=', 1) for arg in extra_overrides)
   for overrides in runs_overrides:
     folder = str(overrides.get('dataset.folder', extra.get('dataset.folder', config.dataset.folder)))
-    if folder and not os.path.isdir(folder):
+    if folder and not files.isdir(folder):
       raise SweepError(f'dataset.folder={folder!r} is not a directory; pass an image folder laid out as '
                        'split/class/image with --config.dataset.folder=PATH')
 
@@ -255,6 +261,36 @@ def error_line(log_path: str) -> str:
   return lines[-1] if lines else ''
 
 
+# --- logs ------------------------------------------------------------------------
+
+LOCAL_LOGS = os.path.join('~', '.cache', 'flaxtpu', 'sweep-logs')
+
+
+def log_directory(workdir: str, log_dir: str = '') -> str:
+  """The local directory that holds each run's log.txt while it runs (as LOG_DIR/<run>/log.txt):
+  `log_dir`, else DIR itself, or for a bucket a directory named after it under LOCAL_LOGS."""
+  if log_dir:
+    return log_dir
+  if not storage.is_remote(workdir):
+    return workdir
+  return os.path.join(os.path.expanduser(LOCAL_LOGS), workdir.replace('://', os.sep, 1).rstrip('/'))
+
+
+def log_path(workdir: str, name: str, log_dir: str = '') -> str:
+  return os.path.join(log_directory(workdir, log_dir), name, LOG_FILE)
+
+
+def copy_log(workdir: str, name: str, log_dir: str = '') -> None:
+  """A bucket sweep's run log, copied (whole) from where it was written to DIR/<run>/log.txt."""
+  local, kept = log_path(workdir, name, log_dir), os.path.join(workdir, name, LOG_FILE)
+  if local != kept and os.path.exists(local):
+    with open(local, 'rb') as f:
+      content = f.read()
+    files.makedirs(os.path.dirname(kept))
+    with files.open_file(kept, 'wb') as f:
+      f.write(content)
+
+
 # --- running ---------------------------------------------------------------------
 
 
@@ -291,12 +327,17 @@ def _child_environment() -> dict[str, str]:
   return environment
 
 
-def _launch(run: Run, workdir: str, environment: Mapping[str, str]) -> tuple[subprocess.Popen, Any]:
-  """Start one run's trainer, its output going to DIR/<run>/log.txt; returns the process and the open log."""
-  run_dir = os.path.join(workdir, run.name)
-  os.makedirs(run_dir, exist_ok=True)
+def _launch(run: Run, workdir: str, environment: Mapping[str, str],
+            log_dir: str = '') -> tuple[subprocess.Popen, Any]:
+  """Start one run's trainer, its output going to its log.txt; returns the process and the open log."""
+  path = log_path(workdir, run.name, log_dir)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  kept = os.path.join(workdir, run.name, LOG_FILE)
+  if path != kept and not os.path.exists(path) and files.exists(kept):
+    with open(path, 'wb') as f:  # started elsewhere before: its earlier attempts stay in the log
+      f.write(files.open_bytes(kept))
   # Appending keeps the log of earlier, interrupted attempts of this run.
-  log = open(os.path.join(run_dir, LOG_FILE), 'a')
+  log = open(path, 'a')
   log.write(f'{LAUNCH_MARKER} {time.strftime("%Y-%m-%d %H:%M:%S")}: {shlex.join(run.command)}\n')
   log.flush()
   process = subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -304,23 +345,24 @@ def _launch(run: Run, workdir: str, environment: Mapping[str, str]) -> tuple[sub
   return process, log
 
 
-def _record_exit(run: Run, returncode: int, wall_time_s: float, workdir: str) -> None:
+def _record_exit(run: Run, returncode: int, wall_time_s: float, workdir: str, log_dir: str = '') -> None:
   """Set a finished run's status: done only on exit status 0 with a results.json, else failed + its error."""
   run_dir = os.path.join(workdir, run.name)
   run.returncode, run.wall_time_s = returncode, round(wall_time_s, 1)
-  if returncode == 0 and os.path.exists(os.path.join(run_dir, RESULTS_FILE)):
+  if returncode == 0 and files.exists(os.path.join(run_dir, RESULTS_FILE)):
     run.status, run.error = DONE, ''
   elif returncode == 0:
     run.status, run.error = FAILED, f'exited 0 but wrote no {RESULTS_FILE}'
   else:
     run.status = FAILED
-    run.error = error_line(os.path.join(run_dir, LOG_FILE)) or f'exit status {returncode}'
+    run.error = error_line(log_path(workdir, run.name, log_dir)) or f'exit status {returncode}'
 
 
 def run_sweep(experiment_path: str, workdir: str, runs: list[Run], parallel: int,
-              extra_overrides: Sequence[str]) -> list[Run]:
-  """Run every unfinished run, at most `parallel` at once, keeping DIR/sweep.json current; returns `runs`."""
-  os.makedirs(workdir, exist_ok=True)
+              extra_overrides: Sequence[str], log_dir: str = '') -> list[Run]:
+  """Run every unfinished run, at most `parallel` at once, keeping DIR/sweep.json current; returns `runs`.
+  Logs go to LOG_DIR/<run>/log.txt (`log_directory`), and are copied to a bucket DIR as each run ends."""
+  files.makedirs(workdir)
   previous = read_sweep_record(workdir)
   if previous and previous.get('extra_overrides', []) != list(extra_overrides):
     print(f'[sweep] warning: command-line overrides changed from {previous.get("extra_overrides")} to '
@@ -328,7 +370,7 @@ def run_sweep(experiment_path: str, workdir: str, runs: list[Run], parallel: int
   previous_runs = {entry.get('name'): entry for entry in previous.get('runs', [])}
   finished_durations: list[float] = []
   for run in runs:
-    if os.path.exists(os.path.join(workdir, run.name, RESULTS_FILE)):
+    if files.exists(os.path.join(workdir, run.name, RESULTS_FILE)):
       run.status = DONE
       # Keep what the sweep that finished this run measured; it also seeds the ETA.
       earlier = previous_runs.get(run.name, {})
@@ -357,10 +399,10 @@ def run_sweep(experiment_path: str, workdir: str, runs: list[Run], parallel: int
       while pending and len(processes) < parallel:
         run = pending.pop(0)
         devices_of[run.name] = free_devices.pop()
-        processes[run.name] = _launch(run, workdir, {**environment, **devices_of[run.name]})
+        processes[run.name] = _launch(run, workdir, {**environment, **devices_of[run.name]}, log_dir)
         started[run.name] = time.monotonic()
         run.status = RUNNING
-        print(f'[sweep] start {run.name} (log: {os.path.join(workdir, run.name, LOG_FILE)})', flush=True)
+        print(f'[sweep] start {run.name} (log: {log_path(workdir, run.name, log_dir)})', flush=True)
         report_progress()
       time.sleep(POLL_INTERVAL_S)
       for run in runs:
@@ -369,7 +411,8 @@ def run_sweep(experiment_path: str, workdir: str, runs: list[Run], parallel: int
         process, log = processes.pop(run.name)
         log.close()
         free_devices.append(devices_of.pop(run.name))
-        _record_exit(run, process.returncode, time.monotonic() - started[run.name], workdir)
+        copy_log(workdir, run.name, log_dir)
+        _record_exit(run, process.returncode, time.monotonic() - started[run.name], workdir, log_dir)
         if run.status == DONE:
           finished_durations.append(run.wall_time_s)
           print(f'[sweep] done {run.name} in {files.format_duration(run.wall_time_s)}', flush=True)
@@ -389,6 +432,7 @@ def run_sweep(experiment_path: str, workdir: str, runs: list[Run], parallel: int
           process.kill()
           process.wait()
         log.close()
+        copy_log(workdir, run.name, log_dir)
         run.status, run.returncode = INTERRUPTED, process.returncode
     write_sweep_record(workdir, experiment_path, runs, extra_overrides)
     raise
