@@ -92,6 +92,7 @@ def test_the_emulator_variable_alone_configures_every_library():
   assert settings['EPATH_USE_TF'] == 'false'  # epath through gcsfs, which reads the variable itself
   assert json.loads(settings['FSSPEC_GCS'])['token'] == 'anon' and settings['GOOGLE_AUTH_TOKEN_FOR_TESTING']
   assert settings['GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT'] == 'false'
+  assert settings['CLOUD_STORAGE_EMULATOR_ENDPOINT'] == 'http://localhost:9023'  # array_record (TFDS)
   assert storage.emulator_settings({'STORAGE_EMULATOR_HOST': 'https://h:1/'})['TENSORSTORE_GCS_HTTP_URL'] == \
       'https://h:1'
   environ = {'STORAGE_EMULATOR_HOST': 'h:1', 'TENSORSTORE_GCS_HTTP_URL': 'http://mine:2'}
@@ -200,6 +201,159 @@ def test_bucket_run_killed_resumes_bitwise_then_evaluates_and_exports(emulator, 
   assert files.isfile(f'{workdir}/export/saved_model/saved_model.pb')
   assert files.read_json(f'{workdir}/export/export.json')['step'] == STEPS
 
+  # Predictions from the bucket's checkpoint, to a local CSV and to one in the bucket: the same rows.
+  images = make_image_folder(tmp_path / 'predict', train_per_class=1, test_per_class=1, mode='L')
+  for output in (str(tmp_path / 'predictions.csv'), f'{workdir}/predictions.csv'):
+    predicted = subprocess.run(_cli(f'--workdir={workdir}', '--mode=predict',
+                                    f'--config.predict.input={images}/test',
+                                    f'--config.predict.output_csv={output}'),
+                               cwd=ROOT, env=_env(emulator), capture_output=True, text=True, timeout=600)
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+  rows = [files.open_bytes(output).decode().splitlines() for output in (
+      str(tmp_path / 'predictions.csv'), f'{workdir}/predictions.csv')]
+  assert rows[0] == rows[1] and rows[0][0].startswith('path,class_1,probability_1') and len(rows[0]) == 4
+
+
+def test_a_lease_lost_mid_run_stops_the_trainer_unsaved_with_one_error_line(emulator):
+  """Another trainer takes the lease over (after it expired, or by deleting it): this one stops at its
+  next step with one error line and exit status 2; the new holder's lease stays."""
+  workdir = 'gs://bucket/lost'
+  steps = 400  # long enough to be mid-run when the takeover is seen (a renewal every 0.5 s)
+  command = _cli(f'--workdir={workdir}', *RUN_FLAGS, f'--config.num_train_steps={steps}')
+  process = subprocess.Popen(command, cwd=ROOT, env=_env(emulator, FLAXTPU_LEASE_SECONDS='1.5'),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 300
+  while not _complete_steps(workdir) and process.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  other = {'pid': 4242, 'host': 'elsewhere', 'started': '2026-01-01 00:00:00', 'renewed': time.time() + 600,
+           'seconds': 120}
+  with files.open_file(f'{workdir}/{lock.LOCK_FILE}', 'wb') as f:
+    f.write(json.dumps(other).encode())
+  taken_at = _complete_steps(workdir)
+  _, stderr = process.communicate(timeout=120)
+  errors = [line for line in stderr.splitlines() if line.startswith('error:')]
+  assert process.returncode == 2 and len(errors) == 1, stderr[-3000:]
+  assert 'was taken over by another trainer (pid 4242 on host elsewhere' in errors[0]
+  assert 'stopped without saving' in errors[0]
+  assert json.loads(files.open_bytes(f'{workdir}/{lock.LOCK_FILE}'))['pid'] == 4242  # not deleted on exit
+  assert not files.exists(f'{workdir}/results.json') and _complete_steps(workdir)[-1] < steps
+  print(f'\ncheckpoints at the takeover: {taken_at}; at exit: {_complete_steps(workdir)}')
+
+
+def test_a_lease_that_cannot_be_renewed_is_given_up_before_it_expires(emulator):
+  workdir = 'gs://bucket/unrenewable'
+  lost = []
+  with lock.WorkdirLease(workdir, seconds=0.6, on_lost=lost.append) as lease:
+    def failing_read(key):
+      raise OSError('connection refused')
+    lease._store = type('Broken', (), {'read': staticmethod(failing_read)})()
+    lease._renewer.join(timeout=10)
+  assert len(lost) == 1 and 'could not renew the lease gs://bucket/unrenewable/train.lock' in lost[0]
+  assert 'connection refused' in lost[0] and lease.lost == lost[0]
+
+
+def test_a_bucket_that_refuses_writes_gets_its_eval_files_written_locally(emulator, caplog):
+  """--mode=eval of a run in a bucket this user may only read: eval.json and the pictures go to a local
+  directory, said in a warning, as for a read-only local workdir."""
+  elsewhere = files.writable_or_elsewhere('gs://no-such-bucket/run', 'eval.json')
+  assert not storage.is_remote(elsewhere) and files.unwritable(elsewhere) is None
+  assert elsewhere.endswith('gs_no-such-bucket_run')
+  assert 'gs://no-such-bucket/run is not writable' in caplog.text and elsewhere in caplog.text
+  assert files.writable_or_elsewhere('gs://bucket/writable', 'eval.json') == 'gs://bucket/writable'
+
+
+def test_tfds_data_dir_in_the_bucket_loads_like_the_local_one(emulator, tmp_path):
+  """dataset.data_dir=gs://...: TFDS finds the dataset through etils.epath, array_record reads its
+  records through google-cloud-cpp (CLOUD_STORAGE_EMULATOR_ENDPOINT); the same batches as locally."""
+  import numpy as np
+  import tensorflow_datasets as tfds
+  from test_tfds import FlaxtpuToyMixed, _config
+
+  from flaxtpu import data
+  local = str(tmp_path / 'tfds')
+  tfds.builder(FlaxtpuToyMixed.name, data_dir=local).download_and_prepare(file_format='array_record')
+  bucket = 'gs://bucket/tfds'
+  _upload_tree(local, bucket)
+  batches = []
+  for data_dir in (local, bucket):
+    config = _config(FlaxtpuToyMixed.name, data_dir, **{'dataset.image_size': 16, 'dataset.cache': 'none'})
+    loaded = data.load(config)
+    assert (len(loaded.train), len(loaded.eval)) == (40, 12) and loaded.class_names == ('dark', 'light')
+    batches.append(next(data.train_batches(loaded, seed=0, batch_size=8, first_step=0, last_step=1)))
+  np.testing.assert_array_equal(batches[0].images, batches[1].images)
+  np.testing.assert_array_equal(batches[0].labels, batches[1].labels)
+
+
+SWEEP_EXPERIMENT = """
+from configs import digits
+from flaxtpu import sweep
+
+def get_config():
+  return digits.get_config()
+
+def get_sweep():
+  return sweep.sweep('seed', [0, 1])
+"""
+
+
+def test_a_sweep_into_the_bucket_runs_skips_finished_runs_and_reports_there(emulator, tmp_path):
+  """Runs (with a profile each) train into gs://bucket/sweep/<run>; logs are written locally and copied
+  there; a re-run skips the finished runs; --report reads and writes the bucket."""
+  experiment = tmp_path / 'experiment.py'
+  experiment.write_text(SWEEP_EXPERIMENT)
+  workdir, logs = 'gs://bucket/sweep', tmp_path / 'logs'
+  command = [sys.executable, '-m', 'flaxtpu.sweep', str(experiment), f'--workdir={workdir}', '--parallel=2',
+             f'--log-dir={logs}', '--config.num_train_steps=12', '--config.batch_size=32',
+             '--config.log_every_steps=4', '--config.eval_every_steps=12',
+             '--config.checkpoint_every_steps=12', '--config.compilation_cache_dir=none',
+             '--config.profile_steps=2']
+  env = _env(emulator, PYTHONPATH=str(ROOT))
+  first = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert first.returncode == 0, first.stdout + first.stderr[-3000:]
+  runs = ['seed=0', 'seed=1']
+  for name in runs:
+    assert files.read_json(f'{workdir}/{name}/results.json')['step'] == 12
+    assert runner_log_launches(files.open_bytes(f'{workdir}/{name}/log.txt').decode()) == 1
+    assert (logs / name / 'log.txt').exists()
+    profiles = _glob(f'{workdir}/{name}/profile', 'plugins/profile/*/*.xplane.pb')
+    assert profiles, f'no profile of {name} in the bucket'
+  record = files.read_json(f'{workdir}/sweep.json')
+  assert [run['status'] for run in record['runs']] == ['done', 'done']
+  table = files.open_bytes(f'{workdir}/results.csv').decode()
+  assert all(name in table for name in runs)
+  assert files.isfile(f'{workdir}/results.md') and files.isfile(f'{workdir}/plots/eval_accuracy.png')
+
+  again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0 and '2 run(s) already finished, skipping them' in again.stdout, again.stderr
+  files.remove(f'{workdir}/results.md')
+  reported = subprocess.run(command[:5] + ['--report'], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+  assert reported.returncode == 0, reported.stderr[-3000:]
+  assert '| seed |' in files.open_bytes(f'{workdir}/results.md').decode()
+  # SLURM keeps scripts and logs beside WORKDIR: refused in one line for a bucket.
+  refused = subprocess.run(command[:5] + ['--launcher=slurm'], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300)
+  errors = [line for line in refused.stderr.splitlines() if line.startswith('error:')]
+  assert refused.returncode == 2 and len(errors) == 1 and 'drop --launcher=slurm' in errors[0]
+
+
+def runner_log_launches(text):
+  from flaxtpu.sweep import runner
+  return text.count(runner.LAUNCH_MARKER)
+
+
+def _glob(directory, pattern):
+  from etils import epath
+  return list(epath.Path(directory).glob(pattern))
+
+
+def _upload_tree(local, bucket):
+  for directory, _, names in os.walk(local):
+    for name in names:
+      path = os.path.join(directory, name)
+      with files.open_file(f'{bucket}/{os.path.relpath(path, local)}', 'wb') as f:
+        f.write(open(path, 'rb').read())
+
 
 def test_an_image_folder_in_the_bucket_loads_like_the_local_one(emulator, tmp_path):
   import numpy as np
@@ -208,11 +362,7 @@ def test_an_image_folder_in_the_bucket_loads_like_the_local_one(emulator, tmp_pa
   from flaxtpu import data
   local = make_image_folder(tmp_path / 'images', train_per_class=4, test_per_class=2)
   bucket = 'gs://bucket/images'
-  for directory, _, names in os.walk(local):
-    for name in names:
-      path = os.path.join(directory, name)
-      with files.open_file(f'{bucket}/{os.path.relpath(path, local)}', 'wb') as f:
-        f.write(open(path, 'rb').read())
+  _upload_tree(local, bucket)
   loaded = []
   for folder in (local, bucket):
     config = digits.get_config()
