@@ -137,6 +137,8 @@ def check_pip(words: list[str]) -> None:
 @pytest.mark.parametrize('command', page_commands())
 def test_command_works_as_written(command):
   words = tokens_of(command)
+  while words and re.fullmatch(r'[A-Z_]+=\S*', words[0]):  # VAR=value before the command
+    words = words[1:]
   for word in words:
     value = word.split('=', 1)[1] if word.startswith('--') and '=' in word else word
     value = value.split(':', 1)[0]
@@ -148,6 +150,8 @@ def test_command_works_as_written(command):
     check_sweep(words)
   elif words[:2] == ['python', '-m'] and words[2].startswith('benchmarks.'):
     check_benchmark(words)
+  elif words[:3] == ['python', '-m', 'flaxtpu.report']:
+    assert len(words) == 4 and not words[3].startswith('-'), f'{command}: flaxtpu.report takes one workdir'
   elif words[0] == 'make':
     check_make(words)
   elif words[:2] == ['pip', 'install']:
