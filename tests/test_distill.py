@@ -124,7 +124,7 @@ def test_the_train_loss_is_the_mixture_of_label_and_teacher_terms_computed_by_ha
     ({'distill.step': 'newest'}, "config.distill.step='newest'"),
 ])
 def test_bad_distill_settings_are_one_line_each(overrides, message):
-  config = _step_config(**{'distill.teacher': '/some/run', **overrides})
+  config = _step_config(**{'distill.teacher': '/some/run', 'optimizer.learning_rate': 0.1, **overrides})
   with pytest.raises(ConfigError, match=message.replace('[', r'\[').replace(']', r'\]')):
     config_lib.validate(config)
 
