@@ -18,7 +18,6 @@ experiments/README.md.
 """
 
 from experiments import cifar10_lr
-from flaxtpu import sweep
 
 
 def get_config():
