@@ -1,6 +1,7 @@
 """Samplers (shuffle, balanced, shards), class weights, and multi-hot labels through the pipeline."""
 
 import dataclasses
+import functools
 import os
 
 import numpy as np
@@ -9,7 +10,7 @@ from sklearn.utils.class_weight import compute_class_weight
 
 from configs import cifar10
 from conftest import make_image_folder
-from flaxtpu import data, sources
+from flaxtpu import data, preprocess, sources
 from flaxtpu.sources import DataError
 
 
@@ -392,11 +393,14 @@ def test_skip_corrupt_substitutes_the_next_examples_multi_hot_row(multi_hot_spli
     f.write(b'not a png')
   broken[5] = os.fsencode(str(tmp_path / 'broken.png'))  # an absolute path: join keeps it
   split = sources.Split(name='train', paths=broken, labels=multi_hot_split.labels, root=multi_hot_split.root)
-  reader = data._ExampleReader(data.Examples(source=split), data.Transform(), skip_corrupt=True)
-  image, label = reader.read(5, lambda image: np.asarray(image))
+  transform = data.Transform()
+  reader = data._ExampleReader(data.Examples(source=split), transform, skip_corrupt=True)
+  decode = functools.partial(preprocess.eval_image, transform=transform)  # what the loaders pass
+  image, label = reader.read(5, decode)
   np.testing.assert_array_equal(label, multi_hot_split.labels[6])
+  np.testing.assert_array_equal(image, decode(split.load(6)[0]))  # example 6 stands in, image and label
   assert label.dtype == np.uint8
-  _, label = reader.read(4, lambda image: np.asarray(image))
+  _, label = reader.read(4, decode)
   np.testing.assert_array_equal(label, multi_hot_split.labels[4])
   # Cached: the broken file is left out, the rows stay with their images.
   cached = _from_split(split, cache=True, skip_corrupt=True)
