@@ -2,6 +2,7 @@
 
     python -m benchmarks.data.make_image_folder --out /data/gen1000           # once: 100,000 mixed-size JPEGs
     python -m benchmarks.input_pipeline --folder /data/gen1000 [--image-size 224] [--workers N] [--seconds 10]
+    python -m benchmarks.input_pipeline --folder /data/gen1000 --feed-devices  # consumed as in training
     FLAXTPU_CIFAR10=DIR python -m benchmarks.input_pipeline --mode cifar [--model cnn]
 
 Folder mode (the default when --folder is given) times, on the same folder
@@ -23,6 +24,15 @@ and the same files in the same order:
   `tf.image.resize` (bilinear) -> uint8, `map(num_parallel_calls=AUTOTUNE)`,
   `batch`, `prefetch(AUTOTUNE)`, GPUs hidden from TensorFlow.
 
+With --feed-devices, every contestant's batches are consumed as the trainer consumes them (put on
+the devices in a prefetch thread, a jitted step that reads every pixel waited on in the main
+thread; see `fed_to_devices`): what decides whether threads, which share the GIL with those two,
+keep up inside a training run.
+
+Last, one thread builds --gil-batches batches while the calls that release the GIL are timed: the
+rest of its time holds the GIL, which caps what any number of input threads in one process can
+build (`gil_held_per_image`).
+
 Each round times both (which goes first alternates) on its own steps for at
 least --seconds, after warm-up batches (worker start-up, AUTOTUNE ramp-up),
 over a whole number of worker cycles (see `time_batches`); every file a round
@@ -40,6 +50,7 @@ step waits on? Its images/s against the step's on the same batches.
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import time
 
@@ -87,6 +98,59 @@ def time_batches(iterator, warmup: int, seconds: float, max_batches: int, period
           'cpu_seconds': load['cpu_seconds'], 'main_process_cpu_seconds': load['main_process_cpu_seconds'],
           'images_per_cpu_second': images / max(load['cpu_seconds'], 1e-9),
           'other_cpu_load': load['other_cpu_load']}
+
+
+def fed_to_devices(iterator, sharding):
+  """`iterator`'s batches as the trainer consumes them: put on the devices in a prefetch thread
+  (train.py's `workers.prefetch(placement.put_train_batch(...))`), and a jitted step that reads
+  every pixel dispatched and waited on in this thread, as the train loop's thread does. The
+  threads that build batches then share the GIL with both, as they do in training."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  from flaxtpu import parallel, workers  # pylint: disable=g-import-not-at-top
+
+  step = jax.jit(lambda images: jnp.mean(images, dtype=jnp.float32))
+  with workers.prefetch(parallel.to_global(tuple(batch)[:2], sharding) for batch in iterator) as batches:
+    for images, labels in batches:
+      jax.block_until_ready(step(images))
+      yield images, labels
+
+
+def gil_held_per_image(loader, steps: range) -> dict:
+  """Seconds per image that building `steps`' batches in one thread holds the GIL: the wall time
+  minus the time inside the calls that release it (libjpeg-turbo's decode, OpenCV's resize). A
+  process's input threads together build at most 1 / that many images per second, whatever the
+  cores; the file reads and header parses count as held (a bound from above)."""
+  import cv2  # pylint: disable=g-import-not-at-top
+  import simplejpeg  # pylint: disable=g-import-not-at-top
+
+  from flaxtpu import preprocess  # pylint: disable=g-import-not-at-top
+  released = [0.0]
+
+  def timed(function):
+    def call(*args, **kwargs):
+      started = time.perf_counter()
+      try:
+        return function(*args, **kwargs)
+      finally:
+        released[0] += time.perf_counter() - started
+    return call
+
+  originals = preprocess.simplejpeg.decode_jpeg, preprocess.cv2.resize
+  preprocess.simplejpeg.decode_jpeg, preprocess.cv2.resize = timed(simplejpeg.decode_jpeg), timed(cv2.resize)
+  try:
+    loader(steps.start)  # warm-up
+    released[0], images = 0.0, 0
+    started = time.perf_counter()
+    for step in steps:
+      images += len(loader(step).images)
+    wall = time.perf_counter() - started
+  finally:
+    preprocess.simplejpeg.decode_jpeg, preprocess.cv2.resize = originals
+  return {'seconds_per_image': wall / images, 'gil_free_seconds_per_image': released[0] / images,
+          'gil_held_seconds_per_image': (wall - released[0]) / images,
+          'threads_ceiling_images_per_sec': images / (wall - released[0])}
 
 
 def tf_batches(tf, paths: list[str], labels: list[int], batch_size: int, image_size: int,
@@ -167,11 +231,18 @@ def folder_mode(args) -> dict:
   tf.config.set_visible_devices([], 'GPU')
   crop_area, crop_aspect = tuple(config.augment.crop_area), tuple(config.augment.crop_aspect)
 
+  if args.feed_devices:
+    from flaxtpu import parallel  # pylint: disable=g-import-not-at-top
+    sharding = parallel.batch_sharding(parallel.make_mesh(config))
+    consumed = functools.partial(fed_to_devices, sharding=sharding)
+  else:
+    consumed = iter
+
   def measure_flaxtpu(steps, indices, threads=False) -> dict:
     del indices  # flaxtpu finds them itself: the same ones
-    batches_iter = data.train_batches(dataclasses.replace(dataset, worker_threads=threads), seed=0,
-                                      batch_size=args.batch_size, first_step=steps.start,
-                                      last_step=steps.stop, alternate_flip=config.augment.alternate_flip)
+    batches_iter = consumed(data.train_batches(
+        dataclasses.replace(dataset, worker_threads=threads), seed=0, batch_size=args.batch_size,
+        first_step=steps.start, last_step=steps.stop, alternate_flip=config.augment.alternate_flip))
     try:
       return time_batches(batches_iter, warmup, args.seconds, max_batches, period)
     finally:
@@ -183,10 +254,14 @@ def folder_mode(args) -> dict:
   def measure_tf(steps, indices) -> dict:
     del steps
     examples = [train.source.load(int(i)) for i in indices]
-    iterator = tf_batches(tf, [path for path, _ in examples], [label for _, label in examples],
-                          args.batch_size, args.image_size, crop_area, crop_aspect)
+    iterator = consumed(tf_batches(tf, [path for path, _ in examples], [label for _, label in examples],
+                                   args.batch_size, args.image_size, crop_area, crop_aspect))
     del examples
-    return time_batches(iterator, warmup, args.seconds, max_batches, period)
+    try:
+      return time_batches(iterator, warmup, args.seconds, max_batches, period)
+    finally:
+      if hasattr(iterator, 'close'):
+        iterator.close()
 
   measured = {'flaxtpu': [], 'flaxtpu_threads': [], 'tf_data': []}
   order = [('flaxtpu', measure_flaxtpu), ('flaxtpu_threads', measure_flaxtpu_threads),
@@ -198,12 +273,19 @@ def folder_mode(args) -> dict:
             f'{measured[name][-1]["images_per_sec"]:8,.0f} img/s'
             f'  (others kept {measured[name][-1]["other_cpu_load"]:.1f} cores busy)', flush=True)
 
+  gil = gil_held_per_image(data._TrainLoader(  # pylint: disable=protected-access
+      train, dataset.transform, data.sampler(dataset, seed=0, batch_size=args.batch_size), False, False),
+      range(rounds[-1][0].stop, rounds[-1][0].stop + args.gil_batches))
+  print(f'one thread holds the GIL {1e3 * gil["gil_held_seconds_per_image"]:.3f} ms of the '
+        f'{1e3 * gil["seconds_per_image"]:.3f} ms an image takes: one process\'s threads build at most '
+        f'{gil["threads_ceiling_images_per_sec"]:,.0f} img/s, on any number of cores', flush=True)
+
   cores = os.cpu_count() or 1
-  result = {'mode': 'folder', 'folder': args.folder, 'train_images': len(train),
+  result = {'mode': 'folder', 'gil': gil, 'folder': args.folder, 'train_images': len(train),
             'image_size': args.image_size, 'batch_size': args.batch_size, 'seconds': args.seconds,
             'max_batches': max_batches, 'warmup_batches': warmup, 'cycle_batches': period,
             'rounds': args.rounds, 'workers': workers, 'cpu_count': cores,
-            'data_load_seconds': load_seconds,
+            'data_load_seconds': load_seconds, 'feed_devices': args.feed_devices,
             'host_flip': {'flaxtpu': False, 'tf_data': True}}
   for name, rows in measured.items():
     result[name] = {'images_per_sec': harness.median(rows, 'images_per_sec'),
@@ -333,6 +415,11 @@ def main() -> None:
                       help='folder mode: flaxtpu\'s input worker processes (default: one per core)')
   parser.add_argument('--warmup', type=int, default=None,
                       help='folder mode: untimed batches first (default: one cycle + 2, see time_batches)')
+  parser.add_argument('--feed-devices', action='store_true',
+                      help='folder mode: consume each batch as the trainer does (onto the devices in a '
+                      'prefetch thread, then a jitted step waited on), not just take it')
+  parser.add_argument('--gil-batches', type=int, default=20,
+                      help='folder mode: batches built in one thread to time how long it holds the GIL')
   parser.add_argument('--batch-size', type=int, default=128)
   parser.add_argument('--seconds', type=float, default=10.0,
                       help='folder mode: time each pipeline at least this long per round')

@@ -1,4 +1,4 @@
-"""Work computed ahead of its consumer: in grain worker processes, or in one background thread.
+"""Work computed ahead of its consumer: in grain worker threads or processes, or one background thread.
 
 JAX-free: the workers are fresh interpreters that import only what the work
 needs (numpy, Pillow, TFDS data sources).
@@ -6,11 +6,8 @@ needs (numpy, Pillow, TFDS data sources).
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import ctypes
 import gc
-import itertools
 import logging
 import queue
 import signal
@@ -41,10 +38,10 @@ def with_progress(chunks: Iterable[list], total: int, what: str, every_s: float 
 
 def run(function, items, workers: int, buffer: int, min_items_per_worker: int = 1,
         threads: bool = False) -> Iterator:
-  """`map(function, items)` in order, computed ahead: in `workers` processes (or, with `threads`,
-  `workers` threads of this process), or one thread if 0.
+  """`map(function, items)` in order, computed ahead by grain: in `workers` threads of this
+  process (`threads`) or `workers` processes, or in one thread if 0.
 
-  Starting a worker costs ~1-2 s (a fresh interpreter): short jobs stay on the thread. Threads
+  Starting a process costs ~1-2 s (a fresh interpreter): short jobs stay on the thread. Threads
   suit work that releases the GIL for most of its time (JPEG decoding and resizing in
   libjpeg-turbo and OpenCV do): their results need no hand-over, whereas a process's results pass
   through a fresh shared-memory block, which cost ~20 ms of CPU per 19 MiB batch here (tmpfs
@@ -53,14 +50,15 @@ def run(function, items, workers: int, buffer: int, min_items_per_worker: int = 
   workers = min(workers, len(items) // min_items_per_worker)
   if workers <= 0:
     return prefetch(map(function, items), size=buffer)
-  if threads:
-    return _in_threads(function, items, workers, max(buffer, workers))
   import grain  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   if not flags.FLAGS.is_parsed():  # grain reads its options from absl flags
     flags.FLAGS.mark_as_parsed()
   source = (grain.MapDataset.range(items.start, items.stop, items.step) if isinstance(items, range)
             else grain.MapDataset.source(list(items)))
+  if threads:  # grain's read-ahead threads: `buffer` results computed ahead, in order
+    read = grain.ReadOptions(num_threads=workers, prefetch_buffer_size=max(buffer, workers))
+    return _closing_threads(iter(source.map(function).to_iter_dataset(read)))
   # No reader threads or read-ahead inside a worker: each element is a whole batch, and the
   # per-worker buffer of mp_prefetch already keeps `buffer` of them ready. (grain's defaults,
   # 16 threads and 500 elements, held gigabytes per worker when the consumer is slower.)
@@ -72,22 +70,12 @@ def run(function, items, workers: int, buffer: int, min_items_per_worker: int = 
   return _closing(iter(dataset.mp_prefetch(options, worker_init_fn=_die_with_parent)))
 
 
-def _in_threads(function, items, threads: int, ahead: int) -> Iterator:
-  """`map(function, items)` in order from `threads` threads, up to `ahead` results computed ahead;
-  closing it (or stopping early) cancels what has not started and waits for what has."""
-  pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix='flaxtpu-input')
+def _closing_threads(iterator) -> Iterator:
+  """`iterator`, closed (what has not started is cancelled) when its consumer stops early."""
   try:
-    pending: collections.deque = collections.deque()
-    items = iter(items)
-    for item in itertools.islice(items, ahead):
-      pending.append(pool.submit(function, item))
-    while pending:
-      result = pending.popleft().result()
-      for item in itertools.islice(items, 1):
-        pending.append(pool.submit(function, item))
-      yield result
+    yield from iterator
   finally:
-    pool.shutdown(wait=True, cancel_futures=True)
+    iterator.close()
 
 
 def _die_with_parent(worker_index: int, worker_count: int) -> None:
