@@ -79,10 +79,10 @@ def time_batches(iterator, warmup: int, seconds: float, max_batches: int, period
   at most `max_batches`); the CPU we used (with the grain workers; the main process's share is what
   receiving the batches costs flaxtpu) and the cores other processes kept busy meanwhile.
 
-  Grain hands batch i to worker i mod W, and each worker builds up to T batches at once in its
-  own threads, so batches arrive in bursts, a cycle every W x T. A window of whole cycles, from
-  one batch's arrival to another's at the same place in the cycle, times the steady rate without
-  counting batches that were already waiting.
+  Grain hands batch i to worker i mod W, and each worker builds one batch at a time (flaxtpu gives
+  it no read threads), so a cycle is W batches. A window of whole cycles, from one batch's arrival
+  to another's at the same place in the cycle, times the steady rate without counting batches that
+  were already waiting.
   """
   for _ in range(warmup):
     next(iterator)
@@ -177,14 +177,6 @@ def tf_batches(tf, paths: list[str], labels: list[int], batch_size: int, image_s
   return dataset.as_numpy_iterator()
 
 
-def grain_threads_per_worker() -> int:
-  """Threads each grain worker runs the map in: flaxtpu's `to_iter_dataset()` takes grain's default
-  ReadOptions. If that changes to a divisor of it (0, 1, 2, ...), cycles of this length still fit."""
-  import grain  # pylint: disable=g-import-not-at-top
-  threads = grain.ReadOptions().num_threads
-  return threads if isinstance(threads, int) and threads > 0 else 1
-
-
 def read_files(paths: list[str]) -> int:
   """Reads every file once (into the page cache); returns the bytes read."""
 
@@ -202,8 +194,8 @@ def folder_mode(args) -> dict:
   from flaxtpu import data  # pylint: disable=g-import-not-at-top
 
   workers = args.workers if args.workers is not None else os.cpu_count() or 1
-  period = workers * grain_threads_per_worker()
-  warmup = args.warmup if args.warmup is not None else period + 2
+  period = workers  # batches per cycle (see time_batches)
+  warmup = args.warmup if args.warmup is not None else max(16, 4 * period)
   config = cifar10.get_config()
   config.dataset.folder, config.dataset.image_size = args.folder, args.image_size
   config.dataset.cache, config.input.workers = 'none', workers
@@ -414,7 +406,7 @@ def main() -> None:
   parser.add_argument('--workers', type=int, default=None,
                       help='folder mode: flaxtpu\'s input worker processes (default: one per core)')
   parser.add_argument('--warmup', type=int, default=None,
-                      help='folder mode: untimed batches first (default: one cycle + 2, see time_batches)')
+                      help='folder mode: untimed batches first (default: 4 cycles, at least 16)')
   parser.add_argument('--feed-devices', action='store_true',
                       help='folder mode: consume each batch as the trainer does (onto the devices in a '
                       'prefetch thread, then a jitted step waited on), not just take it')
