@@ -60,13 +60,15 @@ def _signal_at_step(monkeypatch, step_to_signal, sig=signal.SIGTERM):
   monkeypatch.setattr(data, 'train_batches', batches)
 
 
-@pytest.mark.parametrize('stop_step, streamed', [(4, {}), (8, {'dataset.cache': 'none', 'input.workers': 2})])
+@pytest.mark.parametrize('stop_step, streamed', [
+    (4, {}), (8, {'dataset.cache': 'none', 'input.workers': 2}),
+    (8, {'dataset.cache': 'none', 'input.workers': 2, 'input.threads': True})])
 def test_stopped_and_resumed_equals_uninterrupted(uninterrupted, image_folder, tmp_path, monkeypatch,
                                                  stop_step, streamed):
   reference_dir, reference = uninterrupted
   workdir = str(tmp_path)
   _signal_at_step(monkeypatch, stop_step)
-  # Streamed from disk by worker processes, the batches equal the cached ones bit for bit.
+  # Streamed from disk by worker processes (or threads), the batches equal the cached ones bit for bit.
   stopped = train.train_and_evaluate(_config(image_folder, **streamed), workdir)
   # The prefetcher runs ahead of the loop, so the stop lands a step or two before or after.
   assert 'stopped_at_step' in stopped and stopped['stopped_at_step'] < 12
