@@ -1,7 +1,7 @@
 """Work computed ahead of its consumer: in grain worker threads or processes, or one background thread.
 
-JAX-free: the workers are fresh interpreters that import only what the work
-needs (numpy, Pillow, TFDS data sources).
+JAX-free: the worker processes are fresh interpreters that import only what the
+work needs (numpy, Pillow, TFDS data sources).
 """
 
 from __future__ import annotations
@@ -56,15 +56,16 @@ def run(function, items, workers: int, buffer: int, min_items_per_worker: int = 
     flags.FLAGS.mark_as_parsed()
   source = (grain.MapDataset.range(items.start, items.stop, items.step) if isinstance(items, range)
             else grain.MapDataset.source(list(items)))
+  mapped = source.map(function)
   if threads:  # grain's read-ahead threads: `buffer` results computed ahead, in order
     read = grain.ReadOptions(num_threads=workers, prefetch_buffer_size=max(buffer, workers))
-    return _closing_threads(iter(source.map(function).to_iter_dataset(read)))
+    return _closing_threads(iter(mapped.to_iter_dataset(read)))
   # No reader threads or read-ahead inside a worker: each element is a whole batch, and the
   # per-worker buffer of mp_prefetch already keeps `buffer` of them ready. (grain's defaults,
   # 16 threads and 500 elements, held gigabytes per worker when the consumer is slower.)
   # Results come back in shared memory (released by _closing). Through the pipe instead, a worker
   # stopped mid-write can leave a partial message that blocks close() forever.
-  dataset = source.map(function).to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  dataset = mapped.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   options = grain.MultiprocessingOptions(num_workers=workers,
                                          per_worker_buffer_size=max(1, buffer // workers))
   return _closing(iter(dataset.mp_prefetch(options, worker_init_fn=_die_with_parent)))
