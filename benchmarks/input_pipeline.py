@@ -117,7 +117,7 @@ def fed_to_devices(iterator, sharding):
       yield images, labels
 
 
-def gil_held_per_image(loader, steps: range) -> dict:
+def gil_held_per_image(dataset, batch_size: int, steps: range) -> dict:
   """Seconds per image that building `steps`' batches in one thread holds the GIL: the wall time
   minus the time inside the calls that release it (libjpeg-turbo's decode, OpenCV's resize). A
   process's input threads together build at most 1 / that many images per second, whatever the
@@ -125,7 +125,7 @@ def gil_held_per_image(loader, steps: range) -> dict:
   import cv2  # pylint: disable=g-import-not-at-top
   import simplejpeg  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import preprocess  # pylint: disable=g-import-not-at-top
+  from flaxtpu import data  # pylint: disable=g-import-not-at-top
   released = [0.0]
 
   def timed(function):
@@ -137,17 +137,22 @@ def gil_held_per_image(loader, steps: range) -> dict:
         released[0] += time.perf_counter() - started
     return call
 
-  originals = preprocess.simplejpeg.decode_jpeg, preprocess.cv2.resize
-  preprocess.simplejpeg.decode_jpeg, preprocess.cv2.resize = timed(simplejpeg.decode_jpeg), timed(cv2.resize)
+  def batches(first_step, last_step):  # built by one background thread (workers=0)
+    return data.train_batches(dataclasses.replace(dataset, workers=0), seed=0, batch_size=batch_size,
+                              first_step=first_step, last_step=last_step)
+
+  originals = simplejpeg.decode_jpeg, cv2.resize
+  simplejpeg.decode_jpeg, cv2.resize = timed(simplejpeg.decode_jpeg), timed(cv2.resize)
   try:
-    loader(steps.start)  # warm-up
+    for _ in batches(steps.start, steps.start + 1):  # warm-up
+      pass
     released[0], images = 0.0, 0
     started = time.perf_counter()
-    for step in steps:
-      images += len(loader(step).images)
+    for batch in batches(steps.start, steps.stop):
+      images += len(batch.images)
     wall = time.perf_counter() - started
   finally:
-    preprocess.simplejpeg.decode_jpeg, preprocess.cv2.resize = originals
+    simplejpeg.decode_jpeg, cv2.resize = originals
   return {'seconds_per_image': wall / images, 'gil_free_seconds_per_image': released[0] / images,
           'gil_held_seconds_per_image': (wall - released[0]) / images,
           'threads_ceiling_images_per_sec': images / (wall - released[0])}
@@ -265,9 +270,8 @@ def folder_mode(args) -> dict:
             f'{measured[name][-1]["images_per_sec"]:8,.0f} img/s'
             f'  (others kept {measured[name][-1]["other_cpu_load"]:.1f} cores busy)', flush=True)
 
-  gil = gil_held_per_image(data._TrainLoader(  # pylint: disable=protected-access
-      train, dataset.transform, data.sampler(dataset, seed=0, batch_size=args.batch_size), False, False),
-      range(rounds[-1][0].stop, rounds[-1][0].stop + args.gil_batches))
+  gil = gil_held_per_image(dataset, args.batch_size,
+                           range(rounds[-1][0].stop, rounds[-1][0].stop + args.gil_batches))
   print(f'one thread holds the GIL {1e3 * gil["gil_held_seconds_per_image"]:.3f} ms of the '
         f'{1e3 * gil["seconds_per_image"]:.3f} ms an image takes: one process\'s threads build at most '
         f'{gil["threads_ceiling_images_per_sec"]:,.0f} img/s, on any number of cores', flush=True)
