@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 test: install
-	$(RUN) -m pytest -q -n 2
+	$(RUN) -m pytest -q -n 2 --durations=25
 
 test-slow: install  # accuracy runs on real CIFAR-10: FLAXTPU_CIFAR10=/path/to/cifar10 (tens of minutes)
 	$(RUN) -m pytest -q -m slow
