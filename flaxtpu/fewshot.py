@@ -12,7 +12,6 @@ of the eval split, averaged over the seeds, is `eval_fewshot_{K}shot`
 read once per run; the features are computed again at every evaluation.
 """
 
-import copy
 import dataclasses
 import functools
 import logging
@@ -28,6 +27,7 @@ import numpy as np
 
 from flaxtpu import augment, finetune, parallel, steps
 from flaxtpu.data import loaders, pipeline
+from flaxtpu.data.spec import DatasetSpec
 from flaxtpu.errors import UserError
 
 
@@ -179,14 +179,11 @@ def _other_dataset(config: ml_collections.ConfigDict, entry: str,
   a folder or a TFDS name, read at the run's image size."""
   parts = [entry] if os.path.isdir(entry) else re.split(r':(?![^\[]*\])', entry)  # not inside [..]
   source, train_split, eval_split = (parts + ['train', 'test'][len(parts) - 1:])[:3]
-  other = copy.deepcopy(config)
-  with other.unlocked():
-    other.dataset.folder, other.dataset.name = (source, '') if os.path.isdir(source) else ('', source)
-    other.dataset.labels = other.dataset.shards = other.dataset.parquet = ''
-    other.dataset.train_split, other.dataset.eval_split = train_split, eval_split
-    other.dataset.eval_splits = ()
-    other.dataset.image_size = dataset.image_shape[0]
-    other.dataset.class_weights, other.dataset.sampling = 'none', 'shuffle'
+  # The run's spec with its own source: every source key of the run's is cleared (`with_source`).
+  key = 'folder' if os.path.isdir(source) else 'name'
+  other = DatasetSpec.of(config).with_source(**{key: source}).replace(
+      train_split=train_split, eval_split=eval_split, eval_splits=(), image_size=dataset.image_shape[0],
+      class_weights='none', sampling='shuffle')
   loaded = pipeline.load(other)
   if loaded.image_shape != dataset.image_shape:
     raise UserError(f'config.eval.fewshot.datasets entry {entry!r} gives {loaded.image_shape} images and the '

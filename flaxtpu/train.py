@@ -40,6 +40,7 @@ from flaxtpu import (
 )
 from flaxtpu.config import RunLength, early_stopping_metric, metric_mode, resolved_eval_batch_size, run_length
 from flaxtpu.data import loaders, pipeline, sampling, workers
+from flaxtpu.data.spec import saved_config
 from flaxtpu.errors import UserError
 from flaxtpu.evaluate import evaluate_splits, report_about, write_report
 from flaxtpu.memory import check_device, check_host
@@ -101,7 +102,7 @@ def log_run_overview(writer, config: ml_collections.ConfigDict, task: steps.Task
                      state, dataset: pipeline.Dataset, first_step: int) -> None:
   """TensorBoard (and W&B) extras at the start: the config as HParams, the parameter
   table, and the first training images as the train step augments them."""
-  writer.write_hparams(metrics.flat_hparams(config.to_dict()))
+  writer.write_hparams(metrics.flat_hparams(saved_config(config, dataset.image_shape[-1])))
   overview = parameter_overview.get_parameter_overview(placement.to_saveable(state).params,
                                                        include_stats=False)
   logging.info('parameters:\n%s', overview)
@@ -179,7 +180,7 @@ def checkpoint_record(config: ml_collections.ConfigDict, task: steps.Task, step:
           'data_position': {'seed': config.seed, 'next_step': step},
           'progress': progress,
           'distill': distill.record_of(task.teacher),
-          'config': config.to_dict()}
+          'config': saved_config(config, dataset.image_shape[-1])}
 
 
 def load_teacher(config: ml_collections.ConfigDict, dataset: pipeline.Dataset, mesh,
@@ -469,7 +470,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   if start.step >= length.total_steps or start.progress.stopped_early:
     return finish_trained_run(config, placement, start, checkpoints, dataset, eval_sets, length, workdir)
   if is_main:  # only once the checkpoint has proven to belong to this config
-    files.write_json(os.path.join(workdir, 'config.json'), config.to_dict())
+    files.write_json(os.path.join(workdir, 'config.json'), saved_config(config, dataset.image_shape[-1]))
     files.truncate_jsonl(os.path.join(workdir, 'metrics.jsonl'), start.step)
   writer = metrics.create_writer(workdir, is_main_process=is_main, config=config)
   if is_main:

@@ -73,13 +73,22 @@ def named(dataset) -> list[str]:
   return [kind.key for kind in keyed() if dataset.get(kind.key)]
 
 
-def check(config) -> None:
-  """The source checks of config validation: one dataset named, then each kind's own checks."""
+def multilabel_named(dataset) -> bool:
+  """Whether `dataset` names a kind whose labels can carry any number of tags."""
+  return any(dataset.get(kind.key) for kind in keyed() if kind.multilabel)
+
+
+def check_selection(dataset) -> None:
+  """Config validation: at most one keyed kind named."""
   from flaxtpu.config import ConfigError  # pylint: disable=g-import-not-at-top
-  names = named(config.dataset)
+  names = named(dataset)
   if len(names) > 1:
     raise ConfigError(f'config.dataset.{names[0]} and config.dataset.{names[1]} are both set; '
                       'a run reads one dataset: keep one of them')
+
+
+def check(config) -> None:
+  """Config validation: each kind's checks of its own keys."""
   for kind in ordered():
     kind.check(config)
 
