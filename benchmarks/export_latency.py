@@ -44,7 +44,8 @@ def measure(config, workdir: str, *, batch_size: int = 64, repeats: int = 50) ->
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import data, evaluate, export  # pylint: disable=g-import-not-at-top
+  from flaxtpu import evaluate, export  # pylint: disable=g-import-not-at-top
+  from flaxtpu.data import loaders, pipeline  # pylint: disable=g-import-not-at-top
 
   directory = os.path.join(workdir, export.EXPORT_DIR)
   if not os.path.isfile(os.path.join(directory, 'export.json')):
@@ -65,8 +66,8 @@ def measure(config, workdir: str, *, batch_size: int = 64, repeats: int = 50) ->
     tflite = interpreter.get_signature_runner('serving_default')
     runners['tflite'] = lambda: tflite(images=images)['logits']
   # Agreement on real images: the first eval images, through each model, against predict.
-  dataset = data.load(config, need_train=False)
-  eval_images = next(data.eval_batches(dataset, batch_size=len(dataset.eval))).images
+  dataset = pipeline.load(config, need_train=False)
+  eval_images = next(loaders.eval_batches(dataset, batch_size=len(dataset.eval))).images
   reference = evaluate.predict_logits(placement, state, eval_images, batch_size)
   max_diff = {'saved_model_tf': float(np.max(np.abs(
       serve(images=tf.constant(eval_images))['logits'].numpy() - reference)))}

@@ -41,7 +41,8 @@ import numpy as np
 
 from benchmarks import harness
 from flaxtpu import config as config_lib
-from flaxtpu import data, optim, steps
+from flaxtpu import optim, steps
+from flaxtpu.data import loaders, pipeline
 from flaxtpu.models import fastnet
 
 
@@ -163,14 +164,14 @@ def main() -> None:
     config_lib.validate(config)
   except config_lib.ConfigError as e:
     raise SystemExit(f'error: {e}') from None
-  dataset = data.load(config)
+  dataset = pipeline.load(config)
   mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (dataset.mean, dataset.std))
   to_tensor = lambda u8: torch.from_numpy(np.ascontiguousarray(u8.transpose(0, 3, 1, 2)))
   train_x, train_y = to_tensor(dataset.train.images), torch.from_numpy(dataset.train.labels.astype(np.int64))
   test_x, test_y = to_tensor(dataset.eval.images), torch.from_numpy(dataset.eval.labels.astype(np.int64))
   normalize = lambda u8: ((u8.float() / 255 - mean) / std).contiguous(memory_format=torch.channels_last)
 
-  sample = np.stack(data.train_sample(dataset, steps.DATA_FIT_IMAGES))
+  sample = np.stack(loaders.train_sample(dataset, steps.DATA_FIT_IMAGES))
   kernel = fastnet.whitening_kernel((sample.astype(np.float32) / 255 - dataset.mean) / dataset.std)
   model = build_model(torch, kernel)
 

@@ -8,8 +8,8 @@
 Folder mode (the default when --folder is given) times, on the same folder
 and the same files in the same order:
 
-- flaxtpu: `data.load` with `dataset.cache=none` (a header scan, no pixels)
-  and `data.train_batches` with --workers grain processes (default: every
+- flaxtpu: `pipeline.load` with `dataset.cache=none` (a header scan, no pixels)
+  and `loaders.train_batches` with --workers grain processes (default: every
   core). Each image is read, given an Inception-style random crop (area
   0.08-1, aspect 3/4-4/3), decoded only as finely as that crop needs (libjpeg-turbo
   DCT scaling, through simplejpeg for plain JPEGs), resized to --image-size
@@ -108,7 +108,8 @@ def fed_to_devices(iterator, sharding):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import parallel, workers  # pylint: disable=g-import-not-at-top
+  from flaxtpu import parallel  # pylint: disable=g-import-not-at-top
+  from flaxtpu.data import workers  # pylint: disable=g-import-not-at-top
 
   step = jax.jit(lambda images: jnp.mean(images, dtype=jnp.float32))
   with workers.prefetch(parallel.to_global(tuple(batch)[:2], sharding) for batch in iterator) as batches:
@@ -125,7 +126,7 @@ def gil_held_per_image(dataset, batch_size: int, steps: range) -> dict:
   import cv2  # pylint: disable=g-import-not-at-top
   import simplejpeg  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import data  # pylint: disable=g-import-not-at-top
+  from flaxtpu.data import loaders  # pylint: disable=g-import-not-at-top
   released = [0.0]
 
   def timed(function):
@@ -138,7 +139,7 @@ def gil_held_per_image(dataset, batch_size: int, steps: range) -> dict:
     return call
 
   def batches(first_step, last_step):  # built by one background thread (workers=0)
-    return data.train_batches(dataclasses.replace(dataset, workers=0), seed=0, batch_size=batch_size,
+    return loaders.train_batches(dataclasses.replace(dataset, workers=0), seed=0, batch_size=batch_size,
                               first_step=first_step, last_step=last_step)
 
   originals = simplejpeg.decode_jpeg, cv2.resize
@@ -196,7 +197,7 @@ def read_files(paths: list[str]) -> int:
 def folder_mode(args) -> dict:
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   from configs import cifar10  # pylint: disable=g-import-not-at-top
-  from flaxtpu import data  # pylint: disable=g-import-not-at-top
+  from flaxtpu.data import loaders, pipeline, sampling  # pylint: disable=g-import-not-at-top
 
   workers = args.workers if args.workers is not None else os.cpu_count() or 1
   period = workers  # batches per cycle (see time_batches)
@@ -205,10 +206,11 @@ def folder_mode(args) -> dict:
   config.dataset.folder, config.dataset.image_size = args.folder, args.image_size
   config.dataset.cache, config.input.workers = 'none', workers
   started = time.perf_counter()
-  dataset = data.load(config)
+  dataset = pipeline.load(config)
   load_seconds = time.perf_counter() - started
   train = dataset.train
-  print(f'{args.folder}: {len(train):,} train images, {dataset.num_classes} classes; data.load (header scan, '
+  print(f'{args.folder}: {len(train):,} train images, {dataset.num_classes} classes; '
+        'pipeline.load (header scan, '
         f'{workers} workers) {load_seconds:.1f} s', flush=True)
 
   max_batches = -(-args.max_batches // period) * period  # whole cycles (see time_batches)
@@ -216,7 +218,7 @@ def folder_mode(args) -> dict:
   rounds = []  # (steps, indices): the examples flaxtpu reads for those steps, in its order
   for round_index in range(args.rounds):
     steps = range(round_index * per_round, (round_index + 1) * per_round)
-    rounds.append((steps, np.concatenate([data.train_indices(0, step, len(train), args.batch_size)
+    rounds.append((steps, np.concatenate([sampling.train_indices(0, step, len(train), args.batch_size)
                                           for step in steps])))
   unique = [train.source.load(int(i))[0] for i in np.unique(np.concatenate([i for _, i in rounds]))]
   started = time.perf_counter()
@@ -237,7 +239,7 @@ def folder_mode(args) -> dict:
 
   def measure_flaxtpu(steps, indices, threads=False) -> dict:
     del indices  # flaxtpu finds them itself: the same ones
-    batches_iter = consumed(data.train_batches(
+    batches_iter = consumed(loaders.train_batches(
         dataclasses.replace(dataset, worker_threads=threads), seed=0, batch_size=args.batch_size,
         first_step=steps.start, last_step=steps.stop, alternate_flip=config.augment.alternate_flip))
     try:
@@ -337,13 +339,14 @@ def cifar_mode(args) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
 
   from configs import cifar10_resnet  # pylint: disable=g-import-not-at-top
-  from flaxtpu import augment, data, parallel, steps, workers  # pylint: disable=g-import-not-at-top
+  from flaxtpu import augment, parallel, steps  # pylint: disable=g-import-not-at-top
   from flaxtpu.config import run_length  # pylint: disable=g-import-not-at-top
+  from flaxtpu.data import loaders, pipeline, workers  # pylint: disable=g-import-not-at-top
 
   batches = args.batches
   config = cifar10_resnet.get_config()  # crop + flip + standardise: the heaviest recipe
   config.dataset.folder, config.model.name, config.batch_size = args.data, args.model, args.batch_size
-  dataset = data.load(config)
+  dataset = pipeline.load(config)
   length = run_length(config, len(dataset.train))
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std, length=length)
@@ -356,7 +359,7 @@ def cifar_mode(args) -> dict:
     return augment.normalize(augment.augment_batch(key, images, positions, task.augment), task.mean, task.std)
 
   def device_batches(first_step, count):
-    return workers.prefetch(placement.put_train_batch(tuple(batch)[:2]) for batch in data.train_batches(
+    return workers.prefetch(placement.put_train_batch(tuple(batch)[:2]) for batch in loaders.train_batches(
         dataset, seed=0, batch_size=args.batch_size, first_step=first_step, last_step=first_step + count,
         alternate_flip=config.augment.alternate_flip))
 

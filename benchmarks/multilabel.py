@@ -205,10 +205,11 @@ def score_workdir(workdir: str, out: str) -> None:
   from flaxtpu import workdir_config  # pylint: disable=g-import-not-at-top
   config = workdir_config.get_config(workdir)
   os.environ['XLA_FLAGS'], _ = cli.cpu_xla_flags(config, 'eval', os.environ.get('XLA_FLAGS', ''))
-  from flaxtpu import data, evaluate  # pylint: disable=g-import-not-at-top
+  from flaxtpu import evaluate  # pylint: disable=g-import-not-at-top
   from flaxtpu.config import resolved_eval_batch_size  # pylint: disable=g-import-not-at-top
+  from flaxtpu.data import pipeline  # pylint: disable=g-import-not-at-top
   placement, state, _, record = evaluate.restore(config, workdir)
-  dataset = data.load(config, need_train=False, class_names=record.get('class_names'))
+  dataset = pipeline.load(config, need_train=False, class_names=record.get('class_names'))
   _, predictions = evaluate.evaluate(placement, state, dataset, resolved_eval_batch_size(config),
                                      keep_logits=True)
   np.savez(out, logits=predictions.logits, labels=predictions.labels,

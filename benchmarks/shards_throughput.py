@@ -12,8 +12,8 @@ mixed-size JPEGs, 64-320 px, ~7 KiB, see benchmarks/README.md), and the same
 files as `--num-shards` WebDataset-style tar shards in `--shards`, made by
 `python -m benchmarks.data.make_shards` when missing.
 
-Each pipeline is `data.load` (`dataset.cache=none`: streamed, headers scanned
-first) and `data.train_batches` with the same workers, batch size, image size
+Each pipeline is `pipeline.load` (`dataset.cache=none`: streamed, headers scanned
+first) and `loaders.train_batches` with the same workers, batch size, image size
 and crop (the trainer's Inception-style random-resized crop to --image-size),
 in a process of its own:
 
@@ -31,7 +31,7 @@ whole process tree (the pipeline and its grain workers, `input_memory.tree_memor
 every --interval s. Reports medians: images/s, images per CPU-second (the
 process tree's, `harness.cpu_load`), the cores other processes kept busy,
 peak RSS (PSS) over the whole process and during the timed batches, and
-`data.load`'s time.
+`pipeline.load`'s time.
 
 Exact resume: from the shards (sampling=shards), the batches of steps
 [k, k+m) of an iterator started at step 0 are compared, image for image and
@@ -122,16 +122,16 @@ def pipeline_config(args, pipeline: str):
 
 def measure_child(args) -> None:
   """Loads the pipeline's data, prints LOADED, times its batches, prints one JSON line."""
-  from flaxtpu import data  # pylint: disable=g-import-not-at-top
+  from flaxtpu.data import loaders, pipeline  # pylint: disable=g-import-not-at-top
   config = pipeline_config(args, args.child)
   with harness.cpu_load() as loading:
-    dataset = data.load(config)
+    dataset = pipeline.load(config)
   print('LOADED', flush=True)
   workers = dataset.workers
   period = max(1, workers) * input_pipeline.grain_threads_per_worker()
   max_batches = -(-args.max_batches // period) * period  # whole cycles (input_pipeline.time_batches)
   first = args.round * (period + 2 + max_batches)  # each round its own steps
-  batches = data.train_batches(dataset, seed=0, batch_size=args.batch_size, first_step=first,
+  batches = loaders.train_batches(dataset, seed=0, batch_size=args.batch_size, first_step=first,
                                last_step=first + period + 2 + max_batches)
   try:
     timed = input_pipeline.time_batches(batches, period + 2, args.seconds, max_batches, period)
@@ -144,15 +144,16 @@ def measure_child(args) -> None:
 
 def resume_child(args) -> None:
   """Steps [k, k+m) of an iterator from step 0 against a fresh one from step k: equal, batch for batch?"""
-  from flaxtpu import data  # pylint: disable=g-import-not-at-top
-  dataset = data.load(pipeline_config(args, 'shards'))
+  from flaxtpu.data import loaders, pipeline  # pylint: disable=g-import-not-at-top
+  dataset = pipeline.load(pipeline_config(args, 'shards'))
   steps_per_epoch = len(dataset.train) // args.batch_size
   k = args.resume_at if args.resume_at >= 0 else steps_per_epoch - 1
   m = args.resume_steps
   started = time.perf_counter()
-  continuing = [batch for step, batch in enumerate(data.train_batches(
+  continuing = [batch for step, batch in enumerate(loaders.train_batches(
       dataset, seed=0, batch_size=args.batch_size, first_step=0, last_step=k + m)) if step >= k]
-  fresh = list(data.train_batches(dataset, seed=0, batch_size=args.batch_size, first_step=k, last_step=k + m))
+  fresh = list(loaders.train_batches(dataset, seed=0, batch_size=args.batch_size, first_step=k,
+                                     last_step=k + m))
   equal = [bool(np.array_equal(a.images, b.images) and np.array_equal(a.labels, b.labels))
            for a, b in zip(continuing, fresh)]
   differs = [bool(not np.array_equal(a.labels, b.labels)) for a, b in zip(continuing[:-1], continuing[1:])]

@@ -71,7 +71,7 @@ def augment_image(key: jax.Array, image: jax.Array, config: ml_collections.Confi
   crop_key, flip_key, cutout_key = jax.random.split(key, 3)
   if config.crop_padding:
     image = random_crop(crop_key, image, config.crop_padding, config.get('crop_pad_mode', 'zeros'))
-  if config.flip and not config.get('alternate_flip'):  # alternate_flip: the host mirrors (data.py)
+  if config.flip and not config.get('alternate_flip'):  # alternate_flip: the host mirrors (data/loaders.py)
     image = random_flip(flip_key, image)
   if config.get('policy'):
     image = randaugment.apply(jax.random.fold_in(key, _POLICY_STREAM), image, policy=config.policy,

@@ -60,8 +60,6 @@ YNN_FUSION_FLAG = '--xla_cpu_experimental_ynn_fusion_type'
 CPU_CONVOLUTION_FLAGS = {'xla': '', 'eigen': f'{YNN_FUSION_FLAG}=-individual_convolution'}
 NORMALIZATIONS = ('auto', 'unit', 'standardize', 'fixed')
 TASKS = ('multiclass', 'multilabel')
-SAMPLINGS = ('shuffle', 'balanced', 'shards')
-LABEL_SOURCES = ('labels', 'shards', 'parquet')  # dataset keys that name where images and labels are
 
 
 class ConfigError(UserError, ValueError):
@@ -106,11 +104,14 @@ def check_against_data(config: ml_collections.ConfigDict, image_shape: tuple[int
 
 
 def _check_dataset(config: ml_collections.ConfigDict) -> None:
+  # The source kinds own their keys and checks (flaxtpu/data/sources/); imported here, not at the
+  # top, so that a config module without a dataset to check stays light.
+  from flaxtpu.data import sampling, sources  # pylint: disable=g-import-not-at-top
   dataset = config.dataset
-  if not any(dataset[key] for key in ('folder', 'name', *LABEL_SOURCES)):
+  if not (dataset.folder or dataset.name or sources.named(dataset)):
     raise ConfigError('config.dataset.folder and config.dataset.name are both empty; set '
                       '--config.dataset.folder=/path/to/images (or a TFDS name, e.g. cifar10, or '
-                      'dataset.labels, shards or parquet)')
+                      f'dataset.{sources.named_keys_text()})')
   if isinstance(dataset.eval_splits, str) or not all(
       isinstance(split, str) and split for split in dataset.eval_splits):
     raise ConfigError(f'config.dataset.eval_splits={dataset.eval_splits!r} must be a tuple of split '
@@ -122,14 +123,9 @@ def _check_dataset(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f'config.dataset.crop_fraction={dataset.crop_fraction!r} must be in (0, 1] '
                       '(0 = the init_from source\'s, else 0.875)')
   _one_of('dataset.cache', dataset.cache, ('auto', 'memory', 'none'))
-  named = [key for key in LABEL_SOURCES if dataset[key]]
-  if len(named) > 1:
-    raise ConfigError(f'config.dataset.{named[0]} and config.dataset.{named[1]} are both set; '
-                      'a run reads one dataset: keep one of them')
-  _one_of('dataset.sampling', dataset.sampling, SAMPLINGS)
-  if dataset.sampling == 'shards' and not dataset.shards:
-    raise ConfigError("config.dataset.sampling='shards' streams tar shards per process; set "
-                      "config.dataset.shards too, or use sampling='shuffle'")
+  sources.check_selection(dataset)
+  _one_of('dataset.sampling', dataset.sampling, sampling.names())
+  sources.check(config)
   if not dataset.class_weights:
     raise ConfigError("config.dataset.class_weights='' is not valid; choose none, balanced or a CSV/JSON "
                       'file of class,weight')
@@ -231,9 +227,10 @@ def _check_training(config: ml_collections.ConfigDict) -> None:
   if not 0.0 <= config.label_smoothing < 1.0:
     raise ConfigError(f'config.label_smoothing={config.label_smoothing!r} must be in [0, 1)')
   _one_of('task', config.task, TASKS)
-  if config.task == 'multilabel' and not any(config.dataset[key] for key in LABEL_SOURCES):
+  from flaxtpu.data import sources  # pylint: disable=g-import-not-at-top  # the kinds that read tags
+  if config.task == 'multilabel' and not sources.multilabel_named(config.dataset):
     raise ConfigError('config.task=multilabel needs images with any number of tags: set '
-                      'config.dataset.labels (a CSV or JSON Lines file), shards or parquet')
+                      f'config.dataset.{sources.multilabel_keys_text()}')
 
 
 def _check_optimizer(config: ml_collections.ConfigDict) -> None:

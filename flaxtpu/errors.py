@@ -1,4 +1,4 @@
-"""The one exception type that means "the user's input is wrong"."""
+"""The one exception type that means "the user's input is wrong", and names fit for its one line."""
 
 
 class UserError(Exception):
@@ -7,3 +7,14 @@ class UserError(Exception):
   `flaxtpu.main` prints it as `error: <message>` and exits non-zero without a
   traceback; any other exception is a bug and keeps its traceback.
   """
+
+
+def printable(text: str) -> str:
+  """A file or class name fit for a one-line message: newlines, control characters and bytes
+  that are not UTF-8 written as backslash escapes."""
+  if text.isprintable():
+    return text
+  return ''.join(char if char.isprintable() else
+                 # a byte that os.fsdecode kept
+                 f'\\x{ord(char) - 0xdc00:02x}' if 0xdc80 <= ord(char) <= 0xdcff else
+                 char.encode('unicode_escape').decode('ascii') for char in text)

@@ -12,9 +12,10 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flaxtpu import checkpoint, data, fewshot, files, finetune, parallel, pretrained, report, steps
+from flaxtpu import checkpoint, fewshot, files, finetune, parallel, pretrained, report, steps
 from flaxtpu.config import eval_metric_prefix, resolved_eval_batch_size
-from flaxtpu.errors import UserError
+from flaxtpu.data import loaders, pipeline, predict_inputs
+from flaxtpu.errors import UserError, printable
 
 
 class Predictions(NamedTuple):
@@ -23,7 +24,7 @@ class Predictions(NamedTuple):
   labels: np.ndarray
 
 
-def evaluate(placement: steps.Placement, state, dataset: data.Dataset, batch_size: int,
+def evaluate(placement: steps.Placement, state, dataset: pipeline.Dataset, batch_size: int,
              keep_logits: bool = False, threshold: float = 0.0
              ) -> tuple[dict[str, float], Optional[Predictions]]:
   """The metrics of every example of the eval split, each counted exactly once.
@@ -39,7 +40,7 @@ def evaluate(placement: steps.Placement, state, dataset: data.Dataset, batch_siz
   totals, one_step_in_flight = None, parallel.one_step_in_flight()
   keep_logits = keep_logits and jax.process_count() == 1  # another process' examples are not here
   logits, labels, multilabel = [], [], False
-  for batch in data.eval_batches(dataset, batch_size=batch_size, process_index=jax.process_index(),
+  for batch in loaders.eval_batches(dataset, batch_size=batch_size, process_index=jax.process_index(),
                                  process_count=jax.process_count()):
     batch_metrics, batch_logits = placement.eval_step(state, placement.put_eval_batch(tuple(batch)))
     if one_step_in_flight:
@@ -59,7 +60,7 @@ def evaluate(placement: steps.Placement, state, dataset: data.Dataset, batch_siz
   return result, (predictions if keep_logits else None)
 
 
-def _real_rows(batch_logits, batch: data.Batch) -> tuple[np.ndarray, np.ndarray]:
+def _real_rows(batch_logits, batch: pipeline.Batch) -> tuple[np.ndarray, np.ndarray]:
   """The logits and labels of an eval batch's real (unpadded) rows as numpy arrays: this process's
   rows on one process; every process's, in global order, on many (multilabel metrics rank them all)."""
   if jax.process_count() == 1:  # (pmap hands logits back per device: flattened here, not on the devices)
@@ -71,7 +72,7 @@ def _real_rows(batch_logits, batch: data.Batch) -> tuple[np.ndarray, np.ndarray]
   return logits[mask], labels[mask]
 
 
-def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str, data.Dataset]],
+def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str, pipeline.Dataset]],
                     batch_size: int, report_weights: Optional[str] = None, threshold: float = 0.0
                     ) -> tuple[dict[str, float], Optional[Predictions]]:
   """Every eval split, with the raw weights and (when the state has them) the EMA weights.
@@ -101,7 +102,7 @@ def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str
   return results, predictions
 
 
-def write_report(predictions: Optional[Predictions], dataset: data.Dataset, directory: str,
+def write_report(predictions: Optional[Predictions], dataset: pipeline.Dataset, directory: str,
                  suffix: str = '', threshold: float = 0.0, about: Optional[dict] = None) -> dict:
   """per_class.csv, confusion, mistakes and reliability PNGs of the eval split in `directory`;
   multilabel, also thresholds.json (`threshold` and `about` as in `report.write_eval_report`).
@@ -116,7 +117,7 @@ def write_report(predictions: Optional[Predictions], dataset: data.Dataset, dire
   logits, labels = predictions
   with files.writing(directory, 'free disk space or choose a writable --workdir'):
     summary = report.write_eval_report(directory, logits, labels, list(dataset.class_names),
-                                       images=lambda index: data.eval_image(dataset, index), suffix=suffix,
+                                       images=lambda index: loaders.eval_image(dataset, index), suffix=suffix,
                                        threshold=threshold, about=about)
   logging.info('eval report: ECE %.4f%s; %s in %s', summary['eval_ece'],
                f', top-5 accuracy {summary["eval_top5_accuracy"]:.4f}' if 'eval_top5_accuracy' in summary
@@ -211,7 +212,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   # A run on a read-only disk is still evaluated: its files then go elsewhere (a warning says where).
   output = files.writable_or_elsewhere(workdir, 'eval.json, per_class.csv and the pictures')
   placement, state, step, record = restore(config, workdir)
-  dataset = data.load(config, need_train=False, class_names=record.get('class_names'))  # matched by name
+  dataset = pipeline.load(config, need_train=False, class_names=record.get('class_names'))  # matched by name
   if dataset.num_classes != record['num_classes'] or dataset.image_shape != tuple(record['image_shape']):
     raise UserError(f'{config.dataset.folder or config.dataset.name} has {dataset.num_classes} classes '
                     f'of {dataset.image_shape} images but checkpoint {workdir}/checkpoints/{step} was '
@@ -256,7 +257,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
 def fewshot_accuracies(config: ml_collections.ConfigDict, placement: steps.Placement, state,
                        record: dict) -> dict[str, float]:
   """eval.fewshot's probe accuracies of a restored model (they need the train split too)."""
-  dataset = data.load(config, class_names=record.get('class_names'))
+  dataset = pipeline.load(config, class_names=record.get('class_names'))
   norm = record['normalization']
   task = steps.create_task(config, num_classes=record['num_classes'],
                            image_shape=tuple(record['image_shape']), mean=norm['mean'], std=norm['std'])
@@ -301,7 +302,7 @@ def _multiclass_row(path: str, probabilities: np.ndarray, class_names: list[str]
   row = {'path': path}
   for rank, index in enumerate(best, 1):
     row[f'class_{rank}'], row[f'probability_{rank}'] = class_names[index], float(probabilities[index])
-  print(f'{data.printable(path)}: ' + ', '.join(f'{data.printable(class_names[i])} {probabilities[i]:.3f}'
+  print(f'{printable(path)}: ' + ', '.join(f'{printable(class_names[i])} {probabilities[i]:.3f}'
                                                 for i in best))
   return row
 
@@ -315,7 +316,7 @@ def _multilabel_row(path: str, probabilities: np.ndarray, thresholds: np.ndarray
          'tag_probabilities': ';'.join(f'{probabilities[c]:.4f}' for c in tags)}
   for rank, index in enumerate(np.argsort(-probabilities, kind='stable')[:top_k], 1):
     row[f'class_{rank}'], row[f'probability_{rank}'] = class_names[index], float(probabilities[index])
-  print(f'{data.printable(path)}: ' + (', '.join(f'{data.printable(class_names[c])} {probabilities[c]:.3f}'
+  print(f'{printable(path)}: ' + (', '.join(f'{printable(class_names[c])} {probabilities[c]:.3f}'
                                                  for c in tags) or '(no tag)'))
   return row
 
@@ -327,8 +328,8 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     raise UserError('--mode=predict needs --config.predict.input=IMAGE_OR_FOLDER')
   placement, state, step, record = restore(config, workdir)
   image_shape = tuple(record['image_shape'])
-  paths, images = data.read_images(config.predict.input, image_shape,
-                                   data.image_transform(config, channels=image_shape[-1]),
+  paths, images = predict_inputs.read_images(config.predict.input, image_shape,
+                                   pipeline.image_transform(config, channels=image_shape[-1]),
                                    skip_corrupt=config.dataset.skip_corrupt)
   logits = predict_logits(placement, state, images, resolved_eval_batch_size(config))
   class_names = record['class_names']
@@ -344,7 +345,7 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
             for path, probs in zip(paths, np.asarray(jax.nn.softmax(logits, axis=-1)))]
   logging.info('predicted %d images with checkpoint step %d', len(rows), step)
   if config.predict.output_csv and jax.process_index() == 0:
-    files.write_csv(config.predict.output_csv, [{**row, 'path': data.csv_path(row['path'])} for row in rows],
+    files.write_csv(config.predict.output_csv, [{**row, 'path': files.csv_path(row['path'])} for row in rows],
                     'predict.output_csv')
   return rows
 

@@ -20,7 +20,7 @@ and a sigmoid of each logit for `task=multilabel` (export.json's `task` and
 `probabilities` say which; the SavedModel's `task` variable too; TFLite and
 timm exports carry the logits only: apply the sigmoid yourself). Images
 must already be at the model's input size: for `dataset.image_size > 0`
-runs, resize and centre-crop them as eval does (flaxtpu/preprocess.py).
+runs, resize and centre-crop them as eval does (flaxtpu/data/preprocess.py).
 Class names are an asset and a string variable (`loaded.class_names`).
 
 Before anything appears under WORKDIR/export, both models are run on eval
@@ -53,8 +53,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from flaxtpu import data, evaluate, files, models, optim, parallel, pretrained, steps, storage
+from flaxtpu import evaluate, files, models, optim, parallel, pretrained, steps, storage
 from flaxtpu.config import resolved_eval_batch_size
+from flaxtpu.data import loaders, pipeline
 from flaxtpu.errors import UserError
 from flaxtpu.models import layouts
 
@@ -110,7 +111,7 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
         checkpoint=os.path.join(workdir, 'checkpoints', str(step)),
         preprocessing=('uint8 images at the model input size; normalisation is inside the model' + (
             f'; resize and centre-crop photos to {task.image_shape[0]}x{task.image_shape[1]} as eval does '
-            '(flaxtpu/preprocess.py)' if config.dataset.image_size else '')),
+            '(flaxtpu/data/preprocess.py)' if config.dataset.image_size else '')),
         normalization=record['normalization'], class_names=list(record['class_names']),
         **_task_metadata(config, workdir, step, list(record['class_names'])))
     summary['check'].update(num_images=len(images), split=config.dataset.eval_split)
@@ -225,13 +226,13 @@ def _import_tensorflow():
 
 def _check_images(config: ml_collections.ConfigDict, record: dict) -> np.ndarray:
   """The first CHECK_IMAGES eval images, at the model's input size, as predict sees them."""
-  dataset = data.load(config, need_train=False)
+  dataset = pipeline.load(config, need_train=False)
   if dataset.image_shape != tuple(record['image_shape']) or len(dataset.eval) == 0:
     raise UserError('export checks the model on the eval split of '
                     f'{config.dataset.folder or config.dataset.name}, which has {len(dataset.eval)} images '
                     f'of {dataset.image_shape}, but the checkpoint takes {tuple(record["image_shape"])}; '
                     'point the config at data like the training data')
-  batch = next(data.eval_batches(dataset, batch_size=min(CHECK_IMAGES, len(dataset.eval))))
+  batch = next(loaders.eval_batches(dataset, batch_size=min(CHECK_IMAGES, len(dataset.eval))))
   return batch.images[batch.mask]
 
 

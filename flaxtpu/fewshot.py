@@ -12,7 +12,6 @@ of the eval split, averaged over the seeds, is `eval_fewshot_{K}shot`
 read once per run; the features are computed again at every evaluation.
 """
 
-import copy
 import dataclasses
 import functools
 import logging
@@ -26,7 +25,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from flaxtpu import augment, data, finetune, parallel, steps
+from flaxtpu import augment, finetune, parallel, steps
+from flaxtpu.data import loaders, pipeline
+from flaxtpu.data.spec import DatasetSpec
 from flaxtpu.errors import UserError
 
 
@@ -37,7 +38,7 @@ class ProbeSet:
   support_images: list[np.ndarray]  # per seed: uint8 [classes x max_shots, H, W, C], class-major
   support_labels: list[np.ndarray]  # per seed: int32 [classes x max_shots]
   max_shots: list[int]  # per seed: images per class drawn (fewer where a class has fewer)
-  scored: data.Dataset  # its eval split is what the probe is scored on
+  scored: pipeline.Dataset  # its eval split is what the probe is scored on
   num_classes: int
 
 
@@ -94,7 +95,7 @@ def features(task: steps.Task, path: tuple[str, ...], variables, images: jax.Arr
 class Probe:
   """The few-shot probes of `eval.fewshot`: built once per run, `__call__`ed at every evaluation."""
 
-  def __init__(self, config: ml_collections.ConfigDict, dataset: data.Dataset, task: steps.Task,
+  def __init__(self, config: ml_collections.ConfigDict, dataset: pipeline.Dataset, task: steps.Task,
                placement: steps.Placement):
     settings = config.eval.fewshot
     self.shots, self.l2_reg = sorted(set(settings.shots)), settings.l2_reg
@@ -134,16 +135,16 @@ class Probe:
       rows.append(np.asarray(self._features(variables, padded))[:len(chunk)])
     return np.concatenate(rows)
 
-  def _split_features(self, variables, dataset: data.Dataset) -> tuple[np.ndarray, np.ndarray]:
+  def _split_features(self, variables, dataset: pipeline.Dataset) -> tuple[np.ndarray, np.ndarray]:
     """Features and labels of every eval example (every process computes all of them)."""
     xs, ys = [], []
-    for batch in data.eval_batches(dataset, batch_size=self.batch_size):
+    for batch in loaders.eval_batches(dataset, batch_size=self.batch_size):
       xs.append(np.asarray(self._features(variables, batch.images))[batch.mask])
       ys.append(batch.labels[batch.mask])
     return np.concatenate(xs), np.concatenate(ys)
 
 
-def _probe_set(name: str, train: data.Dataset, scored: data.Dataset, settings, seed: int) -> ProbeSet:
+def _probe_set(name: str, train: pipeline.Dataset, scored: pipeline.Dataset, settings, seed: int) -> ProbeSet:
   """The probe images of `train`'s train split: per seed, up to max(shots) of each class."""
   labels = train.train.listed_labels
   where = f'config.eval.fewshot.datasets entry {name!r}' if name else 'config.eval.fewshot'
@@ -162,7 +163,7 @@ def _probe_set(name: str, train: data.Dataset, scored: data.Dataset, settings, s
       logging.warning('%s: the smallest class has %d train images; probes use at most %d per class',
                       where, count, count)
     positions = np.concatenate([indices[:count] for indices in per_class if len(indices)])
-    images.append(np.stack(data.split_images(train, train.train, positions)))
+    images.append(np.stack(loaders.split_images(train, train.train, positions)))
     chosen_labels.append(labels[positions].astype(np.int32))
     drawn.append(count)
   logging.info('few-shot probe%s: %s-shot, %d seeds, %d classes, scored on %d images', f' {name}' if name
@@ -173,20 +174,17 @@ def _probe_set(name: str, train: data.Dataset, scored: data.Dataset, settings, s
 
 
 def _other_dataset(config: ml_collections.ConfigDict, entry: str,
-                   dataset: data.Dataset) -> tuple[str, data.Dataset]:
+                   dataset: pipeline.Dataset) -> tuple[str, pipeline.Dataset]:
   """(metric name, Dataset) of an `eval.fewshot.datasets` entry: NAME[:TRAIN_SPLIT[:EVAL_SPLIT]],
   a folder or a TFDS name, read at the run's image size."""
   parts = [entry] if os.path.isdir(entry) else re.split(r':(?![^\[]*\])', entry)  # not inside [..]
   source, train_split, eval_split = (parts + ['train', 'test'][len(parts) - 1:])[:3]
-  other = copy.deepcopy(config)
-  with other.unlocked():
-    other.dataset.folder, other.dataset.name = (source, '') if os.path.isdir(source) else ('', source)
-    other.dataset.labels = other.dataset.shards = other.dataset.parquet = ''
-    other.dataset.train_split, other.dataset.eval_split = train_split, eval_split
-    other.dataset.eval_splits = ()
-    other.dataset.image_size = dataset.image_shape[0]
-    other.dataset.class_weights, other.dataset.sampling = 'none', 'shuffle'
-  loaded = data.load(other)
+  # The run's spec with its own source: every source key of the run's is cleared (`with_source`).
+  key = 'folder' if os.path.isdir(source) else 'name'
+  other = DatasetSpec.of(config).with_source(**{key: source}).replace(
+      train_split=train_split, eval_split=eval_split, eval_splits=(), image_size=dataset.image_shape[0],
+      class_weights='none', sampling='shuffle')
+  loaded = pipeline.load(other)
   if loaded.image_shape != dataset.image_shape:
     raise UserError(f'config.eval.fewshot.datasets entry {entry!r} gives {loaded.image_shape} images and the '
                     f'model reads {dataset.image_shape}; use a dataset of {dataset.image_shape[-1]}-channel '
@@ -195,6 +193,6 @@ def _other_dataset(config: ml_collections.ConfigDict, entry: str,
   return name, loaded
 
 
-def maybe_probe(config: ml_collections.ConfigDict, dataset: data.Dataset, task: steps.Task,
+def maybe_probe(config: ml_collections.ConfigDict, dataset: pipeline.Dataset, task: steps.Task,
                 placement: steps.Placement) -> Optional[Probe]:
   return Probe(config, dataset, task, placement) if config.eval.fewshot.shots else None

@@ -300,3 +300,10 @@ def truncate_jsonl(path: str, last_step: int) -> None:
 def format_duration(seconds: float) -> str:
   """Seconds as H:MM:SS (whole seconds), e.g. 3725.4 -> '1:02:05'."""
   return str(datetime.timedelta(seconds=int(seconds)))
+
+
+def csv_path(path: str) -> str:
+  """A file path as a CSV cell: valid UTF-8 (bytes that are not UTF-8 written as \\xNN) and never
+  read as a spreadsheet formula (a relative path starting with =, +, - or @ gets './', the same file)."""
+  text = os.fsencode(path).decode('utf-8', 'backslashreplace')
+  return f'.{os.sep}{text}' if text.startswith(('=', '+', '-', '@')) else text

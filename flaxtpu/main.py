@@ -292,13 +292,14 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   jax = _start_jax(config, mode)
   # Imported after JAX has started with the right flags.
   # pylint: disable=g-import-not-at-top
-  from flaxtpu import data, evaluate, parallel, steps, train
+  from flaxtpu import evaluate, parallel, steps, train
+  from flaxtpu.data import pipeline
   parallel.check_platform(config.require_platform)
   logging.info('JAX %s on %s', jax.__version__, parallel.describe_devices())
   if mode == 'train':
     train.train_and_evaluate(config, workdir, stop)
   elif mode == 'plan':
-    dataset = data.load(config, need_train=False)  # only the image shape and class count
+    dataset = pipeline.load(config, need_train=False)  # only the image shape and class count
     plan = steps.plan_memory(config, image_shape=dataset.image_shape, num_classes=dataset.num_classes)
     if jax.process_index() == 0:
       files.write_json(os.path.join(workdir, 'plan.json'), plan)

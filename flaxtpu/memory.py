@@ -16,6 +16,7 @@ from typing import Optional
 import ml_collections
 
 from flaxtpu.config import ConfigError, resolved_eval_batch_size
+from flaxtpu.data.spec import DatasetSpec, input_workers
 
 # A grain worker's own memory (a fresh interpreter with numpy, OpenCV, Pillow and grain): 97 MiB
 # measured (USS; its RSS of 215 MiB includes the shared libraries every worker shares).
@@ -41,13 +42,6 @@ class Estimate:
     return self.train_batches + self.eval_batches + self.workers
 
 
-def _workers(config: ml_collections.ConfigDict) -> int:
-  """data.input_workers without importing the data pipeline (-1 = one per core but one, at most 32)."""
-  if config.input.workers >= 0:
-    return config.input.workers
-  return min(max((os.cpu_count() or 1) - 1, 1), 32)
-
-
 def host_estimate(config: ml_collections.ConfigDict, image_shape: tuple[int, int, int], *,
                   streamed: bool, training: bool = True) -> Estimate:
   """The uint8 batches decoded ahead (train and eval), and the worker processes that decode them.
@@ -57,7 +51,7 @@ def host_estimate(config: ml_collections.ConfigDict, image_shape: tuple[int, int
   during an evaluation in training.
   """
   image_bytes = image_shape[0] * image_shape[1] * image_shape[2]
-  workers = _workers(config) if streamed else 0
+  workers = input_workers(config.input.workers) if streamed else 0
   waiting = max(config.input.prefetch, workers) + max(workers, 1)  # buffered + being built
 
   def batches(batch_size: int, in_use: int) -> int:
@@ -133,7 +127,7 @@ def _culprit(config: ml_collections.ConfigDict, image_shape: tuple[int, int, int
     parent, _, leaf = key.rpartition('.')
     node = lowered[parent] if parent else lowered
     current = resolved_eval_batch_size(config) if key == 'eval_batch_size' else (
-        _workers(config) if key == 'input.workers' else node[leaf])
+        input_workers(config.input.workers) if key == 'input.workers' else node[leaf])
     node[leaf] = min(current, modest)
     shape = (*[min(side, modest) for side in image_shape[:2]], image_shape[2]) \
         if key == 'dataset.image_size' else image_shape
@@ -150,9 +144,10 @@ def check_before_start(config: ml_collections.ConfigDict, mode: str) -> None:
   """
   if mode not in ('train', 'eval'):
     return
-  side = config.dataset.image_size
-  check_host(config, (side, side, 3 if config.dataset.folder else 1),
-             streamed=config.dataset.cache == 'none', training=mode == 'train')
+  spec = DatasetSpec.of(config)
+  side = spec.image_size
+  check_host(config, (side, side, 3 if spec.folder else 1), streamed=spec.cache == 'none',
+             training=mode == 'train')
 
 
 def check_device(config: ml_collections.ConfigDict, plan: dict) -> None:

@@ -83,11 +83,11 @@ def _hub_problem() -> Optional[str]:
   from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
   if constants.HF_HUB_OFFLINE:
     return 'HF_HUB_OFFLINE is set'
-  from flaxtpu import sources  # pylint: disable=g-import-not-at-top
+  from flaxtpu import network  # pylint: disable=g-import-not-at-top
   endpoint = urllib.parse.urlsplit(constants.ENDPOINT)
   address = (endpoint.hostname or 'huggingface.co',
              endpoint.port or (443 if endpoint.scheme == 'https' else 80))
-  return sources.network_problem(address, HUB_TIMEOUT_S)
+  return network.network_problem(address, HUB_TIMEOUT_S)
 
 
 def _hub_download(spec: str) -> tuple[str, Optional[str]]:

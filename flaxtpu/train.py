@@ -27,7 +27,6 @@ from jax.experimental import multihost_utils
 
 from flaxtpu import (
   checkpoint,
-  data,
   distill,
   fewshot,
   files,
@@ -38,9 +37,10 @@ from flaxtpu import (
   parallel,
   report,
   steps,
-  workers,
 )
 from flaxtpu.config import RunLength, early_stopping_metric, metric_mode, resolved_eval_batch_size, run_length
+from flaxtpu.data import loaders, pipeline, sampling, workers
+from flaxtpu.data.spec import saved_config
 from flaxtpu.errors import UserError
 from flaxtpu.evaluate import evaluate_splits, report_about, write_report
 from flaxtpu.memory import check_device, check_host
@@ -99,23 +99,23 @@ class StepProfiler:
 
 
 def log_run_overview(writer, config: ml_collections.ConfigDict, task: steps.Task, placement,
-                     state, dataset: data.Dataset, first_step: int) -> None:
+                     state, dataset: pipeline.Dataset, first_step: int) -> None:
   """TensorBoard (and W&B) extras at the start: the config as HParams, the parameter
   table, and the first training images as the train step augments them."""
-  writer.write_hparams(metrics.flat_hparams(config.to_dict()))
+  writer.write_hparams(metrics.flat_hparams(saved_config(config, dataset.image_shape[-1])))
   overview = parameter_overview.get_parameter_overview(placement.to_saveable(state).params,
                                                        include_stats=False)
   logging.info('parameters:\n%s', overview)
   writer.write_texts(first_step, {'parameters': f'<pre>{overview}</pre>'})
   if jax.process_count() == 1:  # the first local batch is the whole global batch only on one process
-    first = next(iter(data.train_batches(dataset, seed=config.seed, batch_size=config.batch_size,
+    first = next(iter(loaders.train_batches(dataset, seed=config.seed, batch_size=config.batch_size,
                                          first_step=first_step, last_step=first_step + 1,
                                          alternate_flip=config.augment.alternate_flip)))
     sample = steps.augmented_sample(task, config.seed, first_step, first.images[:16])
     writer.write_images(first_step, {'train_images': sample})
 
 
-def log_plan(config: ml_collections.ConfigDict, dataset: data.Dataset, length: RunLength,
+def log_plan(config: ml_collections.ConfigDict, dataset: pipeline.Dataset, length: RunLength,
              task: steps.Task, placement: steps.Placement) -> None:
   """What the run will do: its data and steps, accumulation, and the optimizer's parameter groups."""
   logging.info('data: %d train / %d eval examples of %s, %d classes%s; %d steps (%d per epoch)',
@@ -167,7 +167,7 @@ def divergence_message(config: ml_collections.ConfigDict, step: int, checkpoints
 
 
 def checkpoint_record(config: ml_collections.ConfigDict, task: steps.Task, step: int,
-                      dataset: data.Dataset, progress: dict) -> dict:
+                      dataset: pipeline.Dataset, progress: dict) -> dict:
   """What a checkpoint says besides the arrays: what it is, the data position, the config,
   and the run's progress (`Progress.to_json()`), from which results.json can be rebuilt.
 
@@ -180,10 +180,10 @@ def checkpoint_record(config: ml_collections.ConfigDict, task: steps.Task, step:
           'data_position': {'seed': config.seed, 'next_step': step},
           'progress': progress,
           'distill': distill.record_of(task.teacher),
-          'config': config.to_dict()}
+          'config': saved_config(config, dataset.image_shape[-1])}
 
 
-def load_teacher(config: ml_collections.ConfigDict, dataset: data.Dataset, mesh,
+def load_teacher(config: ml_collections.ConfigDict, dataset: pipeline.Dataset, mesh,
                  checkpoints: checkpoint.Checkpoints) -> tuple[Optional[distill.Teacher], Any]:
   """distill.teacher and its weights (None, None without one); a resumed run reads the teacher step
   it started with, whatever `best` or `latest` means now."""
@@ -206,13 +206,13 @@ class Start(NamedTuple):
 
 
 def start_or_resume(config: ml_collections.ConfigDict, task: steps.Task, placement: steps.Placement,
-                    checkpoints: checkpoint.Checkpoints, dataset: data.Dataset) -> Start:
+                    checkpoints: checkpoint.Checkpoints, dataset: pipeline.Dataset) -> Start:
   """The state to train from: the newest readable checkpoint's when there is one, else a fresh one
   (fitted to the train images, then loaded from `init_from`, where the config asks)."""
   if checkpoints.latest_step() is None:
     fitted = None  # parameters set from the train images (a whitening stem)
     if steps.fits_to_data(task):
-      sample = np.stack(data.train_sample(dataset, steps.DATA_FIT_IMAGES))
+      sample = np.stack(loaders.train_sample(dataset, steps.DATA_FIT_IMAGES))
       fitted = steps.fit_to_data(task, sample)
       logging.info('fitted %s to %d train images', ', '.join(fitted), len(sample))
       if any(task.param_groups.label(name) != optim.FROZEN for name in fitted):
@@ -245,7 +245,7 @@ def start_or_resume(config: ml_collections.ConfigDict, task: steps.Task, placeme
 
 
 def finish_trained_run(config: ml_collections.ConfigDict, placement: steps.Placement, start: Start,
-                       checkpoints: checkpoint.Checkpoints, dataset: data.Dataset, eval_sets: list,
+                       checkpoints: checkpoint.Checkpoints, dataset: pipeline.Dataset, eval_sets: list,
                        length: RunLength, workdir: str) -> dict:
   """A run whose checkpoint is at its last step: what a kill after that save left unwritten
   (results.json, the per-class report and curves) is rebuilt from the checkpoint."""
@@ -268,7 +268,7 @@ def report_weights(config: ml_collections.ConfigDict) -> str:
   return 'ema' if config.eval.ema else 'raw'
 
 
-def write_pictures(config: ml_collections.ConfigDict, predictions, dataset: data.Dataset, workdir: str,
+def write_pictures(config: ml_collections.ConfigDict, predictions, dataset: pipeline.Dataset, workdir: str,
                    step: int) -> None:
   """Pictures of the finished run: per-class report and calibration of the eval split (multilabel:
   and the thresholds that predict uses), curves."""
@@ -300,7 +300,7 @@ class _Loop:
   config: ml_collections.ConfigDict
   task: steps.Task
   placement: steps.Placement
-  dataset: data.Dataset
+  dataset: pipeline.Dataset
   eval_sets: list  # (split name, dataset) pairs; the first is the eval split
   length: RunLength
   checkpoints: checkpoint.Checkpoints
@@ -453,11 +453,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   parallel.log_mesh(mesh, config.parallelism)
 
   finetune.apply_source_defaults(config, workdir)  # the source's preprocessing, before the data is read
-  dataset = data.load(config)
+  dataset = pipeline.load(config)
   # A run's epoch is its sampler's: sampling=shards takes the smallest process's share.
-  length = run_length(config, data.examples_per_epoch(dataset, config.batch_size, jax.process_count()))
+  length = run_length(config, sampling.examples_per_epoch(dataset, config.batch_size, jax.process_count()))
   check_host(config, dataset.image_shape, streamed=not (dataset.train.cached and dataset.eval.cached))
-  eval_sets = [(config.dataset.eval_split, dataset)] + data.load_eval_splits(config, dataset)
+  eval_sets = [(config.dataset.eval_split, dataset)] + pipeline.load_eval_splits(config, dataset)
 
   checkpoints = checkpoint.Checkpoints(workdir, config)
   teacher, teacher_variables = load_teacher(config, dataset, mesh, checkpoints)
@@ -470,14 +470,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   if start.step >= length.total_steps or start.progress.stopped_early:
     return finish_trained_run(config, placement, start, checkpoints, dataset, eval_sets, length, workdir)
   if is_main:  # only once the checkpoint has proven to belong to this config
-    files.write_json(os.path.join(workdir, 'config.json'), config.to_dict())
+    files.write_json(os.path.join(workdir, 'config.json'), saved_config(config, dataset.image_shape[-1]))
     files.truncate_jsonl(os.path.join(workdir, 'metrics.jsonl'), start.step)
   writer = metrics.create_writer(workdir, is_main_process=is_main, config=config)
   if is_main:
     log_run_overview(writer, config, task, placement, start.state, dataset, start.step)
 
   batches = workers.prefetch(
-      placement.put_train_batch(tuple(batch)[:2]) for batch in data.train_batches(
+      placement.put_train_batch(tuple(batch)[:2]) for batch in loaders.train_batches(
           dataset, seed=config.seed, batch_size=config.batch_size, first_step=start.step,
           last_step=length.total_steps, process_index=jax.process_index(),
           process_count=jax.process_count(), alternate_flip=config.augment.alternate_flip))

@@ -67,14 +67,14 @@ def make_mixed_folder(root, *, classes=('cat', 'dog', 'frog'), train_per_class=1
 
 def tiny_dataset():
   """64 in-memory 8x8 images of 3 brightness classes: a dataset without files, for step-level tests."""
-  from flaxtpu import data
+  from flaxtpu.data import pipeline
   rng = np.random.default_rng(0)
   labels = rng.integers(0, 3, 64).astype(np.int32)
   images = (rng.integers(0, 80, (64, 8, 8, 3)) + labels[:, None, None, None] * 80).astype(np.uint8)
-  examples = data.Examples(images=images, labels=labels)
-  return data.Dataset(train=examples, eval=examples, class_names=('a', 'b', 'c'), image_shape=(8, 8, 3),
+  examples = pipeline.Examples(images=images, labels=labels)
+  return pipeline.Dataset(train=examples, eval=examples, class_names=('a', 'b', 'c'), image_shape=(8, 8, 3),
                       mean=np.full(3, 0.4, np.float32), std=np.full(3, 0.3, np.float32),
-                      transform=data.Transform())
+                      transform=pipeline.Transform())
 
 
 @pytest.fixture(scope='session')
@@ -114,8 +114,8 @@ def signal_at_step(monkeypatch, step_to_signal):
   """SIGTERM to this process when the data pipeline reaches a step (like a preemption)."""
   import signal
 
-  from flaxtpu import data
-  real = data.train_batches
+  from flaxtpu.data import loaders
+  real = loaders.train_batches
 
   def batches(*args, **kwargs):
     for step, batch in enumerate(real(*args, **kwargs), kwargs['first_step'] + 1):
@@ -123,4 +123,4 @@ def signal_at_step(monkeypatch, step_to_signal):
         os.kill(os.getpid(), signal.SIGTERM)
       yield batch
 
-  monkeypatch.setattr(data, 'train_batches', batches)
+  monkeypatch.setattr(loaders, 'train_batches', batches)

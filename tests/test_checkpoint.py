@@ -23,7 +23,8 @@ from conftest import (
   metric_rows,
   restore_checkpoint,
 )
-from flaxtpu import checkpoint, data, lock, train
+from flaxtpu import checkpoint, lock, train
+from flaxtpu.data import loaders, pipeline
 
 
 def _config(folder, **overrides):
@@ -49,7 +50,7 @@ def uninterrupted(image_folder, tmp_path_factory):
 
 def _signal_at_step(monkeypatch, step_to_signal, sig=signal.SIGTERM):
   """Sends `sig` to this process when the data pipeline reaches a step (like a preemption)."""
-  real = data.train_batches
+  real = loaders.train_batches
 
   def batches(*args, **kwargs):
     for step, batch in enumerate(real(*args, **kwargs), kwargs['first_step'] + 1):
@@ -57,7 +58,7 @@ def _signal_at_step(monkeypatch, step_to_signal, sig=signal.SIGTERM):
         os.kill(os.getpid(), sig)
       yield batch
 
-  monkeypatch.setattr(data, 'train_batches', batches)
+  monkeypatch.setattr(loaders, 'train_batches', batches)
 
 
 @pytest.mark.parametrize('stop_step, streamed', [
@@ -155,7 +156,7 @@ def _signal_when(monkeypatch, owner, name, sig=signal.SIGTERM):
 
 def test_sigterm_while_loading_data_stops_cleanly_before_training(image_folder, tmp_path, monkeypatch):
   workdir = str(tmp_path)
-  _signal_when(monkeypatch, data, 'load')
+  _signal_when(monkeypatch, pipeline, 'load')
   assert train.train_and_evaluate(_config(image_folder), workdir) == {'stopped_at_step': 0}
   assert not _complete_steps(workdir) and not os.path.exists(os.path.join(workdir, 'results.json'))
 

@@ -13,8 +13,10 @@ import pytest
 from test_data import _config
 
 from conftest import ROOT, make_image_folder
-from flaxtpu import data, files, report, sources
-from flaxtpu.sources import DataError
+from flaxtpu import files, report
+from flaxtpu.data import pipeline, predict_inputs
+from flaxtpu.data.sources import DataError, base
+from flaxtpu.data.sources import folder as folder_source
 
 CLASSES = ('cat', 'dog', 'frog')
 TINY = ['--config.batch_size=16', '--config.num_train_steps=4', '--config.eval_every_steps=4',
@@ -33,12 +35,12 @@ def run_cli(*args, check=True):
   return result
 
 
-def _folder_of(split: sources.Split, index: int) -> str:
+def _folder_of(split: base.Split, index: int) -> str:
   """The class folder an example's file is in: what its label must name."""
   return os.path.basename(os.path.dirname(split.describe(index)))
 
 
-def _assert_labels_name_their_folders(split: sources.Split, class_names):
+def _assert_labels_name_their_folders(split: base.Split, class_names):
   for index in range(len(split)):
     assert class_names[split.labels[index]] == _folder_of(split, index)
 
@@ -58,7 +60,7 @@ def test_eval_split_with_a_class_training_never_saw_is_an_error_naming_it(tmp_pa
   _move_class(folder, 'test', 'ant', from_root=tmp_path / 'other')  # sorts first: shifted every label
   with pytest.raises(DataError, match=r"split 'test' .* not trained on: ant \(3 images\).*"
                                       r'dataset.unknown_classes=drop'):
-    data.load(_config(folder))
+    pipeline.load(_config(folder))
 
 
 @pytest.mark.parametrize('cache', ['memory', 'none'])
@@ -66,7 +68,7 @@ def test_dropped_unknown_class_leaves_the_training_labels(tmp_path, cache):
   folder = make_image_folder(tmp_path / 'd', train_per_class=4, test_per_class=3)
   make_image_folder(tmp_path / 'other', classes=('ant',), train_per_class=1, test_per_class=5)
   _move_class(folder, 'test', 'ant', from_root=tmp_path / 'other')
-  dataset = data.load(_config(folder, **{'dataset.unknown_classes': 'drop', 'dataset.cache': cache}))
+  dataset = pipeline.load(_config(folder, **{'dataset.unknown_classes': 'drop', 'dataset.cache': cache}))
   assert dataset.class_names == CLASSES and len(dataset.eval) == 9
   labels = dataset.eval.labels if dataset.eval.cached else dataset.eval.source.labels
   assert np.bincount(labels).tolist() == [3, 3, 3]
@@ -77,11 +79,11 @@ def test_dropped_unknown_class_leaves_the_training_labels(tmp_path, cache):
 def test_eval_split_lacking_a_class_keeps_the_training_labels(tmp_path):
   folder = make_image_folder(tmp_path, train_per_class=4, test_per_class=3)
   shutil.rmtree(os.path.join(folder, 'test', 'cat'))  # sorts first: dog was 0 and frog 1 before
-  dataset = data.load(_config(folder, **{'dataset.cache': 'none'}))
+  dataset = pipeline.load(_config(folder, **{'dataset.cache': 'none'}))
   assert dataset.class_names == CLASSES and dataset.num_classes == 3
   assert np.bincount(dataset.eval.source.labels, minlength=3).tolist() == [0, 3, 3]
   _assert_labels_name_their_folders(dataset.eval.source, CLASSES)
-  assert sources.missing_classes(dataset.eval.source.labels, CLASSES) == ['cat']
+  assert base.missing_classes(dataset.eval.source.labels, CLASSES) == ['cat']
 
 
 def test_eval_splits_entries_and_later_parts_of_a_spec_map_by_name(tmp_path):
@@ -90,11 +92,11 @@ def test_eval_splits_entries_and_later_parts_of_a_spec_map_by_name(tmp_path):
   shutil.copytree(os.path.join(folder, 'test', 'frog'), os.path.join(folder, 'extra', 'frog'))
   config = _config(folder, **{'dataset.cache': 'none'})
   config.dataset.eval_splits = ('extra',)
-  dataset = data.load(config)
-  [(name, other)] = data.load_eval_splits(config, dataset)
+  dataset = pipeline.load(config)
+  [(name, other)] = pipeline.load_eval_splits(config, dataset)
   assert name == 'extra' and other.class_names == CLASSES
   assert other.eval.source.labels.tolist() == [2, 2, 2]  # frog, not class 0
-  split, class_names = sources.folder_split(folder, 'train+extra')  # before: 'different class folders'
+  split, class_names = folder_source.folder_split(folder, 'train+extra')  # before: 'different class folders'
   assert class_names == CLASSES and np.bincount(split.labels).tolist() == [4, 4, 7]
   _assert_labels_name_their_folders(split, CLASSES)
 
@@ -104,7 +106,8 @@ def test_checkpoint_classes_map_an_eval_only_folder_by_name(tmp_path):
   shutil.rmtree(os.path.join(folder, 'train'))
   shutil.rmtree(os.path.join(folder, 'test', 'cat'))
   trained_on = ('ant', 'cat', 'dog', 'frog')
-  dataset = data.load(_config(folder, **{'dataset.cache': 'none'}), need_train=False, class_names=trained_on)
+  dataset = pipeline.load(_config(folder, **{'dataset.cache': 'none'}), need_train=False,
+                          class_names=trained_on)
   assert dataset.class_names == trained_on
   assert sorted(set(dataset.eval.source.labels.tolist())) == [2, 3]
   _assert_labels_name_their_folders(dataset.eval.source, trained_on)
@@ -113,7 +116,7 @@ def test_checkpoint_classes_map_an_eval_only_folder_by_name(tmp_path):
 def test_unknown_classes_takes_error_or_drop_only(tmp_path):
   folder = make_image_folder(tmp_path, train_per_class=2, test_per_class=1)
   with pytest.raises(DataError, match=r'config.dataset.unknown_classes=.skip. is not one of error, drop'):
-    data.load(_config(folder, **{'dataset.unknown_classes': 'skip'}))
+    pipeline.load(_config(folder, **{'dataset.unknown_classes': 'skip'}))
 
 
 def test_report_of_a_split_lacking_classes_says_so(tmp_path):
@@ -148,10 +151,10 @@ def test_folder_links_that_loop_add_no_examples(tmp_path, kind):
   folder = make_image_folder(tmp_path / 'data', train_per_class=4, test_per_class=2)
   os.makedirs(tmp_path / 'data' / 'train' / 'cat' / 'deep')
   os.makedirs(tmp_path / 'outside')
-  expected, expected_classes = sources.folder_split(folder, 'train')
+  expected, expected_classes = folder_source.folder_split(folder, 'train')
   for link, target in _loop(kind):
     os.symlink(target, os.path.join(folder, link))
-  split, class_names = sources.folder_split(folder, 'train')
+  split, class_names = folder_source.folder_split(folder, 'train')
   assert class_names == expected_classes == CLASSES
   assert len(split) == len(expected) == 12
   assert np.bincount(split.labels).tolist() == [4, 4, 4]
@@ -166,7 +169,7 @@ def test_linked_files_and_class_folders_that_do_not_loop_still_count(tmp_path):
   os.symlink(os.path.join(pool, 'train', 'cat', '000.png'), os.path.join(folder, 'train', 'cat', 'x.png'))
   os.symlink(os.path.join(pool, 'train', 'dog'), os.path.join(folder, 'train', 'dog', 'more'))
   os.symlink(os.path.join(pool, 'train', 'dog'), os.path.join(folder, 'train', 'dog', 'again'))  # read once
-  split, class_names = sources.folder_split(folder, 'train')
+  split, class_names = folder_source.folder_split(folder, 'train')
   assert class_names == ('bird', 'cat', 'dog', 'frog')
   assert np.bincount(split.labels).tolist() == [3, 5, 7, 4]
 
@@ -188,12 +191,12 @@ def _predict_folder(tmp_path, source_image):
 
 def test_read_images_names_an_unreadable_file_or_skips_it(tmp_path, image_folder, capsys):
   folder = _predict_folder(tmp_path, os.path.join(image_folder, 'test', 'cat', '000.png'))
-  transform = data.Transform()
+  transform = pipeline.Transform()
   with pytest.raises(DataError, match=r'broken.png \(UnidentifiedImageError: cannot identify image file .*\)'
                                       r'.*skip_corrupt=true') as raised:
-    data.read_images(folder, (8, 8, 3), transform)
+    predict_inputs.read_images(folder, (8, 8, 3), transform)
   assert '\n' not in str(raised.value)
-  paths, images = data.read_images(folder, (8, 8, 3), transform, skip_corrupt=True)
+  paths, images = predict_inputs.read_images(folder, (8, 8, 3), transform, skip_corrupt=True)
   assert len(paths) == len(images) == 1 + len(ODD_NAMES)
   assert sorted(os.path.basename(p) for p in paths) == sorted(['good.png', *ODD_NAMES])
   assert 'broken.png' in capsys.readouterr().err
@@ -204,7 +207,7 @@ def test_predictions_csv_is_valid_utf8_for_any_file_name(tmp_path, image_folder,
   monkeypatch.chdir(folder)  # relative paths: a name starting with '=' begins the cell
   paths = sorted(name for name in os.listdir('.') if name != 'broken.png')
   out = str(tmp_path / 'predictions.csv')
-  files.write_csv(out, [{'path': data.csv_path(p), 'class_1': 'cat'} for p in paths], 'predict.output_csv')
+  files.write_csv(out, [{'path': files.csv_path(p), 'class_1': 'cat'} for p in paths], 'predict.output_csv')
   with open(out, encoding='utf-8', newline='') as f:  # strict UTF-8
     cells = [row['path'] for row in csv.DictReader(f)]
   assert len(cells) == len(paths)

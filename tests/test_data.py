@@ -10,8 +10,10 @@ from PIL import Image
 
 from configs import cifar10
 from conftest import make_image_folder, make_mixed_folder
-from flaxtpu import data, defaults, sources, workers
-from flaxtpu.sources import DataError
+from flaxtpu import defaults
+from flaxtpu.data import loaders, pipeline, predict_inputs, sampling, sources, workers
+from flaxtpu.data.sources import DataError, base, embedded
+from flaxtpu.data.sources import folder as folder_source
 
 
 def _config(folder, **overrides):
@@ -23,18 +25,18 @@ def _config(folder, **overrides):
 
 
 def _batches(dataset, steps=range(3), batch_size=8, **kwargs):
-  return list(data.train_batches(dataset, seed=1, batch_size=batch_size, first_step=steps[0],
+  return list(loaders.train_batches(dataset, seed=1, batch_size=batch_size, first_step=steps[0],
                                  last_step=steps[-1] + 1, **kwargs))
 
 
 def test_uniform_folder_is_cached_as_one_uint8_array(image_folder):
-  dataset = data.load(_config(image_folder))
+  dataset = pipeline.load(_config(image_folder))
   assert dataset.class_names == ('cat', 'dog', 'frog')
   assert dataset.train.cached and dataset.train.images.shape == (48, 8, 8, 3)
   assert dataset.train.images.dtype == np.uint8 and len(dataset.eval) == 21
   assert np.bincount(dataset.train.labels).tolist() == [16, 16, 16]
   # Example i is file i of the folder's fixed order; its pixels are the file's.
-  split, _ = sources.folder_split(image_folder, 'train')
+  split, _ = folder_source.folder_split(image_folder, 'train')
   path, label = split.load(5)
   np.testing.assert_array_equal(dataset.train.images[5], np.asarray(Image.open(path)))
   assert dataset.train.labels[5] == label
@@ -43,21 +45,21 @@ def test_uniform_folder_is_cached_as_one_uint8_array(image_folder):
 
 def test_grayscale_folder_decodes_to_three_equal_channels(tmp_path):
   folder = make_image_folder(tmp_path, classes=('a', 'b'), mode='L', train_per_class=4, test_per_class=2)
-  images = data.load(_config(folder)).train.images
+  images = pipeline.load(_config(folder)).train.images
   assert images.shape == (8, 8, 8, 3)
   np.testing.assert_array_equal(images[..., 0], images[..., 2])
 
 
 def test_mixed_sizes_need_image_size_and_name_the_key(tmp_path):
   folder = make_mixed_folder(tmp_path)
-  with pytest.raises(data.DataError, match=r'the images have .* set --config.dataset.image_size=N'):
-    data.load(_config(folder))
+  with pytest.raises(pipeline.DataError, match=r'the images have .* set --config.dataset.image_size=N'):
+    pipeline.load(_config(folder))
 
 
 @pytest.mark.parametrize('cache', ['memory', 'none'])
 def test_mixed_folder_trains_at_image_size(tmp_path, cache):
   folder = make_mixed_folder(tmp_path)  # 6 modes, JPEG and PNG, 12-59 px, a .DS_Store per class
-  dataset = data.load(_config(folder, **{'dataset.image_size': 16, 'dataset.cache': cache}))
+  dataset = pipeline.load(_config(folder, **{'dataset.image_size': 16, 'dataset.cache': cache}))
   assert dataset.image_shape == (16, 16, 3)
   assert len(dataset.train) == 3 * 18 and len(dataset.eval) == 3 * 9
   assert dataset.train.cached == (cache == 'memory')
@@ -66,15 +68,15 @@ def test_mixed_folder_trains_at_image_size(tmp_path, cache):
     # Class brightness bands survive decoding from every mode: labels are recoverable.
     brightness = batch.images.reshape(8, -1).mean(axis=1)
     assert np.all(np.abs(brightness - (30 + 80 * batch.labels)) < 40), (brightness, batch.labels)
-  eval_batches = list(data.eval_batches(dataset, batch_size=8))
+  eval_batches = list(loaders.eval_batches(dataset, batch_size=8))
   assert [int(b.mask.sum()) for b in eval_batches] == [8, 8, 8, 3]  # 27 = 3 x 8 + 3
 
 
 def test_cached_and_streamed_eval_batches_are_equal(tmp_path):
   folder = make_mixed_folder(tmp_path)
-  cached = data.load(_config(folder, **{'dataset.image_size': 16, 'dataset.cache': 'memory'}))
-  streamed = data.load(_config(folder, **{'dataset.image_size': 16, 'dataset.cache': 'none'}))
-  for a, b in zip(data.eval_batches(cached, batch_size=8), data.eval_batches(streamed, batch_size=8)):
+  cached = pipeline.load(_config(folder, **{'dataset.image_size': 16, 'dataset.cache': 'memory'}))
+  streamed = pipeline.load(_config(folder, **{'dataset.image_size': 16, 'dataset.cache': 'none'}))
+  for a, b in zip(loaders.eval_batches(cached, batch_size=8), loaders.eval_batches(streamed, batch_size=8)):
     np.testing.assert_array_equal(a.labels, b.labels)
     # The cache keeps the shorter side at the eval resize: the same crop within rounding.
     assert np.abs(a.images.astype(int) - b.images.astype(int)).mean() < 6
@@ -83,10 +85,10 @@ def test_cached_and_streamed_eval_batches_are_equal(tmp_path):
 def test_batches_do_not_depend_on_workers_or_processes(tmp_path):
   folder = make_mixed_folder(tmp_path)
   config = _config(folder, **{'dataset.image_size': 16, 'dataset.cache': 'none'})
-  threaded = data.load(config)
+  threaded = pipeline.load(config)
   reference = _batches(threaded, steps=range(4, 7))
   config.input.workers = 2
-  in_workers = data.load(config)
+  in_workers = pipeline.load(config)
   in_threads = dataclasses.replace(in_workers, worker_threads=True)
   for other in (_batches(in_workers, steps=range(4, 7)), _batches(in_threads, steps=range(4, 7))):
     for a, b in zip(reference, other, strict=True):
@@ -101,7 +103,7 @@ def test_batches_do_not_depend_on_workers_or_processes(tmp_path):
 
 def test_random_resized_crops_differ_by_step_and_repeat_by_seed(tmp_path):
   folder = make_mixed_folder(tmp_path)
-  dataset = data.load(_config(folder, **{'dataset.image_size': 16, 'dataset.cache': 'none'}))
+  dataset = pipeline.load(_config(folder, **{'dataset.image_size': 16, 'dataset.cache': 'none'}))
   first, again = _batches(dataset, steps=range(2)), _batches(dataset, steps=range(2))
   np.testing.assert_array_equal(first[1].images, again[1].images)
   assert not np.array_equal(first[0].images, first[1].images)
@@ -112,17 +114,17 @@ def test_random_resized_crops_differ_by_step_and_repeat_by_seed(tmp_path):
 
 def test_percentage_slices_hold_out_a_proportional_validation_set(tmp_path):
   folder = make_image_folder(tmp_path, classes=('a', 'b', 'c', 'd'), train_per_class=25, test_per_class=1)
-  train, _ = sources.folder_split(folder, 'train[:80%]')
-  held_out, _ = sources.folder_split(folder, 'train[80%:]')
-  everything, _ = sources.folder_split(folder, 'train')
+  train, _ = folder_source.folder_split(folder, 'train[:80%]')
+  held_out, _ = folder_source.folder_split(folder, 'train[80%:]')
+  everything, _ = folder_source.folder_split(folder, 'train')
   assert (len(train), len(held_out)) == (80, 20)
-  assert set(train.paths).isdisjoint(held_out.paths)
-  assert set(train.paths) | set(held_out.paths) == set(everything.paths)
+  assert set(train.records.paths).isdisjoint(held_out.records.paths)
+  assert set(train.records.paths) | set(held_out.records.paths) == set(everything.records.paths)
   assert np.bincount(held_out.labels).tolist() == [5, 5, 5, 5]  # stratified: 20% of every class
-  both, _ = sources.folder_split(folder, 'train[:10]+test')
+  both, _ = folder_source.folder_split(folder, 'train[:10]+test')
   assert len(both) == 14
   config = _config(folder, **{'dataset.train_split': 'train[:80%]', 'dataset.eval_split': 'train[80%:]'})
-  dataset = data.load(config)
+  dataset = pipeline.load(config)
   assert (len(dataset.train), len(dataset.eval)) == (80, 20)
 
 
@@ -130,9 +132,9 @@ def test_a_folder_of_class_folders_is_the_split_all(tmp_path):
   make_image_folder(tmp_path / 'made', classes=('a', 'b'), train_per_class=10, test_per_class=1)
   os.rename(tmp_path / 'made' / 'train', tmp_path / 'photos')
   folder = str(tmp_path / 'photos')
-  with pytest.raises(data.DataError, match=r"holds class folders .*train_split='all\[:80%\]'"):
-    data.load(_config(folder))
-  dataset = data.load(_config(folder, **{'dataset.train_split': 'all[:80%]',
+  with pytest.raises(pipeline.DataError, match=r"holds class folders .*train_split='all\[:80%\]'"):
+    pipeline.load(_config(folder))
+  dataset = pipeline.load(_config(folder, **{'dataset.train_split': 'all[:80%]',
                                          'dataset.eval_split': 'all[80%:]'}))
   assert (len(dataset.train), len(dataset.eval)) == (16, 4)
   assert np.bincount(dataset.eval.labels).tolist() == [2, 2]
@@ -145,42 +147,42 @@ def test_a_folder_of_class_folders_is_the_split_all(tmp_path):
     ('train[10%:20%]+test', [('train', '10%', '20%'), ('test', '', '')]),
 ])
 def test_split_specs_parse(spec, bounds):
-  assert sources.parse_spec(spec) == bounds
+  assert base.parse_spec(spec) == bounds
 
 
 def test_slice_arithmetic_follows_tfds():
-  assert sources.slice_bounds('', '90%', 1001) == (0, 901)
-  assert sources.slice_bounds('90%', '', 1001) == (901, 1001)
-  assert sources.slice_bounds('-100', '', 1000) == (900, 1000)
-  assert sources.slice_bounds('', '5000', 1000) == (0, 1000)
+  assert base.slice_bounds('', '90%', 1001) == (0, 901)
+  assert base.slice_bounds('90%', '', 1001) == (901, 1001)
+  assert base.slice_bounds('-100', '', 1000) == (900, 1000)
+  assert base.slice_bounds('', '5000', 1000) == (0, 1000)
 
 
 def test_bad_split_spec_is_named():
-  with pytest.raises(data.DataError, match=r"split 'train\[:90\]\]' is not valid"):
-    sources.parse_spec('train[:90]]')
+  with pytest.raises(pipeline.DataError, match=r"split 'train\[:90\]\]' is not valid"):
+    base.parse_spec('train[:90]]')
 
 
 # --- batches as a function of (seed, step) -----------------------------------------------
 
 
 def test_same_seed_same_batches_and_steps_differ():
-  first = data.train_indices(seed=3, step=5, num_examples=1000, batch_size=32)
-  np.testing.assert_array_equal(first, data.train_indices(3, 5, 1000, 32))
-  assert not np.array_equal(first, data.train_indices(3, 6, 1000, 32))
-  assert not np.array_equal(first, data.train_indices(4, 5, 1000, 32))
+  first = sampling.train_indices(seed=3, step=5, num_examples=1000, batch_size=32)
+  np.testing.assert_array_equal(first, sampling.train_indices(3, 5, 1000, 32))
+  assert not np.array_equal(first, sampling.train_indices(3, 6, 1000, 32))
+  assert not np.array_equal(first, sampling.train_indices(4, 5, 1000, 32))
 
 
 def test_an_epoch_visits_each_example_at_most_once():
-  indices = np.concatenate([data.train_indices(0, step, 100, 32) for step in range(3)])
+  indices = np.concatenate([sampling.train_indices(0, step, 100, 32) for step in range(3)])
   assert len(np.unique(indices)) == 96  # 3 full batches; the remainder of 4 is dropped
   # The next epoch reshuffles.
-  assert not np.array_equal(data.train_indices(0, 3, 100, 32), data.train_indices(0, 0, 100, 32))
+  assert not np.array_equal(sampling.train_indices(0, 3, 100, 32), sampling.train_indices(0, 0, 100, 32))
 
 
 def _in_memory(images, labels):
-  examples = data.Examples(images=images, labels=labels)
-  return data.Dataset(train=examples, eval=examples, class_names=('a',), image_shape=images.shape[1:],
-                      mean=np.zeros(3), std=np.ones(3), transform=data.Transform())
+  examples = pipeline.Examples(images=images, labels=labels)
+  return pipeline.Dataset(train=examples, eval=examples, class_names=('a',), image_shape=images.shape[1:],
+                      mean=np.zeros(3), std=np.ones(3), transform=pipeline.Transform())
 
 
 def test_processes_take_disjoint_slices_of_the_global_batch():
@@ -193,7 +195,8 @@ def test_processes_take_disjoint_slices_of_the_global_batch():
 def test_alternate_flips_mirror_each_image_once_in_any_two_epochs():
   # 100 examples, batch 20: 5 steps an epoch, nothing dropped.
   per_epoch = [{int(i): bool(f) for step in range(5 * epoch, 5 * epoch + 5)
-                for i, f in zip(data.train_indices(7, step, 100, 20), data.alternate_flips(7, step, 100, 20))}
+                for i, f in zip(sampling.train_indices(7, step, 100, 20),
+                                sampling.alternate_flips(7, step, 100, 20))}
                for epoch in range(4)]
   assert all(len(flips) == 100 for flips in per_epoch)
   for this, following in zip(per_epoch, per_epoch[1:]):
@@ -201,22 +204,23 @@ def test_alternate_flips_mirror_each_image_once_in_any_two_epochs():
   assert 35 <= sum(per_epoch[0].values()) <= 65  # a seeded half (Binomial(100, 1/2): 50 +- 5)
   assert per_epoch[0] == per_epoch[2]  # the pattern, not a new coin, every two epochs
   other_seed = {int(i): bool(f) for step in range(5)
-                for i, f in zip(data.train_indices(8, step, 100, 20), data.alternate_flips(8, step, 100, 20))}
+                for i, f in zip(sampling.train_indices(8, step, 100, 20),
+                                sampling.alternate_flips(8, step, 100, 20))}
   assert other_seed != per_epoch[0]
 
 
 @pytest.mark.parametrize('cache', ['memory', 'none'])
 def test_alternate_flip_batches_are_the_plain_ones_mirrored_where_it_says(tmp_path, cache):
   folder = make_mixed_folder(tmp_path)
-  dataset = data.load(_config(folder, **{'dataset.image_size': 16, 'dataset.cache': cache}))
+  dataset = pipeline.load(_config(folder, **{'dataset.image_size': 16, 'dataset.cache': cache}))
   steps, size = range(5, 9), len(dataset.train)  # 54 images, batch 8: steps 5-8 cross into epoch 1
   plain, flipped = _batches(dataset, steps=steps), _batches(dataset, steps=steps, alternate_flip=True)
   for step, a, b in zip(steps, plain, flipped, strict=True):
-    mirror = data.alternate_flips(1, step, size, 8)
+    mirror = sampling.alternate_flips(1, step, size, 8)
     np.testing.assert_array_equal(b.images[mirror], a.images[mirror][:, :, ::-1])
     np.testing.assert_array_equal(b.images[~mirror], a.images[~mirror])
     np.testing.assert_array_equal(a.labels, b.labels)
-  assert 0 < sum(data.alternate_flips(1, step, size, 8).sum() for step in steps) < 32
+  assert 0 < sum(sampling.alternate_flips(1, step, size, 8).sum() for step in steps) < 32
   # Two processes' rows are the global batch's.
   parts = [_batches(dataset, steps=steps, alternate_flip=True, process_index=p, process_count=2)
            for p in range(2)]
@@ -226,14 +230,15 @@ def test_alternate_flip_batches_are_the_plain_ones_mirrored_where_it_says(tmp_pa
 
 def test_eval_batches_count_every_example_once_with_a_padded_remainder():
   dataset = _in_memory(np.zeros((21, 2, 2, 3), np.uint8), np.arange(21, dtype=np.int32))
-  batches = list(data.eval_batches(dataset, batch_size=8))
+  batches = list(loaders.eval_batches(dataset, batch_size=8))
   assert len(batches) == 3
   assert all(len(b.labels) == 8 for b in batches)
   assert [int(b.mask.sum()) for b in batches] == [8, 8, 5]
   counted = np.concatenate([b.labels[b.mask] for b in batches])
   np.testing.assert_array_equal(counted, np.arange(21))
   # Two processes: the same examples, split by rows.
-  rows = [list(data.eval_batches(dataset, batch_size=8, process_index=p, process_count=2)) for p in range(2)]
+  rows = [list(loaders.eval_batches(dataset, batch_size=8, process_index=p, process_count=2))
+          for p in range(2)]
   counted = np.concatenate([np.concatenate([r[i].labels[r[i].mask] for r in rows]) for i in range(3)])
   np.testing.assert_array_equal(counted, np.arange(21))
 
@@ -286,39 +291,39 @@ def test_thread_workers_yield_in_order_reraise_and_stop_when_closed():
 
 
 def test_missing_folder(tmp_path):
-  with pytest.raises(data.DataError, match='is not a directory'):
-    data.load(_config(str(tmp_path / 'nope')))
+  with pytest.raises(pipeline.DataError, match='is not a directory'):
+    pipeline.load(_config(str(tmp_path / 'nope')))
 
 
 def test_missing_split_lists_the_splits_found(tmp_path):
   folder = make_image_folder(tmp_path, train_per_class=2, test_per_class=1)
   config = _config(folder, **{'dataset.eval_split': 'validation'})
-  with pytest.raises(data.DataError, match=r'validation does not exist; splits found in .*: test, train'):
-    data.load(config)
+  with pytest.raises(pipeline.DataError, match=r'validation does not exist; splits found in .*: test, train'):
+    pipeline.load(config)
 
 
 def test_empty_class_folder(tmp_path):
   folder = make_image_folder(tmp_path, train_per_class=2, test_per_class=1)
   os.makedirs(tmp_path / 'train' / 'empty')
   (tmp_path / 'train' / 'empty' / '.DS_Store').write_bytes(b'junk')
-  with pytest.raises(data.DataError, match=r'class folder .*train/empty has no images'):
-    data.load(_config(folder))
+  with pytest.raises(pipeline.DataError, match=r'class folder .*train/empty has no images'):
+    pipeline.load(_config(folder))
 
 
 def test_split_without_class_folders(tmp_path):
   os.makedirs(tmp_path / 'train')
   os.makedirs(tmp_path / 'test')
-  with pytest.raises(data.DataError, match='has no class folders'):
-    data.load(_config(str(tmp_path)))
+  with pytest.raises(pipeline.DataError, match='has no class folders'):
+    pipeline.load(_config(str(tmp_path)))
 
 
 def test_corrupt_image_is_named_or_skipped(tmp_path):
   folder = make_image_folder(tmp_path, train_per_class=3, test_per_class=1)
   bad = tmp_path / 'train' / 'dog' / '001.png'
   bad.write_bytes(b'not a png at all')
-  with pytest.raises(data.DataError, match=f'cannot decode image {bad} .*skip_corrupt=true'):
-    data.load(_config(folder))
-  dataset = data.load(_config(folder, **{'dataset.skip_corrupt': True}))
+  with pytest.raises(pipeline.DataError, match=f'cannot decode image {bad} .*skip_corrupt=true'):
+    pipeline.load(_config(folder))
+  dataset = pipeline.load(_config(folder, **{'dataset.skip_corrupt': True}))
   assert len(dataset.train) == 8 and np.bincount(dataset.train.labels).tolist() == [3, 2, 3]
 
 
@@ -328,12 +333,12 @@ def test_truncated_jpeg_is_named_when_decoded_or_replaced(tmp_path):
   content = bad.read_bytes()
   bad.write_bytes(content[:len(content) * 3 // 4])  # the header reads, the pixels do not
   config = _config(folder, **{'dataset.image_size': 16, 'dataset.cache': 'none'})
-  dataset = data.load(config)  # the header scan passes
-  with pytest.raises(data.DataError, match=f'cannot decode image {bad}'):
+  dataset = pipeline.load(config)  # the header scan passes
+  with pytest.raises(pipeline.DataError, match=f'cannot decode image {bad}'):
     for step in range(20):  # some step draws the file
       _batches(dataset, steps=[step])
   config.dataset.skip_corrupt = True
-  skipping = data.load(config)
+  skipping = pipeline.load(config)
   batches = [b for step in range(20) for b in _batches(skipping, steps=[step])]
   assert all(b.images.shape == (8, 16, 16, 3) for b in batches)
 
@@ -349,33 +354,34 @@ def test_unreadable_file_is_named(tmp_path, monkeypatch):
     return real_open(path, *args, **kwargs)
 
   monkeypatch.setattr(Image, 'open', open_as_an_unprivileged_user)
-  with pytest.raises(data.DataError, match=f'cannot read {locked} \\(permission denied\\)'):
-    data.load(_config(folder))
+  with pytest.raises(pipeline.DataError, match=f'cannot read {locked} \\(permission denied\\)'):
+    pipeline.load(_config(folder))
 
 
 # --- prediction inputs --------------------------------------------------------------------
 
 
 def test_read_images_for_predict(tmp_path, image_folder):
-  transform = data.Transform()
-  paths, images = data.read_images(os.path.join(image_folder, 'test', 'cat'), (8, 8, 3), transform)
+  transform = pipeline.Transform()
+  paths, images = predict_inputs.read_images(os.path.join(image_folder, 'test', 'cat'), (8, 8, 3), transform)
   assert len(paths) == 7 and images.shape == (7, 8, 8, 3)
   Image.new('RGB', (16, 16), (255, 0, 0)).save(tmp_path / 'big.png')
-  _, resized = data.read_images(str(tmp_path / 'big.png'), (8, 8, 3), transform)
+  _, resized = predict_inputs.read_images(str(tmp_path / 'big.png'), (8, 8, 3), transform)
   assert resized.shape == (1, 8, 8, 3) and resized[0, 0, 0].tolist() == [255, 0, 0]
   # A model trained at image_size: the evaluation crop of a wide image.
   Image.new('RGB', (40, 20), (0, 0, 255)).save(tmp_path / 'wide.png')
-  _, cropped = data.read_images(str(tmp_path / 'wide.png'), (16, 16, 3), data.Transform(size=16))
+  _, cropped = predict_inputs.read_images(str(tmp_path / 'wide.png'), (16, 16, 3),
+                                          pipeline.Transform(size=16))
   assert cropped.shape == (1, 16, 16, 3) and cropped[0, 8, 8].tolist() == [0, 0, 255]
-  with pytest.raises(data.DataError, match='does not exist'):
-    data.read_images(str(tmp_path / 'missing.png'), (8, 8, 3), transform)
+  with pytest.raises(pipeline.DataError, match='does not exist'):
+    predict_inputs.read_images(str(tmp_path / 'missing.png'), (8, 8, 3), transform)
 
 
 def test_a_cache_decoded_by_workers_holds_private_arrays(tmp_path):
   # Arrays from grain workers arrive in shared memory, one file descriptor each: a cache that
   # kept them would run out of descriptors at CIFAR size (50,000 images).
   folder = make_image_folder(tmp_path, classes=('a', 'b'), train_per_class=500, test_per_class=1)
-  dataset = data.load(_config(folder, **{'dataset.image_size': 8, 'dataset.cache': 'memory',
+  dataset = pipeline.load(_config(folder, **{'dataset.image_size': 8, 'dataset.cache': 'memory',
                                          'input.workers': 1}))
   assert len(dataset.train.images) == 1000
   assert {type(image) for image in dataset.train.images} == {np.ndarray}
@@ -385,23 +391,23 @@ def test_embedded_digits_load_without_a_download():
   config = defaults.get_config()
   config.dataset.name = 'digits'
   config.dataset.train_split = 'train[:1000]'
-  dataset = data.load(config)
+  dataset = pipeline.load(config)
   assert (len(dataset.train), len(dataset.eval)) == (1000, 359)
   assert dataset.image_shape == (8, 8, 1) and dataset.class_names == tuple('0123456789')
   assert dataset.train.images.dtype == np.uint8 and dataset.train.images.max() == 255
   assert np.bincount(dataset.eval.labels).tolist() == [36, 36, 35, 37, 36, 36, 36, 36, 35, 36]
   config.dataset.eval_split = 'validation'
   with pytest.raises(DataError, match="'digits' has no split 'validation'; it has: test, train"):
-    data.load(config)
+    pipeline.load(config)
 
 
 def test_the_config_picks_one_source_and_every_source_answers_the_same_methods(image_folder):
   config = defaults.get_config()
   config.dataset.name = 'digits'
-  assert type(sources.get(config.dataset)) is sources.EmbeddedSource
+  assert type(sources.get(config.dataset)) is embedded.EmbeddedSource
   config.dataset.folder = image_folder  # wins over the name
   folder = sources.get(config.dataset)
-  assert type(folder) is sources.FolderSource and not folder.in_memory
+  assert type(folder) is folder_source.FolderSource and not folder.in_memory
   train, evaluation, class_names = folder.splits('train', 'test', None)
   assert class_names == ('cat', 'dog', 'frog') and (len(train), len(evaluation)) == (48, 21)
   assert folder.native_sizes([train, evaluation]) == {(8, 8)}
@@ -415,7 +421,7 @@ def test_rgb_mean_and_std_are_averaged_for_one_channel_images_and_other_counts_r
   config.dataset.name, config.dataset.train_split = 'digits', 'train[:100]'
   config.dataset.normalize = 'fixed'
   config.dataset.mean, config.dataset.std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-  dataset = data.load(config)
+  dataset = pipeline.load(config)
   np.testing.assert_allclose(dataset.mean, [np.mean([0.485, 0.456, 0.406])], rtol=1e-6)
   np.testing.assert_allclose(dataset.std, [np.mean([0.229, 0.224, 0.225])], rtol=1e-6)
   assert len(config.dataset.mean) == 1  # the averages, as the run's config.json records them
@@ -429,6 +435,7 @@ def test_file_names_that_are_not_utf8_are_read(tmp_path):
   folder = make_image_folder(tmp_path, train_per_class=2, test_per_class=1)
   os.rename(os.path.join(folder, 'train', 'cat', '000.png'),
             os.path.join(folder, 'train', 'cat', os.fsdecode(b'caf\xe9.png')))  # Latin-1, not UTF-8
-  dataset = data.load(_config(folder, **{'dataset.cache': 'none'}))
+  dataset = pipeline.load(_config(folder, **{'dataset.cache': 'none'}))
   assert len(dataset.train) == 6 and np.bincount(dataset.train.source.labels).tolist() == [2, 2, 2]
-  assert len(next(data.train_batches(dataset, seed=0, batch_size=6, first_step=0, last_step=1)).images) == 6
+  assert len(next(loaders.train_batches(dataset, seed=0, batch_size=6, first_step=0,
+                                        last_step=1)).images) == 6

@@ -172,7 +172,7 @@ def test_a_damaged_step_that_is_still_there_stays_an_error(tmp_path):
 _STREAM = '''
 import sys
 import numpy as np
-from flaxtpu import workers
+from flaxtpu.data import workers
 
 def batch(i):
   return np.full((32, 32, 3), i, np.uint8)

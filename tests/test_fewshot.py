@@ -11,8 +11,9 @@ from sklearn.linear_model import Ridge
 from configs import digits
 from conftest import make_image_folder
 from flaxtpu import config as config_lib
-from flaxtpu import data, evaluate, fewshot, parallel, steps, train, workdir_config
+from flaxtpu import evaluate, fewshot, parallel, steps, train, workdir_config
 from flaxtpu.config import ConfigError
+from flaxtpu.data import loaders, pipeline
 
 
 @pytest.mark.parametrize('count, dim', [(30, 8), (12, 40)])  # the primal and the dual solve
@@ -83,7 +84,7 @@ def test_a_run_logs_probe_accuracies_and_eval_mode_reproduces_them(tmp_path):
 
 def test_trained_features_beat_random_ones():
   config = _config(num_train_steps=60)
-  dataset = data.load(config)
+  dataset = pipeline.load(config)
   length = config_lib.run_length(config, len(dataset.train))
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std, length=length)
@@ -92,9 +93,9 @@ def test_trained_features_beat_random_ones():
   state = steps.create_state(task, placement, config.seed)
   random_init = probe(state)
   compiled, _ = placement.compile_train_step(state, placement.put_train_batch(
-      tuple(next(iter(data.train_batches(dataset, seed=0, batch_size=config.batch_size, first_step=0,
+      tuple(next(iter(loaders.train_batches(dataset, seed=0, batch_size=config.batch_size, first_step=0,
                                          last_step=1))))[:2]))
-  for batch in data.train_batches(dataset, seed=0, batch_size=config.batch_size, first_step=0,
+  for batch in loaders.train_batches(dataset, seed=0, batch_size=config.batch_size, first_step=0,
                                   last_step=length.total_steps):
     state, _ = compiled(state, placement.put_train_batch(tuple(batch)[:2]))
   trained = probe(state)

@@ -11,8 +11,9 @@ import pytest
 
 from configs import cifar10_resnet
 from conftest import make_image_folder, restore_checkpoint, tiny_dataset
-from flaxtpu import checkpoint, data, finetune, optim, parallel, steps, train
+from flaxtpu import checkpoint, finetune, optim, parallel, steps, train
 from flaxtpu import config as config_lib
+from flaxtpu.data import loaders, pipeline
 from flaxtpu.errors import UserError
 
 FIVE = ('a', 'b', 'c', 'd', 'e')
@@ -52,7 +53,7 @@ def _one_device_mesh():
 
 def _place(config):
   """(task, placement, fresh state) of a config, as the trainer builds them before the loop."""
-  dataset = data.load(config)
+  dataset = pipeline.load(config)
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std,
                            length=config_lib.run_length(config, len(dataset.train)))
@@ -114,7 +115,8 @@ def test_a_fine_tuning_run_takes_its_sources_normalisation_and_keeps_it_on_resum
   assert config.dataset.normalize == 'fixed' and config.dataset.image_size == 0
   np.testing.assert_array_equal(config.dataset.mean, normalization['mean'])
   np.testing.assert_array_equal(config.dataset.std, normalization['std'])
-  assert not np.allclose(data.load(_config(folders[1])).mean, normalization['mean'])  # the new data's differ
+  # the new data's differ
+  assert not np.allclose(pipeline.load(_config(folders[1])).mean, normalization['mean'])
 
   workdir = tmp_path / 'started'
   workdir.mkdir()
@@ -169,7 +171,7 @@ def test_no_checkpoint_and_another_model_are_one_line_errors(source, five_class,
                   "init_from.skip pattern '^head/' matches no parameter")
   # ResNet-18's stem and blocks are wider than ResNet-20's: same names, other shapes. No state is built.
   config = _config(folders[1], **{'model.name': 'resnet18', 'init_from.checkpoint': source})
-  dataset = data.load(config)
+  dataset = pipeline.load(config)
   task = steps.create_task(config, num_classes=5, image_shape=dataset.image_shape, mean=dataset.mean,
                            std=dataset.std, length=config_lib.run_length(config, len(dataset.train)))
   placement = steps.place(task, parallel.make_mesh(config), config)
@@ -237,7 +239,7 @@ def _train_steps(num_steps, **overrides):
   placement = steps.place(task, _one_device_mesh(), config)
   state = steps.create_state(task, placement, config.seed)
   initial = _named(placement.to_saveable(state))
-  for batch in data.train_batches(dataset, seed=0, batch_size=16, first_step=0, last_step=num_steps):
+  for batch in loaders.train_batches(dataset, seed=0, batch_size=16, first_step=0, last_step=num_steps):
     state, _ = placement.train_step(state, placement.put_train_batch(tuple(batch)[:2]))
   final = placement.to_saveable(state)
   return initial, _named(final), final.opt_state

@@ -14,8 +14,9 @@ from PIL import Image
 
 from benchmarks.data import make_shards
 from conftest import ROOT, make_image_folder
-from flaxtpu import defaults, sources
-from flaxtpu.sources import DataError
+from flaxtpu import defaults
+from flaxtpu.data import loaders, pipeline, sources
+from flaxtpu.data.sources import DataError, shards, tagged
 
 CLASSES = ('cat', 'dog', 'frog')
 
@@ -70,7 +71,7 @@ def test_csv_header_with_split_column_gives_its_splits_and_sorted_classes(tmp_pa
       path, label = split.load(i)
       assert os.path.basename(path)[0] == CLASSES[label][0] and isinstance(label, int)
       assert path.startswith(str(tmp_path))  # the label file's folder is the image folder
-  assert train.shards is None
+  assert train.groups is None
 
 
 def test_labels_column_is_multi_hot_for_multilabel_and_refused_for_multiclass(tmp_path):
@@ -114,9 +115,10 @@ def test_slices_of_all_partition_the_file_and_keep_class_proportions(tmp_path):
   train, held_out, _ = source.splits('all[:80%]', 'all[80%:]', None)
   assert np.bincount(train.labels).tolist() == [8, 8, 8]
   assert np.bincount(held_out.labels).tolist() == [2, 2, 2]
-  assert not set(train.paths) & set(held_out.paths) and len(set(train.paths) | set(held_out.paths)) == 30
+  train_paths, held_out_paths = set(train.records.paths), set(held_out.records.paths)
+  assert not train_paths & held_out_paths and len(train_paths | held_out_paths) == 30
   again, _, _ = _dataset(labels=labels).splits('all[:80%]', 'all[80%:]', None)
-  assert (again.paths == train.paths).all()  # a fixed order: the same slice in every run
+  assert (again.records.paths == train.records.paths).all()  # a fixed order: the same slice in every run
   with pytest.raises(DataError, match=r"has no split column, so its one split is 'all': hold out a part with "
                                       r"--config.dataset.train_split='all\[:80%\]'"):
     source.splits('train', 'test', None)
@@ -200,7 +202,7 @@ def test_configured_columns_read_any_names_and_ignore_the_rest(tmp_path):
   labels = _write(tmp_path / 'l.csv', f'Photo,Kind,width\n{tmp_path}/a.png,cat,8\nsub/../b.png,dog,8\n')
   _, split, class_names = _dataset(labels=labels, image_column='photo', label_column='Kind').splits(
       None, 'all', None)
-  assert class_names == ('cat', 'dog') and split.paths.tolist() == [b'a.png', b'b.png']  # normalised
+  assert class_names == ('cat', 'dog') and split.records.paths.tolist() == [b'a.png', b'b.png']  # normalised
 
 
 # --- tar shards ------------------------------------------------------------------------------
@@ -220,11 +222,11 @@ def _tar(path, members, cut=None) -> str:
 
 
 def test_brace_ranges_keep_zero_padding_and_multiply():
-  assert sources.expand_braces('train-{0000..0002}.tar') == [
+  assert tagged.expand_braces('train-{0000..0002}.tar') == [
       'train-0000.tar', 'train-0001.tar', 'train-0002.tar']
-  assert sources.expand_braces('{a,b}-{8..10}.tar') == [
+  assert tagged.expand_braces('{a,b}-{8..10}.tar') == [
       'a-8.tar', 'a-9.tar', 'a-10.tar', 'b-8.tar', 'b-9.tar', 'b-10.tar']
-  assert sources.expand_braces('{split}-{00..01}.tar') == ['{split}-00.tar', '{split}-01.tar']
+  assert tagged.expand_braces('{split}-{00..01}.tar') == ['{split}-00.tar', '{split}-01.tar']
 
 
 def test_a_shard_is_indexed_from_its_headers_and_read_by_offset(tmp_path):
@@ -233,16 +235,16 @@ def test_a_shard_is_indexed_from_its_headers_and_read_by_offset(tmp_path):
       ('a/000.png', images[0]), ('a/000.cls', b'2'), ('a/000.seg.png', b'a mask'), ('._000.png', b'mac'),
       ('a/001.json', b'{"label": 0}'), ('a/001.PNG', images[1]), ('a/001.txt', b'a caption'),
       ('002.jpeg', images[2]), ('002.cls', b'1\n')])
-  index = sources.index_shard(shard)
+  index = shards.index_shard(shard)
   assert index['broken'] is None and index['compressed'] is None
   keys = [(key, member, values, problem) for key, member, _, _, values, problem in index['examples']]
   assert keys == [('a/000', 'a/000.png', [2], None), ('a/001', 'a/001.PNG', [0], None),
                   ('002', '002.jpeg', [1], None)]
   for (_, _, offset, size, _, _), image in zip(index['examples'], images):
-    assert sources.read_member(shard, offset, size) == image
+    assert shards.read_member(shard, offset, size) == image
   train, _, class_names = _dataset(shards=shard).splits('all', 'all', None)
   assert class_names == ('0', '1', '2') and train.labels.tolist() == [2, 0, 1]  # indices without classes.txt
-  assert [train.load(i)[0] for i in range(3)] == images and train.shards.tolist() == [0, 0, 0]
+  assert [train.load(i)[0] for i in range(3)] == images and train.groups.tolist() == [0, 0, 0]
   assert train.describe(1) == f'a/001.PNG in shard {shard}'
 
 
@@ -256,7 +258,7 @@ def test_shard_labels_from_classes_txt_names_and_json_tags(tmp_path):
   _, split, class_names = source.splits(None, 'all', None)
   assert class_names == ('zebra', 'apple', 'moth')  # classes.txt's order
   assert split.labels.tolist() == [[0, 0, 1], [0, 1, 0], [1, 0, 1], [0, 0, 0]]
-  assert split.shards.tolist() == [0, 0, 1, 1] and split.describe(2) == f'k2.png in shard {tmp_path}/s-1.tar'
+  assert split.groups.tolist() == [0, 0, 1, 1] and split.describe(2) == f'k2.png in shard {tmp_path}/s-1.tar'
   _write(tmp_path / 'classes.txt', 'zebra\n')
   with pytest.raises(DataError, match=rf'k0 in shard {first} has class index 2, but .*classes.txt names 1 '
                                       r'classes'):
@@ -270,7 +272,7 @@ def test_split_pattern_globs_and_absent_splits(tmp_path):
   source = _dataset(shards=str(tmp_path / '{split}-*.tar'))
   train, evaluation, class_names = source.splits('train', 'val', None)
   assert (len(train), len(evaluation), class_names) == (3, 1, ('cat',))
-  assert train.shards.tolist() == [0, 1, 2] and evaluation.shards.tolist() == [3]
+  assert train.groups.tolist() == [0, 1, 2] and evaluation.groups.tolist() == [3]
   with pytest.raises(DataError, match=r"matches no file for split 'test'; splits found: train, val"):
     source.splits('train', 'test', None)
   with pytest.raises(DataError, match=r"has no \{split\}, so its one split is 'all'"):
@@ -284,7 +286,7 @@ def test_a_truncated_shard_is_named_or_its_readable_members_kept(tmp_path, caplo
   for k in range(4):
     members += [(f'{k}.png', _png(None, 50 * k, size=40)), (f'{k}.cls', str(k % 2).encode())]
   whole = _tar(tmp_path / 'whole.tar', members)
-  complete = sources.index_shard(whole)['examples']
+  complete = shards.index_shard(whole)['examples']
   _, _, offset, size, _, _ = complete[2]
   cut = _tar(tmp_path / 'cut.tar', members, cut=offset + size // 2)  # inside the third image
   with pytest.raises(DataError, match=rf'shard {cut} is truncated or corrupt at byte {offset - 512} \(member '
@@ -295,13 +297,13 @@ def test_a_truncated_shard_is_named_or_its_readable_members_kept(tmp_path, caplo
     _, split, _ = _dataset(shards=cut, skip_corrupt=True).splits(None, 'all', None)
   assert 'truncated or corrupt' in caplog.text and split.labels.tolist() == [0, 1]
   assert [split.load(i)[0] for i in range(2)] == [
-      sources.read_member(whole, offset, size) for _, _, offset, size, _, _ in complete[:2]]
+      shards.read_member(whole, offset, size) for _, _, offset, size, _, _ in complete[:2]]
   _, _, offset, size, _, _ = complete[-1]  # 3.png, then 3.cls: one header and one block of data
   members_end = -(-(offset + size) // 512) * 512 + 1024
   ended = _tar(tmp_path / 'ended.tar', members, cut=members_end + 512)
-  assert sources.index_shard(ended)['broken'] is None  # an end block is all a tar needs at its end
+  assert shards.index_shard(ended)['broken'] is None  # an end block is all a tar needs at its end
   no_end = _tar(tmp_path / 'no_end.tar', members, cut=members_end)
-  assert sources.index_shard(no_end)['broken'] == (members_end, 'the file ends without the tar end marker '
+  assert shards.index_shard(no_end)['broken'] == (members_end, 'the file ends without the tar end marker '
                                                                  '(cut off)')
 
 
@@ -336,7 +338,7 @@ def test_make_shards_writes_a_folder_as_deterministic_shards_that_read_back(tmp_
       with open(os.path.join(folder, 'train', name, file), 'rb') as f:
         originals[f.read()] = CLASSES.index(name)
   assert {train.load(i)[0]: train.load(i)[1] for i in range(len(train))} == originals
-  assert sorted(np.unique(train.shards).tolist()) == [0, 1, 2, 3]
+  assert sorted(np.unique(train.groups).tolist()) == [0, 1, 2, 3]
 
 
 # --- parquet ---------------------------------------------------------------------------------
@@ -403,7 +405,6 @@ def test_parquet_string_labels_lists_and_images_by_path(tmp_path):
 
 
 def test_parquet_through_data_load_the_same_cached_and_streamed(tmp_path):
-  from flaxtpu import data
   rows = _photos(tmp_path, count=6)
   for split in ('train', 'test'):
     kept = [(p, c) for p, c, s in rows if s == split]
@@ -415,11 +416,11 @@ def test_parquet_through_data_load_the_same_cached_and_streamed(tmp_path):
     config = defaults.get_config()
     config.dataset.update({'parquet': str(tmp_path / 'pq'), 'cache': cache})
     config.input.workers = 0
-    loaded.append(data.load(config))
+    loaded.append(pipeline.load(config))
   expected = [(np.asarray(Image.open(tmp_path / p)), CLASSES.index(c)) for p, c, s in rows if s == 'test']
   for dataset in loaded:
     assert dataset.class_names == CLASSES and (len(dataset.train), len(dataset.eval)) == (12, 6)
-    batch, = data.eval_batches(dataset, batch_size=8)
+    batch, = loaders.eval_batches(dataset, batch_size=8)
     assert batch.mask.tolist() == [True] * 6 + [False] * 2
     np.testing.assert_array_equal(batch.images[:6], np.stack([image for image, _ in expected]))
     assert batch.labels[:6].tolist() == [label for _, label in expected]

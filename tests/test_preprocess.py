@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flaxtpu import preprocess
-from flaxtpu.preprocess import Transform
+from flaxtpu.data import preprocess
+from flaxtpu.data.preprocess import Transform
 
 
 def test_random_crop_boxes_stay_inside_and_in_range():

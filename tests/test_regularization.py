@@ -11,9 +11,10 @@ import optax
 import pytest
 
 from conftest import restore_checkpoint, tiny_dataset
-from flaxtpu import augment, data, defaults, evaluate, optim, steps, train
+from flaxtpu import augment, defaults, evaluate, optim, steps, train
 from flaxtpu import config as config_lib
 from flaxtpu.config import ConfigError
+from flaxtpu.data import loaders
 from flaxtpu.errors import UserError
 
 
@@ -248,14 +249,14 @@ def test_freeze_after_stops_a_parameter_after_its_epochs_counting_updates():
 
 
 def test_a_run_with_alternate_flip_has_the_host_mirror_its_batches(tmp_path, monkeypatch):
-  from flaxtpu import data
-  calls, plain = [], data.train_batches
+  from flaxtpu.data import loaders
+  calls, plain = [], loaders.train_batches
 
   def recording(*args, **kwargs):
     calls.append(kwargs.get('alternate_flip'))
     return plain(*args, **kwargs)
 
-  monkeypatch.setattr(data, 'train_batches', recording)
+  monkeypatch.setattr(loaders, 'train_batches', recording)
   config = _config(**{'dataset.name': 'digits', 'dataset.train_split': 'train[:256]', 'batch_size': 32,
                       'num_train_steps': 2, 'augment.flip': True, 'augment.alternate_flip': True})
   train.train_and_evaluate(config, str(tmp_path))
@@ -352,7 +353,7 @@ def test_mixing_needs_an_even_batch():
 
 
 def test_a_run_with_ema_mixing_accumulation_and_two_eval_splits(tmp_path, monkeypatch):
-  real_eval_batches = data.eval_batches
+  real_eval_batches = loaders.eval_batches
   config = _config(**{
       'dataset.name': 'digits', 'dataset.train_split': 'train[:512]', 'dataset.eval_split': 'test',
       'dataset.eval_splits': ('train[:100]',), 'batch_size': 32, 'num_train_steps': 16,
@@ -363,7 +364,7 @@ def test_a_run_with_ema_mixing_accumulation_and_two_eval_splits(tmp_path, monkey
   config_lib.validate(config)
   workdir = str(tmp_path)
   passes = []  # every pass over an eval split
-  monkeypatch.setattr(data, 'eval_batches', lambda dataset, **kwargs: passes.append(dataset) or
+  monkeypatch.setattr(loaders, 'eval_batches', lambda dataset, **kwargs: passes.append(dataset) or
                       real_eval_batches(dataset, **kwargs))
   results = train.train_and_evaluate(config, workdir)
   monkeypatch.undo()

@@ -10,21 +10,25 @@ from sklearn.utils.class_weight import compute_class_weight
 
 from configs import cifar10
 from conftest import make_image_folder
-from flaxtpu import data, preprocess, sources
-from flaxtpu.sources import DataError
+from flaxtpu.data import cache as cache_lib
+from flaxtpu.data import class_weights, loaders, pipeline, preprocess
+from flaxtpu.data import sampling as sampling_lib
+from flaxtpu.data.sources import DataError, base
+from flaxtpu.data.sources import folder as folder_source
+from flaxtpu.data.sources import shards as shard_source
 
 
 def _examples(labels, shards=None):
   """In-memory 1x1 images whose pixel is the example's index (mod 256): batches show what they hold."""
   images = (np.arange(len(labels)) % 256).astype(np.uint8).reshape(-1, 1, 1, 1)
-  return data.Examples(images=images, labels=labels, shards=shards)
+  return pipeline.Examples(images=images, labels=labels, groups=shards)
 
 
 def _dataset(labels, *, sampling='shuffle', shards=None):
   num_classes = labels.shape[1] if labels.ndim == 2 else int(labels.max()) + 1
-  return data.Dataset(train=_examples(labels, shards), eval=_examples(labels),
+  return pipeline.Dataset(train=_examples(labels, shards), eval=_examples(labels),
                       class_names=tuple(f'c{i}' for i in range(num_classes)), image_shape=(1, 1, 1),
-                      mean=np.zeros(1), std=np.ones(1), transform=data.Transform(), sampling=sampling)
+                      mean=np.zeros(1), std=np.ones(1), transform=pipeline.Transform(), sampling=sampling)
 
 
 def _config(**overrides):
@@ -47,24 +51,24 @@ def _old_train_indices(seed, step, num_examples, batch_size):
 @pytest.mark.parametrize('seed,num_examples,batch_size', [(0, 100, 32), (7, 1000, 48), (3, 64, 64)])
 def test_shuffle_sampler_is_the_old_formula(seed, num_examples, batch_size):
   steps = range(0, 3 * (num_examples // batch_size) + 1)  # across three epoch boundaries
-  whole = data.ShuffleSampler(seed, num_examples, batch_size)
-  halves = [data.ShuffleSampler(seed, num_examples, batch_size, p, 2) for p in range(2)]
+  whole = sampling_lib.ShuffleSampler(seed, num_examples, batch_size)
+  halves = [sampling_lib.ShuffleSampler(seed, num_examples, batch_size, p, 2) for p in range(2)]
   for step in steps:
     old = _old_train_indices(seed, step, num_examples, batch_size)
     np.testing.assert_array_equal(whole.indices(step), old)
-    np.testing.assert_array_equal(data.train_indices(seed, step, num_examples, batch_size), old)
+    np.testing.assert_array_equal(sampling_lib.train_indices(seed, step, num_examples, batch_size), old)
     np.testing.assert_array_equal(np.concatenate([half.indices(step) for half in halves]), old)
     odd = step // (num_examples // batch_size) % 2 == 1
     np.testing.assert_array_equal(whole.mirrored(step, old),
-                                  data.alternate_flips(seed, step, num_examples, batch_size))
-    np.testing.assert_array_equal(data.alternate_flips(seed, step, num_examples, batch_size),
-                                  data._first_epoch_flips(seed, num_examples)[old] ^ odd)
+                                  sampling_lib.alternate_flips(seed, step, num_examples, batch_size))
+    np.testing.assert_array_equal(sampling_lib.alternate_flips(seed, step, num_examples, batch_size),
+                                  sampling_lib._first_epoch_flips(seed, num_examples)[old] ^ odd)
 
 
 def test_shuffle_batches_are_the_old_ones():
   labels = np.arange(200, dtype=np.int32) % 5
   dataset = _dataset(labels)
-  batches = list(data.train_batches(dataset, seed=4, batch_size=16, first_step=10, last_step=30))
+  batches = list(loaders.train_batches(dataset, seed=4, batch_size=16, first_step=10, last_step=30))
   for step, batch in zip(range(10, 30), batches, strict=True):
     old = _old_train_indices(4, step, 200, 16)
     np.testing.assert_array_equal(batch.labels, labels[old])
@@ -82,7 +86,7 @@ def _imbalanced(seed=0):
 
 def test_balanced_sampling_draws_every_class_equally_often():
   labels = _imbalanced()
-  sampler = data.BalancedSampler(5, labels, 100)
+  sampler = sampling_lib.BalancedSampler(5, labels, 100)
   assert sampler.steps_per_epoch == 10  # N // batch, as shuffle
   drawn = np.concatenate([sampler.indices(step) for step in range(200)])  # 20 epochs, 20k draws
   frequencies = np.bincount(labels[drawn], minlength=3) / len(drawn)
@@ -93,26 +97,26 @@ def test_balanced_sampling_draws_every_class_equally_often():
   assert np.bincount(epoch).max() > 10
   # Probabilities by hand: 1 / (count of the class), normalised.
   expected = 1 / np.array([900, 90, 10])[labels]
-  np.testing.assert_allclose(data.balanced_probabilities(labels), expected / expected.sum())
+  np.testing.assert_allclose(sampling_lib.balanced_probabilities(labels), expected / expected.sum())
 
 
 def test_balanced_sampling_is_deterministic_and_resumes_exactly():
   labels = _imbalanced()
   steps = range(0, 35)  # 3.5 epochs of 10 steps
-  first = [data.BalancedSampler(2, labels, 100).indices(step) for step in steps]
-  again = [data.BalancedSampler(2, labels, 100).indices(step) for step in steps]
+  first = [sampling_lib.BalancedSampler(2, labels, 100).indices(step) for step in steps]
+  again = [sampling_lib.BalancedSampler(2, labels, 100).indices(step) for step in steps]
   np.testing.assert_array_equal(first, again)
   assert not np.array_equal(first[0], first[10])  # each epoch draws anew
-  other_seed = [data.BalancedSampler(3, labels, 100).indices(step) for step in steps]
+  other_seed = [sampling_lib.BalancedSampler(3, labels, 100).indices(step) for step in steps]
   assert not np.array_equal(first, other_seed)
   # Batches from a resumed iterator are the tail of a full one, whatever the process layout.
   dataset = _dataset(labels, sampling='balanced')
-  full = list(data.train_batches(dataset, seed=2, batch_size=100, first_step=0, last_step=35))
-  resumed = list(data.train_batches(dataset, seed=2, batch_size=100, first_step=23, last_step=35))
+  full = list(loaders.train_batches(dataset, seed=2, batch_size=100, first_step=0, last_step=35))
+  resumed = list(loaders.train_batches(dataset, seed=2, batch_size=100, first_step=23, last_step=35))
   for a, b in zip(full[23:], resumed, strict=True):
     np.testing.assert_array_equal(a.labels, b.labels)
     np.testing.assert_array_equal(a.images, b.images)
-  halves = [list(data.train_batches(dataset, seed=2, batch_size=100, first_step=23, last_step=35,
+  halves = [list(loaders.train_batches(dataset, seed=2, batch_size=100, first_step=23, last_step=35,
                                     process_index=p, process_count=2)) for p in range(2)]
   for whole, first_half, second_half in zip(resumed, *halves, strict=True):
     np.testing.assert_array_equal(np.concatenate([first_half.labels, second_half.labels]), whole.labels)
@@ -122,7 +126,7 @@ def test_balanced_sampling_is_deterministic_and_resumes_exactly():
 
 def test_balanced_sampling_skips_absent_classes():
   labels = np.repeat(np.array([0, 2], np.int32), [95, 5])  # class 1 has no train example
-  sampler = data.BalancedSampler(0, labels, 10)
+  sampler = sampling_lib.BalancedSampler(0, labels, 10)
   drawn = labels[np.concatenate([sampler.indices(step) for step in range(100)])]
   frequencies = np.bincount(drawn, minlength=3) / len(drawn)
   assert frequencies[1] == 0
@@ -136,10 +140,11 @@ def test_balanced_probabilities_of_multi_hot_rows_follow_the_rarest_tag():
                      [0, 0, 0],   # untagged (2 rows): a group of their own -> 1/2
                      [0, 0, 0]], np.uint8)
   expected = np.array([1 / 3, 1 / 3, 1, 1 / 2, 1 / 2])
-  np.testing.assert_allclose(data.balanced_probabilities(labels), expected / expected.sum())
+  np.testing.assert_allclose(sampling_lib.balanced_probabilities(labels), expected / expected.sum())
   # One tag a row: the same as class indices.
   one_hot = np.eye(3, dtype=np.uint8)[_imbalanced()]
-  np.testing.assert_allclose(data.balanced_probabilities(one_hot), data.balanced_probabilities(_imbalanced()))
+  np.testing.assert_allclose(sampling_lib.balanced_probabilities(one_hot),
+                             sampling_lib.balanced_probabilities(_imbalanced()))
 
 
 def test_balanced_sampling_of_multi_hot_rows_lifts_the_rare_tag():
@@ -148,7 +153,8 @@ def test_balanced_sampling_of_multi_hot_rows_lifts_the_rare_tag():
   labels[:, 0] = rng.random(1000) < 0.9
   labels[:, 1] = rng.random(1000) < 0.09
   labels[:10, 2] = 1  # 1% rare
-  drawn = labels[np.concatenate([data.BalancedSampler(1, labels, 100).indices(s) for s in range(100)])]
+  sampler = sampling_lib.BalancedSampler(1, labels, 100)
+  drawn = labels[np.concatenate([sampler.indices(s) for s in range(100)])]
   share = drawn.mean(axis=0)
   assert share[2] > 0.2 and share[1] > 0.2  # from 1% and 9% of rows
   assert labels.mean(axis=0)[2] == 0.01
@@ -167,7 +173,8 @@ def _shards():
 def test_shard_assignment_is_disjoint_covering_and_even(process_count):
   shards, sizes = _shards()
   batch_size = 6  # local batch 6, 3 or 2
-  samplers = [data.ShardSampler(9, shards, batch_size, p, process_count) for p in range(process_count)]
+  samplers = [shard_source.ShardSampler(9, shards, batch_size, p, process_count)
+              for p in range(process_count)]
   local = batch_size // process_count
   per_process = [sum(size for k, size in enumerate(sizes) if k % process_count == p)
                  for p in range(process_count)]
@@ -191,8 +198,8 @@ def test_shard_assignment_is_disjoint_covering_and_even(process_count):
 
 def test_shards_stream_in_a_seeded_shard_order_in_tar_order(monkeypatch):
   shards, sizes = _shards()
-  monkeypatch.setattr(data, 'SHUFFLE_WINDOW', 1)  # no window shuffle: the raw stream
-  sampler = data.ShardSampler(0, shards, 1)
+  monkeypatch.setattr(shard_source, 'SHUFFLE_WINDOW', 1)  # no window shuffle: the raw stream
+  sampler = shard_source.ShardSampler(0, shards, 1)
   steps = sampler.steps_per_epoch
   assert steps == len(shards)
 
@@ -213,8 +220,8 @@ def test_shard_window_shuffle_stays_within_the_window(monkeypatch):
   shards, _ = _shards()
 
   def epoch(window):  # the sampler orders an epoch when first asked, with the window of that moment
-    monkeypatch.setattr(data, 'SHUFFLE_WINDOW', window)
-    sampler = data.ShardSampler(0, shards, 2)
+    monkeypatch.setattr(shard_source, 'SHUFFLE_WINDOW', window)
+    sampler = shard_source.ShardSampler(0, shards, 2)
     return np.concatenate([sampler.indices(step) for step in range(sampler.steps_per_epoch)])
 
   a, b = epoch(8), epoch(1)
@@ -228,9 +235,9 @@ def test_shard_batches_resume_exactly_and_hold_only_local_rows():
   labels = (np.arange(len(shards)) % 4).astype(np.int32)
   dataset = _dataset(labels, sampling='shards', shards=shards)
   for p in range(2):
-    full = list(data.train_batches(dataset, seed=1, batch_size=8, first_step=0, last_step=40,
+    full = list(loaders.train_batches(dataset, seed=1, batch_size=8, first_step=0, last_step=40,
                                    process_index=p, process_count=2))
-    resumed = list(data.train_batches(dataset, seed=1, batch_size=8, first_step=17, last_step=40,
+    resumed = list(loaders.train_batches(dataset, seed=1, batch_size=8, first_step=17, last_step=40,
                                       process_index=p, process_count=2))
     assert all(batch.labels.shape == (4,) and batch.mask.all() for batch in full)
     for a, b in zip(full[17:], resumed, strict=True):
@@ -243,18 +250,19 @@ def test_fewer_shards_than_processes_is_one_line():
   shards = np.repeat(np.arange(3, dtype=np.int32), 20)
   with pytest.raises(DataError, match=r'has 3 shards for 4 processes; write the data as at least 4 shards, '
                                       r'or set --config.dataset.sampling=shuffle$'):
-    data.ShardSampler(0, shards, 8, 0, 4)
+    shard_source.ShardSampler(0, shards, 8, 0, 4)
   with pytest.raises(DataError, match=r'process 1 of 2 gets 5 examples .* fewer than its 8 rows'):
-    data.ShardSampler(0, np.repeat(np.arange(2, dtype=np.int32), [30, 5]), 16, 0, 2)
+    shard_source.ShardSampler(0, np.repeat(np.arange(2, dtype=np.int32), [30, 5]), 16, 0, 2)
   with pytest.raises(DataError, match='is not read from shards; set config.dataset.shards'):
-    data.train_batches(_dataset(np.zeros(20, np.int32), sampling='shards'), seed=0, batch_size=4,
+    loaders.train_batches(_dataset(np.zeros(20, np.int32), sampling='shards'), seed=0, batch_size=4,
                        first_step=0, last_step=1)
 
 
 def test_alternate_flip_under_other_samplers_mirrors_by_example_and_epoch_parity():
   labels = _imbalanced()
-  for sampler in (data.BalancedSampler(3, labels, 100), data.ShardSampler(3, np.arange(1000) // 100, 100)):
-    flips = data._first_epoch_flips(3, 1000)
+  for sampler in (sampling_lib.BalancedSampler(3, labels, 100),
+                  shard_source.ShardSampler(3, np.arange(1000) // 100, 100)):
+    flips = sampling_lib._first_epoch_flips(3, 1000)
     for step in (0, sampler.steps_per_epoch):  # an even and an odd epoch
       indices = sampler.indices(step)
       np.testing.assert_array_equal(sampler.mirrored(step, indices), flips[indices] ^ (step > 0))
@@ -264,7 +272,7 @@ def test_alternate_flip_under_other_samplers_mirrors_by_example_and_epoch_parity
 
 
 def _weights(setting, labels, class_names=('a', 'b', 'c')):
-  return data.class_weights(setting, _examples(labels), class_names)
+  return class_weights.class_weights(setting, _examples(labels), class_names)
 
 
 def test_balanced_class_weights_are_sklearns():
@@ -291,9 +299,10 @@ def test_balanced_class_weights_of_multi_hot_rows_count_positives():
 
 
 def test_streamed_tfds_split_without_listed_labels_is_one_line():
-  streamed = data.Examples(source=sources.Split(name='train', indices=np.arange(10)))
+  records = base.IndexedRecords(None, np.arange(10))
+  streamed = pipeline.Examples(source=base.Split(name='train', records=records))
   with pytest.raises(DataError, match=r'class_weights=balanced counts .* set --config.dataset.cache=memory'):
-    data.class_weights('balanced', streamed, ('a', 'b'))
+    class_weights.class_weights('balanced', streamed, ('a', 'b'))
 
 
 @pytest.mark.parametrize('text,name', [
@@ -339,16 +348,17 @@ def test_class_weight_file_mistakes_are_one_line(tmp_path, text, name, message):
 def multi_hot_split(tmp_path_factory):
   """48 8x8 PNGs with random multi-hot rows over 4 tags (some rows empty), as a split of files."""
   folder = make_image_folder(tmp_path_factory.mktemp('tags'))
-  split, _ = sources.folder_split(folder, 'train')
+  split, _ = folder_source.folder_split(folder, 'train')
   labels = (np.random.default_rng(0).random((len(split), 4)) < 0.4).astype(np.uint8)
   assert (labels.sum(axis=1) == 0).any() and (labels.sum(axis=1) > 1).any()
-  return sources.Split(name='train', paths=split.paths, labels=labels, root=folder)
+  return base.Split(name='train', records=split.records, labels=labels)
 
 
 def _from_split(split, *, cache, size=0, skip_corrupt=False):
-  transform = data.Transform(size=size)
-  examples = data._examples(split, cache=cache, transform=transform, num_workers=0, skip_corrupt=skip_corrupt)
-  return data.Dataset(train=examples, eval=examples, class_names=('a', 'b', 'c', 'd'),
+  transform = pipeline.Transform(size=size)
+  examples = cache_lib.examples(split, cache=cache, transform=transform, num_workers=0,
+                                skip_corrupt=skip_corrupt)
+  return pipeline.Dataset(train=examples, eval=examples, class_names=('a', 'b', 'c', 'd'),
                       image_shape=(size or 8, size or 8, 3), mean=np.zeros(3), std=np.ones(3),
                       transform=transform, skip_corrupt=skip_corrupt, multilabel=True)
 
@@ -359,13 +369,13 @@ def test_multi_hot_labels_are_the_same_cached_and_streamed(multi_hot_split, size
   assert cached.train.labels.dtype == np.uint8 and cached.train.labels.shape == (48, 4)
   np.testing.assert_array_equal(cached.train.labels, multi_hot_split.labels)
   for sampling in ('shuffle', 'balanced'):
-    batches = [list(data.train_batches(dataclasses.replace(d, sampling=sampling), seed=3, batch_size=8,
+    batches = [list(loaders.train_batches(dataclasses.replace(d, sampling=sampling), seed=3, batch_size=8,
                                        first_step=4, last_step=9)) for d in (cached, streamed)]
     for a, b in zip(*batches, strict=True):
       assert a.labels.dtype == b.labels.dtype == np.uint8 and a.labels.shape == (8, 4)
       np.testing.assert_array_equal(a.labels, b.labels)
       np.testing.assert_array_equal(a.images, b.images)
-    indices = data.sampler(cached, seed=3, batch_size=8).indices(4) if sampling == 'shuffle' else None
+    indices = sampling_lib.sampler(cached, seed=3, batch_size=8).indices(4) if sampling == 'shuffle' else None
     if indices is not None:
       np.testing.assert_array_equal(batches[0][0].labels, multi_hot_split.labels[indices])
 
@@ -373,7 +383,7 @@ def test_multi_hot_labels_are_the_same_cached_and_streamed(multi_hot_split, size
 @pytest.mark.parametrize('cache', [True, False])
 def test_eval_padding_keeps_multi_hot_rows(multi_hot_split, cache):
   dataset = _from_split(multi_hot_split, cache=cache)
-  batches = list(data.eval_batches(dataset, batch_size=20))  # 48 = 20 + 20 + 8 and 12 padding rows
+  batches = list(loaders.eval_batches(dataset, batch_size=20))  # 48 = 20 + 20 + 8 and 12 padding rows
   assert [int(b.mask.sum()) for b in batches] == [20, 20, 8]
   for batch in batches:
     assert batch.labels.shape == (20, 4) and batch.labels.dtype == np.uint8
@@ -381,20 +391,21 @@ def test_eval_padding_keeps_multi_hot_rows(multi_hot_split, cache):
   np.testing.assert_array_equal(batches[-1].labels[~batches[-1].mask],
                                 np.repeat(multi_hot_split.labels[:1], 12, axis=0))  # example 0 pads
   # Two processes' rows are the whole batch's.
-  parts = [list(data.eval_batches(dataset, batch_size=20, process_index=p, process_count=2))
+  parts = [list(loaders.eval_batches(dataset, batch_size=20, process_index=p, process_count=2))
            for p in range(2)]
   for whole, first, second in zip(batches, *parts, strict=True):
     np.testing.assert_array_equal(np.concatenate([first.labels, second.labels]), whole.labels)
 
 
 def test_skip_corrupt_substitutes_the_next_examples_multi_hot_row(multi_hot_split, tmp_path):
-  broken = multi_hot_split.paths.copy()
+  broken = multi_hot_split.records.paths.copy()
   with open(tmp_path / 'broken.png', 'wb') as f:
     f.write(b'not a png')
   broken[5] = os.fsencode(str(tmp_path / 'broken.png'))  # an absolute path: join keeps it
-  split = sources.Split(name='train', paths=broken, labels=multi_hot_split.labels, root=multi_hot_split.root)
-  transform = data.Transform()
-  reader = data._ExampleReader(data.Examples(source=split), transform, skip_corrupt=True)
+  split = base.Split(name='train', records=folder_source.FileRecords(multi_hot_split.records.root, broken),
+                     labels=multi_hot_split.labels)
+  transform = pipeline.Transform()
+  reader = loaders._ExampleReader(pipeline.Examples(source=split), transform, skip_corrupt=True)
   decode = functools.partial(preprocess.eval_image, transform=transform)  # what the loaders pass
   image, label = reader.read(5, decode)
   np.testing.assert_array_equal(label, multi_hot_split.labels[6])
@@ -413,13 +424,13 @@ def test_load_computes_class_weights_from_the_train_split_only(tmp_path):
     os.remove(tmp_path / 'train' / 'cat' / name)
   config = _config(**{'dataset.folder': folder, 'dataset.class_weights': 'balanced',
                       'dataset.sampling': 'balanced'})
-  dataset = data.load(config)
+  dataset = pipeline.load(config)
   np.testing.assert_allclose(dataset.class_weights, [36 / (3 * 4), 36 / (3 * 16), 36 / (3 * 16)])
   assert dataset.sampling == 'balanced' and not dataset.multilabel
-  drawn = dataset.train.labels[np.concatenate([data.sampler(dataset, seed=0, batch_size=12).indices(step)
-                                               for step in range(300)])]
+  chosen = sampling_lib.sampler(dataset, seed=0, batch_size=12)
+  drawn = dataset.train.labels[np.concatenate([chosen.indices(step) for step in range(300)])]
   np.testing.assert_allclose(np.bincount(drawn) / len(drawn), 1 / 3, atol=0.02)
-  assert data.load(config, need_train=False).class_weights is None  # evaluating: no loss weights
+  assert pipeline.load(config, need_train=False).class_weights is None  # evaluating: no loss weights
 
 
 @pytest.fixture(scope='module')
@@ -434,19 +445,19 @@ def shard_set(tmp_path_factory):
 
 
 def test_tar_shards_stream_per_process_the_same_cached_or_not_and_resume_exactly(shard_set):
-  cached, streamed = (data.load(_config(**{'dataset.shards': shard_set, 'dataset.sampling': 'shards',
+  cached, streamed = (pipeline.load(_config(**{'dataset.shards': shard_set, 'dataset.sampling': 'shards',
                                            'dataset.cache': cache})) for cache in ('memory', 'none'))
   assert cached.train.cached and not streamed.train.cached and len(cached.train) == 48
-  shards = cached.train.shard_indices
-  np.testing.assert_array_equal(shards, streamed.train.shard_indices)
+  shards = cached.train.example_groups
+  np.testing.assert_array_equal(shards, streamed.train.example_groups)
   assert sorted(set(shards.tolist())) == list(range(3))
   for process_count in (1, 2):
     for p in range(process_count):
       layout = dict(batch_size=6, process_index=p, process_count=process_count)
-      chosen = data.sampler(cached, seed=5, **layout)
-      full = [list(data.train_batches(d, seed=5, first_step=0, last_step=12, **layout))
+      chosen = sampling_lib.sampler(cached, seed=5, **layout)
+      full = [list(loaders.train_batches(d, seed=5, first_step=0, last_step=12, **layout))
               for d in (cached, streamed)]
-      resumed = list(data.train_batches(streamed, seed=5, first_step=7, last_step=12, **layout))
+      resumed = list(loaders.train_batches(streamed, seed=5, first_step=7, last_step=12, **layout))
       for step, (a, b) in enumerate(zip(*full, strict=True)):
         indices = chosen.indices(step)
         assert set((shards[indices] % process_count).tolist()) == {p}  # only this process's shards
@@ -456,7 +467,7 @@ def test_tar_shards_stream_per_process_the_same_cached_or_not_and_resume_exactly
       for a, b in zip(full[1][7:], resumed, strict=True):
         np.testing.assert_array_equal(a.images, b.images)
   with pytest.raises(DataError, match='has 3 shards for 4 processes'):
-    data.examples_per_epoch(cached, batch_size=8, process_count=4)
+    sampling_lib.examples_per_epoch(cached, batch_size=8, process_count=4)
 
 
 def test_a_multilabel_label_file_loads_the_same_cached_and_streamed(tmp_path):
@@ -475,7 +486,7 @@ def test_a_multilabel_label_file_loads_the_same_cached_and_streamed(tmp_path):
     config = _config(**{'dataset.labels': str(tmp_path / 'labels.csv'), 'dataset.folder': folder,
                         'dataset.cache': cache, 'task': 'multilabel', 'dataset.sampling': 'balanced',
                         'dataset.class_weights': 'balanced'})
-    loaded.append(data.load(config))
+    loaded.append(pipeline.load(config))
   cached, streamed = loaded
   assert cached.multilabel and cached.train.cached and not streamed.train.cached
   labels = cached.train.labels
@@ -485,11 +496,11 @@ def test_a_multilabel_label_file_loads_the_same_cached_and_streamed(tmp_path):
   present = counts > 0
   expected = np.where(present, 24 / (present.sum() * np.maximum(counts, 1)), 1.0)
   np.testing.assert_allclose(cached.class_weights, expected, rtol=1e-6)
-  for a, b in zip(*(data.train_batches(d, seed=0, batch_size=8, first_step=0, last_step=6)
+  for a, b in zip(*(loaders.train_batches(d, seed=0, batch_size=8, first_step=0, last_step=6)
                     for d in (cached, streamed)), strict=True):
     assert a.labels.shape == (8, len(cached.class_names)) and a.labels.dtype == np.uint8
     np.testing.assert_array_equal(a.labels, b.labels)
     np.testing.assert_array_equal(a.images, b.images)
-  for a, b in zip(*(data.eval_batches(d, batch_size=4) for d in (cached, streamed)), strict=True):
+  for a, b in zip(*(loaders.eval_batches(d, batch_size=4) for d in (cached, streamed)), strict=True):
     np.testing.assert_array_equal(a.labels, b.labels)
     np.testing.assert_array_equal(a.mask, b.mask)

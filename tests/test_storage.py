@@ -269,7 +269,7 @@ def test_tfds_data_dir_in_the_bucket_loads_like_the_local_one(emulator, tmp_path
   import tensorflow_datasets as tfds
   from test_tfds import FlaxtpuToyMixed, _config
 
-  from flaxtpu import data
+  from flaxtpu.data import loaders, pipeline
   local = str(tmp_path / 'tfds')
   tfds.builder(FlaxtpuToyMixed.name, data_dir=local).download_and_prepare(file_format='array_record')
   bucket = 'gs://bucket/tfds'
@@ -277,9 +277,9 @@ def test_tfds_data_dir_in_the_bucket_loads_like_the_local_one(emulator, tmp_path
   batches = []
   for data_dir in (local, bucket):
     config = _config(FlaxtpuToyMixed.name, data_dir, **{'dataset.image_size': 16, 'dataset.cache': 'none'})
-    loaded = data.load(config)
+    loaded = pipeline.load(config)
     assert (len(loaded.train), len(loaded.eval)) == (40, 12) and loaded.class_names == ('dark', 'light')
-    batches.append(next(data.train_batches(loaded, seed=0, batch_size=8, first_step=0, last_step=1)))
+    batches.append(next(loaders.train_batches(loaded, seed=0, batch_size=8, first_step=0, last_step=1)))
   np.testing.assert_array_equal(batches[0].images, batches[1].images)
   np.testing.assert_array_equal(batches[0].labels, batches[1].labels)
 
@@ -359,7 +359,7 @@ def test_an_image_folder_in_the_bucket_loads_like_the_local_one(emulator, tmp_pa
   import numpy as np
 
   from configs import digits
-  from flaxtpu import data
+  from flaxtpu.data import pipeline
   local = make_image_folder(tmp_path / 'images', train_per_class=4, test_per_class=2)
   bucket = 'gs://bucket/images'
   _upload_tree(local, bucket)
@@ -367,7 +367,7 @@ def test_an_image_folder_in_the_bucket_loads_like_the_local_one(emulator, tmp_pa
   for folder in (local, bucket):
     config = digits.get_config()
     config.dataset.folder = folder
-    loaded.append(data.load(config))
+    loaded.append(pipeline.load(config))
   assert loaded[0].class_names == loaded[1].class_names == ('cat', 'dog', 'frog')
   for split in ('train', 'eval'):
     a, b = getattr(loaded[0], split), getattr(loaded[1], split)

@@ -9,7 +9,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from configs import cifar10
-from flaxtpu import data
+from flaxtpu.data import loaders, pipeline
 
 
 def _examples(count, seed, fixed_size):
@@ -69,39 +69,40 @@ def test_array_record_streams_slices_and_matches_the_cache(data_dir):
   config = _config('flaxtpu_toy_mixed', data_dir, **{
       'dataset.image_size': 16, 'dataset.cache': 'none', 'dataset.train_split': 'train[:75%]',
       'dataset.eval_split': 'train[75%:]+test'})
-  streamed = data.load(config)
+  streamed = pipeline.load(config)
   assert streamed.class_names == ('dark', 'light') and streamed.image_shape == (16, 16, 3)
   assert (len(streamed.train), len(streamed.eval)) == (30, 22) and not streamed.train.cached
-  batch = next(data.train_batches(streamed, seed=0, batch_size=8, first_step=0, last_step=1))
+  batch = next(loaders.train_batches(streamed, seed=0, batch_size=8, first_step=0, last_step=1))
   assert batch.images.shape == (8, 16, 16, 3)
   brightness = batch.images.reshape(8, -1).mean(axis=1)
   np.testing.assert_array_less(np.abs(brightness - (30 + 120 * batch.labels)), 20)
   config.dataset.cache = 'memory'
-  cached = data.load(config)
+  cached = pipeline.load(config)
   assert cached.train.cached
-  for a, b in zip(data.eval_batches(streamed, batch_size=8), data.eval_batches(cached, batch_size=8)):
+  for a, b in zip(loaders.eval_batches(streamed, batch_size=8), loaders.eval_batches(cached, batch_size=8)):
     np.testing.assert_array_equal(a.labels, b.labels)
     np.testing.assert_array_equal(a.mask, b.mask)
 
 
 def test_varying_tfds_sizes_need_image_size(data_dir):
-  with pytest.raises(data.DataError, match='the images vary in size; set --config.dataset.image_size'):
-    data.load(_config('flaxtpu_toy_mixed', data_dir))
+  with pytest.raises(pipeline.DataError, match='the images vary in size; set --config.dataset.image_size'):
+    pipeline.load(_config('flaxtpu_toy_mixed', data_dir))
 
 
 def test_tfrecord_loads_into_memory_or_explains_array_record(data_dir):
-  dataset = data.load(_config('flaxtpu_toy_fixed', data_dir))
+  dataset = pipeline.load(_config('flaxtpu_toy_fixed', data_dir))
   assert dataset.train.cached and dataset.train.images.shape == (40, 8, 8, 3)
   assert np.bincount(dataset.train.labels).tolist() == [20, 20]
-  with pytest.raises(data.DataError, match="prepared as TFRecord.*file_format='array_record'"):
-    data.load(_config('flaxtpu_toy_fixed', data_dir, **{'dataset.cache': 'none'}))
+  with pytest.raises(pipeline.DataError, match="prepared as TFRecord.*file_format='array_record'"):
+    pipeline.load(_config('flaxtpu_toy_fixed', data_dir, **{'dataset.cache': 'none'}))
 
 
 def test_unknown_name_and_split_are_named(data_dir):
-  with pytest.raises(data.DataError, match="config.dataset.name='no_such_dataset_xyz' is not a TFDS dataset"):
-    data.load(_config('no_such_dataset_xyz', data_dir))
-  with pytest.raises(data.DataError, match="has no split 'validation'; it has: test, train"):
-    data.load(_config('flaxtpu_toy_mixed', data_dir, **{'dataset.eval_split': 'validation',
+  with pytest.raises(pipeline.DataError,
+                     match="config.dataset.name='no_such_dataset_xyz' is not a TFDS dataset"):
+    pipeline.load(_config('no_such_dataset_xyz', data_dir))
+  with pytest.raises(pipeline.DataError, match="has no split 'validation'; it has: test, train"):
+    pipeline.load(_config('flaxtpu_toy_mixed', data_dir, **{'dataset.eval_split': 'validation',
                                                         'dataset.image_size': 16}))
 
 
@@ -109,16 +110,17 @@ def test_offline_tfds_fails_within_seconds_with_one_line(tmp_path, monkeypatch):
   import socket
   import time
 
-  from flaxtpu import sources
+  from flaxtpu.data import sources
+  from flaxtpu.data.sources import tfds as tfds_source
   with socket.socket() as closed:  # a port nothing listens on: what an offline machine answers
     closed.bind(('127.0.0.1', 0))
     port = closed.getsockname()[1]
-  monkeypatch.setattr(sources, 'DOWNLOAD_HOST', ('127.0.0.1', port))
+  monkeypatch.setattr(tfds_source, 'DOWNLOAD_HOST', ('127.0.0.1', port))
   for proxy in ('HTTPS_PROXY', 'https_proxy'):
     monkeypatch.delenv(proxy, raising=False)
   started = time.time()
   with pytest.raises(sources.DataError, match=r"'flaxtpu_toy_fixed' is not in .* cannot download it "
                      r'\(connecting to 127\.0\.0\.1:\d+ failed.*--config\.dataset\.folder'):
-    data.load(_config('flaxtpu_toy_fixed', str(tmp_path / 'empty')))
+    pipeline.load(_config('flaxtpu_toy_fixed', str(tmp_path / 'empty')))
   assert time.time() - started < 10
   assert not (tmp_path / 'empty' / 'downloads').exists()

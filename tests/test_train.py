@@ -9,7 +9,8 @@ import pytest
 from configs import cifar10_resnet
 from conftest import tiny_dataset
 from flaxtpu import config as config_lib
-from flaxtpu import data, parallel, progress, steps
+from flaxtpu import parallel, progress, steps
+from flaxtpu.data import loaders, pipeline
 from flaxtpu.errors import UserError
 
 STEPS = 5
@@ -34,7 +35,7 @@ def run_steps(config, mesh, dataset=None, num_steps=STEPS):
   placement = steps.place(task, mesh, config)
   state = steps.create_state(task, placement, config.seed)
   losses = []
-  for batch in data.train_batches(dataset, seed=config.seed, batch_size=config.batch_size,
+  for batch in loaders.train_batches(dataset, seed=config.seed, batch_size=config.batch_size,
                                   first_step=0, last_step=num_steps):
     state, step_metrics = placement.train_step(state, placement.put_train_batch(tuple(batch)[:2]))
     losses.append(float(placement.to_host_metrics(step_metrics).compute()['loss']))
@@ -57,7 +58,7 @@ def test_training_lowers_the_loss_on_a_fixed_batch():
   config = _config(**{'model.name': 'cnn', 'optimizer.name': 'adam', 'optimizer.learning_rate': 0.01,
                       'augment.crop_padding': 0, 'augment.flip': False, 'label_smoothing': 0.0})
   dataset = tiny_dataset()
-  fixed = data.Examples(images=dataset.train.images[:16], labels=dataset.train.labels[:16])
+  fixed = pipeline.Examples(images=dataset.train.images[:16], labels=dataset.train.labels[:16])
   dataset = dataclasses.replace(dataset, train=fixed, eval=fixed)
   losses, *_ = run_steps(config, _mesh(8), dataset, num_steps=30)
   assert losses[-1] < 0.5 * losses[0], losses

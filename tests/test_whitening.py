@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from conftest import make_image_folder, make_mixed_folder, restore_checkpoint
-from flaxtpu import augment, data, defaults, models, steps, train
+from flaxtpu import augment, defaults, models, steps, train
 from flaxtpu import config as config_lib
+from flaxtpu.data import loaders, pipeline
 from flaxtpu.errors import UserError
 from flaxtpu.models import fastnet
 
@@ -84,8 +85,8 @@ def _config(folder, **overrides):
 def test_cached_and_streamed_splits_give_the_same_fitting_sample(tmp_path):
   folder = make_image_folder(tmp_path, size=12, train_per_class=10)
   native = {'dataset.image_size': 0}
-  cached = data.train_sample(data.load(_config(folder, **native, **{'dataset.cache': 'memory'})), 20)
-  streamed = data.train_sample(data.load(_config(folder, **native, **{'dataset.cache': 'none'})), 20)
+  cached = loaders.train_sample(pipeline.load(_config(folder, **native, **{'dataset.cache': 'memory'})), 20)
+  streamed = loaders.train_sample(pipeline.load(_config(folder, **native, **{'dataset.cache': 'none'})), 20)
   assert len(cached) == len(streamed) == 20
   np.testing.assert_array_equal(np.stack(cached), np.stack(streamed))
 
@@ -94,8 +95,8 @@ def test_a_fresh_run_fits_the_stem_freezes_it_and_a_resume_keeps_it(photos, tmp_
   config = _config(photos, num_train_steps=3)
   workdir = str(tmp_path)
   train.train_and_evaluate(config, workdir)
-  dataset = data.load(config)
-  sample = np.stack(data.train_sample(dataset, steps.DATA_FIT_IMAGES))
+  dataset = pipeline.load(config)
+  sample = np.stack(loaders.train_sample(dataset, steps.DATA_FIT_IMAGES))
   assert len(sample) == len(dataset.train) == 54  # fewer train images than the sample size: all of them
   pixels = np.asarray(augment.normalize(jnp.asarray(sample), dataset.mean, dataset.std))
   expected = fastnet.whitening_kernel(pixels)

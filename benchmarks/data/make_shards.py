@@ -25,22 +25,25 @@ import zlib
 
 import numpy as np
 
-from flaxtpu import sources
+from flaxtpu.data import preprocess
+from flaxtpu.data.sources import base, label_file, tagged
+from flaxtpu.data.sources import folder as folder_source
+from flaxtpu.data.sources import shards as shard_source
 
 
 def folder_examples(root: str) -> tuple[dict[str, list[tuple[str, tuple[str, ...]]]], tuple[str, ...]]:
   """{split: [(image path, (class,))]} of an image folder, and the class names (every split's)."""
   folders = sorted(name for name in os.listdir(root) if os.path.isdir(os.path.join(root, name)))
-  class_layout = folders and any(name.lower().endswith(sources.IMAGE_EXTENSIONS)
+  class_layout = folders and any(name.lower().endswith(preprocess.IMAGE_EXTENSIONS)
                                  for name in os.listdir(os.path.join(root, folders[0])))
-  splits = [sources.ALL] if class_layout else folders
+  splits = [base.ALL] if class_layout else folders
   class_names = tuple(sorted({name for split in splits
-                             for name in sources.folder_classes(root, split) or ()}))
+                             for name in folder_source.folder_classes(root, split) or ()}))
   examples = {}
   for split in splits:
-    listed, _ = sources.folder_split(root, split, class_names)
+    listed, _ = folder_source.folder_split(root, split, class_names)
     examples[split] = sorted((os.path.join(root, os.fsdecode(path)), (class_names[label],))
-                             for path, label in zip(listed.paths, listed.labels))
+                             for path, label in zip(listed.records.paths, listed.labels))
   return examples, class_names
 
 
@@ -49,10 +52,10 @@ def label_file_examples(path: str, folder: str) -> tuple[dict, tuple[str, ...]]:
   class names (sorted as `dataset.labels` sorts them)."""
   root = folder or os.path.dirname(os.path.abspath(path))
   examples: dict = {}
-  for row in sources.read_label_file(path):
-    examples.setdefault(row.split or sources.ALL, []).append((os.path.join(root, row.image), row.tags))
+  for row in label_file.read_label_file(path):
+    examples.setdefault(row.split or base.ALL, []).append((os.path.join(root, row.image), row.tags))
   tags = (tag for rows in examples.values() for _, row_tags in rows for tag in row_tags)
-  return examples, sources.sorted_classes(tags)
+  return examples, tagged.sorted_classes(tags)
 
 
 def write_shard(task: tuple) -> tuple[str, int, int]:
@@ -83,7 +86,7 @@ def make_shards(examples: dict, class_names: tuple[str, ...], out: str, shards: 
   classes.txt under `out`; returns the `dataset.shards` pattern that reads them."""
   as_json = any(len(tags) != 1 for rows in examples.values() for _, tags in rows)
   os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, sources.SHARD_CLASSES), 'w', encoding='utf-8') as f:
+  with open(os.path.join(out, shard_source.SHARD_CLASSES), 'w', encoding='utf-8') as f:
     f.write(''.join(f'{name}\n' for name in class_names))
   width = max(4, len(str(shards - 1)))
   tasks = []
@@ -98,7 +101,7 @@ def make_shards(examples: dict, class_names: tuple[str, ...], out: str, shards: 
     written = list(pool.imap(write_shard, tasks))
   print(f'{sum(count for _, count, _ in written)} examples of {len(class_names)} classes in '
         f'{len(written)} shards ({sum(size for *_, size in written) / 2**20:.1f} MiB) under {out}')
-  split = '{split}' if list(examples) != [sources.ALL] else sources.ALL
+  split = '{split}' if list(examples) != [base.ALL] else base.ALL
   return os.path.join(out, split) + f'-{{{0:0{width}d}..{shards - 1:0{width}d}}}.tar'
 
 
