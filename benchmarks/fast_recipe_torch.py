@@ -42,7 +42,7 @@ import numpy as np
 from benchmarks import harness
 from flaxtpu import config as config_lib
 from flaxtpu import data, optim, steps
-from flaxtpu.models import fastnet
+from flaxtpu.models.nets import fastnet
 
 
 def build_model(torch, kernel: np.ndarray, widths=(64, 256, 256), num_classes: int = 10):

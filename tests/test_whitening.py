@@ -10,7 +10,7 @@ from conftest import make_image_folder, make_mixed_folder, restore_checkpoint
 from flaxtpu import augment, data, defaults, models, steps, train
 from flaxtpu import config as config_lib
 from flaxtpu.errors import UserError
-from flaxtpu.models import fastnet
+from flaxtpu.models.nets import fastnet
 
 
 def _patches(images, side=2):
