@@ -43,7 +43,7 @@ from benchmarks import harness
 from flaxtpu import config as config_lib
 from flaxtpu import optim, steps
 from flaxtpu.data import loaders, pipeline
-from flaxtpu.models import fastnet
+from flaxtpu.models.nets import fastnet
 
 
 def build_model(torch, kernel: np.ndarray, widths=(64, 256, 256), num_classes: int = 10):

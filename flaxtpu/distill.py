@@ -188,7 +188,7 @@ def load_teacher(config: ml_collections.ConfigDict, class_names, image_shape: tu
                             image_shape=tuple(record['image_shape']), mean=mean, std=std).model
   teacher_shape = tuple(record['image_shape'])
   if teacher_shape[-1] != image_shape[-1] or (
-      teacher_shape != tuple(image_shape) and models.get_spec(source_config.model.name).family == 'vit'):
+      teacher_shape != tuple(image_shape) and models.get_family(source_config.model.name).fixed_image_size):
     raise UserError(f'config.distill.teacher={spec!r} ({source_config.model.name}) reads {teacher_shape} '
                     f'images and the data gives {tuple(image_shape)}; distill from a teacher trained on '
                     'images of this shape (or set config.dataset.image_size to its size)')

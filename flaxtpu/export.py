@@ -190,7 +190,7 @@ def _export_timm(config: ml_collections.ConfigDict, directory: str, final: str, 
                  record: dict) -> dict[str, Any]:
   """The weights in timm's layout (written to `directory`, to be moved to `final`), read back through
   init_from's mapping to check they are the same arrays."""
-  if models.get_spec(config.model.name).family not in ('imagenet_resnet', 'vit', 'convnext'):
+  if models.get_family(config.model.name).timm_architecture is None:
     return {'skipped': f'{config.model.name} has no timm twin'}
   arrays = {f'{collection}/{name}': np.asarray(leaf) for collection in ('params', 'batch_stats')
             for name, leaf in optim.named_leaves(getattr(host_state, collection)).items()}
@@ -209,7 +209,7 @@ def _export_timm(config: ml_collections.ConfigDict, directory: str, final: str, 
       image_shape=tuple(record['image_shape']), crop_fraction=config.dataset.crop_fraction or 0.875,
       image_size_key=config.dataset.image_size)
   written = pretrained.read_tensors.__wrapped__(os.path.join(directory, 'model.safetensors'))
-  rules = layouts.timm_rules(config.model.name, options.get('pool', 'tok'))
+  rules = pretrained.timm_rules(config.model.name, options)
   back = layouts.load(rules, written, {name: array.shape for name, array in arrays.items()}, directory)
   if different := [name for name, array in arrays.items() if not np.array_equal(back.get(name), array)]:
     raise UserError(f'the timm export does not read back to the same {different[0]} (a flaxtpu bug)')

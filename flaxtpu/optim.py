@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from typing import Any, Callable, NamedTuple
@@ -101,42 +100,28 @@ def named_leaves(tree) -> dict[str, Any]:
 
 
 def model_layers(model_name: str) -> list[tuple[str, ...]]:
-  """The top-level modules of each layer of a model, from the input up, as timm's `group_matcher`s
-  count layers for layer decay.
+  """The top-level modules of each layer of a model below its head, from the input up, as timm's
+  `group_matcher`s count layers for layer decay (the family's layer-depth map, `Family.layers`).
 
   Layer 0 is the stem (ViT: the embeddings), then one layer per block in
   order (ConvNeXt's downsampling joins the first block of its stage), then
-  ViT's final norm; the head is layer len(result): every module not listed
-  (the classifier, ConvNeXt's head norm). The Keras CNN's first stage is its
-  stem.
+  ViT's final norm; the head is layer len(result) (the classifier, ConvNeXt's
+  head norm). The Keras CNN's first stage is its stem.
   """
-  spec = models.get_spec(model_name)
-  if spec.family == 'cnn':
-    return [('stage1',), ('stage2',)]
-  if spec.family == 'fastnet':
-    return [('stem', 'stem_bn')] + [(f'block{index}',) for index in range(1, len(spec.widths))]
-  if spec.family == 'vit':
-    blocks = [(f'block{index}',) for index in range(1, spec.stage_sizes[0] + 1)]
-    return [('embedding', 'cls', 'pos_embedding'), *blocks, ('encoder_norm',)]
-  layers = [('Conv_0', 'BatchNorm_0') if spec.family.endswith('resnet') else ('stem', 'stem_norm')]
-  for stage, size in enumerate(spec.stage_sizes, 1):
-    downsample = (f'stage{stage}_norm', f'stage{stage}_downsample') if spec.family == 'convnext' else ()
-    layers += [(f'stage{stage}_block{block}', *(downsample if block == 1 else ()))
-               for block in range(1, size + 1)]
-  return layers
-
-
-@functools.lru_cache(maxsize=None)
-def _layer_of_module(model_name: str) -> tuple[dict[str, int], int]:
-  """({top-level module: its layer}, the head's layer) of `model_layers`."""
-  layers = model_layers(model_name)
-  return {module: depth for depth, modules in enumerate(layers) for module in modules}, len(layers)
+  return models.get_family(model_name).layers(models.get_spec(model_name))[:-1]
 
 
 def layer_depth(model_name: str, name: str) -> int:
-  """The layer of parameter `name` ('stage1_block1/Conv_0/kernel') for `optimizer.layer_decay`."""
-  depths, head = _layer_of_module(model_name)
-  return depths.get(name.partition('/')[0], head)
+  """The layer of parameter `name` ('stage1_block1/Conv_0/kernel') for `optimizer.layer_decay`; a
+  parameter that its family's layer-depth map does not place is a UserError naming it."""
+  depths, _ = models.layer_depths(model_name)
+  module = name.partition('/')[0]
+  if module not in depths:
+    family = models.get_spec(model_name).family
+    raise UserError(f'optimizer.layer_decay: parameter {name!r} of {model_name} is in no layer of the '
+                    f'{family!r} family\'s layer-depth map (its top-level module {module!r} is listed '
+                    'nowhere); add it to the family\'s `layers`, or set optimizer.layer_decay=0')
+  return depths[module]
 
 
 def layer_decay_multipliers(model_name: str, params, layer_decay: float) -> dict[str, float]:
@@ -178,7 +163,7 @@ class ParamGroups:
     """layer_decay ** (the head's layer - the layer of parameter `name`); 1 without layer decay."""
     if not self.layer_decay:
       return 1.0
-    _, head = _layer_of_module(self.model)
+    _, head = models.layer_depths(self.model)
     return self.layer_decay ** (head - layer_depth(self.model, name))
 
   def rates(self) -> set[str]:
@@ -186,7 +171,7 @@ class ParamGroups:
     factors = {1.0} | {factor for _, factor in self.multipliers if factor}
     scales = {1.0}
     if self.layer_decay:
-      _, head = _layer_of_module(self.model)
+      _, head = models.layer_depths(self.model)
       scales = {self.layer_decay ** (head - depth) for depth in range(head + 1)}
     return {repr(float(factor * scale)) for factor in factors for scale in scales} | {DEFAULT}
 

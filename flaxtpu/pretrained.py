@@ -32,14 +32,12 @@ import numpy as np
 from flaxtpu import models
 from flaxtpu.errors import UserError
 from flaxtpu.models import layouts
+from flaxtpu.models.family import join_or
 
 HUB_PREFIX = 'hf-hub:'
 WEIGHT_SUFFIXES = ('.safetensors', '.pth', '.pt', '.bin', '.npz')
 HUB_WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin')  # in timm's order of preference
 HUB_TIMEOUT_S = 3.0  # the hub probe; offline or unreachable falls back to the cache at once
-
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-INCEPTION_MEAN, INCEPTION_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)  # pixels to [-1, 1]: big_vision, AugReg
 
 
 def is_published(spec: str) -> bool:
@@ -69,10 +67,8 @@ class Published:
 
   def rules(self) -> list[layouts.Rule]:
     """How the file's tensors become this model's arrays."""
-    if self.layout == 'big_vision':
-      depth = models.get_spec(self.model).stage_sizes[0]
-      return layouts.big_vision_rules(set(read_tensors(self.path)), depth, self.options['pool'] == 'tok')
-    return layouts.timm_rules(self.model, self.options.get('pool', 'tok'))
+    return models.layout(self.model, self.layout).rules(models.get_spec(self.model), self.options,
+                                                        read_tensors(self.path))
 
 
 # --- finding the file -----------------------------------------------------------------------------
@@ -195,78 +191,24 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
 # --- what the tensors are --------------------------------------------------------------------------
 
 
-def _count(keys, pattern: str) -> int:
-  return len({match.group(1) for key in keys if (match := re.fullmatch(pattern, key))})
-
-
-def _twin(family: str, where: str, described: str, **fields) -> str:
-  """The flaxtpu model of `family` whose spec has these fields, or a UserError naming the supported ones."""
-  for name in models.NAMES:
-    spec = models.get_spec(name)
-    if spec.family == family and all(getattr(spec, key) == value for key, value in fields.items()):
-      return name
-  supported = [name for name in models.NAMES if models.get_spec(name).family == family]
-  raise UserError(f'{where} holds {described}, which no flaxtpu model matches; supported: '
-                  f'{", ".join(supported)}')
-
-
 def infer_model(tensors: dict, where: str) -> tuple[str, str, dict]:
-  """(layout, flaxtpu model name, model options) of a state dict or .npz."""
-  keys = set(tensors)
-  if any(key.endswith('embedding/kernel') for key in keys):  # flax names: a big_vision / AugReg ViT
-    rules = layouts.big_vision_rules(keys, 0, False)  # finds the prefix (or says there is none)
-    prefix = rules[0].source[:-len('embedding/kernel')]
-    kernel = tensors[f'{prefix}embedding/kernel']
-    stacked = f'{prefix}Transformer/encoderblock/LayerNorm_0/scale'
-    depth = (tensors[stacked].shape[0] if stacked in keys
-             else _count(keys, re.escape(prefix) + r'Transformer/encoderblock_(\d+)/LayerNorm_0/scale'))
-    name = _twin('vit', where, f'a ViT of width {kernel.shape[-1]} and depth {depth}',
-                 widths=(kernel.shape[-1],), stage_sizes=(depth,))
-    pool = 'tok' if f'{prefix}cls' in keys else 'gap'
-    if f'{prefix}MAPHead_0/probe' in keys:
-      raise UserError(f'{where} is a ViT with a MAP head (attention pooling), which flaxtpu\'s ViT lacks')
-    return 'big_vision', name, {'patch_size': int(kernel.shape[0]), 'pool': pool, 'gelu': 'tanh'}
-  if 'conv1.weight' in keys and 'layer1.0.conv1.weight' in keys:
-    stages = tuple(_count(keys, rf'layer{stage}\.(\d+)\.conv1\.weight') for stage in range(1, 5))
-    bottleneck = 'layer1.0.conv3.weight' in keys
-    if tensors['conv1.weight'].shape[-1] != 7 or tensors['layer1.0.conv1.weight'].shape[0] != 64:
-      raise UserError(f'{where} is a ResNet variant (stem or widths differ from resnet18-152), which no '
-                      'flaxtpu model matches; supported: resnet18, resnet34, resnet50, resnet101, resnet152')
-    name = _twin('imagenet_resnet', where, f'a ResNet with {stages} blocks per stage'
-                 f'{" (bottleneck)" if bottleneck else ""}', stage_sizes=stages, bottleneck=bottleneck)
-    return 'timm', name, {'padding': 'torch'}
-  if 'patch_embed.proj.weight' in keys:
-    for unsupported, what in (('fc_norm.weight', 'a norm after pooling (fc_norm)'),
-                              ('reg_token', 'register tokens'), ('attn_pool.latent', 'attention pooling'),
-                              ('norm_pre.weight', 'a pre-norm')):
-      if unsupported in keys:
-        raise UserError(f'{where} is a ViT with {what}, which flaxtpu\'s ViT lacks; supported: timm '
-                        'ViTs with a class token or plain average pooling (e.g. augreg)')
-    kernel = tensors['patch_embed.proj.weight']
-    depth = _count(keys, r'blocks\.(\d+)\.norm1\.weight')
-    name = _twin('vit', where, f'a ViT of width {kernel.shape[0]} and depth {depth}',
-                 widths=(kernel.shape[0],), stage_sizes=(depth,))
-    pool = 'tok' if 'cls_token' in keys else 'gap'
-    return 'timm', name, {'patch_size': int(kernel.shape[-1]), 'pool': pool, 'gelu': 'exact'}
-  if 'stem.0.weight' in keys and 'stages.0.blocks.0.conv_dw.weight' in keys:
-    stages = tuple(_count(keys, rf'stages\.{stage}\.blocks\.(\d+)\.norm\.weight') for stage in range(4))
-    widths = tuple(int(tensors[f'stages.{stage}.blocks.0.norm.weight'].shape[0]) for stage in range(4))
-    name = _twin('convnext', where, f'a ConvNeXt with {stages} blocks of widths {widths}',
-                 stage_sizes=stages, widths=widths)
-    return 'timm', name, {'patch_size': int(tensors['stem.0.weight'].shape[-1])}
-  shown = ', '.join(sorted(keys)[:4])
-  raise UserError(f'{where} is not a ResNet, ViT or ConvNeXt in timm\'s, torchvision\'s or big_vision\'s '
-                  f'layout (its tensors: {shown}, ...); flaxtpu imports those')
+  """(layout, flaxtpu model name, model options) of a state dict or .npz: the first registered family
+  layout that recognises its tensors."""
+  for family in models.families():
+    for layout in family.layouts:
+      if (found := layout.recognise(tensors, where)) is not None:
+        return layout.name, found[0], found[1]
+  shown = ', '.join(sorted(tensors)[:4])
+  titles = [family.title for family in models.families() if family.layouts]
+  sources = list(dict.fromkeys(f"{source}'s" for family in models.families() for layout in family.layouts
+                               for source in layout.sources))
+  raise UserError(f'{where} is not a {join_or(titles)} in {join_or(sources)} layout '
+                  f'(its tensors: {shown}, ...); flaxtpu imports those')
 
 
 def _head(tensors: dict, layout: str, model: str) -> np.ndarray:
   """The bias of the published classifier (its length is the class count)."""
-  family = models.get_spec(model).family
-  if layout == 'big_vision':
-    key = next(key for key in tensors if key.endswith('head/bias'))
-  else:
-    key = {'imagenet_resnet': 'fc.bias', 'vit': 'head.bias', 'convnext': 'head.fc.bias'}[family]
-  return tensors[key]
+  return tensors[models.layout(model, layout).head(tensors)]
 
 
 @functools.lru_cache(maxsize=4)
@@ -281,18 +223,12 @@ def describe(spec: str) -> Published:
   if metadata.get('model_args', {}).get('act_layer') == 'gelu_tanh' and 'gelu' in options:
     options['gelu'] = 'tanh'
   num_classes = int(_head(tensors, layout, model).shape[0])
-  family = models.get_spec(model).family
-  # timm's defaults for its families where the file says nothing: ViTs the AugReg way.
-  vit_like = family == 'vit'
-  mean = tuple(pretrained_cfg.get('mean', INCEPTION_MEAN if vit_like else IMAGENET_MEAN))
-  std = tuple(pretrained_cfg.get('std', INCEPTION_STD if vit_like else IMAGENET_STD))
-  crop_fraction = float(pretrained_cfg.get('crop_pct', 0.9 if vit_like else 0.875))
-  image_size = 224
-  if vit_like:  # the position embeddings fix the size they were trained at
-    positions = next(np.asarray(tensors[key]).shape for key in tensors
-                     if key.endswith(('pos_embed', 'pos_embedding')))[-2] - (
-        1 if options['pool'] == 'tok' and layout == 'timm' else 0)
-    image_size = int(round(positions ** 0.5)) * options['patch_size']
+  # timm's defaults for the family where the file says nothing (ViTs: AugReg's, at their embeddings' size).
+  family_defaults = models.get_family(model).preprocessing(tensors, layout, options)
+  mean = tuple(pretrained_cfg.get('mean', family_defaults.mean))
+  std = tuple(pretrained_cfg.get('std', family_defaults.std))
+  crop_fraction = float(pretrained_cfg.get('crop_pct', family_defaults.crop_fraction))
+  image_size = family_defaults.image_size
   if 'input_size' in pretrained_cfg:
     image_size = int(pretrained_cfg['input_size'][-1])
   # A flaxtpu export of a run trained at the images' native size (dataset.image_size=0): runs from it too.
@@ -376,35 +312,20 @@ _MODEL_OPTIONS = ('patch_size', 'pool', 'gelu', 'padding')
 
 # --- and back out: timm's layout ------------------------------------------------------------------
 
-_TIMM_VIT = {'vit_ti': 'tiny', 'vit_s': 'small', 'vit_b': 'base'}
-_TIMM_CONVNEXT = {'convnext_t': 'convnext_tiny'}
-
-
 def timm_architecture(model: str, options: dict, image_shape: tuple[int, int, int],
                       num_classes: int) -> tuple[str, dict]:
   """(timm architecture name, timm.create_model keyword arguments) computing flaxtpu's `model` on
   images of `image_shape` (height, width, channels)."""
-  family = models.get_spec(model).family
+  family = models.get_family(model)
   model_args = {'num_classes': num_classes, 'in_chans': image_shape[2]}
-  if family == 'imagenet_resnet':
-    if options.get('padding', 'torch') != 'torch':
-      raise UserError(f'{model} with model.padding={options["padding"]!r} computes another function than '
-                      'timm\'s ResNet (XLA SAME padding); '
-                      'train with model.padding=torch to export it to timm')
-    return model, model_args
-  if family == 'vit':
-    patch = options.get('patch_size') or models.get_spec(model).patch_size
-    model_args['img_size'] = list(image_shape[:2])
-    if options.get('pool') == 'gap':  # big_vision's gap: the final norm, then the mean of the tokens
-      model_args.update(class_token=False, global_pool='avg', fc_norm=False)
-    if options.get('gelu') == 'tanh':
-      model_args['act_layer'] = 'gelu_tanh'
-    return f'vit_{_TIMM_VIT[model]}_patch{patch}_224', model_args
-  if family == 'convnext':
-    model_args['patch_size'] = options.get('patch_size') or models.get_spec(model).patch_size
-    return _TIMM_CONVNEXT[model], model_args
-  raise UserError(f'{model} has no timm twin; '
-                  'timm\'s layout exists for resnet18-152, vit_ti/s/b and convnext_t')
+  if family.timm_architecture is None:
+    raise UserError(models.no_timm_twin(model))
+  return family.timm_architecture(model, models.get_spec(model), options, image_shape, model_args)
+
+
+def timm_rules(model: str, options: dict) -> list[layouts.Rule]:
+  """The timm-layout table of flaxtpu's `model` with these options (a UserError when it has none)."""
+  return models.layout(model, 'timm').rules(models.get_spec(model), options, ())
 
 
 def write_timm(directory: str, *, model: str, options: dict, arrays: dict, class_names, mean, std,
@@ -419,7 +340,7 @@ def write_timm(directory: str, *, model: str, options: dict, arrays: dict, class
   """
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   architecture, model_args = timm_architecture(model, options, image_shape, len(class_names))
-  tensors = layouts.save(layouts.timm_rules(model, options.get('pool', 'tok')), arrays)
+  tensors = layouts.save(timm_rules(model, options), arrays)
   for key in [key for key in tensors if key.endswith('.running_mean')]:  # torch's BatchNorm counts updates
     tensors[key[:-len('running_mean')] + 'num_batches_tracked'] = np.zeros((), np.int64)
   save_file(tensors, os.path.join(directory, 'model.safetensors'))

@@ -50,6 +50,9 @@ class Task:
   multilabel: bool = False  # a sigmoid per class (any number of tags per image) instead of a softmax
   class_weights: Optional[np.ndarray] = None  # float32 [classes]: the train loss's weights (None = 1)
   teacher: Any = None  # distill.Teacher: a frozen teacher's predictions join the targets (None = no teacher)
+  # The model family's fit of some parameters to normalised train images before step 1 (FastNet's whitening
+  # stem): images -> {parameter name: value}; None = none (models.data_fit)
+  data_fit: Optional[Callable[[np.ndarray], dict]] = None
 
 
 def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
@@ -78,7 +81,7 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
               accumulate_steps=config.optimizer.accumulate_steps, flip_tta=config.eval.flip_tta,
               translate_tta=config.eval.translate_tta, multilabel=config.task == 'multilabel',
               class_weights=None if class_weights is None else np.asarray(class_weights, np.float32),
-              teacher=teacher)
+              teacher=teacher, data_fit=models.data_fit(config.model.name))
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -108,17 +111,17 @@ DATA_FIT_IMAGES = 5_000  # train images that a data-fitted layer (the whitening 
 
 def fits_to_data(task: Task) -> bool:
   """Whether a fresh run sets some parameters from training images before step 1 (`fit_to_data`)."""
-  return bool(getattr(task.model, 'whiten', False))
+  return task.data_fit is not None
 
 
 def fit_to_data(task: Task, images: np.ndarray) -> dict[str, np.ndarray]:
-  """{parameter name: value} fitted to uint8 train `images` [N, H, W, C]: the whitening stem's kernel.
+  """{parameter name: value} fitted to uint8 train `images` [N, H, W, C] by the model family's
+  `data_fit` (FastNet's whitening stem).
 
   The images are normalised as the train step normalises them (augmentation aside).
   """
-  from flaxtpu.models import fastnet  # pylint: disable=g-import-not-at-top
   pixels = augment.normalize(images, task.mean, task.std)  # on a numpy array it stays numpy, on the host
-  return {'stem/kernel': fastnet.whitening_kernel(pixels)}
+  return task.data_fit(pixels)
 
 
 def init_state(task: Task, seed: int, fitted: Optional[dict] = None) -> TrainState:

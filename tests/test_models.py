@@ -8,7 +8,7 @@ import pytest
 from flaxtpu import config as config_lib
 from flaxtpu import defaults, models, steps
 from flaxtpu.errors import UserError
-from flaxtpu.models import convnext, vit
+from flaxtpu.models.nets import convnext, fastnet, vit
 
 # Parameter counts at 10 classes (CIFAR family with projection shortcuts).
 EXPECTED_PARAMS = {
@@ -65,7 +65,7 @@ def test_fastnet_pools_to_a_few_pixels_and_scales_its_logits():
   _, intermediates = model.apply(variables, jnp.ones((2, 28, 28, 3)), train=False,
                                  capture_intermediates=lambda module, _: module.name == 'block3')
   assert intermediates['intermediates']['block3']['__call__'][0].shape == (2, 3, 3, 64)  # 28 -> 14 -> 7 -> 3
-  unscaled = models.fastnet.FastNet(num_classes=10, stem_width=16, widths=(16, 32, 64), logit_scale=1.0)
+  unscaled = fastnet.FastNet(num_classes=10, stem_width=16, widths=(16, 32, 64), logit_scale=1.0)
   images = jax.random.uniform(jax.random.PRNGKey(1), (2, 28, 28, 3))
   np.testing.assert_allclose(model.apply(variables, images, train=False) * 9,
                              unscaled.apply(variables, images, train=False), rtol=1e-5, atol=1e-6)

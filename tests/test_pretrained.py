@@ -23,7 +23,7 @@ from PIL import Image
 from flaxtpu import config as config_lib
 from flaxtpu import defaults, finetune, models, pretrained
 from flaxtpu.errors import UserError
-from flaxtpu.models import layouts
+from flaxtpu.models import convnext, layouts, resnet, vit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,7 +68,7 @@ def flaxtpu_logits(tensors, images, model_name=None, **overrides):
             for key, leaf in traverse_util.flatten_dict(variables[collection], sep='/').items()}
   published = pretrained.Published('test', 'test', layout, name, options, 0, None, (), (), 0, 0.0)
   spec = models.get_spec(name)
-  rules = (layouts.big_vision_rules(set(tensors), spec.stage_sizes[0], options['pool'] == 'tok')
+  rules = (vit.big_vision_rules(set(tensors), spec.stage_sizes[0], options['pool'] == 'tok')
            if layout == 'big_vision' else _timm_rules(spec, options))
   adapt = {'params/pos_embedding': functools.partial(finetune.resample_position_embeddings,
                                                      prefix_tokens=int(options.get('pool') == 'tok'))}
@@ -89,10 +89,10 @@ def layouts_head(tensors, layout, name):
 
 def _timm_rules(spec, options):
   if spec.family == 'imagenet_resnet':
-    return layouts.resnet_rules(spec.stage_sizes, spec.bottleneck)
+    return resnet.resnet_rules(spec.stage_sizes, spec.bottleneck)
   if spec.family == 'vit':
-    return layouts.vit_rules(spec.stage_sizes[0], spec.widths[0], spec.num_heads, options['pool'] == 'tok')
-  return layouts.convnext_rules(spec.stage_sizes)
+    return vit.vit_rules(spec.stage_sizes[0], spec.widths[0], spec.num_heads, options['pool'] == 'tok')
+  return convnext.convnext_rules(spec.stage_sizes)
 
 
 def assert_same_function(expected, actual):
@@ -211,10 +211,10 @@ def test_a_file_of_another_model_names_the_first_tensor_and_both_shapes(tmp_path
   wanted = {'params/stage1_block1/Conv_0/kernel': (1, 1, 64, 64)}
   with pytest.raises(UserError, match=r"tensor 'layer1.0.conv1.weight' has shape \(64, 64, 3, 3\).*"
                                       r"needs \(1, 1, 64, 64\)"):
-    layouts.load(layouts.resnet_rules(spec.stage_sizes, True), pretrained.read_tensors(path), wanted, path)
+    layouts.load(resnet.resnet_rules(spec.stage_sizes, True), pretrained.read_tensors(path), wanted, path)
   with pytest.raises(UserError, match=r"no tensor 'layer1.2.conv1.weight'"):
     spec = models.get_spec('resnet34')
-    layouts.load(layouts.resnet_rules(spec.stage_sizes, False), pretrained.read_tensors(path),
+    layouts.load(resnet.resnet_rules(spec.stage_sizes, False), pretrained.read_tensors(path),
                  {'params/stage1_block3/Conv_0/kernel': (3, 3, 64, 64)}, path)
   broken = tmp_path / 'broken.safetensors'
   broken.write_bytes(b'not a safetensors file')

@@ -11,7 +11,7 @@ from flaxtpu import augment, defaults, models, steps, train
 from flaxtpu import config as config_lib
 from flaxtpu.data import loaders, pipeline
 from flaxtpu.errors import UserError
-from flaxtpu.models import fastnet
+from flaxtpu.models.nets import fastnet
 
 
 def _patches(images, side=2):

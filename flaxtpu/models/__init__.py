@@ -1,59 +1,51 @@
 """The model registry: `create(name, num_classes=..., ...)` builds any model by name.
 
-`NAMES` is the one list of valid model names. This file imports no JAX or
-Flax at module level, so the CLI validates `model.name` (and which options a
-model takes) before JAX starts; `create` imports the model code.
+Each family is a plug-in, `flaxtpu/models/<family>.py` (a `family.Family`:
+its models, the options they read, the layer-depth map, the published weight
+layouts it reads and writes, its hooks), registered here with one line; its
+Flax network lives in `flaxtpu/models/nets/`. `NAMES` is the one list of
+valid model names. This file imports no JAX or Flax at module level, so the
+CLI validates `model.name` (and which options a model takes) before JAX
+starts; `create` imports the model code.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from typing import Optional
 
 from flaxtpu.errors import UserError
+from flaxtpu.models import cnn, convnext, fastnet, resnet, vit
+from flaxtpu.models.family import Family, Layout, Spec, join_or
+
+_FAMILIES: dict[str, Family] = {}  # family name -> plug-in
+_SPECS: dict[str, Spec] = {}  # model name -> architecture
+NAMES: tuple[str, ...] = ()  # every model name, family by family in registration order
 
 
-@dataclasses.dataclass(frozen=True)
-class Spec:
-  family: str  # 'cnn' | 'fastnet' | 'cifar_resnet' | 'imagenet_resnet' | 'vit' | 'convnext'
-  stage_sizes: tuple[int, ...] = ()  # blocks per stage (ResNet, ConvNeXt); (depth,) for ViT
-  bottleneck: bool = False
-  widths: tuple[int, ...] = ()  # channels per stage (ConvNeXt); (stem, *blocks) for FastNet; (width,) for ViT
-  num_heads: int = 0  # ViT
-  mlp_dim: int = 0  # ViT
-  patch_size: int = 0  # the published patch (ViT) or stem stride (ConvNeXt); 0 = no patches
-  whiten: bool = False  # FastNet: airbench94's data-fitted whitening stem and initialisation
-
-  @property
-  def options(self) -> tuple[str, ...]:
-    """The `create` options (config.model.* keys) this model reads; the others must keep their defaults."""
-    return {'vit': ('patch_size', 'pool', 'dropout', 'drop_path', 'gelu'),
-            'convnext': ('patch_size', 'drop_path'),
-            'cifar_resnet': ('drop_path', 'padding'),
-            'imagenet_resnet': ('drop_path', 'padding')}.get(self.family, ())
+def register(family: Family) -> None:
+  """Adds a family plug-in: its models join `NAMES`, `create`, published-weight recognition and export."""
+  global NAMES
+  if family.name in _FAMILIES or any(name in _SPECS for name in family.specs):
+    raise ValueError(f'model family {family.name!r} or one of its models ({", ".join(family.specs)}) '
+                     'is registered already')
+  assert all(spec.family == family.name for spec in family.specs.values()), family.name
+  _FAMILIES[family.name] = family
+  _SPECS.update(family.specs)
+  NAMES = tuple(_SPECS)
+  layer_depths.cache_clear()
 
 
-_SPECS = {
-    'cnn': Spec('cnn'),
-    'fastnet_s': Spec('fastnet', widths=(16, 16, 32, 64)),
-    'fastnet': Spec('fastnet', widths=(24, 64, 256, 256)),
-    'fastnet_whiten': Spec('fastnet', widths=(24, 64, 256, 256), whiten=True),
-    'resnet20': Spec('cifar_resnet', (3, 3, 3)),
-    'resnet32': Spec('cifar_resnet', (5, 5, 5)),
-    'resnet44': Spec('cifar_resnet', (7, 7, 7)),
-    'resnet56': Spec('cifar_resnet', (9, 9, 9)),
-    'resnet110': Spec('cifar_resnet', (18, 18, 18)),
-    'resnet18': Spec('imagenet_resnet', (2, 2, 2, 2)),
-    'resnet34': Spec('imagenet_resnet', (3, 4, 6, 3)),
-    'resnet50': Spec('imagenet_resnet', (3, 4, 6, 3), bottleneck=True),
-    'resnet101': Spec('imagenet_resnet', (3, 4, 23, 3), bottleneck=True),
-    'resnet152': Spec('imagenet_resnet', (3, 8, 36, 3), bottleneck=True),
-    'vit_ti': Spec('vit', (12,), widths=(192,), num_heads=3, mlp_dim=768, patch_size=16),
-    'vit_s': Spec('vit', (12,), widths=(384,), num_heads=6, mlp_dim=1536, patch_size=16),
-    'vit_b': Spec('vit', (12,), widths=(768,), num_heads=12, mlp_dim=3072, patch_size=16),
-    'convnext_t': Spec('convnext', (3, 3, 9, 3), widths=(96, 192, 384, 768), patch_size=4),
-}
-NAMES = tuple(_SPECS)
+def unregister(name: str) -> None:
+  """Removes the family `name` (a test's plug-in) with its models."""
+  global NAMES
+  family = _FAMILIES.pop(name)
+  for model in family.specs:
+    del _SPECS[model]
+  NAMES = tuple(_SPECS)
+  layer_depths.cache_clear()
+
+
 POOLS = ('gap', 'tok')
 PADDINGS = ('torch', 'same')  # resnet: symmetric as PyTorch | XLA's SAME (runs saved before model.padding)
 GELUS = ('exact', 'tanh')  # vit: erf as timm | tanh as big_vision (runs saved before model.gelu)
@@ -68,6 +60,46 @@ def get_spec(name: str) -> Spec:
   return _SPECS[name]
 
 
+def get_family(name: str) -> Family:
+  """The family plug-in of model `name` (a UserError for an unknown name, as `get_spec`)."""
+  return _FAMILIES[get_spec(name).family]
+
+
+def families() -> tuple[Family, ...]:
+  """Every registered family, in registration order."""
+  return tuple(_FAMILIES.values())
+
+
+def layout(name: str, layout_name: str) -> Layout:
+  """The `layout_name` layout ('timm', 'big_vision') of model `name`'s family, or a UserError."""
+  found = get_family(name).layout(layout_name)
+  if found is None and layout_name == 'timm':
+    raise UserError(no_timm_twin(name))
+  if found is None:
+    raise UserError(f'{name} has no {layout_name} layout; it reads: '
+                    f'{", ".join(layout.name for layout in get_family(name).layouts) or "none"}')
+  return found
+
+
+def no_timm_twin(name: str) -> str:
+  """The message for a model without a timm architecture, naming the models that have one."""
+  having = [family.listed() for family in _FAMILIES.values() if family.timm_architecture]
+  return f'{name} has no timm twin; timm\'s layout exists for {join_or(having, "and")}'
+
+
+@functools.lru_cache(maxsize=None)
+def layer_depths(name: str) -> tuple[dict[str, int], int]:
+  """({top-level module: its layer}, the head's layer) of model `name`'s layer-depth map."""
+  layers = get_family(name).layers(get_spec(name))
+  return {module: depth for depth, modules in enumerate(layers) for module in modules}, len(layers) - 1
+
+
+def data_fit(name: str):
+  """None, or the function {parameter name: value} of normalised train images that a fresh run of
+  model `name` sets before step 1 (`Family.data_fit`)."""
+  return get_family(name).data_fit(get_spec(name))
+
+
 def remat_policy(name: str):
   """'full' recomputes everything (no policy); other names are jax.checkpoint_policies."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -80,8 +112,7 @@ def check_image_shape(name: str, image_shape: tuple[int, ...], patch_size: int =
   spec = get_spec(name)
   patch = patch_size or spec.patch_size
   height, width = image_shape[:2]
-  # Each FastNet block halves the side; the whitening stem's unpadded 2x2 kernel takes one pixel.
-  smallest = 2 ** (len(spec.widths) - 1) + spec.whiten if spec.family == 'fastnet' else 1
+  smallest = get_family(name).smallest_image(spec)
   if min(height, width) < smallest:
     raise UserError(f'{name} pools {height}x{width} images to nothing: '
                     f'it needs at least {smallest}x{smallest}; '
@@ -103,36 +134,23 @@ def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 
   so that pmap computes the same statistics as one global batch. `patch_size`
   (0 = the published one), `pool`, `dropout`, `drop_path`, `padding` (ResNet)
   and `gelu` (ViT) configure the families that read them (`Spec.options` says
-  which); given `image_shape`, the patches are checked to tile it.
+  which: `Family.options`); given `image_shape`, the patches are checked to tile it.
   """
   # pylint: disable=g-import-not-at-top
   import flax.linen as nn
   import jax.numpy as jnp
 
-  from flaxtpu.models import cnn, convnext, fastnet, resnet, vit
   spec = get_spec(name)
   if image_shape is not None:
     check_image_shape(name, image_shape, patch_size)
   wrap = (lambda unit: unit) if remat == 'none' else (
       lambda unit: nn.remat(unit, policy=remat_policy(remat)))
-  dtype = jnp.dtype(dtype)
-  if spec.family == 'cnn':
-    return cnn.CNN(num_classes=num_classes, dtype=dtype, stage=wrap(cnn.ConvStage))
-  if spec.family == 'fastnet':
-    return fastnet.FastNet(num_classes=num_classes, stem_width=spec.widths[0], widths=spec.widths[1:],
-                           block=wrap(fastnet.ConvBlock), dtype=dtype, bn_axis_name=bn_axis_name,
-                           whiten=spec.whiten)
-  if spec.family == 'vit':
-    return vit.ViT(num_classes=num_classes, patch_size=patch_size or spec.patch_size,
-                   width=spec.widths[0], depth=spec.stage_sizes[0], num_heads=spec.num_heads,
-                   mlp_dim=spec.mlp_dim, block=wrap(vit.EncoderBlock), pool=pool, dropout=dropout,
-                   drop_path=drop_path, gelu=gelu, dtype=dtype)
-  if spec.family == 'convnext':
-    return convnext.ConvNeXt(num_classes=num_classes, stage_sizes=spec.stage_sizes,
-                             stage_widths=spec.widths, block=wrap(convnext.ConvNeXtBlock),
-                             patch_size=patch_size or spec.patch_size, drop_path=drop_path, dtype=dtype)
-  block = resnet.BottleneckBlock if spec.bottleneck else resnet.BasicBlock
-  stem, width = ('cifar', 16) if spec.family == 'cifar_resnet' else ('imagenet', 64)
-  return resnet.ResNet(stage_sizes=spec.stage_sizes, block=wrap(block), stem=stem, width=width,
-                       num_classes=num_classes, dtype=dtype, bn_axis_name=bn_axis_name, drop_path=drop_path,
-                       padding=padding)
+  family = _FAMILIES[spec.family]
+  options = {'patch_size': patch_size, 'pool': pool, 'dropout': dropout, 'drop_path': drop_path,
+             'padding': padding, 'gelu': gelu}
+  return family.build(spec, num_classes=num_classes, dtype=jnp.dtype(dtype), wrap=wrap,
+                      bn_axis_name=bn_axis_name, **{key: options[key] for key in family.options})
+
+
+for _family in (cnn.FAMILY, fastnet.FAMILY, resnet.CIFAR, resnet.IMAGENET, vit.FAMILY, convnext.FAMILY):
+  register(_family)

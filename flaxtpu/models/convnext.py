@@ -1,69 +1,72 @@
-"""ConvNeXt (Liu et al. 2022): convnext_t, as in the official code and timm.
+"""The ConvNeXt family (network: nets/convnext.py): convnext_t, with timm's weights
+(stem.0/1, stages.S.downsample.0/1, stages.S.blocks.B, head.norm, head.fc)."""
 
-A patchify stem (`patch_size` x `patch_size` convolution with that stride, 4
-in the paper, + LayerNorm), four stages of blocks (7x7 depthwise convolution,
-LayerNorm, 4x MLP with GELU, layer scale, stochastic depth) joined by
-LayerNorm + 2x2 stride-2 convolutions, then global average pooling,
-LayerNorm and the head. A smaller stem stride suits small images: on 32x32,
-`patch_size=2` gives 16/8/4/2-pixel stages (the paper's 4 gives 8/4/2/1).
-"""
+from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from flaxtpu.models import layouts
+from flaxtpu.models.family import Family, Layout, Spec
+from flaxtpu.models.layouts import Rule, conv, dense, layer_norm, vector
 
-import flax.linen as nn
-import jax.numpy as jnp
-
-from flaxtpu.models.vit import stochastic_depth
-
-# Convolutions and dense layers start as timm's trunc_normal_(std=.02), biases at zero.
-_KERNEL_INIT = nn.initializers.truncated_normal(stddev=0.02)
+_TIMM_NAMES = {'convnext_t': 'convnext_tiny'}
 
 
-class ConvNeXtBlock(nn.Module):
-  """7x7 depthwise conv, LayerNorm, 1x1 expand x4, GELU, 1x1 project, layer scale: one remat unit."""
-  train: bool
-  drop_path: float = 0.0
-  layer_scale: float = 1e-6
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x):
-    features = x.shape[-1]
-    dense = lambda width, name: nn.Dense(width, dtype=self.dtype, kernel_init=_KERNEL_INIT, name=name)
-    y = nn.Conv(features, (7, 7), padding=3, feature_group_count=features, dtype=self.dtype,
-                kernel_init=_KERNEL_INIT, name='dwconv')(x)
-    y = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, name='norm')(y)
-    y = dense(features, 'pwconv2')(nn.gelu(dense(4 * features, 'pwconv1')(y), approximate=False))
-    scale = self.param('layer_scale', nn.initializers.constant(self.layer_scale), (features,))
-    return x + stochastic_depth(y * scale.astype(self.dtype), self.drop_path, self.train)
+def _build(spec: Spec, *, num_classes, dtype, wrap, bn_axis_name, patch_size, drop_path):
+  del bn_axis_name
+  from flaxtpu.models.nets import convnext  # pylint: disable=g-import-not-at-top
+  return convnext.ConvNeXt(num_classes=num_classes, stage_sizes=spec.stage_sizes,
+                           stage_widths=spec.widths, block=wrap(convnext.ConvNeXtBlock),
+                           patch_size=patch_size or spec.patch_size, drop_path=drop_path, dtype=dtype)
 
 
-class ConvNeXt(nn.Module):
-  num_classes: int
-  stage_sizes: Sequence[int]
-  stage_widths: Sequence[int]
-  block: Callable[..., nn.Module] = ConvNeXtBlock  # possibly wrapped in nn.remat
-  patch_size: int = 4  # the stem's kernel and stride
-  drop_path: float = 0.0  # the last block's rate; 0 in the first, linear in between
-  dtype: Any = jnp.float32
+def _layers(spec: Spec) -> list[tuple[str, ...]]:
+  """The stem, one layer per block (a stage's downsampling joins its first block), the head."""
+  layers = [('stem', 'stem_norm')]
+  for stage, size in enumerate(spec.stage_sizes, 1):
+    downsample = (f'stage{stage}_norm', f'stage{stage}_downsample')
+    layers += [(f'stage{stage}_block{block}', *(downsample if block == 1 else ()))
+               for block in range(1, size + 1)]
+  return [*layers, ('head_norm', 'head')]
 
-  @nn.compact
-  def __call__(self, x, train: bool = True):
-    norm = lambda name: nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, name=name)
-    conv = lambda width, size, name, padding: nn.Conv(
-        width, (size, size), strides=(size, size), padding=padding, dtype=self.dtype,
-        kernel_init=_KERNEL_INIT, name=name)
-    x = norm('stem_norm')(conv(self.stage_widths[0], self.patch_size, 'stem', 'VALID')(x.astype(self.dtype)))
-    num_blocks, index = sum(self.stage_sizes), 0
-    for stage, (size, width) in enumerate(zip(self.stage_sizes, self.stage_widths)):
-      if stage > 0:
-        # SAME padding: odd maps (28x28 / 4 = 7x7) still halve, rounding up; even maps are unpadded.
-        x = conv(width, 2, f'stage{stage + 1}_downsample', 'SAME')(norm(f'stage{stage + 1}_norm')(x))
-      for block in range(size):
-        # Explicit names: the same parameter tree with and without remat.
-        x = self.block(train, drop_path=self.drop_path * index / max(num_blocks - 1, 1), dtype=self.dtype,
-                       name=f'stage{stage + 1}_block{block + 1}')(x)
-        index += 1
-    x = norm('head_norm')(jnp.mean(x, axis=(1, 2)))
-    return nn.Dense(self.num_classes, dtype=self.dtype, kernel_init=_KERNEL_INIT,
-                    name='head')(x).astype(jnp.float32)
+
+def convnext_rules(stage_sizes) -> list[Rule]:
+  """timm's ConvNeXt (stem.0/1, stages.S.downsample.0/1, stages.S.blocks.B, head.norm, head.fc)."""
+  rules = [*dense('stem.0', 'stem', conv), *layer_norm('stem.1', 'stem_norm')]
+  for stage, blocks in enumerate(stage_sizes):
+    if stage > 0:
+      rules += [*layer_norm(f'stages.{stage}.downsample.0', f'stage{stage + 1}_norm'),
+                *dense(f'stages.{stage}.downsample.1', f'stage{stage + 1}_downsample', conv)]
+    for block in range(blocks):
+      source, target = f'stages.{stage}.blocks.{block}', f'stage{stage + 1}_block{block + 1}'
+      rules += [*dense(f'{source}.conv_dw', f'{target}/dwconv', conv),
+                *layer_norm(f'{source}.norm', f'{target}/norm'),
+                *dense(f'{source}.mlp.fc1', f'{target}/pwconv1'),
+                *dense(f'{source}.mlp.fc2', f'{target}/pwconv2'),
+                vector(f'{source}.gamma', f'params/{target}/layer_scale')]
+  return rules + layer_norm('head.norm', 'head_norm') + dense('head.fc', 'head')
+
+
+def _recognise(tensors, where: str):
+  keys = set(tensors)
+  if not ('stem.0.weight' in keys and 'stages.0.blocks.0.conv_dw.weight' in keys):
+    return None
+  stages = tuple(layouts.count(keys, rf'stages\.{stage}\.blocks\.(\d+)\.norm\.weight') for stage in range(4))
+  widths = tuple(int(tensors[f'stages.{stage}.blocks.0.norm.weight'].shape[0]) for stage in range(4))
+  name = FAMILY.twin(where, f'a ConvNeXt with {stages} blocks of widths {widths}',
+                     stage_sizes=stages, widths=widths)
+  return name, {'patch_size': int(tensors['stem.0.weight'].shape[-1])}
+
+
+def _timm_architecture(model: str, spec: Spec, options: dict, image_shape, model_args: dict):
+  del image_shape
+  model_args['patch_size'] = options.get('patch_size') or spec.patch_size
+  return _TIMM_NAMES[model], model_args
+
+
+TIMM = Layout('timm', ('timm',), _recognise,
+              rules=lambda spec, options, keys: convnext_rules(spec.stage_sizes),
+              head=lambda keys: 'head.fc.bias')
+
+FAMILY = Family('convnext', {
+    'convnext_t': Spec('convnext', (3, 3, 9, 3), widths=(96, 192, 384, 768), patch_size=4),
+}, _build, _layers, ('patch_size', 'drop_path'), title='ConvNeXt', layouts=(TIMM,),
+    timm_architecture=_timm_architecture)

@@ -1,117 +1,98 @@
-"""ResNets (He et al. 2016): the CIFAR family (resnet20/32/44/56/110) and the ImageNet family (resnet18-152).
+"""The ResNet families (network: nets/resnet.py): CIFAR's resnet20-110 and ImageNet's resnet18-152,
+whose weights timm and torchvision publish in one layout.
 
-Both take any input size: the CIFAR stem is one 3x3 convolution; the ImageNet
-stem (7x7 stride 2 + max pool) also runs on 32x32 inputs, down to a 1x1 map.
-Projection shortcuts (1x1 conv + BN) wherever the shape changes. With
-`padding='torch'` every convolution and the max pool pad symmetrically, as
-PyTorch, torchvision and timm do, so published weights compute the same
-function here; `'same'` is XLA's SAME (one pixel less before than after a
-stride-2 window on even maps), what flaxtpu used before and what runs saved
-without `model.padding` keep. With
-`drop_path`, a block's residual branch is dropped per example (stochastic
-depth, Huang et al. 2016, as timm's ResNets do), at a rate growing linearly
-from 0 in the first block to `drop_path` in the last.
+The layout: conv1, bn1, layerS.B.convN/bnN, downsample.0/1, fc.
 """
 
-import functools
-from typing import Any, Callable, Optional, Sequence
+from __future__ import annotations
 
-import flax.linen as nn
-import jax.numpy as jnp
+from flaxtpu.errors import UserError
+from flaxtpu.models import layouts
+from flaxtpu.models.family import Family, Layout, Spec
+from flaxtpu.models.layouts import Rule, batch_norm, conv, dense
 
-from flaxtpu.models.vit import stochastic_depth
-
-
-def batch_norm(train: bool, dtype: Any, axis_name: Optional[str]):
-  """BatchNorm as in the papers (momentum 0.9); `axis_name` averages statistics over a pmap axis."""
-  return functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                           dtype=dtype, axis_name=axis_name)
+OPTIONS = ('drop_path', 'padding')
 
 
-class Block(nn.Module):
-  """What every residual block is configured with; subclasses define the layers."""
-  features: int
-  strides: int
-  train: bool
-  dtype: Any = jnp.float32
-  bn_axis_name: Optional[str] = None
-  drop_path: float = 0.0  # probability of dropping the residual branch (stochastic depth)
-  padding: str = 'torch'  # 'torch' (symmetric) | 'same' (XLA's SAME)
-
-  def layers(self):
-    return (conv_layer(self.padding, self.dtype), batch_norm(self.train, self.dtype, self.bn_axis_name))
+def _build(spec: Spec, *, num_classes, dtype, wrap, bn_axis_name, drop_path, padding):
+  from flaxtpu.models.nets import resnet  # pylint: disable=g-import-not-at-top
+  block = resnet.BottleneckBlock if spec.bottleneck else resnet.BasicBlock
+  stem, width = ('cifar', 16) if spec.family == CIFAR.name else ('imagenet', 64)
+  return resnet.ResNet(stage_sizes=spec.stage_sizes, block=wrap(block), stem=stem, width=width,
+                       num_classes=num_classes, dtype=dtype, bn_axis_name=bn_axis_name, drop_path=drop_path,
+                       padding=padding)
 
 
-def conv_layer(padding: str, dtype: Any):
-  """Bias-free convolutions padded as `padding` says: 'torch' pads k // 2 on every side, as PyTorch does."""
-  if padding == 'same':
-    return functools.partial(nn.Conv, use_bias=False, dtype=dtype)
-
-  def conv(features, kernel_size, strides=1, **kwargs):
-    return nn.Conv(features, kernel_size, strides, padding=[(k // 2, k // 2) for k in kernel_size],
-                   use_bias=False, dtype=dtype, **kwargs)
-  return conv
+def _layers(spec: Spec) -> list[tuple[str, ...]]:
+  """The stem, one layer per block, the classifier."""
+  return [('Conv_0', 'BatchNorm_0'),
+          *[(f'stage{stage}_block{block}',) for stage, size in enumerate(spec.stage_sizes, 1)
+            for block in range(1, size + 1)],
+          ('Dense_0',)]
 
 
-class BasicBlock(Block):
-  """Two 3x3 convolutions."""
-
-  @nn.compact
-  def __call__(self, x):
-    conv, norm = self.layers()
-    y = nn.relu(norm()(conv(self.features, (3, 3), self.strides)(x)))
-    y = norm(scale_init=nn.initializers.zeros)(conv(self.features, (3, 3))(y))
-    if x.shape != y.shape:
-      x = norm()(conv(self.features, (1, 1), self.strides)(x))
-    return nn.relu(x + stochastic_depth(y, self.drop_path, self.train))
+# --- timm / torchvision ---------------------------------------------------------------------------
 
 
-class BottleneckBlock(Block):
-  """1x1 reduce, 3x3, 1x1 expand (x4)."""
+def resnet_rules(stage_sizes, bottleneck: bool) -> list[Rule]:
+  """timm's and torchvision's ResNet (conv1, bn1, layerS.B.convN/bnN, downsample.0/1, fc)."""
+  rules = [conv('conv1.weight', 'params/Conv_0/kernel'), *batch_norm('bn1', 'BatchNorm_0')]
+  convs = 3 if bottleneck else 2
+  in_width = 64
+  for stage, blocks in enumerate(stage_sizes):
+    for block in range(blocks):
+      source, target = f'layer{stage + 1}.{block}', f'params/stage{stage + 1}_block{block + 1}'
+      for index in range(convs):
+        rules.append(conv(f'{source}.conv{index + 1}.weight', f'{target}/Conv_{index}/kernel'))
+        rules += batch_norm(f'{source}.bn{index + 1}', f'stage{stage + 1}_block{block + 1}/BatchNorm_{index}')
+      out_width = 64 * 2**stage * (4 if bottleneck else 1)
+      if block == 0 and (stage > 0 or in_width != out_width):  # where flaxtpu's block projects too
+        rules.append(conv(f'{source}.downsample.0.weight', f'{target}/Conv_{convs}/kernel'))
+        rules += batch_norm(f'{source}.downsample.1', f'stage{stage + 1}_block{block + 1}/BatchNorm_{convs}')
+      in_width = out_width
+  return rules + dense('fc', 'Dense_0')
 
-  @nn.compact
-  def __call__(self, x):
-    conv, norm = self.layers()
-    y = nn.relu(norm()(conv(self.features, (1, 1))(x)))
-    y = nn.relu(norm()(conv(self.features, (3, 3), self.strides)(y)))
-    y = norm(scale_init=nn.initializers.zeros)(conv(self.features * 4, (1, 1))(y))
-    if x.shape != y.shape:
-      x = norm()(conv(self.features * 4, (1, 1), self.strides)(x))
-    return nn.relu(x + stochastic_depth(y, self.drop_path, self.train))
+
+def _recognise(tensors, where: str):
+  keys = set(tensors)
+  if not ('conv1.weight' in keys and 'layer1.0.conv1.weight' in keys):
+    return None
+  stages = tuple(layouts.count(keys, rf'layer{stage}\.(\d+)\.conv1\.weight') for stage in range(1, 5))
+  bottleneck = 'layer1.0.conv3.weight' in keys
+  if tensors['conv1.weight'].shape[-1] != 7 or tensors['layer1.0.conv1.weight'].shape[0] != 64:
+    raise UserError(f'{where} is a ResNet variant (stem or widths differ from resnet18-152), which no '
+                    f'flaxtpu model matches; supported: {", ".join(IMAGENET.specs)}')
+  name = IMAGENET.twin(where, f'a ResNet with {stages} blocks per stage'
+                       f'{" (bottleneck)" if bottleneck else ""}', stage_sizes=stages, bottleneck=bottleneck)
+  return name, {'padding': 'torch'}
 
 
-class ResNet(nn.Module):
-  stage_sizes: Sequence[int]
-  block: Callable[..., nn.Module]  # BasicBlock or BottleneckBlock, possibly wrapped in nn.remat
-  num_classes: int
-  stem: str  # 'cifar' | 'imagenet'
-  width: int = 64
-  dtype: Any = jnp.float32
-  bn_axis_name: Optional[str] = None
-  drop_path: float = 0.0  # the last block's rate; 0 in the first, linear in between
-  padding: str = 'torch'  # 'torch' (symmetric, as PyTorch) | 'same' (XLA's SAME; runs saved before it)
+def _timm_architecture(model: str, spec: Spec, options: dict, image_shape, model_args: dict):
+  del spec, image_shape
+  if options.get('padding', 'torch') != 'torch':
+    raise UserError(f'{model} with model.padding={options["padding"]!r} computes another function than '
+                    'timm\'s ResNet (XLA SAME padding); '
+                    'train with model.padding=torch to export it to timm')
+  return model, model_args
 
-  @nn.compact
-  def __call__(self, x, train: bool = True):
-    norm = batch_norm(train, self.dtype, self.bn_axis_name)
-    conv = conv_layer(self.padding, self.dtype)
-    total_blocks, block_index = sum(self.stage_sizes), 0
-    x = x.astype(self.dtype)
-    if self.stem == 'cifar':
-      x = nn.relu(norm()(conv(self.width, (3, 3))(x)))
-    else:
-      x = nn.Conv(self.width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False,
-                  dtype=self.dtype)(x)
-      pool_padding = 'SAME' if self.padding == 'same' else ((1, 1), (1, 1))
-      x = nn.max_pool(nn.relu(norm()(x)), (3, 3), strides=(2, 2), padding=pool_padding)
-    for stage, num_blocks in enumerate(self.stage_sizes):
-      for index in range(num_blocks):
-        strides = 2 if stage > 0 and index == 0 else 1
-        # Explicit names: the same parameter tree with and without remat.
-        x = self.block(self.width * 2**stage, strides, train, dtype=self.dtype,
-                       bn_axis_name=self.bn_axis_name, padding=self.padding,
-                       drop_path=self.drop_path * block_index / max(total_blocks - 1, 1),
-                       name=f'stage{stage + 1}_block{index + 1}')(x)
-        block_index += 1
-    x = jnp.mean(x, axis=(1, 2))
-    return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
+
+TIMM = Layout('timm', ('timm', 'torchvision'), _recognise,
+              rules=lambda spec, options, keys: resnet_rules(spec.stage_sizes, spec.bottleneck),
+              head=lambda keys: 'fc.bias')
+
+CIFAR = Family('cifar_resnet', {
+    'resnet20': Spec('cifar_resnet', (3, 3, 3)),
+    'resnet32': Spec('cifar_resnet', (5, 5, 5)),
+    'resnet44': Spec('cifar_resnet', (7, 7, 7)),
+    'resnet56': Spec('cifar_resnet', (9, 9, 9)),
+    'resnet110': Spec('cifar_resnet', (18, 18, 18)),
+}, _build, _layers, OPTIONS, title='CIFAR ResNet', short_names='resnet20/32/44/56/110')
+
+IMAGENET = Family('imagenet_resnet', {
+    'resnet18': Spec('imagenet_resnet', (2, 2, 2, 2)),
+    'resnet34': Spec('imagenet_resnet', (3, 4, 6, 3)),
+    'resnet50': Spec('imagenet_resnet', (3, 4, 6, 3), bottleneck=True),
+    'resnet101': Spec('imagenet_resnet', (3, 4, 23, 3), bottleneck=True),
+    'resnet152': Spec('imagenet_resnet', (3, 8, 36, 3), bottleneck=True),
+}, _build, _layers, OPTIONS, title='ResNet', short_names='resnet18-152', layouts=(TIMM,),
+    timm_architecture=_timm_architecture)
