@@ -12,9 +12,11 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flaxtpu import checkpoint, data, fewshot, files, finetune, parallel, pretrained, report, steps
+from flaxtpu import checkpoint, data, fewshot, files, finetune, parallel, pretrained, steps
 from flaxtpu.config import eval_metric_prefix, resolved_eval_batch_size
 from flaxtpu.errors import UserError
+from flaxtpu.report import metrics as report_metrics
+from flaxtpu.report import tables, writer
 
 
 class Predictions(NamedTuple):
@@ -31,7 +33,7 @@ def evaluate(placement: steps.Placement, state, dataset: data.Dataset, batch_siz
   Multiclass: loss, accuracy, balanced accuracy (and top-5 accuracy), from the devices. Multilabel:
   the loss, and from every example's logits on the host (gathered from every process) mAP, micro
   mAP, micro-F1 at a threshold (`threshold`, or the best one on this split), the threshold, and
-  the exact-match accuracy at it (`report.multilabel_report`).
+  the exact-match accuracy at it (`report.metrics.multilabel_report`).
 
   With `keep_logits`, on one process, the logits and labels of every example
   come back too (for `write_report`); otherwise None.
@@ -54,7 +56,7 @@ def evaluate(placement: steps.Placement, state, dataset: data.Dataset, batch_siz
   result['num_examples'] = int(totals.loss.count)
   predictions = Predictions(np.concatenate(logits), np.concatenate(labels)) if logits else None
   if multilabel:
-    result.update(report.multilabel_metrics(report.multilabel_report(
+    result.update(report_metrics.multilabel_metrics(report_metrics.multilabel_report(
         predictions.logits, predictions.labels, list(dataset.class_names), threshold)))
   return result, (predictions if keep_logits else None)
 
@@ -104,7 +106,7 @@ def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str
 def write_report(predictions: Optional[Predictions], dataset: data.Dataset, directory: str,
                  suffix: str = '', threshold: float = 0.0, about: Optional[dict] = None) -> dict:
   """per_class.csv, confusion, mistakes and reliability PNGs of the eval split in `directory`;
-  multilabel, also thresholds.json (`threshold` and `about` as in `report.write_eval_report`).
+  multilabel, also thresholds.json (`threshold` and `about` as in `report.writer.write_eval_report`).
 
   `predictions` are what `evaluate` kept. Returns the summary numbers (ECE,
   top-5 accuracy) for eval.json. They are kept on one process only, so a run
@@ -115,7 +117,7 @@ def write_report(predictions: Optional[Predictions], dataset: data.Dataset, dire
     return {}
   logits, labels = predictions
   with files.writing(directory, 'free disk space or choose a writable --workdir'):
-    summary = report.write_eval_report(directory, logits, labels, list(dataset.class_names),
+    summary = writer.write_eval_report(directory, logits, labels, list(dataset.class_names),
                                        images=lambda index: data.eval_image(dataset, index), suffix=suffix,
                                        threshold=threshold, about=about)
   logging.info('eval report: ECE %.4f%s; %s in %s', summary['eval_ece'],
@@ -282,10 +284,10 @@ def tag_thresholds(config: ml_collections.ConfigDict, workdir: str, step: int,
     if list(saved.get('class_thresholds', {})) != list(class_names):
       continue  # another model's classes
     fit = tuple(saved.get(key) == wanted[key] for key in ('step', 'weights', 'tta'))
-    candidates.append((fit + (name == report.THRESHOLDS_FILE,), name, saved))
+    candidates.append((fit + (name == tables.THRESHOLDS_FILE,), name, saved))
   if not candidates:
-    return (np.full(len(class_names), report.DEFAULT_THRESHOLD),
-            f'{report.DEFAULT_THRESHOLD:g} for every tag: no evaluation has chosen thresholds (run '
+    return (np.full(len(class_names), report_metrics.DEFAULT_THRESHOLD),
+            f'{report_metrics.DEFAULT_THRESHOLD:g} for every tag: no evaluation has chosen thresholds (run '
             '--mode=eval, or set --config.eval.threshold)')
   _, name, saved = max(candidates, key=lambda candidate: candidate[0])
   source = (f'per-class thresholds from {name} ({saved.get("chosen_by")}, {saved.get("split")} at step '
@@ -338,7 +340,7 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     print(f'tags at or above their thresholds: {source}')
     logging.info('thresholds: %s', source)
     rows = [_multilabel_row(path, probs, thresholds, class_names, top_k)
-            for path, probs in zip(paths, report.sigmoid(logits))]
+            for path, probs in zip(paths, report_metrics.sigmoid(logits))]
   else:
     rows = [_multiclass_row(path, probs, class_names, top_k)
             for path, probs in zip(paths, np.asarray(jax.nn.softmax(logits, axis=-1)))]

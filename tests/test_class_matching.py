@@ -13,7 +13,8 @@ import pytest
 from test_data import _config
 
 from conftest import ROOT, make_image_folder
-from flaxtpu import data, files, report, sources
+from flaxtpu import data, files, sources
+from flaxtpu.report import writer
 from flaxtpu.sources import DataError
 
 CLASSES = ('cat', 'dog', 'frog')
@@ -118,7 +119,7 @@ def test_unknown_classes_takes_error_or_drop_only(tmp_path):
 
 def test_report_of_a_split_lacking_classes_says_so(tmp_path):
   logits = np.eye(3)[[1, 1, 2]] * 5
-  summary = report.write_eval_report(str(tmp_path), logits, np.array([1, 1, 2]), list(CLASSES))
+  summary = writer.write_eval_report(str(tmp_path), logits, np.array([1, 1, 2]), list(CLASSES))
   assert summary['classes_without_examples'] == ['cat']
   with open(tmp_path / 'per_class.csv', newline='') as f:
     rows = {row['class']: row for row in csv.DictReader(f)}

@@ -11,9 +11,10 @@ import pytest
 
 from configs import digits
 from conftest import ROOT
-from flaxtpu import checkpoint, evaluate, export, files, memory, report, train
+from flaxtpu import checkpoint, evaluate, export, files, memory, train
 from flaxtpu.config import ConfigError, from_saved
 from flaxtpu.errors import UserError
+from flaxtpu.report import writer
 
 
 def _digits(**overrides):
@@ -150,7 +151,7 @@ def test_eval_on_a_full_disk_is_one_line(trained, tmp_path, monkeypatch):
   workdir = shutil.copytree(trained, tmp_path / 'run')
   def full(*args, **kwargs):
     raise OSError(errno.ENOSPC, 'No space left on device', os.path.join(workdir, 'confusion.png'))
-  monkeypatch.setattr(report, 'write_eval_report', full)
+  monkeypatch.setattr(writer, 'write_eval_report', full)
   config = from_saved(files.read_json(os.path.join(workdir, 'config.json')))
   with pytest.raises(UserError, match=rf'^cannot write {workdir}: No space left on device; free disk space'):
     evaluate.evaluate_checkpoint(config, str(workdir))

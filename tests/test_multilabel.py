@@ -16,8 +16,9 @@ from sklearn.metrics import average_precision_score, f1_score
 
 from configs import cifar10
 from conftest import restore_checkpoint
-from flaxtpu import augment, checkpoint, evaluate, export, finetune, metrics, parallel, report, steps, train
+from flaxtpu import augment, checkpoint, evaluate, export, finetune, metrics, parallel, steps, train
 from flaxtpu.errors import UserError
+from flaxtpu.report import metrics as report_metrics
 
 CLASSES = ('red', 'green', 'blue', 'yellow')
 COLOURS = np.array([(230, 40, 40), (40, 220, 40), (50, 60, 240), (230, 220, 40)], np.uint8)
@@ -167,7 +168,7 @@ def test_average_precision_by_hand_and_against_sklearn_with_ties():
                             [0.8, 0.35, 0.6],
                             [0.3, 0.8, 0.1]])
   tags = np.array([[1, 1, 0], [0, 0, 0], [1, 1, 0], [0, 0, 0]], np.uint8)  # class 2 never present
-  result = report.multilabel_report(_logit(probabilities), tags, ['a', 'b', 'c'])
+  result = report_metrics.multilabel_report(_logit(probabilities), tags, ['a', 'b', 'c'])
   # Class a: 0.9 (+) alone, then 0.8 (-) and 0.8 (+) tied: AP = 0.5 x 1 + 0.5 x 2/3.
   # Class b: 0.8 (-), 0.4 (-), 0.35 (+), 0.1 (+): AP = 0.5 x 1/3 + 0.5 x 2/4.
   np.testing.assert_allclose(result['average_precision'][:2], [5 / 6, 5 / 12])
@@ -182,7 +183,7 @@ def test_average_precision_by_hand_and_against_sklearn_with_ties():
   rng = np.random.default_rng(0)
   probabilities = np.clip(np.round(rng.random((60, 6)), 1), 0.05, 0.95)  # many ties
   tags = (rng.random((60, 6)) < 0.3).astype(np.uint8)
-  result = report.multilabel_report(_logit(probabilities), tags, list('abcdef'))
+  result = report_metrics.multilabel_report(_logit(probabilities), tags, list('abcdef'))
   np.testing.assert_allclose(result['average_precision'],
                              [average_precision_score(tags[:, c], probabilities[:, c]) for c in range(6)])
   assert result['map'] == pytest.approx(average_precision_score(tags, probabilities, average='macro'))
@@ -199,7 +200,7 @@ def test_thresholds_maximise_f1_by_brute_force():
   probabilities = np.clip(np.round(rng.random((80, 5)), 2), 0.01, 0.99)
   tags = (rng.random((80, 5)) < probabilities * 0.8).astype(np.uint8)  # informative, imperfect
   tags[:, 4] = 0  # a class without examples takes the global threshold
-  result = report.multilabel_report(_logit(probabilities), tags, list('abcde'))
+  result = report_metrics.multilabel_report(_logit(probabilities), tags, list('abcde'))
   candidates = np.unique(probabilities)
   best_micro = max(_f1(tags, probabilities >= t) for t in candidates)
   chosen = result['threshold']
@@ -212,11 +213,11 @@ def test_thresholds_maximise_f1_by_brute_force():
     assert f1_score(tags[:, c], probabilities[:, c] >= result['class_thresholds'][c]) == pytest.approx(best)
   assert result['class_thresholds'][4] == chosen
   exact = np.all((probabilities >= chosen) == (tags == 1), axis=1).mean()
-  scalars = report.multilabel_metrics(result)
+  scalars = report_metrics.multilabel_metrics(result)
   assert scalars == {'eval_map': result['map'], 'eval_map_micro': result['map_micro'],
                      'eval_f1': result['f1'],
                      'eval_threshold': chosen, 'eval_accuracy': pytest.approx(exact)}
-  fixed = report.multilabel_report(_logit(probabilities), tags, list('abcde'), threshold=0.7)
+  fixed = report_metrics.multilabel_report(_logit(probabilities), tags, list('abcde'), threshold=0.7)
   assert fixed['threshold'] == 0.7 and np.all(fixed['class_thresholds'] == 0.7)
   assert fixed['f1'] == pytest.approx(f1_score(tags.ravel(), probabilities.ravel() >= 0.7))
   tp = ((probabilities >= 0.7) & (tags == 1)).sum(0)
@@ -240,7 +241,8 @@ def test_balanced_accuracy_by_hand():
   by_hand = (3 / 4 + 1 / 2 + 1 / 1) / 3  # recall of classes 0, 1, 2
   assert float(first.merge(second).compute()) == pytest.approx(by_hand)
   logits = np.eye(4)[predictions[:7]] * 5.0
-  assert report.eval_report(logits, labels[:7], list('abcd'))['balanced_accuracy'] == pytest.approx(by_hand)
+  assert report_metrics.eval_report(logits, labels[:7], list('abcd'))['balanced_accuracy'] == \
+      pytest.approx(by_hand)
 
 
 # --- a short multilabel run: training, eval, predict, report, export, fine-tuning ------------------
@@ -383,8 +385,8 @@ def test_multilabel_export_says_its_task_and_serves_sigmoids(scenes_run):
   assert model.task.numpy() == b'multilabel'
   images = make_scenes(3, seed=5)[0]
   outputs = model.signatures['serving_default'](images=tf.constant(images))
-  np.testing.assert_allclose(outputs['probabilities'].numpy(), report.sigmoid(outputs['logits'].numpy()),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(outputs['probabilities'].numpy(),
+                             report_metrics.sigmoid(outputs['logits'].numpy()), rtol=1e-5, atol=1e-6)
 
 
 def test_best_checkpoint_by_default_metric_of_the_task():
