@@ -16,8 +16,10 @@ from sklearn.metrics import average_precision_score, f1_score
 
 from configs import cifar10
 from conftest import restore_checkpoint
-from flaxtpu import augment, checkpoint, evaluate, export, finetune, metrics, parallel, steps, train
+from flaxtpu import augment, checkpoint, export, finetune, metrics, parallel, steps, train
 from flaxtpu.errors import UserError
+from flaxtpu.modes import eval as eval_mode
+from flaxtpu.modes import predict, restore
 from flaxtpu.report import metrics as report_metrics
 
 CLASSES = ('red', 'green', 'blue', 'yellow')
@@ -315,7 +317,7 @@ def test_multilabel_run_learns_and_reports(scenes_run):
 
 def test_multilabel_eval_and_predict(scenes_run, tmp_path):
   config, workdir, results, test_images, test_tags = scenes_run
-  scored = evaluate.evaluate_checkpoint(config, workdir)
+  scored = eval_mode.evaluate_checkpoint(config, workdir)
   for name in ('eval_map', 'eval_map_micro', 'eval_f1', 'eval_threshold', 'eval_accuracy', 'eval_loss'):
     assert scored[name] == pytest.approx(results[name], rel=1e-4), name
   assert scored['num_examples'] == 128
@@ -325,7 +327,7 @@ def test_multilabel_eval_and_predict(scenes_run, tmp_path):
     Image.fromarray(test_images[i]).save(folder / f'{i}.png')
   config = config.copy_and_resolve_references()
   config.predict.input, config.predict.output_csv = str(folder), str(tmp_path / 'tags.csv')
-  predicted = evaluate.predict(config, workdir)
+  predicted = predict.predict(config, workdir)
   with open(os.path.join(workdir, 'thresholds.json')) as f:
     thresholds = json.load(f)['class_thresholds']
   for row in predicted:
@@ -342,7 +344,7 @@ def test_multilabel_eval_and_predict(scenes_run, tmp_path):
               {CLASSES[c] for c in np.flatnonzero(test_tags[i])} for i, row in enumerate(predicted))
   assert right >= 2, predicted
   config.eval.threshold = 0.99  # a threshold the user sets wins over the chosen ones
-  strict = evaluate.predict(config, workdir)
+  strict = predict.predict(config, workdir)
   assert sum(len(row['tags'].split(';')) for row in strict if row['tags']) <= sum(
       len(row['tags'].split(';')) for row in predicted if row['tags'])
 
@@ -370,7 +372,7 @@ def test_fine_tuning_a_multilabel_run_into_a_multiclass_one_replaces_the_head(sc
     finetune.init_from(config, task, placement, fresh, sorted(CLASSES))
   config.init_from.checkpoint, config.init_from.keep_head = '', False
   with pytest.raises(checkpoint.CheckpointError, match="task='multilabel' but the config gives 'multiclass'"):
-    evaluate.restore(config, workdir)  # a softmax reading of sigmoid logits is refused
+    restore.restore(config, workdir)  # a softmax reading of sigmoid logits is refused
 
 
 def test_multilabel_export_says_its_task_and_serves_sigmoids(scenes_run):
