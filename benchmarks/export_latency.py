@@ -7,7 +7,7 @@
 Without --workdir, trains --steps steps in a temporary directory (latency does
 not depend on the weights). Exports the run when it has no WORKDIR/export yet,
 then times, interleaved, --repeats calls of each on the same batch of uint8
-images (host in, host out): flaxtpu's `evaluate.predict_logits` (jit on one
+images (host in, host out): flaxtpu's `modes.predict.predict_logits` (jit on one
 CPU device, as --mode=predict uses), the SavedModel's serving_default in
 TensorFlow, and the TFLite model in TFLite's interpreter. Prints the medians
 and the ratio SavedModel / flaxtpu; writes JSON to --out-dir.
@@ -44,19 +44,20 @@ def measure(config, workdir: str, *, batch_size: int = 64, repeats: int = 50) ->
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import evaluate, export  # pylint: disable=g-import-not-at-top
+  from flaxtpu import export  # pylint: disable=g-import-not-at-top
   from flaxtpu.data import loaders, pipeline  # pylint: disable=g-import-not-at-top
+  from flaxtpu.modes import predict, restore  # pylint: disable=g-import-not-at-top
 
   directory = os.path.join(workdir, export.EXPORT_DIR)
   if not os.path.isfile(os.path.join(directory, 'export.json')):
     export.export_checkpoint(config, workdir)
   with open(os.path.join(directory, 'export.json'), encoding='utf-8') as f:
     summary = json.load(f)
-  placement, state, step, record = evaluate.restore(config, workdir)
+  placement, state, step, record = restore.restore(config, workdir)
   images = np.random.default_rng(0).integers(0, 256, (batch_size, *record['image_shape']), dtype=np.uint8)
   serve = tf.saved_model.load(os.path.join(directory, 'saved_model')).signatures['serving_default']
   runners = {
-      'flaxtpu_predict': lambda: evaluate.predict_logits(placement, state, images, batch_size),
+      'flaxtpu_predict': lambda: predict.predict_logits(placement, state, images, batch_size),
       'saved_model_tf': lambda: serve(images=tf.constant(images))['logits'].numpy(),
   }
   if summary['tflite']:
@@ -68,7 +69,7 @@ def measure(config, workdir: str, *, batch_size: int = 64, repeats: int = 50) ->
   # Agreement on real images: the first eval images, through each model, against predict.
   dataset = pipeline.load(config, need_train=False)
   eval_images = next(loaders.eval_batches(dataset, batch_size=len(dataset.eval))).images
-  reference = evaluate.predict_logits(placement, state, eval_images, batch_size)
+  reference = predict.predict_logits(placement, state, eval_images, batch_size)
   max_diff = {'saved_model_tf': float(np.max(np.abs(
       serve(images=tf.constant(eval_images))['logits'].numpy() - reference)))}
   if 'tflite' in runners:  # its own interpreter: the signature runner resizes to the whole batch

@@ -32,16 +32,17 @@ def main():
   args = parser.parse_args()
   harness.cpu_devices(8)
   # pylint: disable=g-import-not-at-top
-  from flaxtpu import evaluate, fewshot, steps, workdir_config
+  from flaxtpu import fewshot, steps, workdir_config
   from flaxtpu.data import pipeline
+  from flaxtpu.modes import restore
   rows = []
   with harness.cpu_load() as load:
     for workdir in args.workdir:
-      rows += _probe_run(workdir, args, pipeline, evaluate, fewshot, steps, workdir_config)
+      rows += _probe_run(workdir, args, pipeline, restore, fewshot, steps, workdir_config)
   harness.write_results(args.out, {'shots': args.shots, 'seeds': args.seeds, 'rows': rows, 'load': load})
 
 
-def _probe_run(workdir, args, pipeline, evaluate, fewshot, steps, workdir_config) -> list[dict]:
+def _probe_run(workdir, args, pipeline, restore, fewshot, steps, workdir_config) -> list[dict]:
   """The probe rows of one run: its trained weights, then the same model at its initialisation."""
   config = workdir_config.get_config(workdir)
   with config.unlocked():
@@ -52,7 +53,7 @@ def _probe_run(workdir, args, pipeline, evaluate, fewshot, steps, workdir_config
       config.dataset.folder = args.data
     if args.eval_split:
       config.dataset.eval_split = args.eval_split
-  placement, trained, step, record = evaluate.restore(config, workdir)
+  placement, trained, step, record = restore.restore(config, workdir)
   dataset = pipeline.load(config, class_names=record['class_names'])
   norm = record['normalization']
   task = steps.create_task(config, num_classes=record['num_classes'],

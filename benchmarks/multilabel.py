@@ -38,7 +38,7 @@ per-class best-F1 thresholds (flaxtpu's per-class report) and at 0.5; per-class
 AP, F1 and threshold; and on the single-shape test images, for every run,
 top-1 accuracy and mAP. Thresholds chosen on the split they score are
 optimistic, the same way for every run. flaxtpu's scores are its logits over
-the test split, read back from the trained workdir (`evaluate.restore`,
+the test split, read back from the trained workdir (`modes.restore.restore`,
 `evaluate.evaluate`); the numbers flaxtpu itself reported (results.json's
 `eval_*`) are recorded next to them. Wall time, CPU seconds (the run's process
 tree) and the cores other processes kept busy come from `harness.cpu_load`.
@@ -208,7 +208,8 @@ def score_workdir(workdir: str, out: str) -> None:
   from flaxtpu import evaluate  # pylint: disable=g-import-not-at-top
   from flaxtpu.config import resolved_eval_batch_size  # pylint: disable=g-import-not-at-top
   from flaxtpu.data import pipeline  # pylint: disable=g-import-not-at-top
-  placement, state, _, record = evaluate.restore(config, workdir)
+  from flaxtpu.modes import restore  # pylint: disable=g-import-not-at-top
+  placement, state, _, record = restore.restore(config, workdir)
   dataset = pipeline.load(config, need_train=False, class_names=record.get('class_names'))
   _, predictions = evaluate.evaluate(placement, state, dataset, resolved_eval_batch_size(config),
                                      keep_logits=True)

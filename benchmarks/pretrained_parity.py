@@ -8,7 +8,7 @@ ResNets, ViTs and ConvNeXt, torchvision's ResNets, and big_vision/AugReg .npz
 files written from a timm ViT built with the tanh GELU. The weights go
 through the path a user's do: a .safetensors/.npz file named by
 `init_from.checkpoint`, `finetune.published_model` (model inferred, mapped,
-normalisation from the source) and `evaluate.predict_logits` on uint8 images;
+normalisation from the source) and `modes.predict.predict_logits` on uint8 images;
 the source model sees the same uint8 images normalised by the same numbers.
 ViTs are also compared at a second size against timm's own position-embedding
 resampling. Prints max |logit difference|, that difference relative to the
@@ -49,7 +49,8 @@ CASES = [
 def compare(case, images: int, directory: str) -> list[dict]:
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import defaults, evaluate, finetune, pretrained  # pylint: disable=g-import-not-at-top
+  from flaxtpu import defaults, finetune, pretrained  # pylint: disable=g-import-not-at-top
+  from flaxtpu.modes import predict  # pylint: disable=g-import-not-at-top
   from tests import test_pretrained  # the tests' source-model helpers  # pylint: disable=g-import-not-at-top
   torch, torchvision, timm = test_pretrained.import_torch()
   label, library, architecture, model_name, size, second = case
@@ -80,7 +81,7 @@ def compare(case, images: int, directory: str) -> list[dict]:
     assert config.model.name == model_name, (config.model.name, model_name)
     pixels = np.random.default_rng(0).integers(0, 256, (images, side, side, 3)).astype(np.uint8)
     started = time.perf_counter()
-    ours = evaluate.predict_logits(placement, state_, pixels, 32)
+    ours = predict.predict_logits(placement, state_, pixels, 32)
     ours_s = time.perf_counter() - started
     mean = np.asarray(record['normalization']['mean'], np.float32)
     std = np.asarray(record['normalization']['std'], np.float32)

@@ -53,11 +53,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from flaxtpu import evaluate, files, models, optim, parallel, pretrained, steps, storage
+from flaxtpu import files, models, optim, parallel, pretrained, steps, storage
 from flaxtpu.config import resolved_eval_batch_size
 from flaxtpu.data import loaders, pipeline
 from flaxtpu.errors import UserError
 from flaxtpu.models import layouts
+from flaxtpu.modes.predict import predict_logits
+from flaxtpu.modes.restore import restore
+from flaxtpu.modes.thresholds import tag_thresholds
 
 EXPORT_DIR = 'export'
 # What a killed export leaves next to EXPORT_DIR; earlier versions staged in '.export-<12 hex>'.
@@ -86,9 +89,9 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     f'files ({reason}); copy the run to a writable directory and export there')
   recover(workdir)
   tf = _import_tensorflow()
-  placement, state, step, record = evaluate.restore(config, workdir)
+  placement, state, step, record = restore(config, workdir)
   images = _check_images(config, record)
-  expected = evaluate.predict_logits(placement, state, images, resolved_eval_batch_size(config))
+  expected = predict_logits(placement, state, images, resolved_eval_batch_size(config))
   # Sharded (fsdp) or per-device (pmap) parameters -> one numpy copy on the host.
   host_state = parallel.host_copy(placement.to_saveable(state))
   task = steps.create_task(config, num_classes=record['num_classes'],
@@ -176,10 +179,10 @@ def _export_into(tf, directory: str, task: steps.Task, host_state: steps.ModelSt
 def _task_metadata(config: ml_collections.ConfigDict, workdir: str, step: int,
                    class_names: list[str]) -> dict[str, Any]:
   """What the exported logits mean: the task, how `probabilities` come from them and, multilabel,
-  the threshold of each tag that --mode=predict would apply (`evaluate.tag_thresholds`)."""
+  the threshold of each tag that --mode=predict would apply (`modes.thresholds.tag_thresholds`)."""
   if config.task != 'multilabel':
     return {'task': 'multiclass', 'probabilities': 'softmax over the classes (they sum to 1)'}
-  thresholds, source = evaluate.tag_thresholds(config, workdir, step, class_names)
+  thresholds, source = tag_thresholds(config, workdir, step, class_names)
   return {'task': 'multilabel',
           'probabilities': 'sigmoid of each logit: an independent probability per tag (a tag is present '
                            'when its probability reaches its threshold)',

@@ -292,7 +292,7 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   jax = _start_jax(config, mode)
   # Imported after JAX has started with the right flags.
   # pylint: disable=g-import-not-at-top
-  from flaxtpu import evaluate, parallel, steps, train
+  from flaxtpu import parallel, steps, train
   from flaxtpu.data import pipeline
   parallel.check_platform(config.require_platform)
   logging.info('JAX %s on %s', jax.__version__, parallel.describe_devices())
@@ -305,9 +305,11 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
       files.write_json(os.path.join(workdir, 'plan.json'), plan)
     print(json.dumps(plan, indent=2))
   elif mode == 'eval':
-    evaluate.evaluate_checkpoint(config, workdir)
+    from flaxtpu.modes import eval as eval_mode  # pylint: disable=g-import-not-at-top
+    eval_mode.evaluate_checkpoint(config, workdir)
   elif mode == 'predict':
-    evaluate.predict(config, workdir)
+    from flaxtpu.modes import predict  # pylint: disable=g-import-not-at-top
+    predict.predict(config, workdir)
   else:
     from flaxtpu import export  # pylint: disable=g-import-not-at-top
     export.export_checkpoint(config, workdir)

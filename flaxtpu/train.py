@@ -35,7 +35,6 @@ from flaxtpu import (
   metrics,
   optim,
   parallel,
-  report,
   steps,
 )
 from flaxtpu.config import RunLength, early_stopping_metric, metric_mode, resolved_eval_batch_size, run_length
@@ -45,6 +44,7 @@ from flaxtpu.errors import UserError
 from flaxtpu.evaluate import evaluate_splits, report_about, write_report
 from flaxtpu.memory import check_device, check_host
 from flaxtpu.progress import Progress, TrainClock
+from flaxtpu.report import plots
 from flaxtpu.signals import StopRequest
 
 
@@ -274,7 +274,7 @@ def write_pictures(config: ml_collections.ConfigDict, predictions, dataset: pipe
   and the thresholds that predict uses), curves."""
   write_report(predictions, dataset, workdir, threshold=config.eval.threshold,
                about=report_about(config, step))
-  logging.info('curves: %s', report.write_curves(workdir))
+  logging.info('curves: %s', plots.write_curves(workdir))
 
 
 class _Closing(contextlib.ExitStack):

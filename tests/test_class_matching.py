@@ -13,10 +13,11 @@ import pytest
 from test_data import _config
 
 from conftest import ROOT, make_image_folder
-from flaxtpu import files, report
+from flaxtpu import files
 from flaxtpu.data import pipeline, predict_inputs
 from flaxtpu.data.sources import DataError, base
 from flaxtpu.data.sources import folder as folder_source
+from flaxtpu.report import writer
 
 CLASSES = ('cat', 'dog', 'frog')
 TINY = ['--config.batch_size=16', '--config.num_train_steps=4', '--config.eval_every_steps=4',
@@ -121,7 +122,7 @@ def test_unknown_classes_takes_error_or_drop_only(tmp_path):
 
 def test_report_of_a_split_lacking_classes_says_so(tmp_path):
   logits = np.eye(3)[[1, 1, 2]] * 5
-  summary = report.write_eval_report(str(tmp_path), logits, np.array([1, 1, 2]), list(CLASSES))
+  summary = writer.write_eval_report(str(tmp_path), logits, np.array([1, 1, 2]), list(CLASSES))
   assert summary['classes_without_examples'] == ['cat']
   with open(tmp_path / 'per_class.csv', newline='') as f:
     rows = {row['class']: row for row in csv.DictReader(f)}

@@ -11,8 +11,9 @@ import pytest
 
 from configs import cifar10
 from conftest import make_image_folder
-from flaxtpu import evaluate, export, train
+from flaxtpu import export, train
 from flaxtpu.errors import UserError
+from flaxtpu.modes import predict, restore
 
 # Loads both exported models with TensorFlow alone and prints their logits for batches of 1 and 5. JAX is
 # installed here and TensorFlow's TFLite module imports it when it can, so the script makes it unimportable
@@ -107,8 +108,8 @@ def test_exported_models_run_without_jax_and_match_predict(exported, tmp_path):
   assert served['inputs'] == {'images': ['uint8', [None, 8, 8, 3]]}
   assert served['outputs'] == ['logits', 'probabilities']
   assert served['class_names'] == ['cat', 'dog', 'frog']
-  placement, state, _, _ = evaluate.restore(config, workdir)
-  expected = evaluate.predict_logits(placement, state, images, config.batch_size)
+  placement, state, _, _ = restore.restore(config, workdir)
+  expected = predict.predict_logits(placement, state, images, config.batch_size)
   scale = max(1.0, np.abs(expected).max())
   for batch, rows in ((0, slice(0, 1)), (1, slice(1, 6))):  # batch sizes 1 and 5
     np.testing.assert_allclose(served['saved_model'][batch], expected[rows], rtol=0,

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from flaxtpu import checkpoint, defaults, report
+from flaxtpu import checkpoint, defaults
+from flaxtpu.report import plots, writer
 
 
 def _cli(*args):
@@ -198,10 +199,10 @@ def test_class_names_in_any_script_draw_without_missing_glyphs(tmp_path):
   names = ['猫', 'dog', 'ёж', 'چای']
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
-    report.write_eval_report(str(tmp_path), rng.normal(size=(40, 4)), rng.integers(0, 4, 40), names,
+    writer.write_eval_report(str(tmp_path), rng.normal(size=(40, 4)), rng.integers(0, 4, 40), names,
                              images=np.zeros((40, 8, 8, 3), np.uint8))
   assert [str(w.message) for w in caught if 'Glyph' in str(w.message)] == []
   assert os.path.getsize(tmp_path / 'confusion.png') > 0
   # Drawn with a font that has it, or written as its escape: never an empty box.
-  assert report._short('猫') in ('猫', '\\u732b')
-  assert report._short('dog') == 'dog'
+  assert plots._short('猫') in ('猫', '\\u732b')
+  assert plots._short('dog') == 'dog'

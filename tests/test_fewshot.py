@@ -11,9 +11,10 @@ from sklearn.linear_model import Ridge
 from configs import digits
 from conftest import make_image_folder
 from flaxtpu import config as config_lib
-from flaxtpu import evaluate, fewshot, parallel, steps, train, workdir_config
+from flaxtpu import fewshot, parallel, steps, train, workdir_config
 from flaxtpu.config import ConfigError
 from flaxtpu.data import loaders, pipeline
+from flaxtpu.modes import eval as eval_mode
 
 
 @pytest.mark.parametrize('count, dim', [(30, 8), (12, 40)])  # the primal and the dual solve
@@ -76,7 +77,7 @@ def test_a_run_logs_probe_accuracies_and_eval_mode_reproduces_them(tmp_path):
   config = workdir_config.get_config(workdir)  # what --mode=eval without --config reads
   config.update_from_flattened_dict({'eval.fewshot.shots': (1, 5), 'eval.fewshot.seeds': 2,
                                      'eval.fewshot.datasets': (bands,)})
-  evaluate.evaluate_checkpoint(config, workdir)
+  eval_mode.evaluate_checkpoint(config, workdir)
   evaluated = json.load(open(os.path.join(workdir, 'eval.json')))
   for name in ('eval_fewshot_1shot', 'eval_fewshot_5shot', 'eval_fewshot_bands_1shot'):
     assert evaluated[name] == pytest.approx(final[name], abs=1e-9)

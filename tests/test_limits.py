@@ -11,9 +11,11 @@ import pytest
 
 from configs import digits
 from conftest import ROOT
-from flaxtpu import checkpoint, evaluate, export, files, memory, report, train
+from flaxtpu import checkpoint, export, files, memory, train
 from flaxtpu.config import ConfigError, from_saved
 from flaxtpu.errors import UserError
+from flaxtpu.modes import eval as eval_mode
+from flaxtpu.report import writer
 
 
 def _digits(**overrides):
@@ -139,7 +141,7 @@ def test_eval_of_a_read_only_run_writes_its_files_elsewhere(trained, tmp_path, m
   before = sorted(os.listdir(trained))
   config = from_saved(files.read_json(os.path.join(trained, 'config.json')))
   with read_only(trained) as workdir:
-    results = evaluate.evaluate_checkpoint(config, workdir)
+    results = eval_mode.evaluate_checkpoint(config, workdir)
   elsewhere = os.path.join(tmp_path, 'flaxtpu', os.path.abspath(workdir).strip(os.sep).replace(os.sep, '_'))
   assert files.read_json(os.path.join(elsewhere, 'eval.json'))['eval_accuracy'] == results['eval_accuracy']
   assert os.path.exists(os.path.join(elsewhere, 'per_class.csv'))
@@ -150,10 +152,10 @@ def test_eval_on_a_full_disk_is_one_line(trained, tmp_path, monkeypatch):
   workdir = shutil.copytree(trained, tmp_path / 'run')
   def full(*args, **kwargs):
     raise OSError(errno.ENOSPC, 'No space left on device', os.path.join(workdir, 'confusion.png'))
-  monkeypatch.setattr(report, 'write_eval_report', full)
+  monkeypatch.setattr(writer, 'write_eval_report', full)
   config = from_saved(files.read_json(os.path.join(workdir, 'config.json')))
   with pytest.raises(UserError, match=rf'^cannot write {workdir}: No space left on device; free disk space'):
-    evaluate.evaluate_checkpoint(config, str(workdir))
+    eval_mode.evaluate_checkpoint(config, str(workdir))
 
 
 def test_predict_into_an_unwritable_place_is_one_line(tmp_path):

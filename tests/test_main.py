@@ -13,7 +13,8 @@ import pytest
 from configs import cifar10_resnet
 from conftest import ROOT, make_mixed_folder
 from flaxtpu import config as config_lib
-from flaxtpu import evaluate, steps
+from flaxtpu import steps
+from flaxtpu.modes import eval as eval_mode
 
 TINY = ['--config.batch_size=16', '--config.num_train_steps=6', '--config.log_every_steps=2',
         '--config.eval_every_steps=3', '--config.checkpoint_every_steps=3',
@@ -169,7 +170,7 @@ def test_eval_needs_only_the_workdir_and_keeps_each_splits_result(trained):
 
 
 def test_split_file_names_keep_the_slice():
-  names = [evaluate.split_file_name(split) for split in
+  names = [eval_mode.split_file_name(split) for split in
            ('train[:5000]', 'train[45000:]', 'train[:90%]', 'train[90%:]', 'train[10:20]', 'train[-5:]',
             'train[:-5]', 'test')]
   assert names == ['train_5000', 'train_45000-', 'train_90pct', 'train_90pct-', 'train_10-20', 'train_-5-',

@@ -16,8 +16,11 @@ from sklearn.metrics import average_precision_score, f1_score
 
 from configs import cifar10
 from conftest import restore_checkpoint
-from flaxtpu import augment, checkpoint, evaluate, export, finetune, metrics, parallel, report, steps, train
+from flaxtpu import augment, checkpoint, export, finetune, metrics, parallel, steps, train
 from flaxtpu.errors import UserError
+from flaxtpu.modes import eval as eval_mode
+from flaxtpu.modes import predict, restore
+from flaxtpu.report import metrics as report_metrics
 
 CLASSES = ('red', 'green', 'blue', 'yellow')
 COLOURS = np.array([(230, 40, 40), (40, 220, 40), (50, 60, 240), (230, 220, 40)], np.uint8)
@@ -167,7 +170,7 @@ def test_average_precision_by_hand_and_against_sklearn_with_ties():
                             [0.8, 0.35, 0.6],
                             [0.3, 0.8, 0.1]])
   tags = np.array([[1, 1, 0], [0, 0, 0], [1, 1, 0], [0, 0, 0]], np.uint8)  # class 2 never present
-  result = report.multilabel_report(_logit(probabilities), tags, ['a', 'b', 'c'])
+  result = report_metrics.multilabel_report(_logit(probabilities), tags, ['a', 'b', 'c'])
   # Class a: 0.9 (+) alone, then 0.8 (-) and 0.8 (+) tied: AP = 0.5 x 1 + 0.5 x 2/3.
   # Class b: 0.8 (-), 0.4 (-), 0.35 (+), 0.1 (+): AP = 0.5 x 1/3 + 0.5 x 2/4.
   np.testing.assert_allclose(result['average_precision'][:2], [5 / 6, 5 / 12])
@@ -182,7 +185,7 @@ def test_average_precision_by_hand_and_against_sklearn_with_ties():
   rng = np.random.default_rng(0)
   probabilities = np.clip(np.round(rng.random((60, 6)), 1), 0.05, 0.95)  # many ties
   tags = (rng.random((60, 6)) < 0.3).astype(np.uint8)
-  result = report.multilabel_report(_logit(probabilities), tags, list('abcdef'))
+  result = report_metrics.multilabel_report(_logit(probabilities), tags, list('abcdef'))
   np.testing.assert_allclose(result['average_precision'],
                              [average_precision_score(tags[:, c], probabilities[:, c]) for c in range(6)])
   assert result['map'] == pytest.approx(average_precision_score(tags, probabilities, average='macro'))
@@ -199,7 +202,7 @@ def test_thresholds_maximise_f1_by_brute_force():
   probabilities = np.clip(np.round(rng.random((80, 5)), 2), 0.01, 0.99)
   tags = (rng.random((80, 5)) < probabilities * 0.8).astype(np.uint8)  # informative, imperfect
   tags[:, 4] = 0  # a class without examples takes the global threshold
-  result = report.multilabel_report(_logit(probabilities), tags, list('abcde'))
+  result = report_metrics.multilabel_report(_logit(probabilities), tags, list('abcde'))
   candidates = np.unique(probabilities)
   best_micro = max(_f1(tags, probabilities >= t) for t in candidates)
   chosen = result['threshold']
@@ -212,11 +215,11 @@ def test_thresholds_maximise_f1_by_brute_force():
     assert f1_score(tags[:, c], probabilities[:, c] >= result['class_thresholds'][c]) == pytest.approx(best)
   assert result['class_thresholds'][4] == chosen
   exact = np.all((probabilities >= chosen) == (tags == 1), axis=1).mean()
-  scalars = report.multilabel_metrics(result)
+  scalars = report_metrics.multilabel_metrics(result)
   assert scalars == {'eval_map': result['map'], 'eval_map_micro': result['map_micro'],
                      'eval_f1': result['f1'],
                      'eval_threshold': chosen, 'eval_accuracy': pytest.approx(exact)}
-  fixed = report.multilabel_report(_logit(probabilities), tags, list('abcde'), threshold=0.7)
+  fixed = report_metrics.multilabel_report(_logit(probabilities), tags, list('abcde'), threshold=0.7)
   assert fixed['threshold'] == 0.7 and np.all(fixed['class_thresholds'] == 0.7)
   assert fixed['f1'] == pytest.approx(f1_score(tags.ravel(), probabilities.ravel() >= 0.7))
   tp = ((probabilities >= 0.7) & (tags == 1)).sum(0)
@@ -240,7 +243,8 @@ def test_balanced_accuracy_by_hand():
   by_hand = (3 / 4 + 1 / 2 + 1 / 1) / 3  # recall of classes 0, 1, 2
   assert float(first.merge(second).compute()) == pytest.approx(by_hand)
   logits = np.eye(4)[predictions[:7]] * 5.0
-  assert report.eval_report(logits, labels[:7], list('abcd'))['balanced_accuracy'] == pytest.approx(by_hand)
+  assert report_metrics.eval_report(logits, labels[:7], list('abcd'))['balanced_accuracy'] == \
+      pytest.approx(by_hand)
 
 
 # --- a short multilabel run: training, eval, predict, report, export, fine-tuning ------------------
@@ -313,7 +317,7 @@ def test_multilabel_run_learns_and_reports(scenes_run):
 
 def test_multilabel_eval_and_predict(scenes_run, tmp_path):
   config, workdir, results, test_images, test_tags = scenes_run
-  scored = evaluate.evaluate_checkpoint(config, workdir)
+  scored = eval_mode.evaluate_checkpoint(config, workdir)
   for name in ('eval_map', 'eval_map_micro', 'eval_f1', 'eval_threshold', 'eval_accuracy', 'eval_loss'):
     assert scored[name] == pytest.approx(results[name], rel=1e-4), name
   assert scored['num_examples'] == 128
@@ -323,7 +327,7 @@ def test_multilabel_eval_and_predict(scenes_run, tmp_path):
     Image.fromarray(test_images[i]).save(folder / f'{i}.png')
   config = config.copy_and_resolve_references()
   config.predict.input, config.predict.output_csv = str(folder), str(tmp_path / 'tags.csv')
-  predicted = evaluate.predict(config, workdir)
+  predicted = predict.predict(config, workdir)
   with open(os.path.join(workdir, 'thresholds.json')) as f:
     thresholds = json.load(f)['class_thresholds']
   for row in predicted:
@@ -340,7 +344,7 @@ def test_multilabel_eval_and_predict(scenes_run, tmp_path):
               {CLASSES[c] for c in np.flatnonzero(test_tags[i])} for i, row in enumerate(predicted))
   assert right >= 2, predicted
   config.eval.threshold = 0.99  # a threshold the user sets wins over the chosen ones
-  strict = evaluate.predict(config, workdir)
+  strict = predict.predict(config, workdir)
   assert sum(len(row['tags'].split(';')) for row in strict if row['tags']) <= sum(
       len(row['tags'].split(';')) for row in predicted if row['tags'])
 
@@ -368,7 +372,7 @@ def test_fine_tuning_a_multilabel_run_into_a_multiclass_one_replaces_the_head(sc
     finetune.init_from(config, task, placement, fresh, sorted(CLASSES))
   config.init_from.checkpoint, config.init_from.keep_head = '', False
   with pytest.raises(checkpoint.CheckpointError, match="task='multilabel' but the config gives 'multiclass'"):
-    evaluate.restore(config, workdir)  # a softmax reading of sigmoid logits is refused
+    restore.restore(config, workdir)  # a softmax reading of sigmoid logits is refused
 
 
 def test_multilabel_export_says_its_task_and_serves_sigmoids(scenes_run):
@@ -383,8 +387,8 @@ def test_multilabel_export_says_its_task_and_serves_sigmoids(scenes_run):
   assert model.task.numpy() == b'multilabel'
   images = make_scenes(3, seed=5)[0]
   outputs = model.signatures['serving_default'](images=tf.constant(images))
-  np.testing.assert_allclose(outputs['probabilities'].numpy(), report.sigmoid(outputs['logits'].numpy()),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(outputs['probabilities'].numpy(),
+                             report_metrics.sigmoid(outputs['logits'].numpy()), rtol=1e-5, atol=1e-6)
 
 
 def test_best_checkpoint_by_default_metric_of_the_task():

@@ -11,11 +11,12 @@ import optax
 import pytest
 
 from conftest import restore_checkpoint, tiny_dataset
-from flaxtpu import augment, defaults, evaluate, optim, steps, train
+from flaxtpu import augment, defaults, optim, steps, train
 from flaxtpu import config as config_lib
 from flaxtpu.config import ConfigError
 from flaxtpu.data import loaders
 from flaxtpu.errors import UserError
+from flaxtpu.modes import eval as eval_mode
 
 
 def _config(**overrides):
@@ -387,14 +388,14 @@ def test_a_run_with_ema_mixing_accumulation_and_two_eval_splits(tmp_path, monkey
 
   # --mode=eval with the EMA weights scores what training logged for them.
   config.eval.ema = True
-  scored = evaluate.evaluate_checkpoint(config, workdir)
+  scored = eval_mode.evaluate_checkpoint(config, workdir)
   assert scored['eval_accuracy'] == pytest.approx(results['eval_accuracy_ema'], abs=1e-6)
   assert scored['weights'] == 'ema'
   with open(os.path.join(workdir, 'eval.json')) as f:
     assert set(json.load(f)['splits']) == {'test:ema'}
   assert 'per_class.csv' in scored['report_files']  # the same view as training's report: its names
   config.eval.ema = False
-  raw = evaluate.evaluate_checkpoint(config, workdir)
+  raw = eval_mode.evaluate_checkpoint(config, workdir)
   assert raw['eval_accuracy'] == pytest.approx(results['eval_accuracy'], abs=1e-6)
   assert 'per_class-raw.csv' in raw['report_files']  # the raw weights beside the run's EMA report
   with open(os.path.join(workdir, 'per_class.csv'), newline='') as f:
@@ -412,7 +413,7 @@ def test_eval_ema_of_a_run_without_ema_is_one_line(tmp_path):
   train.train_and_evaluate(config, workdir)
   config.eval.ema = True
   with pytest.raises(Exception, match=r'config.eval.ema=True but the run in .* was trained without an EMA'):
-    evaluate.evaluate_checkpoint(config, workdir)
+    eval_mode.evaluate_checkpoint(config, workdir)
 
 
 def test_eval_split_names_and_a_bad_one():

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flaxtpu import report
 from flaxtpu.errors import UserError
+from flaxtpu.report import metrics, plots, writer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NAMES = ['cat', 'dog', 'frog']
@@ -38,7 +38,7 @@ ECE = 2.31 / 8 + 2 / 8 * 0.335
 
 
 def test_eval_report_matches_hand_computation():
-  result = report.eval_report(LOGITS, LABELS, NAMES)
+  result = metrics.eval_report(LOGITS, LABELS, NAMES)
   np.testing.assert_array_equal(result['confusion'], [[2, 1, 0], [1, 1, 1], [0, 0, 2]])
   np.testing.assert_array_equal(result['support'], [3, 3, 2])
   np.testing.assert_array_equal(result['correct'], [2, 1, 2])
@@ -60,11 +60,11 @@ def test_eval_report_matches_hand_computation():
 
 def test_eval_report_is_stable_for_huge_logits():
   shifted = LOGITS.astype(np.float32) * 1 + np.float32(1e4) * np.arange(1, 9, dtype=np.float32)[:, None]
-  result = report.eval_report(shifted, LABELS, NAMES)
+  result = metrics.eval_report(shifted, LABELS, NAMES)
   assert np.isfinite(result['confidence']).all()
   assert result['top1_accuracy'] == 5 / 8
   assert result['ece'] == pytest.approx(ECE, abs=5e-3)  # float32 at 1e4 keeps ~3 decimals.
-  np.testing.assert_allclose(report.softmax(np.array([[1000.0, 1000.0, -1000.0]])), [[0.5, 0.5, 0.0]])
+  np.testing.assert_allclose(metrics.softmax(np.array([[1000.0, 1000.0, -1000.0]])), [[0.5, 0.5, 0.0]])
 
 
 def test_top5_accuracy_with_seven_classes():
@@ -73,7 +73,7 @@ def test_top5_accuracy_with_seven_classes():
   # Rank of the true class: 6 (out), 4 (in), 0 (in, top-1), 5 (out); all-tied rows rank in index order
   # like argmax: class 4 is 5th (in), class 5 is 6th (out).
   labels = np.array([0, 2, 6, 1, 4, 5])
-  result = report.eval_report(logits, labels, [f'c{i}' for i in range(7)])
+  result = metrics.eval_report(logits, labels, [f'c{i}' for i in range(7)])
   assert result['top1_accuracy'] == 1 / 6
   assert result['top5_accuracy'] == 3 / 6
   brute_force = np.argsort(-logits, axis=1, kind='stable')[:, :5]
@@ -82,11 +82,11 @@ def test_top5_accuracy_with_seven_classes():
 
 def test_eval_report_rejects_mismatched_inputs():
   with pytest.raises(ValueError, match='class names'):
-    report.eval_report(LOGITS, LABELS, NAMES[:2])
+    metrics.eval_report(LOGITS, LABELS, NAMES[:2])
   with pytest.raises(ValueError, match='labels must be'):
-    report.eval_report(LOGITS, LABELS[:5], NAMES)
+    metrics.eval_report(LOGITS, LABELS[:5], NAMES)
   with pytest.raises(ValueError, match=r'\[0, 3\)'):
-    report.eval_report(LOGITS, LABELS + 1, NAMES)
+    metrics.eval_report(LOGITS, LABELS + 1, NAMES)
 
 
 def _check_png(path, min_side=200):
@@ -99,7 +99,7 @@ def _check_png(path, min_side=200):
 
 def test_write_eval_report_files(tmp_path):
   images = np.random.default_rng(0).integers(0, 256, (8, 8, 8, 3), dtype=np.uint8)
-  summary = report.write_eval_report(str(tmp_path), LOGITS, LABELS, NAMES, images=images)
+  summary = writer.write_eval_report(str(tmp_path), LOGITS, LABELS, NAMES, images=images)
   assert summary['eval_ece'] == pytest.approx(ECE)
   assert 'eval_top5_accuracy' not in summary
   assert summary['report_files'] == ['per_class.csv', 'confusion.png', 'mistakes.png', 'reliability.png']
@@ -126,7 +126,7 @@ def test_class_names_with_dollar_signs_are_drawn_as_written(tmp_path, monkeypatc
   import matplotlib
   names = ['$^$', '$5 - $10', 'frog']
   drawn = []
-  save_figure = report._save_figure
+  save_figure = plots._save_figure
 
   def save_and_record(figure, path):
     figure.canvas.draw()
@@ -134,8 +134,8 @@ def test_class_names_with_dollar_signs_are_drawn_as_written(tmp_path, monkeypatc
                  for text in axes.get_xticklabels() + axes.get_yticklabels() if text.get_text())
     save_figure(figure, path)
 
-  monkeypatch.setattr(report, '_save_figure', save_and_record)
-  summary = report.write_eval_report(str(tmp_path), LOGITS, LABELS, names)
+  monkeypatch.setattr(plots, '_save_figure', save_and_record)
+  summary = writer.write_eval_report(str(tmp_path), LOGITS, LABELS, names)
   assert summary['report_files'] == ['per_class.csv', 'confusion.png', 'reliability.png']
   assert ('$^$', False) in drawn and ('$5 - $10', False) in drawn
   assert not any(parse_math for _, parse_math in drawn)
@@ -148,13 +148,13 @@ def test_class_names_with_dollar_signs_are_drawn_as_written(tmp_path, monkeypatc
 def test_write_eval_report_grayscale_callable_images_and_suffix(tmp_path):
   gray = np.random.default_rng(0).integers(0, 256, (8, 6, 6, 1), dtype=np.uint8)
   seen = []
-  summary = report.write_eval_report(str(tmp_path), LOGITS, LABELS, NAMES,
+  summary = writer.write_eval_report(str(tmp_path), LOGITS, LABELS, NAMES,
                                      images=lambda i: seen.append(i) or gray[i], suffix='_ema')
   assert summary['report_files'] == ['per_class_ema.csv', 'confusion_ema.png', 'mistakes_ema.png',
                                      'reliability_ema.png']
   assert seen == [4, 2, 5]  # The 3 mistakes, most confident first (0.85, 0.70, 0.50).
   _check_png(tmp_path / 'mistakes_ema.png', min_side=100)
-  no_images = report.write_eval_report(str(tmp_path / 'plain'), LOGITS, LABELS, NAMES)
+  no_images = writer.write_eval_report(str(tmp_path / 'plain'), LOGITS, LABELS, NAMES)
   assert 'mistakes.png' not in no_images['report_files']
   assert not (tmp_path / 'plain' / 'mistakes.png').exists()
 
@@ -169,7 +169,7 @@ def test_thousand_classes_stay_readable_and_fast(tmp_path):
   logits[wrong, (labels[wrong] + 1) % num_classes] += 10.0  # One confusion dominates: class c -> c + 1.
   names = [f'n{i:08d} a long imagenet class name {i}' for i in range(num_classes)]
   start = time.perf_counter()
-  summary = report.write_eval_report(str(tmp_path), logits, labels, names)
+  summary = writer.write_eval_report(str(tmp_path), logits, labels, names)
   elapsed = time.perf_counter() - start
   assert elapsed < 15, f'{elapsed:.1f} s'  # ~2 s alone; generous for a shared machine.
   assert 0 < summary['eval_top5_accuracy'] <= 1
@@ -180,7 +180,7 @@ def test_thousand_classes_stay_readable_and_fast(tmp_path):
   _check_png(tmp_path / 'confusion.png', min_side=500)
   with Image.open(tmp_path / 'confusion.png') as image:
     assert max(image.size) <= 2500  # A picture, not a 1000 x 1000 grid.
-  pairs = report.top_confusions(np.array([[5, 0, 3], [1, 4, 3], [0, 7, 2]]), 3)
+  pairs = metrics.top_confusions(np.array([[5, 0, 3], [1, 4, 3], [0, 7, 2]]), 3)
   assert pairs == [(2, 1, 7), (0, 2, 3), (1, 2, 3)]
 
 
@@ -202,12 +202,12 @@ def _write_metrics(workdir, rows, tail=''):
 
 def test_write_curves_live_run_with_truncated_line(tmp_path):
   _write_metrics(tmp_path, METRICS, tail='{"step": 40, "train_lo')
-  path = report.write_curves(str(tmp_path))
+  path = plots.write_curves(str(tmp_path))
   assert path == str(tmp_path / 'curves.png')
   _check_png(path)
   assert sorted(os.listdir(tmp_path)) == ['curves.png', 'metrics.jsonl']
   keys = sorted({key for row in METRICS for key in row} - {'step'})
-  assert report._curve_panels(keys) == [
+  assert plots._curve_panels(keys) == [
       ('loss', ['train_loss', 'eval_loss']),
       ('accuracy', ['train_accuracy', 'eval_accuracy', 'eval_accuracy_ema', 'eval_top5_accuracy']),
       ('learning rate', ['learning_rate']),
@@ -217,12 +217,12 @@ def test_write_curves_live_run_with_truncated_line(tmp_path):
 
 def test_write_curves_bad_workdirs(tmp_path):
   with pytest.raises(UserError, match='no such run directory'):
-    report.write_curves(str(tmp_path / 'missing'))
+    plots.write_curves(str(tmp_path / 'missing'))
   with pytest.raises(UserError, match='metrics.jsonl not found'):
-    report.write_curves(str(tmp_path))
+    plots.write_curves(str(tmp_path))
   _write_metrics(tmp_path, [], tail='{"step": 1, "tra')
   with pytest.raises(UserError, match='no loss, accuracy or learning-rate values yet'):
-    report.write_curves(str(tmp_path))
+    plots.write_curves(str(tmp_path))
   assert not (tmp_path / 'curves.png').exists()
 
 
@@ -239,7 +239,8 @@ def test_cli(tmp_path):
   _write_metrics(tmp_path / 'run', METRICS[:2])
   # The CLI plots without starting JAX: check from the same kind of process.
   done = subprocess.run(
-      [sys.executable, '-c', 'import sys; from flaxtpu import report; code = report.main(sys.argv[1:]); '
+      [sys.executable, '-c', 'import sys; from flaxtpu.report.__main__ import main; '
+       'code = main(sys.argv[1:]); '
        'assert "jax" not in sys.modules, "jax imported"; sys.exit(code)', str(tmp_path / 'run')],
       cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
   assert done.returncode == 0, done.stderr

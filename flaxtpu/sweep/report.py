@@ -14,7 +14,7 @@ from typing import Any
 import ml_collections
 
 from flaxtpu import files
-from flaxtpu import report as run_report
+from flaxtpu.report import plots as run_plots
 from flaxtpu.sweep.runner import DONE, PENDING, RESULTS_FILE, RUNNING, Run, format_value, read_sweep_record
 
 METRICS_FILE = 'metrics.jsonl'
@@ -156,7 +156,7 @@ def ranked_runs(rows: Sequence[Mapping[str, Any]], width: int = 70) -> tuple[lis
   return labels, [row['eval_accuracy'] for row in finished]
 
 
-@run_report.plain_text
+@run_plots.plain_text
 def write_plots(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, Any]]) -> list[str]:
   """DIR/plots/*.png: eval accuracy and train loss curves, every run's final eval accuracy, and final eval
   accuracy against each swept key."""

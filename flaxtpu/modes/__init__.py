@@ -1,0 +1,10 @@
+"""The modes that read a trained run, one file each (`--mode=...` in main.py).
+
+- `eval`: score a checkpoint on a split -> eval.json, per_class.csv and the pictures.
+- `predict`: classes or tags of images -> stdout and predict.output_csv.
+- `thresholds`: the per-tag thresholds predict and the export apply, from an evaluation's thresholds*.json.
+- `restore`: the checkpoint's model on these devices, parameters only (every mode starts here).
+
+The in-training evaluation (also the end-of-run report) is `flaxtpu.evaluate`; `--mode=export` is
+`flaxtpu.export`. A new mode is a new file here with its line in main.py's dispatch.
+"""

@@ -1,0 +1,92 @@
+"""--mode=predict: the top-k classes (multilabel: the tags at their thresholds) of each image of a file or
+folder, printed and optionally written to predict.output_csv."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import ml_collections
+import numpy as np
+
+from flaxtpu import files, steps
+from flaxtpu.config import resolved_eval_batch_size
+from flaxtpu.data import pipeline, predict_inputs
+from flaxtpu.errors import UserError, printable
+from flaxtpu.modes.restore import restore
+from flaxtpu.modes.thresholds import tag_thresholds
+from flaxtpu.report import metrics as report_metrics
+
+
+def _multiclass_row(path: str, probabilities: np.ndarray, class_names: list[str], top_k: int) -> dict:
+  """predict's row for one image: its top-k classes and their softmax probabilities."""
+  best = np.argsort(-probabilities)[:top_k]
+  row = {'path': path}
+  for rank, index in enumerate(best, 1):
+    row[f'class_{rank}'], row[f'probability_{rank}'] = class_names[index], float(probabilities[index])
+  print(f'{printable(path)}: ' + ', '.join(f'{printable(class_names[i])} {probabilities[i]:.3f}'
+                                                for i in best))
+  return row
+
+
+def _multilabel_row(path: str, probabilities: np.ndarray, thresholds: np.ndarray, class_names: list[str],
+                    top_k: int) -> dict:
+  """predict's row for one image: every tag whose probability reaches its threshold ('tags', most
+  probable first, ';'-separated, and their 'tag_probabilities'), then the top-k classes as multiclass."""
+  tags = [c for c in np.argsort(-probabilities, kind='stable') if probabilities[c] >= thresholds[c]]
+  row = {'path': path, 'tags': ';'.join(class_names[c] for c in tags),
+         'tag_probabilities': ';'.join(f'{probabilities[c]:.4f}' for c in tags)}
+  for rank, index in enumerate(np.argsort(-probabilities, kind='stable')[:top_k], 1):
+    row[f'class_{rank}'], row[f'probability_{rank}'] = class_names[index], float(probabilities[index])
+  print(f'{printable(path)}: ' + (', '.join(f'{printable(class_names[c])} {probabilities[c]:.3f}'
+                                                 for c in tags) or '(no tag)'))
+  return row
+
+
+def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
+  """--mode=predict: top-k classes of each image in `config.predict.input`; multilabel, every tag
+  whose probability reaches its threshold (`tag_thresholds` says which, in the log and on stdout)."""
+  if not config.predict.input:
+    raise UserError('--mode=predict needs --config.predict.input=IMAGE_OR_FOLDER')
+  placement, state, step, record = restore(config, workdir)
+  image_shape = tuple(record['image_shape'])
+  paths, images = predict_inputs.read_images(config.predict.input, image_shape,
+                                   pipeline.image_transform(config, channels=image_shape[-1]),
+                                   skip_corrupt=config.dataset.skip_corrupt)
+  logits = predict_logits(placement, state, images, resolved_eval_batch_size(config))
+  class_names = record['class_names']
+  top_k = min(config.predict.top_k, len(class_names))
+  if config.task == 'multilabel':
+    thresholds, source = tag_thresholds(config, workdir, step, class_names)
+    print(f'tags at or above their thresholds: {source}')
+    logging.info('thresholds: %s', source)
+    rows = [_multilabel_row(path, probs, thresholds, class_names, top_k)
+            for path, probs in zip(paths, report_metrics.sigmoid(logits))]
+  else:
+    rows = [_multiclass_row(path, probs, class_names, top_k)
+            for path, probs in zip(paths, np.asarray(jax.nn.softmax(logits, axis=-1)))]
+  logging.info('predicted %d images with checkpoint step %d', len(rows), step)
+  if config.predict.output_csv and jax.process_index() == 0:
+    files.write_csv(config.predict.output_csv, [{**row, 'path': files.csv_path(row['path'])} for row in rows],
+                    'predict.output_csv')
+  return rows
+
+
+def predict_logits(placement: steps.Placement, state, images: np.ndarray,
+                   batch_size: int) -> np.ndarray:
+  """Logits of every image, in fixed-size padded batches through one compiled function.
+
+  `batch_size` divides over the devices (`steps.place` checked it).
+  """
+  if jax.process_count() > 1:
+    raise UserError('--mode=predict runs on one process; start it without --num_processes')
+  # A few images need no full batch of padding: the smallest multiple of the device count holding them.
+  devices = placement.mesh.devices.size
+  batch_size = min(batch_size, -(-len(images) // devices) * devices)
+  outputs = []
+  for start in range(0, len(images), batch_size):
+    chunk = images[start:start + batch_size]
+    padded = np.concatenate([chunk, np.zeros((batch_size - len(chunk), *chunk.shape[1:]), np.uint8)])
+    (device_images,) = placement.put_eval_batch((padded,))
+    outputs.append(np.asarray(placement.logits(state, device_images))[:len(chunk)])
+  return np.concatenate(outputs)

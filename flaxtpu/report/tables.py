@@ -1,0 +1,78 @@
+"""The files of numbers an evaluation leaves: per_class.csv (multiclass or multilabel) and thresholds.json.
+
+Each is written atomically (a temporary file renamed onto the name, or uploaded whole to an object
+store), so a crash never leaves half a file. Undefined numbers (NaN) are empty CSV cells, not 0.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from flaxtpu import files
+from flaxtpu.report import metrics
+
+THRESHOLDS_FILE = 'thresholds.json'
+
+
+def _csv_number(value: float) -> str:
+  return '' if math.isnan(value) else repr(float(value))
+
+
+def write_per_class_csv(path: str, report: Mapping[str, Any]) -> None:
+  """One row per class: class, support, correct, precision, recall, accuracy, most_confused_with (+ count).
+
+  Undefined precision (never predicted) or recall (no examples) is an empty cell, not 0.
+  """
+  names = report['class_names']
+  other, other_count = metrics.most_confused_with(report['confusion'])
+
+  def write(temporary: str) -> None:
+    with open(temporary, 'w', newline='', encoding='utf-8') as f:
+      writer = csv.writer(f)
+      writer.writerow(['class', 'support', 'correct', 'precision', 'recall', 'accuracy',
+                       'most_confused_with', 'most_confused_count'])
+      for c, name in enumerate(names):
+        writer.writerow([name, int(report['support'][c]), int(report['correct'][c]),
+                         _csv_number(report['precision'][c]), _csv_number(report['recall'][c]),
+                         _csv_number(report['accuracy'][c]), names[other[c]] if other[c] >= 0 else '',
+                         int(other_count[c])])
+
+  files.atomic_write(path, write)
+
+
+
+def write_multilabel_csv(path: str, report: Mapping[str, Any]) -> None:
+  """One row per class: class, support (examples with the tag), average_precision, threshold, and
+  precision, recall, f1, tp, fp, fn at that threshold. Undefined values are empty cells."""
+
+  def write(temporary: str) -> None:
+    with open(temporary, 'w', newline='', encoding='utf-8') as f:
+      writer = csv.writer(f)
+      writer.writerow(['class', 'support', 'average_precision', 'threshold', 'precision', 'recall', 'f1',
+                       'tp', 'fp', 'fn'])
+      for c, name in enumerate(report['class_names']):
+        writer.writerow([name, int(report['support'][c]), _csv_number(report['average_precision'][c]),
+                         repr(float(report['class_thresholds'][c])), _csv_number(report['precision'][c]),
+                         _csv_number(report['recall'][c]), _csv_number(report['f1_per_class'][c]),
+                         int(report['tp'][c]), int(report['fp'][c]), int(report['fn'][c])])
+
+  files.atomic_write(path, write)
+
+
+
+def thresholds_record(report: Mapping[str, Any], about: Mapping[str, Any] | None = None) -> dict[str, Any]:
+  """What THRESHOLDS_FILE holds: each class's threshold, the global one, how they were chosen, and
+  `about` (which step, weights and split they were chosen on), for --mode=predict and the export."""
+  return {**(about or {}), 'threshold': report['threshold'], 'chosen_by': report['threshold_source'],
+          'class_thresholds': {name: float(value) for name, value in
+                               zip(report['class_names'], report['class_thresholds'])}}
+
+
+
+def write_thresholds(path: str, report: Mapping[str, Any], about: Mapping[str, Any] | None = None) -> None:
+  """Writes `thresholds_record(report, about)` as JSON to `path` (a THRESHOLDS_FILE)."""
+  record = thresholds_record(report, about)
+  files.atomic_write(path, lambda temporary: files.write_json(temporary, record))
