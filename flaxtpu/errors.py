@@ -7,3 +7,7 @@ class UserError(Exception):
   `flaxtpu.main` prints it as `error: <message>` and exits non-zero without a
   traceback; any other exception is a bug and keeps its traceback.
   """
+
+
+class CheckpointError(UserError):
+  """A checkpoint that is missing, incomplete, or from another model."""
