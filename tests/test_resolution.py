@@ -143,3 +143,21 @@ def test_resolution_fills_only_what_is_open(source, folders, tmp_path):
     resolution.resolve(config, source, mode)
     assert _as_json(config) == _as_json(_config(folders[1], **{'init_from.checkpoint': source}))
   np.testing.assert_array_equal(config.dataset.std, ())
+
+
+@pytest.mark.parametrize('metric, mode', [('eval_accuracy', 'max'), ('eval_loss', 'min'), ('', 'max')])
+def test_the_best_step_is_orbaxs_with_ties_and_steps_without_metrics(metric, mode, tmp_path):
+  config = defaults.get_config()
+  config.checkpoint.keep, config.checkpoint.best_metric, config.checkpoint.best_mode = 10, metric, mode
+  checkpoints = checkpoint.Checkpoints(str(tmp_path), config)
+  accuracies = {1: 0.5, 2: 0.25, 3: 0.5, 4: None, 5: 0.25, 6: 0.125, 7: 0.125}  # ties at both ends
+  for step, accuracy in accuracies.items():
+    metrics = None if accuracy is None else {'eval_accuracy': accuracy, 'eval_loss': accuracy}
+    checkpoints.save(step, {'w': jax.numpy.arange(2.0)}, {'step': step}, metrics=metrics)
+    checkpoints.wait()
+  steps = checkpoints.all_steps()
+  assert steps == sorted(saved.complete_steps(checkpoints.directory)) == list(accuracies)
+  best = saved.best_step(checkpoints.directory, steps, config_lib.best_metric(config), mode)
+  assert best == checkpoints.best_step() == ({'max': 3, 'min': 7}[mode] if metric else 7)
+  assert saved.read_record(checkpoints.directory, best) == checkpoints.read_record(best) == {'step': best}
+  checkpoints.close()
