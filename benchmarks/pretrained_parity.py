@@ -77,6 +77,7 @@ def compare(case, images: int, directory: str) -> list[dict]:
     config.cpu_devices = 1
     config.compilation_cache_dir = 'none'
     pretrained.describe.cache_clear()
+    pretrained.apply_defaults(config)  # resolved as the CLI resolves it
     placement, state_, _, record = finetune.published_model(config)
     assert config.model.name == model_name, (config.model.name, model_name)
     pixels = np.random.default_rng(0).integers(0, 256, (images, side, side, 3)).astype(np.uint8)

@@ -22,8 +22,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src import asyncio_utils as _asyncio_utils
 
-from flaxtpu import files, storage
-from flaxtpu.errors import UserError
+from flaxtpu import files
+from flaxtpu.config import best_metric
+from flaxtpu.errors import CheckpointError
+from flaxtpu.saved import complete_steps as _complete_steps
+from flaxtpu.saved import pick_step
 
 policies = ocp.checkpoint_managers
 
@@ -67,10 +70,6 @@ if hasattr(_asyncio_utils, '_run_sync_via_new_loop'):  # the orbax version this 
   _asyncio_utils._run_sync_via_new_loop = _run_sync_then_drain  # pylint: disable=protected-access
 
 
-class CheckpointError(UserError):
-  """A checkpoint that is missing, incomplete, or from another model."""
-
-
 class UnreadableCheckpoint(CheckpointError):
   """A listed checkpoint whose files cannot be read (truncated, corrupted): an earlier one may be."""
 
@@ -85,7 +84,6 @@ MAX_RELISTS = 20
 
 
 UNREADABLE_SUFFIX = '.unreadable'  # an unreadable step directory is renamed aside, never deleted
-COMMIT_MARKER = 'commit_success.txt'  # orbax's mark of a complete step on an object store
 
 T = TypeVar('T')  # what a policy's `read(step)` returns
 
@@ -172,22 +170,7 @@ class Checkpoints:
 
   def resolve(self, which: str, key: str = 'eval.checkpoint') -> int:
     """'latest' | 'best' | a step number -> a step that exists, or CheckpointError naming config.`key`."""
-    steps = self.all_steps()
-    if not steps:
-      raise CheckpointError(f'no complete checkpoint in {self.directory}; train first with the '
-                            'same --workdir')
-    if which == 'latest':
-      return max(steps)
-    if which == 'best':
-      best = self.best_step()
-      if best is None:
-        raise CheckpointError(f'no checkpoint in {self.directory} has metrics to pick the best '
-                              f'from; use --config.{key}=latest')
-      return best
-    if not which.isdigit() or int(which) not in steps:
-      raise CheckpointError(f'config.{key}={which!r} is not a saved step in '
-                            f'{self.directory}; saved steps: {steps} (or latest, best)')
-    return int(which)
+    return pick_step(self.directory, which, key, self.all_steps(), self.best_step)
 
   def read_record(self, step: int) -> dict:
     """The JSON record saved with `step` (config, classes, data position, progress)."""
@@ -389,15 +372,6 @@ class Checkpoints:
     self._manager.reload()
 
 
-def best_metric(config: ml_collections.ConfigDict) -> str:
-  """checkpoint.best_metric, 'auto' resolved: eval_map for task=multilabel (the ranking quality, which
-  no threshold sways), else eval_accuracy. Both are kept at their maximum."""
-  metric = config.checkpoint.best_metric
-  if metric != 'auto':
-    return metric
-  return 'eval_map' if config.task == 'multilabel' else 'eval_accuracy'
-
-
 # What a record written before a field existed meant by its absence.
 RECORD_DEFAULTS = {'task': 'multiclass'}
 
@@ -433,21 +407,6 @@ def changed_keys(saved: dict, current: dict, prefix: str = '', defaults: Optiona
     elif old != new:
       changes.append(f'{prefix}{key}={old!r} -> {new!r}')
   return changes
-
-
-def _complete_steps(directory: str) -> list[int]:
-  """The step directories orbax has renamed into place (a save in flight is STEP.orbax-checkpoint-tmp).
-
-  An object store has no rename: there orbax writes STEP/ in place and marks it complete last with
-  STEP/commit_success.txt.
-  """
-  try:
-    names = [name for name in files.listdir(directory) if name.isdigit()]
-  except OSError:
-    return []
-  if storage.is_remote(directory):
-    names = [name for name in names if files.exists(os.path.join(directory, name, COMMIT_MARKER))]
-  return [int(name) for name in names]
 
 
 def _first_line(error: Exception) -> str:

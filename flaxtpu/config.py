@@ -383,10 +383,16 @@ def metric_mode(metric: str, mode: str = 'auto') -> str:
 def early_stopping_metric(config: ml_collections.ConfigDict) -> str:
   """early_stopping.metric, 'auto' resolved to the checkpoint's best metric ('' = off)."""
   metric = config.early_stopping.metric
+  return metric if metric != 'auto' else best_metric(config)
+
+
+def best_metric(config: ml_collections.ConfigDict) -> str:
+  """checkpoint.best_metric, 'auto' resolved: eval_map for task=multilabel (the ranking quality, which
+  no threshold sways), else eval_accuracy. Both are kept at their maximum."""
+  metric = config.checkpoint.best_metric
   if metric != 'auto':
     return metric
-  best = config.checkpoint.best_metric
-  return best if best != 'auto' else ('eval_map' if config.task == 'multilabel' else 'eval_accuracy')
+  return 'eval_map' if config.task == 'multilabel' else 'eval_accuracy'
 
 
 def _check_early_stopping(config: ml_collections.ConfigDict) -> None:

@@ -151,6 +151,7 @@ def load_teacher(config: ml_collections.ConfigDict, class_names, image_shape: tu
     teacher_config.model.name = defaults.get_config().model.name
     teacher_config.dataset.normalize = 'auto'
     teacher_config.dataset.image_size = image_shape[0]
+    pretrained.apply_defaults(teacher_config)  # the teacher's config, resolved as the CLI resolves a run's
     placement, variables, step, record = finetune.published_model(teacher_config)
     source_config = teacher_config
   else:

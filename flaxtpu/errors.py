@@ -9,6 +9,10 @@ class UserError(Exception):
   """
 
 
+class CheckpointError(UserError):
+  """A checkpoint that is missing, incomplete, or from another model."""
+
+
 def printable(text: str) -> str:
   """A file or class name fit for a one-line message: newlines, control characters and bytes
   that are not UTF-8 written as backslash escapes."""

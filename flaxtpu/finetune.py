@@ -13,8 +13,8 @@ Published weights are mapped onto the model by the tables of
 flaxtpu/models/layouts.py; a ViT at another image size gets its position
 embeddings resampled (bicubic, antialiased, as timm does). The source's
 normalisation, image size and crop fraction become the run's defaults
-(`apply_source_defaults`), so the run, its eval, predict and export prepare
-images as the weights expect.
+before the config is validated (flaxtpu/resolution.py), so the run, its
+eval, predict and export prepare images as the weights expect.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 from flax import traverse_util
 
-from flaxtpu import checkpoint, files, optim, parallel, pretrained, steps
+from flaxtpu import checkpoint, optim, parallel, pretrained, resolution, steps
 from flaxtpu.checkpoint import CheckpointError
 from flaxtpu.errors import UserError
 from flaxtpu.models import layouts
@@ -42,25 +42,11 @@ COLLECTIONS = ('params', 'batch_stats')  # what is read; never the optimizer sta
 
 def resolve_source(config: ml_collections.ConfigDict) -> tuple[checkpoint.Checkpoints, int]:
   """The checkpoints of the run `init_from.checkpoint` names, and the step to read."""
-  given = config.init_from.checkpoint
-  path = os.path.abspath(os.path.expanduser(given))
-  name, parent = os.path.basename(path), os.path.dirname(path)
-  if os.path.isdir(os.path.join(path, 'checkpoints')):
-    workdir, which = path, str(config.init_from.step)
-  elif name.isdigit() and os.path.basename(parent) == 'checkpoints' and os.path.isdir(path):
-    workdir, which = os.path.dirname(parent), name
-    if str(config.init_from.step) not in ('latest', name):
-      raise CheckpointError(f'config.init_from.checkpoint={given!r} is step {name} but '
-                            f'config.init_from.step={config.init_from.step!r}; give the workdir with a '
-                            'step, or the step directory alone')
-  else:
-    raise CheckpointError(f'config.init_from.checkpoint={given!r} holds no flaxtpu checkpoint; point it at '
-                          'the --workdir of a finished run (or its WORKDIR/checkpoints/STEP)')
+  workdir, which = resolution.source_location(config)
   source = checkpoint.Checkpoints(workdir, config, read_only=True)
   try:
     if not source.all_steps():
-      raise CheckpointError(f'config.init_from.checkpoint={given!r}: {source.directory} holds no complete '
-                            'checkpoint; point it at a run that saved one')
+      raise resolution.no_checkpoint(config, source.directory)
     return source, source.resolve(which, key='init_from.step')
   except CheckpointError:
     source.close()
@@ -77,40 +63,6 @@ def head_names(task: steps.Task, abstract_params) -> list[str]:
 
 def _matching(patterns: Sequence[str], names: Sequence[str]) -> set[str]:
   return {name for name in names if any(re.search(pattern, name) for pattern in patterns)}
-
-
-def apply_source_defaults(config: ml_collections.ConfigDict, workdir: str = '') -> None:
-  """The init_from source's preprocessing (and, for published weights, model) as the run's defaults.
-
-  Published weights: `pretrained.apply_defaults`. A flaxtpu run: its
-  normalisation numbers (where dataset.normalize is auto), image size (0)
-  and crop fraction (0), so a fine-tuned run sees images as its source did.
-  A run in `workdir` that already started from the same source keeps what
-  its config.json says, without reading the source again.
-  """
-  spec = config.init_from.checkpoint
-  if not spec or pretrained.apply_defaults(config, workdir):
-    return
-  if config.dataset.normalize != 'auto' and config.dataset.image_size and config.dataset.crop_fraction:
-    return  # nothing left open
-  started = files.read_json(os.path.join(workdir, 'config.json')) if workdir else None
-  if started and started.get('init_from', {}).get('checkpoint') == spec:
-    trained = started['dataset']
-    mean, std = trained.get('mean'), trained.get('std')
-  else:
-    source, step = resolve_source(config)
-    try:
-      record = source.read_record(step)
-    finally:
-      source.close()
-    trained = record.get('config', {}).get('dataset', {})
-    mean, std = record['normalization']['mean'], record['normalization']['std']
-  if config.dataset.normalize == 'auto' and trained.get('normalize') in ('standardize', 'fixed'):
-    config.dataset.normalize, config.dataset.mean, config.dataset.std = 'fixed', tuple(mean), tuple(std)
-  if config.dataset.image_size == 0 and trained.get('image_size'):
-    config.dataset.image_size = trained['image_size']
-  if config.dataset.crop_fraction == 0 and trained.get('crop_fraction'):
-    config.dataset.crop_fraction = trained['crop_fraction']
 
 
 def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: steps.Placement, state,
@@ -315,8 +267,10 @@ def _init_from_published(config: ml_collections.ConfigDict, task: steps.Task, pl
 
 def published_model(config: ml_collections.ConfigDict):
   """--mode=predict/eval/export straight from published weights, without training: (placement,
-  model state, step 0, a checkpoint-like record). The published head and its classes are kept."""
-  if not pretrained.apply_defaults(config):
+  model state, step 0, a checkpoint-like record). The published head and its classes are kept.
+
+  `config` is resolved already (`pretrained.apply_defaults`: flaxtpu/resolution.py)."""
+  if not (config.init_from.checkpoint and pretrained.is_published(config.init_from.checkpoint)):
     raise UserError(f'config.init_from.checkpoint={config.init_from.checkpoint!r} is not published weights')
   published = pretrained.describe(config.init_from.checkpoint)
   if config.task != 'multiclass':

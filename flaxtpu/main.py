@@ -277,11 +277,10 @@ def _check_workdir(workdir: str) -> None:
 
 
 def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
-  from flaxtpu import pretrained  # pylint: disable=g-import-not-at-top
-  from_published = mode in RESTORING_MODES and not files.isfile(os.path.join(workdir or '', 'config.json'))
-  if mode in ('train', 'plan') or from_published:  # the published model's preprocessing, before validation
-    pretrained.apply_defaults(config, workdir if mode in ('train', 'plan') else '')
-  config_lib.validate(config)
+  from flaxtpu import resolution  # pylint: disable=g-import-not-at-top
+  from_published = resolution.restores_published(workdir, mode)
+  resolution.resolve(config, workdir, mode)  # every default from its source, before validation
+  config_lib.validate(config)  # after it, nothing edits the config
   memory.check_before_start(config, mode)  # a run that cannot fit stops before the workdir is touched
   if not workdir and from_published and mode == 'predict':  # nothing to restore: write beside the CSV
     workdir = os.path.dirname(os.path.abspath(config.predict.output_csv or 'predictions.csv'))

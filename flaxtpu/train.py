@@ -434,6 +434,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        stop: Optional[StopRequest] = None) -> dict:
   """Trains `config` in `workdir` (resuming from its latest checkpoint) and returns results.json.
 
+  `config` comes resolved (`resolution.resolve(config, workdir, 'train')`: an init_from source's
+  preprocessing) and validated, as the CLI does both before JAX starts; the run never edits it.
   A SIGTERM/SIGINT at any point ends it cleanly: the state reached is saved
   and `{'stopped_at_step': N}` is returned. The CLI passes the `stop` it
   installed before JAX started; otherwise one is installed here.
@@ -452,7 +454,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   mesh = parallel.make_mesh(config)
   parallel.log_mesh(mesh, config.parallelism)
 
-  finetune.apply_source_defaults(config, workdir)  # the source's preprocessing, before the data is read
   dataset = pipeline.load(config)
   # A run's epoch is its sampler's: sampling=shards takes the smallest process's share.
   length = run_length(config, sampling.examples_per_epoch(dataset, config.batch_size, jax.process_count()))

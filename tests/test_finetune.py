@@ -11,7 +11,7 @@ import pytest
 
 from configs import cifar10_resnet
 from conftest import make_image_folder, restore_checkpoint, tiny_dataset
-from flaxtpu import checkpoint, finetune, optim, parallel, steps, train
+from flaxtpu import checkpoint, finetune, optim, parallel, resolution, steps, train
 from flaxtpu import config as config_lib
 from flaxtpu.data import loaders, pipeline
 from flaxtpu.errors import UserError
@@ -108,7 +108,7 @@ def test_a_fine_tuning_run_takes_its_sources_normalisation_and_keeps_it_on_resum
   """normalize=auto: the source run's standardisation numbers (not the new data's), recorded in config.json;
   a resumed run reads them from there, not from the source."""
   config = _config(folders[1], **{'dataset.normalize': 'auto', 'init_from.checkpoint': source})
-  finetune.apply_source_defaults(config)
+  resolution.apply_source_defaults(config)
   saved = checkpoint.Checkpoints(source, config, read_only=True)
   normalization = saved.read_record(2)['normalization']
   saved.close()
@@ -123,7 +123,7 @@ def test_a_fine_tuning_run_takes_its_sources_normalisation_and_keeps_it_on_resum
   (workdir / 'config.json').write_text(json.dumps({**config.to_dict(), 'dataset': {
       **config.dataset.to_dict(), 'mean': [0.5, 0.5, 0.5], 'std': [0.25, 0.25, 0.25]}}))
   resumed = _config(folders[1], **{'dataset.normalize': 'auto', 'init_from.checkpoint': source})
-  finetune.apply_source_defaults(resumed, str(workdir))
+  resolution.apply_source_defaults(resumed, str(workdir))
   assert (tuple(resumed.dataset.mean), tuple(resumed.dataset.std)) == ((0.5,) * 3, (0.25,) * 3)
 
 

@@ -1,0 +1,113 @@
+"""Resolution: every default a config leaves open, filled from its sources once, before `validate`.
+
+`resolve` applies them in this order; each fills only what the user and the
+steps before it left open:
+
+  1. the saved run's config: eval/predict/export of a trained run start from
+     its config.json (flaxtpu/workdir_config.py -> `config.from_saved`, which
+     fills options a run saved before they existed), read while the flags are
+     parsed so that `--config.KEY=VALUE` overrides apply on top;
+  2. published weights named by `init_from.checkpoint` (a run that starts from
+     them, or eval/predict/export straight from them): their model, options,
+     normalisation, image size and crop fraction (`pretrained.apply_defaults`);
+  3. a flaxtpu run named by `init_from.checkpoint`: its normalisation numbers,
+     image size and crop fraction (`apply_source_defaults`).
+
+A run in a workdir that already started keeps what its config.json resolved,
+without reading the source again. Then `config.validate` sees the config the
+run uses, and nothing edits it afterwards. No JAX here: the CLI resolves and
+validates before JAX starts; a flaxtpu source's record is read as the JSON
+orbax keeps beside its arrays (flaxtpu/saved.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from flaxtpu import files, pretrained, saved
+from flaxtpu.config import best_metric
+from flaxtpu.errors import CheckpointError
+from flaxtpu.workdir_config import CONFIG_FILE  # what a run resolved, written when it starts
+
+TRAINING_MODES = ('train', 'plan')  # a run that starts in the workdir (plan: what train would compile)
+
+
+def restores_published(workdir: str, mode: str) -> bool:
+  """Whether eval/predict/export may read published weights: no trained run in `workdir` to restore."""
+  return mode in ('eval', 'predict', 'export') and not files.isfile(os.path.join(workdir or '', CONFIG_FILE))
+
+
+def resolve(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
+  """Fills, in place and in the order above, what `config` leaves open for a run of `mode` in `workdir`."""
+  if mode in TRAINING_MODES:
+    apply_source_defaults(config, workdir)
+  elif restores_published(workdir, mode) or not files.isdir(os.path.join(workdir or '', 'checkpoints')):
+    # evaluate.restore reads published weights wherever the workdir has no checkpoints.
+    pretrained.apply_defaults(config)
+
+
+def apply_source_defaults(config: ml_collections.ConfigDict, workdir: str = '') -> None:
+  """The init_from source's preprocessing (and, for published weights, model) as the run's defaults.
+
+  Published weights: `pretrained.apply_defaults`. A flaxtpu run: its
+  normalisation numbers (where dataset.normalize is auto), image size (0)
+  and crop fraction (0), so a fine-tuned run sees images as its source did.
+  A run in `workdir` that already started from the same source keeps what
+  its config.json says, without reading the source again.
+  """
+  spec = config.init_from.checkpoint
+  if not spec or pretrained.apply_defaults(config, workdir):
+    return
+  if config.dataset.normalize != 'auto' and config.dataset.image_size and config.dataset.crop_fraction:
+    return  # nothing left open
+  started = files.read_json(os.path.join(workdir, CONFIG_FILE)) if workdir else None
+  if started and started.get('init_from', {}).get('checkpoint') == spec:
+    trained = started['dataset']
+    mean, std = trained.get('mean'), trained.get('std')
+  else:
+    record = source_record(config)
+    trained = record.get('config', {}).get('dataset', {})
+    mean, std = record['normalization']['mean'], record['normalization']['std']
+  if config.dataset.normalize == 'auto' and trained.get('normalize') in ('standardize', 'fixed'):
+    config.dataset.normalize, config.dataset.mean, config.dataset.std = 'fixed', tuple(mean), tuple(std)
+  if config.dataset.image_size == 0 and trained.get('image_size'):
+    config.dataset.image_size = trained['image_size']
+  if config.dataset.crop_fraction == 0 and trained.get('crop_fraction'):
+    config.dataset.crop_fraction = trained['crop_fraction']
+
+
+def source_location(config: ml_collections.ConfigDict) -> tuple[str, str]:
+  """(workdir, latest | best | STEP) of the flaxtpu run `init_from.checkpoint` names: a workdir (with
+  `init_from.step`) or one of its step directories, WORKDIR/checkpoints/STEP."""
+  given = config.init_from.checkpoint
+  path = os.path.abspath(os.path.expanduser(given))
+  name, parent = os.path.basename(path), os.path.dirname(path)
+  if os.path.isdir(os.path.join(path, 'checkpoints')):
+    return path, str(config.init_from.step)
+  if name.isdigit() and os.path.basename(parent) == 'checkpoints' and os.path.isdir(path):
+    if str(config.init_from.step) not in ('latest', name):
+      raise CheckpointError(f'config.init_from.checkpoint={given!r} is step {name} but '
+                            f'config.init_from.step={config.init_from.step!r}; give the workdir with a '
+                            'step, or the step directory alone')
+    return os.path.dirname(parent), name
+  raise CheckpointError(f'config.init_from.checkpoint={given!r} holds no flaxtpu checkpoint; point it at '
+                        'the --workdir of a finished run (or its WORKDIR/checkpoints/STEP)')
+
+
+def source_record(config: ml_collections.ConfigDict) -> dict:
+  """The checkpoint record of the step of the flaxtpu run `init_from.checkpoint` names, read without
+  JAX; the step is the one `finetune.resolve_source` restores (orbax's best for `best`)."""
+  workdir, which = source_location(config)
+  directory = files.absolute(os.path.join(workdir, 'checkpoints'))
+  steps = sorted(saved.complete_steps(directory))
+  if not steps:
+    raise no_checkpoint(config, directory)
+  best = lambda: saved.best_step(directory, steps, best_metric(config), config.checkpoint.best_mode)
+  return saved.read_record(directory, saved.pick_step(directory, which, 'init_from.step', steps, best))
+
+
+def no_checkpoint(config: ml_collections.ConfigDict, directory: str) -> CheckpointError:
+  return CheckpointError(f'config.init_from.checkpoint={config.init_from.checkpoint!r}: {directory} holds no '
+                         'complete checkpoint; point it at a run that saved one')
