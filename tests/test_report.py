@@ -159,6 +159,28 @@ def test_write_eval_report_grayscale_callable_images_and_suffix(tmp_path):
   assert not (tmp_path / 'plain' / 'mistakes.png').exists()
 
 
+def test_a_new_picture_is_a_function_and_one_line_in_the_list(tmp_path, monkeypatch):
+  drawn = []
+
+  def plot_accuracy(path, report):
+    drawn.append((os.path.basename(path), report['top1_accuracy'], list(report['support'])))
+    with open(path, 'wb') as f:
+      f.write(b'not a real png')
+
+  picture = plots.Picture('accuracy', ('classification',), plot_accuracy)
+  monkeypatch.setattr(plots, 'PICTURES', [*plots.PICTURES, picture])
+  summary = writer.write_eval_report(str(tmp_path), LOGITS, LABELS, NAMES, suffix='_raw')
+  assert summary['report_files'] == ['per_class_raw.csv', 'confusion_raw.png', 'reliability_raw.png',
+                                     'accuracy_raw.png']
+  assert drawn == [('accuracy_raw.png', 5 / 8, [3, 3, 2])]  # 3 mistakes of 8; 3 cats, 3 dogs, 2 frogs
+  assert sorted(os.listdir(tmp_path)) == sorted(summary['report_files'])
+  tags = np.array([[1, 0, 0], [0, 1, 1]])
+  multilabel = writer.write_eval_report(str(tmp_path / 'tags'), LOGITS[:2], tags, NAMES)
+  assert multilabel['report_files'] == ['per_class.csv', 'confusion.png', 'reliability.png',
+                                        'thresholds.json']
+  assert len(drawn) == 1  # a picture of the classification task only
+
+
 def test_thousand_classes_stay_readable_and_fast(tmp_path):
   rng = np.random.default_rng(0)
   num_classes, num_examples = 1000, 5000
