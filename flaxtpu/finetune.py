@@ -79,6 +79,12 @@ def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: st
   path = os.path.join(source.directory, str(step))
   try:
     record = source.read_record(step)
+    if left_open := resolution.source_dataset_defaults(
+        config.dataset, record.get('config', {}).get('dataset', {}), record['normalization']['mean'],
+        record['normalization']['std']):
+      raise UserError(f'config.dataset.{"/".join(left_open)} left open for init_from {path}; resolve the '
+                      "config before training: flaxtpu.resolution.resolve(config, workdir, 'train') (as the "
+                      'CLI does)')
     saved = source.array_shapes(step, COLLECTIONS)
     target = {collection: optim.named_leaves(getattr(placement.abstract_state, collection))
               for collection in COLLECTIONS}

@@ -70,12 +70,21 @@ def apply_source_defaults(config: ml_collections.ConfigDict, workdir: str = '') 
     record = source_record(config)
     trained = record.get('config', {}).get('dataset', {})
     mean, std = record['normalization']['mean'], record['normalization']['std']
-  if config.dataset.normalize == 'auto' and trained.get('normalize') in ('standardize', 'fixed'):
-    config.dataset.normalize, config.dataset.mean, config.dataset.std = 'fixed', tuple(mean), tuple(std)
-  if config.dataset.image_size == 0 and trained.get('image_size'):
-    config.dataset.image_size = trained['image_size']
-  if config.dataset.crop_fraction == 0 and trained.get('crop_fraction'):
-    config.dataset.crop_fraction = trained['crop_fraction']
+  for key, value in source_dataset_defaults(config.dataset, trained, mean, std).items():
+    config.dataset[key] = value
+
+
+def source_dataset_defaults(dataset: ml_collections.ConfigDict, trained: dict, mean, std) -> dict:
+  """{dataset key: value} that a flaxtpu source (its `trained` dataset section and normalisation
+  numbers) fills where `dataset` leaves it open; {} for a resolved config."""
+  filled = {}
+  if dataset.normalize == 'auto' and trained.get('normalize') in ('standardize', 'fixed'):
+    filled.update(normalize='fixed', mean=tuple(mean), std=tuple(std))
+  if dataset.image_size == 0 and trained.get('image_size'):
+    filled['image_size'] = trained['image_size']
+  if dataset.crop_fraction == 0 and trained.get('crop_fraction'):
+    filled['crop_fraction'] = trained['crop_fraction']
+  return filled
 
 
 def source_location(config: ml_collections.ConfigDict) -> tuple[str, str]:

@@ -434,8 +434,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        stop: Optional[StopRequest] = None) -> dict:
   """Trains `config` in `workdir` (resuming from its latest checkpoint) and returns results.json.
 
-  `config` comes resolved (`resolution.resolve(config, workdir, 'train')`: an init_from source's
-  preprocessing) and validated, as the CLI does both before JAX starts; the run never edits it.
+  `config` comes resolved (flaxtpu/resolution.py) and validated, as from the CLI; nothing edits it.
   A SIGTERM/SIGINT at any point ends it cleanly: the state reached is saved
   and `{'stopped_at_step': N}` is returned. The CLI passes the `stop` it
   installed before JAX started; otherwise one is installed here.

@@ -12,6 +12,7 @@ import pytest
 from conftest import make_image_folder
 from flaxtpu import checkpoint, defaults, files, main, resolution, saved, train
 from flaxtpu import config as config_lib
+from flaxtpu.errors import UserError
 
 
 def _config(folder, **overrides):
@@ -161,3 +162,12 @@ def test_the_best_step_is_orbaxs_with_ties_and_steps_without_metrics(metric, mod
   assert best == checkpoints.best_step() == ({'max': 3, 'min': 7}[mode] if metric else 7)
   assert saved.read_record(checkpoints.directory, best) == checkpoints.read_record(best) == {'step': best}
   checkpoints.close()
+
+
+def test_training_an_unresolved_fine_tune_is_one_line(source, folders, tmp_path):
+  """A library caller that skips resolution gets an error, not other preprocessing than the CLI's."""
+  config = _config(folders[1], **{'init_from.checkpoint': source})
+  with pytest.raises(UserError, match=r'config.dataset.normalize/mean/std left open for init_from '
+                                      r'.*/checkpoints/2; resolve the config before training: '
+                                      r'flaxtpu.resolution.resolve\('):
+    train.train_and_evaluate(config, str(tmp_path / 'unresolved'))
