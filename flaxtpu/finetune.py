@@ -9,8 +9,8 @@ the classifier is re-initialised when the classes differ, and so is whatever
 `init_from.skip` matches. The optimizer state and the step start fresh. Only a
 fresh run reads it: a run that has checkpoints of its own resumes from them.
 
-Published weights are mapped onto the model by the tables of
-flaxtpu/models/layouts.py; a ViT at another image size gets its position
+Published weights are mapped onto the model by the tables of its family's
+plug-in (flaxtpu/models/<family>.py); a ViT at another image size gets its position
 embeddings resampled (bicubic, antialiased, as timm does). The source's
 normalisation, image size and crop fraction become the run's defaults
 (`apply_source_defaults`), so the run, its eval, predict and export prepare
