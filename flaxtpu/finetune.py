@@ -9,8 +9,8 @@ the classifier is re-initialised when the classes differ, and so is whatever
 `init_from.skip` matches. The optimizer state and the step start fresh. Only a
 fresh run reads it: a run that has checkpoints of its own resumes from them.
 
-Published weights are mapped onto the model by the tables of
-flaxtpu/models/layouts.py; a ViT at another image size gets its position
+Published weights are mapped onto the model by the tables of its family's
+plug-in (flaxtpu/models/<family>.py); a ViT at another image size gets its position
 embeddings resampled (bicubic, antialiased, as timm does). The source's
 normalisation, image size and crop fraction become the run's defaults
 before the config is validated (flaxtpu/resolution.py), so the run, its
@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 from flax import traverse_util
 
-from flaxtpu import checkpoint, optim, parallel, pretrained, resolution, steps
+from flaxtpu import checkpoint, models, optim, parallel, pretrained, resolution, steps
 from flaxtpu.checkpoint import CheckpointError
 from flaxtpu.errors import UserError
 from flaxtpu.models import layouts
@@ -201,11 +201,6 @@ def resample_position_embeddings(embeddings: np.ndarray, shape: tuple[int, ...],
   return np.concatenate([prefix, np.asarray(resized).reshape(1, new * new, width)], axis=1)
 
 
-FIRST_LAYERS = ('params/Conv_0/kernel',  # ResNet
-                'params/embedding/kernel',  # ViT
-                'params/stem/kernel')  # ConvNeXt
-
-
 def to_one_channel(kernel: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
   """An RGB model's first kernel [h, w, 3, out] for grayscale images [h, w, 1, out]: the sum over colours,
   which sees a gray pixel (R = G = B) as the RGB model does (timm's adapt_input_conv)."""
@@ -219,9 +214,10 @@ def _published_arrays(config: ml_collections.ConfigDict, published: pretrained.P
                       wanted: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
   """The published arrays that `wanted` ({'params/NAME': shape}) names, converted to flaxtpu's layout."""
   prefix_tokens = 1 if config.model.pool == 'tok' else 0
+  first_kernel = models.get_family(published.model).input_kernel
   adapt = {'params/pos_embedding': functools.partial(resample_position_embeddings,
                                                      prefix_tokens=prefix_tokens),
-           **{name: to_one_channel for name in FIRST_LAYERS}}
+           **({first_kernel: to_one_channel} if first_kernel else {})}
   if published.model != config.model.name:
     logging.warning('init_from: %s holds %s, read into config.model.name=%s', published.spec, published.model,
                     config.model.name)

@@ -100,14 +100,8 @@ def named_leaves(tree) -> dict[str, Any]:
 
 
 def model_layers(model_name: str) -> list[tuple[str, ...]]:
-  """The top-level modules of each layer of a model below its head, from the input up, as timm's
-  `group_matcher`s count layers for layer decay (the family's layer-depth map, `Family.layers`).
-
-  Layer 0 is the stem (ViT: the embeddings), then one layer per block in
-  order (ConvNeXt's downsampling joins the first block of its stage), then
-  ViT's final norm; the head is layer len(result) (the classifier, ConvNeXt's
-  head norm). The Keras CNN's first stage is its stem.
-  """
+  """The top-level modules of each layer of a model below its head (layer len(result)), from the input
+  up: its family's layer-depth map (`Family.layers`), counted as timm's `group_matcher`s count layers."""
   return models.get_family(model_name).layers(models.get_spec(model_name))[:-1]
 
 

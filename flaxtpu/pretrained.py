@@ -219,7 +219,7 @@ def describe(spec: str) -> Published:
   layout, model, options = infer_model(tensors, path)
   metadata = metadata or {}
   pretrained_cfg = metadata.get('pretrained_cfg', {})
-  # timm's config can say more than the tensors: a ViT built with the tanh GELU (as flaxtpu exports one).
+  # timm's config can say more than the tensors: a model built with the tanh GELU (as flaxtpu exports one).
   if metadata.get('model_args', {}).get('act_layer') == 'gelu_tanh' and 'gelu' in options:
     options['gelu'] = 'tanh'
   num_classes = int(_head(tensors, layout, model).shape[0])

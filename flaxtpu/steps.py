@@ -50,8 +50,7 @@ class Task:
   multilabel: bool = False  # a sigmoid per class (any number of tags per image) instead of a softmax
   class_weights: Optional[np.ndarray] = None  # float32 [classes]: the train loss's weights (None = 1)
   teacher: Any = None  # distill.Teacher: a frozen teacher's predictions join the targets (None = no teacher)
-  # The model family's fit of some parameters to normalised train images before step 1 (FastNet's whitening
-  # stem): images -> {parameter name: value}; None = none (models.data_fit)
+  # normalised train images -> {parameter name: value} set before step 1 (the family's `data_fit`), or None
   data_fit: Optional[Callable[[np.ndarray], dict]] = None
 
 
@@ -115,8 +114,7 @@ def fits_to_data(task: Task) -> bool:
 
 
 def fit_to_data(task: Task, images: np.ndarray) -> dict[str, np.ndarray]:
-  """{parameter name: value} fitted to uint8 train `images` [N, H, W, C] by the model family's
-  `data_fit` (FastNet's whitening stem).
+  """{parameter name: value} fitted to uint8 train `images` [N, H, W, C] by the family's `data_fit`.
 
   The images are normalised as the train step normalises them (augmentation aside).
   """

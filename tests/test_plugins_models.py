@@ -54,7 +54,8 @@ TOY_LAYOUT = Layout('timm', ('toy',), _recognise,
                                                        *layouts.dense('classifier', 'head')],
                     head=lambda keys: 'classifier.bias')
 TOY = Family('toy', {'toy_net': Spec('toy', widths=(8,))}, _build,
-             layers=lambda spec: [('stem',), ('head',)], title='toy net', layouts=(TOY_LAYOUT,))
+             layers=lambda spec: [('stem',), ('head',)], title='toy net', layouts=(TOY_LAYOUT,),
+             input_kernel='params/stem/kernel')
 
 
 @pytest.fixture
@@ -112,6 +113,11 @@ def test_a_registered_family_is_created_and_imports_its_published_weights(toy_fa
             'head': {'kernel': arrays['params/head/kernel'], 'bias': arrays['params/head/bias']}}
   logits = np.asarray(model.apply({'params': params}, images, train=False))
   np.testing.assert_allclose(logits, _numpy_logits(tensors, images), rtol=1e-5, atol=1e-5)
+
+  # Its declared input kernel: 1-channel images get the RGB kernel summed over its colours.
+  gray = finetune._published_arrays(config, published, {'params/stem/kernel': (3, 3, 1, 8)})
+  np.testing.assert_allclose(gray['params/stem/kernel'],
+                             tensors['features.weight'].transpose(2, 3, 1, 0).sum(axis=2, keepdims=True))
 
 
 def test_a_registered_family_has_no_timm_export_unless_it_declares_an_architecture(toy_family):

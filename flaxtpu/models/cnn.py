@@ -12,4 +12,5 @@ def _build(spec: Spec, *, num_classes, dtype, wrap, bn_axis_name):
 
 
 FAMILY = Family('cnn', {'cnn': Spec('cnn')}, _build,
-                layers=lambda spec: [('stage1',), ('stage2',), ('Dense_0',)], title='CNN')
+                layers=lambda spec: [('stage1',), ('stage2',), ('Dense_0',)], title='CNN',
+                input_kernel='params/stage1/Conv_0/kernel')

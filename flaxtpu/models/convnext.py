@@ -69,4 +69,4 @@ TIMM = Layout('timm', ('timm',), _recognise,
 FAMILY = Family('convnext', {
     'convnext_t': Spec('convnext', (3, 3, 9, 3), widths=(96, 192, 384, 768), patch_size=4),
 }, _build, _layers, ('patch_size', 'drop_path'), title='ConvNeXt', layouts=(TIMM,),
-    timm_architecture=_timm_architecture)
+    timm_architecture=_timm_architecture, input_kernel='params/stem/kernel')

@@ -98,6 +98,8 @@ class Family:
   timm_architecture: Optional[Callable[..., tuple[str, dict]]] = None
   # timm's preprocessing defaults for the family's published weights (tensors, layout, options)
   preprocessing: Callable[[Mapping[str, np.ndarray], str, dict], Preprocessing] = imagenet_preprocessing
+  # its first kernel ('params/Conv_0/kernel'), which init_from sums over colours for 1-channel images
+  input_kernel: str = ''
   fixed_image_size: bool = False  # its parameters fix the image size it reads (ViT's position embeddings)
   # spec -> None, or a function {parameter name: value} of normalised train images [N, H, W, C] that a
   # fresh run sets before step 1 (FastNet's whitening stem)

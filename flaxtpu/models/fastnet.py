@@ -35,5 +35,5 @@ FAMILY = Family('fastnet', {
     'fastnet_s': Spec('fastnet', widths=(16, 16, 32, 64)),
     'fastnet': Spec('fastnet', widths=(24, 64, 256, 256)),
     'fastnet_whiten': Spec('fastnet', widths=(24, 64, 256, 256), whiten=True),
-}, _build, _layers, title='FastNet', smallest_image=_smallest_image,
+}, _build, _layers, title='FastNet', smallest_image=_smallest_image, input_kernel='params/stem/kernel',
     data_fit=lambda spec: fit_whitening_stem if spec.whiten else None)

@@ -86,7 +86,8 @@ CIFAR = Family('cifar_resnet', {
     'resnet44': Spec('cifar_resnet', (7, 7, 7)),
     'resnet56': Spec('cifar_resnet', (9, 9, 9)),
     'resnet110': Spec('cifar_resnet', (18, 18, 18)),
-}, _build, _layers, OPTIONS, title='CIFAR ResNet', short_names='resnet20/32/44/56/110')
+}, _build, _layers, OPTIONS, title='CIFAR ResNet', short_names='resnet20/32/44/56/110',
+    input_kernel='params/Conv_0/kernel')
 
 IMAGENET = Family('imagenet_resnet', {
     'resnet18': Spec('imagenet_resnet', (2, 2, 2, 2)),
@@ -95,4 +96,4 @@ IMAGENET = Family('imagenet_resnet', {
     'resnet101': Spec('imagenet_resnet', (3, 4, 23, 3), bottleneck=True),
     'resnet152': Spec('imagenet_resnet', (3, 8, 36, 3), bottleneck=True),
 }, _build, _layers, OPTIONS, title='ResNet', short_names='resnet18-152', layouts=(TIMM,),
-    timm_architecture=_timm_architecture)
+    timm_architecture=_timm_architecture, input_kernel='params/Conv_0/kernel')

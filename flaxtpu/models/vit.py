@@ -190,4 +190,4 @@ FAMILY = Family('vit', {
     'vit_b': Spec('vit', (12,), widths=(768,), num_heads=12, mlp_dim=3072, patch_size=16),
 }, _build, _layers, ('patch_size', 'pool', 'dropout', 'drop_path', 'gelu'), title='ViT',
     short_names='vit_ti/s/b', layouts=(BIG_VISION, TIMM), timm_architecture=_timm_architecture,
-    preprocessing=_preprocessing, fixed_image_size=True)
+    preprocessing=_preprocessing, input_kernel='params/embedding/kernel', fixed_image_size=True)
