@@ -417,6 +417,7 @@ def test_the_config_picks_one_source_and_every_source_answers_the_same_methods(i
 
 def test_rgb_mean_and_std_are_averaged_for_one_channel_images_and_other_counts_refused():
   from flaxtpu import config as config_lib
+  from flaxtpu.data import spec
   config = defaults.get_config()
   config.dataset.name, config.dataset.train_split = 'digits', 'train[:100]'
   config.dataset.normalize = 'fixed'
@@ -424,7 +425,9 @@ def test_rgb_mean_and_std_are_averaged_for_one_channel_images_and_other_counts_r
   dataset = pipeline.load(config)
   np.testing.assert_allclose(dataset.mean, [np.mean([0.485, 0.456, 0.406])], rtol=1e-6)
   np.testing.assert_allclose(dataset.std, [np.mean([0.229, 0.224, 0.225])], rtol=1e-6)
-  assert len(config.dataset.mean) == 1  # the averages, as the run's config.json records them
+  # The config is only read (spec.py); the run's config.json records the averages.
+  assert config.dataset.mean == (0.485, 0.456, 0.406)
+  assert len(spec.saved_config(config, dataset.image_shape[-1])['dataset']['mean']) == 1
   config_lib.check_against_data(config, dataset.image_shape, dataset.num_classes)
   config.dataset.mean, config.dataset.std = (0.5, 0.5), (0.2, 0.2)
   with pytest.raises(config_lib.ConfigError, match='mean/std have 2 channels but the images have 1'):
