@@ -41,7 +41,7 @@ import numpy as np
 
 from benchmarks import harness
 from flaxtpu import config as config_lib
-from flaxtpu import optim, steps
+from flaxtpu import lengths, optim, param_patterns, steps
 from flaxtpu.data import loaders, pipeline
 from flaxtpu.models.nets import fastnet
 
@@ -175,7 +175,7 @@ def main() -> None:
   kernel = fastnet.whitening_kernel((sample.astype(np.float32) / 255 - dataset.mean) / dataset.std)
   model = build_model(torch, kernel)
 
-  length = config_lib.run_length(config, len(train_y))
+  length = lengths.run_length(config, len(train_y))
   schedule = optim.learning_rate_schedule(config, length)
   opt = config.optimizer
   # flaxtpu's names for PyTorch's parameters, for the lr multipliers and freeze_after patterns.
@@ -184,8 +184,8 @@ def main() -> None:
     for conv, norm in ((1, 0), (2, 1)):
       names[f'blocks.{index}.conv{conv}.weight'] = f'block{index + 1}/Conv_{conv - 1}/kernel'
       names[f'blocks.{index}.norm{conv}.bias'] = f'block{index + 1}/BatchNorm_{norm}/bias'
-  multipliers = config_lib.parse_lr_multipliers(opt.lr_multipliers)
-  stops = config_lib.parse_freeze_after(opt.freeze_after)
+  multipliers = param_patterns.parse_lr_multipliers(opt.lr_multipliers)
+  stops = param_patterns.parse_freeze_after(opt.freeze_after)
   groups = []
   for torch_name, param in model.named_parameters():
     if not param.requires_grad:

@@ -340,8 +340,8 @@ def cifar_mode(args) -> dict:
 
   from configs import cifar10_resnet  # pylint: disable=g-import-not-at-top
   from flaxtpu import augment, parallel, steps  # pylint: disable=g-import-not-at-top
-  from flaxtpu.config import run_length  # pylint: disable=g-import-not-at-top
   from flaxtpu.data import loaders, pipeline, workers  # pylint: disable=g-import-not-at-top
+  from flaxtpu.lengths import run_length  # pylint: disable=g-import-not-at-top
 
   batches = args.batches
   config = cifar10_resnet.get_config()  # crop + flip + standardise: the heaviest recipe

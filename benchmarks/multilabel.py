@@ -206,8 +206,8 @@ def score_workdir(workdir: str, out: str) -> None:
   config = workdir_config.get_config(workdir)
   os.environ['XLA_FLAGS'], _ = cli.cpu_xla_flags(config, 'eval', os.environ.get('XLA_FLAGS', ''))
   from flaxtpu import evaluate  # pylint: disable=g-import-not-at-top
-  from flaxtpu.config import resolved_eval_batch_size  # pylint: disable=g-import-not-at-top
   from flaxtpu.data import pipeline  # pylint: disable=g-import-not-at-top
+  from flaxtpu.lengths import resolved_eval_batch_size  # pylint: disable=g-import-not-at-top
   from flaxtpu.modes import restore  # pylint: disable=g-import-not-at-top
   placement, state, _, record = restore.restore(config, workdir)
   dataset = pipeline.load(config, need_train=False, class_names=record.get('class_names'))
@@ -278,8 +278,8 @@ def torch_arm(args) -> None:
   torch, _ = import_torch()
   if args.torch_threads:
     torch.set_num_threads(args.torch_threads)
-  from flaxtpu import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxtpu import optim  # pylint: disable=g-import-not-at-top  (the schedule, evaluated step by step)
+  # pylint: disable-next=g-import-not-at-top  (the run length and schedule, evaluated step by step)
+  from flaxtpu import lengths, optim
   started = time.perf_counter()
   torch.manual_seed(args.seed)
   generator = torch.Generator().manual_seed(args.seed)
@@ -295,7 +295,7 @@ def torch_arm(args) -> None:
   train_y = torch.from_numpy(train_y.astype(np.float32))
   normalize = lambda u8: ((u8.float() / 255 - mean) / std).contiguous(memory_format=torch.channels_last)
 
-  length = config_lib.run_length(config, len(train_y))
+  length = lengths.run_length(config, len(train_y))
   schedule = optim.learning_rate_schedule(config, length)
   rates = [float(schedule(step)) for step in range(length.total_steps)]
   model = timm_resnet20(torch, len(make_scenes.SHAPES)).to(memory_format=torch.channels_last)

@@ -23,8 +23,8 @@ from etils import epath
 from orbax.checkpoint._src import asyncio_utils as _asyncio_utils
 
 from flaxtpu import files
-from flaxtpu.config import best_metric
 from flaxtpu.errors import CheckpointError
+from flaxtpu.metric_names import best_metric
 from flaxtpu.saved import complete_steps as _complete_steps
 from flaxtpu.saved import pick_step
 

@@ -1,4 +1,4 @@
-"""Validate a config before any work starts, and derive the lengths of a run.
+"""Validate a config before any work starts.
 
 Every check raises `ConfigError` with one line: the key, the bad value, and
 what is allowed. This module must not import JAX (the CLI validates before
@@ -7,17 +7,17 @@ JAX starts, so that a typo never costs a compile).
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import importlib.util
 import math
-import re
 from typing import Sequence
 
 import ml_collections
 
 from flaxtpu import models  # the registry's names; no JAX at import
-from flaxtpu.errors import UserError
+from flaxtpu.errors import ConfigError
+from flaxtpu.metric_names import check_eval_split_names, early_stopping_metric
+from flaxtpu.param_patterns import check_patterns, parse_freeze_after, parse_lr_multipliers
 
 # The optimizer.* keys each optimizer reads, besides those all of them do (learning rate, weight
 # decay, clipping, accumulation, freezing, lr multipliers, layer decay, Lookahead).
@@ -60,10 +60,6 @@ YNN_FUSION_FLAG = '--xla_cpu_experimental_ynn_fusion_type'
 CPU_CONVOLUTION_FLAGS = {'xla': '', 'eigen': f'{YNN_FUSION_FLAG}=-individual_convolution'}
 NORMALIZATIONS = ('auto', 'unit', 'standardize', 'fixed')
 TASKS = ('multiclass', 'multilabel')
-
-
-class ConfigError(UserError, ValueError):
-  """A config value that cannot work; the message is one line that says why."""
 
 
 def _one_of(key: str, value, allowed) -> None:
@@ -116,7 +112,7 @@ def _check_dataset(config: ml_collections.ConfigDict) -> None:
       isinstance(split, str) and split for split in dataset.eval_splits):
     raise ConfigError(f'config.dataset.eval_splits={dataset.eval_splits!r} must be a tuple of split '
                       "names, e.g. --config.dataset.eval_splits=\"('train[:5000]',)\"")
-  _check_eval_split_names(dataset.eval_split, dataset.eval_splits)
+  check_eval_split_names(dataset.eval_split, dataset.eval_splits)
   if dataset.image_size < 0:
     raise ConfigError(f'config.dataset.image_size={dataset.image_size} must be >= 0 (0 = native size)')
   if not 0.0 <= dataset.crop_fraction <= 1.0:
@@ -254,7 +250,7 @@ def _check_optimizer(config: ml_collections.ConfigDict) -> None:
   _positive('optimizer.trust_coefficient', optimizer.trust_coefficient)
   _positive('optimizer.min_dim_size_to_factor', optimizer.min_dim_size_to_factor)
   _positive('optimizer.accumulate_steps', optimizer.accumulate_steps)
-  _check_patterns('optimizer.freeze', optimizer.freeze)
+  check_patterns('optimizer.freeze', optimizer.freeze)
   parse_lr_multipliers(optimizer.lr_multipliers)
   parse_freeze_after(optimizer.freeze_after)
   _check_read('optimizer', optimizer, OPTIMIZER_KEYS)
@@ -314,7 +310,7 @@ def _check_ema(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_init_from(config: ml_collections.ConfigDict) -> None:
-  _check_patterns('init_from.skip', config.init_from.skip)
+  check_patterns('init_from.skip', config.init_from.skip)
   step = str(config.init_from.step)
   if step not in ('latest', 'best') and not step.isdigit():
     raise ConfigError(f'config.init_from.step={step!r} is not valid; choose latest, best or a step number')
@@ -373,26 +369,6 @@ def _check_eval_metric(key: str, metric: str) -> None:
   if not (isinstance(metric, str) and metric.startswith('eval_')):
     raise ConfigError(f'config.{key}={metric!r} is not an eval metric; name one that the evaluation logs, '
                       'e.g. eval_loss, eval_accuracy or eval_map')
-
-
-def metric_mode(metric: str, mode: str = 'auto') -> str:
-  """'min' or 'max' for a watched eval metric: `mode`, or where 'auto', min for a *loss and max otherwise."""
-  return mode if mode != 'auto' else ('min' if metric.removesuffix('_ema').endswith('loss') else 'max')
-
-
-def early_stopping_metric(config: ml_collections.ConfigDict) -> str:
-  """early_stopping.metric, 'auto' resolved to the checkpoint's best metric ('' = off)."""
-  metric = config.early_stopping.metric
-  return metric if metric != 'auto' else best_metric(config)
-
-
-def best_metric(config: ml_collections.ConfigDict) -> str:
-  """checkpoint.best_metric, 'auto' resolved: eval_map for task=multilabel (the ranking quality, which
-  no threshold sways), else eval_accuracy. Both are kept at their maximum."""
-  metric = config.checkpoint.best_metric
-  if metric != 'auto':
-    return metric
-  return 'eval_map' if config.task == 'multilabel' else 'eval_accuracy'
 
 
 def _check_early_stopping(config: ml_collections.ConfigDict) -> None:
@@ -474,76 +450,6 @@ SECTION_CHECKS = (_check_dataset, _check_input, _check_augment, _check_model, _c
                   _check_wandb)
 
 
-def eval_metric_prefix(split: str, first: bool) -> str:
-  """'eval_' for the first eval split; 'eval_train_5000_' for 'train[:5000]' among the others."""
-  return 'eval_' if first else 'eval_' + re.sub(r'[^\w]+', '_', split).strip('_') + '_'
-
-
-def _check_eval_split_names(first: str, others) -> None:
-  """The extra eval splits' metric names must differ from each other and from the first split's."""
-  seen = {}
-  for split in others:
-    prefix = eval_metric_prefix(split, first=False)
-    if prefix in seen or prefix.startswith(('eval_top5_', 'eval_loss_', 'eval_accuracy_', 'eval_balanced_',
-                                            'eval_map_', 'eval_f1_', 'eval_threshold_')):
-      clash = f'with {seen[prefix]!r} ' if prefix in seen else ''
-      raise ConfigError(f'config.dataset.eval_splits entry {split!r} would log as {prefix}accuracy, '
-                        f'which clashes {clash}with another metric; list each split once, written so the '
-                        "names differ (e.g. 'train[:5000]', 'train[45000:]')")
-    seen[prefix] = split
-
-
-def _check_patterns(key: str, patterns) -> None:
-  """A tuple of regexes: each must compile."""
-  if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
-    raise ConfigError(f'config.{key}={patterns!r} must be a tuple of regex strings, e.g. '
-                      f"--config.{key}=\"('^stage1', 'Dense_0')\"")
-  for pattern in patterns:
-    try:
-      re.compile(pattern)
-    except re.error as e:
-      raise ConfigError(f'config.{key} pattern {pattern!r} is not a valid regex ({e})') from e
-
-
-def parse_lr_multipliers(entries) -> list[tuple[str, float]]:
-  """('^stage1=0.1', 'Dense_0=10') -> [('^stage1', 0.1), ('Dense_0', 10.0)]; bad entries are ConfigError."""
-  return _parse_pattern_values('optimizer.lr_multipliers', entries, 'factor', "'^stage1=0.1'")
-
-
-def parse_freeze_after(entries) -> list[tuple[str, float]]:
-  """('^stem/bias$=3',) -> [('^stem/bias$', 3.0)]: those parameters stop changing after 3 epochs."""
-  return _parse_pattern_values('optimizer.freeze_after', entries, 'epochs', "'^stem/bias$=3'")
-
-
-def _parse_pattern_values(key: str, entries, value_name: str, example: str) -> list[tuple[str, float]]:
-  """A tuple of 'regex=value' strings (value >= 0) -> [(regex, value)]; bad entries are ConfigError.
-
-  A tuple of strings, not a dict: the config is locked and `--config.KEY=...`
-  can only override a key that exists. The value follows the last '=', so a
-  regex may contain '='.
-  """
-  if isinstance(entries, str):
-    entries = (entries,)
-  parsed = []
-  for entry in entries:
-    pattern, _, text = str(entry).rpartition('=')
-    try:
-      value = float(text)
-    except ValueError:
-      value = -1.0
-    if not pattern or not value >= 0 or math.isinf(value):
-      raise ConfigError(f'config.{key} entry {entry!r} must be \'regex={value_name}\' with '
-                        f'{value_name} >= 0, e.g. --config.{key}="({example},)"')
-    parsed.append((pattern, value))
-  _check_patterns(key, [pattern for pattern, _ in parsed])
-  return parsed
-
-
-def resolved_eval_batch_size(config: ml_collections.ConfigDict) -> int:
-  """The global eval batch: config.eval_batch_size, or batch_size when it is -1."""
-  return config.eval_batch_size if config.eval_batch_size > 0 else config.batch_size
-
-
 def config_keys(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:
   """Every leaf key of a config as a dotted path."""
   keys = []
@@ -562,77 +468,3 @@ def did_you_mean(key: str, known_keys: Sequence[str]) -> str:
                  and ''.join(word[0] for word in known.rpartition('.')[2].split('_')) == leaf]
   close = abbreviated or difflib.get_close_matches(key, known_keys, n=1)
   return f' (did you mean {close[0]!r}?)' if close else ''
-
-
-@dataclasses.dataclass(frozen=True)
-class RunLength:
-  """How long a run is, in steps, derived from the config and the dataset size."""
-  steps_per_epoch: int
-  total_steps: int
-  eval_every_steps: int
-  checkpoint_every_steps: int
-  warmup_steps: int
-  accumulate_steps: int = 1  # batches per optimizer update: the schedule counts updates
-
-  @property
-  def total_updates(self) -> int:
-    return self.total_steps // self.accumulate_steps
-
-
-def run_length(config: ml_collections.ConfigDict, num_train_examples: int) -> RunLength:
-  """Turns epochs into steps (training drops each epoch's last partial batch)."""
-  steps_per_epoch = num_train_examples // config.batch_size
-  if steps_per_epoch == 0:
-    raise ConfigError(f'config.batch_size={config.batch_size} is larger than the train split '
-                      f'({num_train_examples} examples); lower the batch size')
-  if config.num_train_steps > 0:
-    total_steps = config.num_train_steps
-  else:
-    total_steps = max(1, math.ceil(config.num_epochs * steps_per_epoch))
-  # The run ends on an update: a last partial accumulation would be work thrown away.
-  accumulate = config.optimizer.accumulate_steps
-  total_steps = accumulate * max(1, math.ceil(total_steps / accumulate))
-
-  def every(value: int) -> int:
-    return min(steps_per_epoch if value == -1 else value, total_steps)
-
-  return RunLength(
-      steps_per_epoch=steps_per_epoch,
-      total_steps=total_steps,
-      eval_every_steps=every(config.eval_every_steps),
-      checkpoint_every_steps=every(config.checkpoint_every_steps),
-      warmup_steps=int(round(config.schedule.warmup_epochs * steps_per_epoch)),
-      accumulate_steps=accumulate,
-  )
-
-
-def from_saved(saved: dict) -> ml_collections.ConfigDict:
-  """The locked config of a run from its saved `config.json`, on top of today's defaults.
-
-  Keys this version no longer knows are skipped (logged by the caller's
-  reader); JSON lists become the tuples the defaults hold.
-  """
-  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
-  config = defaults.get_config()
-  known = set(config_keys(config))
-
-  def assign(node: dict, prefix: str) -> None:
-    for key, value in node.items():
-      path = f'{prefix}{key}'
-      if isinstance(value, dict) and path not in known:
-        assign(value, f'{path}.')
-      elif path in known:
-        parent_path, _, leaf = path.rpartition('.')
-        parent = config
-        for part in parent_path.split('.') if parent_path else []:
-          parent = parent[part]
-        parent[leaf] = tuple(value) if isinstance(parent[leaf], tuple) else value
-
-  assign(saved, '')
-  # A run saved before a model option existed computed what that option's legacy value computes.
-  if config.model.name in models.NAMES:
-    options = models.get_spec(config.model.name).options
-    for key, legacy in models.LEGACY_OPTIONS.items():
-      if key in options and key not in saved.get('model', {}):
-        config.model[key] = legacy
-  return config

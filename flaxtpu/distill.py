@@ -41,8 +41,8 @@ from clu import metrics as clu_metrics
 from jax.scipy.special import xlogy
 
 from flaxtpu import checkpoint, defaults, finetune, models, pretrained, steps
-from flaxtpu.config import from_saved
 from flaxtpu.errors import UserError
+from flaxtpu.workdir_config import from_saved
 
 
 @clu_metrics.flax.struct.dataclass

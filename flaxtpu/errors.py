@@ -9,6 +9,10 @@ class UserError(Exception):
   """
 
 
+class ConfigError(UserError, ValueError):
+  """A config value that cannot work; the message is one line that says why."""
+
+
 class CheckpointError(UserError):
   """A checkpoint that is missing, incomplete, or from another model."""
 

@@ -16,8 +16,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from flaxtpu import files, parallel, steps
-from flaxtpu.config import eval_metric_prefix
 from flaxtpu.data import loaders, pipeline
+from flaxtpu.metric_names import eval_metric_prefix
 from flaxtpu.report import metrics as report_metrics
 from flaxtpu.report import writer
 

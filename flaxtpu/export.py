@@ -54,9 +54,9 @@ import ml_collections
 import numpy as np
 
 from flaxtpu import files, models, optim, parallel, pretrained, steps, storage
-from flaxtpu.config import resolved_eval_batch_size
 from flaxtpu.data import loaders, pipeline
 from flaxtpu.errors import UserError
+from flaxtpu.lengths import resolved_eval_batch_size
 from flaxtpu.models import layouts
 from flaxtpu.modes.predict import predict_logits
 from flaxtpu.modes.restore import restore

@@ -24,8 +24,9 @@ from ml_collections import config_flags
 
 from flaxtpu import config as config_lib  # no JAX inside: safe before XLA's flags are set
 from flaxtpu import files, memory, storage  # no JAX inside either
-from flaxtpu.config import CPU_CONVOLUTION_FLAGS, YNN_FUSION_FLAG, resolved_eval_batch_size
+from flaxtpu.config import CPU_CONVOLUTION_FLAGS, YNN_FUSION_FLAG
 from flaxtpu.errors import UserError
+from flaxtpu.lengths import resolved_eval_batch_size
 from flaxtpu.signals import StopRequest
 
 FLAGS = flags.FLAGS

@@ -14,8 +14,10 @@ import numpy as np
 import optax
 
 from flaxtpu import models
-from flaxtpu.config import RunLength, metric_mode, parse_freeze_after, parse_lr_multipliers
 from flaxtpu.errors import UserError
+from flaxtpu.lengths import RunLength
+from flaxtpu.metric_names import metric_mode
+from flaxtpu.param_patterns import parse_freeze_after, parse_lr_multipliers
 
 FROZEN = 'frozen'  # the label of parameters that get no update and no optimizer state
 DEFAULT = repr(1.0)  # the label of parameters at the peak learning rate

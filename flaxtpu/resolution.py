@@ -4,7 +4,7 @@
 steps before it left open:
 
   1. the saved run's config: eval/predict/export of a trained run start from
-     its config.json (flaxtpu/workdir_config.py -> `config.from_saved`, which
+     its config.json (flaxtpu/workdir_config.py -> `from_saved`, which
      fills options a run saved before they existed), read while the flags are
      parsed so that `--config.KEY=VALUE` overrides apply on top;
   2. published weights named by `init_from.checkpoint` (a run that starts from
@@ -27,8 +27,8 @@ import os
 import ml_collections
 
 from flaxtpu import files, pretrained, saved
-from flaxtpu.config import best_metric
 from flaxtpu.errors import CheckpointError
+from flaxtpu.metric_names import best_metric
 from flaxtpu.workdir_config import CONFIG_FILE  # what a run resolved, written when it starts
 
 TRAINING_MODES = ('train', 'plan')  # a run that starts in the workdir (plan: what train would compile)

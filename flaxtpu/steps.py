@@ -23,8 +23,9 @@ import numpy as np
 import optax
 
 from flaxtpu import augment, metrics, models, optim, parallel
-from flaxtpu.config import RunLength, check_against_data, resolved_eval_batch_size, run_length
+from flaxtpu.config import check_against_data
 from flaxtpu.errors import UserError
+from flaxtpu.lengths import RunLength, resolved_eval_batch_size, run_length
 
 # --- the task and its state ---------------------------------------------------
 

@@ -37,12 +37,13 @@ from flaxtpu import (
   parallel,
   steps,
 )
-from flaxtpu.config import RunLength, early_stopping_metric, metric_mode, resolved_eval_batch_size, run_length
 from flaxtpu.data import loaders, pipeline, sampling, workers
 from flaxtpu.data.spec import saved_config
 from flaxtpu.errors import UserError
 from flaxtpu.evaluate import evaluate_splits, report_about, write_report
+from flaxtpu.lengths import RunLength, resolved_eval_batch_size, run_length
 from flaxtpu.memory import check_device, check_host
+from flaxtpu.metric_names import early_stopping_metric, metric_mode
 from flaxtpu.progress import Progress, TrainClock
 from flaxtpu.report import plots
 from flaxtpu.signals import StopRequest

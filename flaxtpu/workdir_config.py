@@ -1,4 +1,5 @@
-"""The config a run trained with, read back from WORKDIR/config.json.
+"""The config a run trained with, read back from WORKDIR/config.json (or a checkpoint record's
+`config`) on top of today's defaults: `from_saved`.
 
 `--mode=eval/predict/export` without `--config` load this file as
 `--config=flaxtpu/workdir_config.py:WORKDIR`, so `--config.KEY=VALUE`
@@ -8,13 +9,47 @@ training config exactly as they would on a recipe.
 
 import os
 
-from flaxtpu import config, files
+import ml_collections
+
+from flaxtpu import config as config_lib
+from flaxtpu import defaults, files, models
 
 CONFIG_FILE = 'config.json'
 
 
-def get_config(workdir: str):
+def get_config(workdir: str) -> ml_collections.ConfigDict:
   saved = files.read_json(os.path.join(workdir, CONFIG_FILE))
   if saved is None:
     raise ValueError(f'{os.path.join(workdir, CONFIG_FILE)} is missing or unreadable')
-  return config.from_saved(saved)
+  return from_saved(saved)
+
+
+def from_saved(saved: dict) -> ml_collections.ConfigDict:
+  """The locked config of a run from its saved `config.json`, on top of today's defaults.
+
+  Keys this version no longer knows are skipped (logged by the caller's
+  reader); JSON lists become the tuples the defaults hold.
+  """
+  config = defaults.get_config()
+  known = set(config_lib.config_keys(config))
+
+  def assign(node: dict, prefix: str) -> None:
+    for key, value in node.items():
+      path = f'{prefix}{key}'
+      if isinstance(value, dict) and path not in known:
+        assign(value, f'{path}.')
+      elif path in known:
+        parent_path, _, leaf = path.rpartition('.')
+        parent = config
+        for part in parent_path.split('.') if parent_path else []:
+          parent = parent[part]
+        parent[leaf] = tuple(value) if isinstance(parent[leaf], tuple) else value
+
+  assign(saved, '')
+  # A run saved before a model option existed computed what that option's legacy value computes.
+  if config.model.name in models.NAMES:
+    options = models.get_spec(config.model.name).options
+    for key, legacy in models.LEGACY_OPTIONS.items():
+      if key in options and key not in saved.get('model', {}):
+        config.model[key] = legacy
+  return config

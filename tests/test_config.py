@@ -7,7 +7,7 @@ import pytest
 from configs import cifar10, cifar10_fast, cifar10_resnet, digits, imagenet_resnet50, mnist, photos
 from experiments import cifar10_fast_ablation
 from flaxtpu import config as config_lib
-from flaxtpu import defaults, models
+from flaxtpu import defaults, lengths, models
 
 
 @pytest.mark.parametrize('recipe', [defaults, cifar10, cifar10_resnet, cifar10_fast, digits, mnist,
@@ -114,19 +114,19 @@ def test_model_names_come_from_the_registry():
 
 def test_run_length_from_epochs_and_steps():
   config = cifar10.get_config()  # batch 128, 5 epochs
-  length = config_lib.run_length(config, 50_000)
+  length = lengths.run_length(config, 50_000)
   assert (length.steps_per_epoch, length.total_steps) == (390, 1950)
   assert length.eval_every_steps == length.checkpoint_every_steps == 390
   config.num_train_steps, config.eval_every_steps = 100, 40
   config.schedule.warmup_epochs = 0.5
-  length = config_lib.run_length(config, 50_000)
+  length = lengths.run_length(config, 50_000)
   assert (length.total_steps, length.eval_every_steps, length.warmup_steps) == (100, 40, 195)
 
 
 def test_batch_larger_than_dataset_is_an_error():
   config = cifar10.get_config()
   with pytest.raises(config_lib.ConfigError, match='larger than the train split'):
-    config_lib.run_length(config, 100)
+    lengths.run_length(config, 100)
 
 
 def test_a_config_outside_the_repo_builds_on_the_installed_defaults(tmp_path):

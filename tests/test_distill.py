@@ -10,7 +10,7 @@ import pytest
 
 from configs import digits
 from conftest import assert_same_state, metric_rows, restore_checkpoint, signal_at_step, tiny_dataset
-from flaxtpu import augment, checkpoint, distill, parallel, steps, train
+from flaxtpu import augment, checkpoint, distill, lengths, parallel, steps, train
 from flaxtpu import config as config_lib
 from flaxtpu.config import ConfigError
 from flaxtpu.errors import UserError
@@ -75,7 +75,7 @@ def test_the_train_loss_is_the_mixture_of_label_and_teacher_terms_computed_by_ha
   dataset = tiny_dataset()
   teacher, teacher_variables = _teacher(loss, 0.7, temperature)
   task = steps.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=dataset.mean, std=dataset.std,
-                           length=config_lib.run_length(config, 64), teacher=teacher)
+                           length=lengths.run_length(config, 64), teacher=teacher)
   state = steps.init_state(task, 0)
   images, labels = dataset.train.images[:8], dataset.train.labels[:8]
   _, step_metrics = steps.train_step(state, (images, labels), teacher_variables, task=task)

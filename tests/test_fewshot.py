@@ -11,7 +11,7 @@ from sklearn.linear_model import Ridge
 from configs import digits
 from conftest import make_image_folder
 from flaxtpu import config as config_lib
-from flaxtpu import fewshot, parallel, steps, train, workdir_config
+from flaxtpu import fewshot, lengths, parallel, steps, train, workdir_config
 from flaxtpu.config import ConfigError
 from flaxtpu.data import loaders, pipeline
 from flaxtpu.modes import eval as eval_mode
@@ -86,7 +86,7 @@ def test_a_run_logs_probe_accuracies_and_eval_mode_reproduces_them(tmp_path):
 def test_trained_features_beat_random_ones():
   config = _config(num_train_steps=60)
   dataset = pipeline.load(config)
-  length = config_lib.run_length(config, len(dataset.train))
+  length = lengths.run_length(config, len(dataset.train))
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std, length=length)
   placement = steps.place(task, parallel.make_mesh(config), config)

@@ -11,7 +11,7 @@ import pytest
 
 from configs import cifar10_resnet
 from conftest import make_image_folder, restore_checkpoint, tiny_dataset
-from flaxtpu import checkpoint, finetune, optim, parallel, resolution, steps, train
+from flaxtpu import checkpoint, finetune, lengths, optim, parallel, resolution, steps, train
 from flaxtpu import config as config_lib
 from flaxtpu.data import loaders, pipeline
 from flaxtpu.errors import UserError
@@ -56,7 +56,7 @@ def _place(config):
   dataset = pipeline.load(config)
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std,
-                           length=config_lib.run_length(config, len(dataset.train)))
+                           length=lengths.run_length(config, len(dataset.train)))
   placement = steps.place(task, parallel.make_mesh(config), config)
   return task, placement, steps.create_state(task, placement, config.seed), dataset
 
@@ -173,7 +173,7 @@ def test_no_checkpoint_and_another_model_are_one_line_errors(source, five_class,
   config = _config(folders[1], **{'model.name': 'resnet18', 'init_from.checkpoint': source})
   dataset = pipeline.load(config)
   task = steps.create_task(config, num_classes=5, image_shape=dataset.image_shape, mean=dataset.mean,
-                           std=dataset.std, length=config_lib.run_length(config, len(dataset.train)))
+                           std=dataset.std, length=lengths.run_length(config, len(dataset.train)))
   placement = steps.place(task, parallel.make_mesh(config), config)
   _one_line_error(lambda: finetune.init_from(config, task, placement, None, dataset.class_names),
                   f'{source}/checkpoints/2 (resnet20) does not fit resnet18',
@@ -234,7 +234,7 @@ def _train_steps(num_steps, **overrides):
   config = _config('', num_train_steps=num_steps, **overrides)
   dataset = tiny_dataset()
   task = steps.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=dataset.mean, std=dataset.std,
-                           length=config_lib.run_length(config, len(dataset.train)))
+                           length=lengths.run_length(config, len(dataset.train)))
   # One device compiles fastest; the fine-tuning run above trains frozen arrays on eight.
   placement = steps.place(task, _one_device_mesh(), config)
   state = steps.create_state(task, placement, config.seed)
@@ -280,7 +280,7 @@ def _params():
 
 @pytest.mark.parametrize('name', ['sgd', 'adam', 'adamw'])
 def test_multiplier_half_gives_half_the_update_with_weight_decay_masked(name):
-  params, length = _params(), config_lib.RunLength(10, 10, 10, 10, 0)
+  params, length = _params(), lengths.RunLength(10, 10, 10, 10, 0)
   grads = jax.tree.map(lambda p: jnp.cos(3 * p), params)
 
   def update(*multipliers):

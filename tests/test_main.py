@@ -12,8 +12,7 @@ import pytest
 
 from configs import cifar10_resnet
 from conftest import ROOT, make_mixed_folder
-from flaxtpu import config as config_lib
-from flaxtpu import steps
+from flaxtpu import lengths, steps
 from flaxtpu.modes import eval as eval_mode
 
 TINY = ['--config.batch_size=16', '--config.num_train_steps=6', '--config.log_every_steps=2',
@@ -216,7 +215,7 @@ def test_plan_mode_writes_plan_json(image_folder, tmp_path):
   # the batch (3 uint8 8x8x3 images of the toy folder and 3 int32 labels).
   config = cifar10_resnet.get_config()
   task = steps.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=np.zeros(3),
-                           std=np.ones(3), length=config_lib.run_length(config, 50_000))
+                           std=np.ones(3), length=lengths.run_length(config, 50_000))
   state_bytes = sum(x.size * x.dtype.itemsize
                     for x in jax.tree.leaves(jax.eval_shape(lambda: steps.init_state(task, 0))))
   assert plan['argument_bytes'] == state_bytes + 3 * 8 * 8 * 3 + 3 * 4

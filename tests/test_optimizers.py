@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from flaxtpu import config as config_lib
-from flaxtpu import defaults, models, optim
+from flaxtpu import defaults, lengths, models, optim
 from flaxtpu.config import ConfigError
 
 EXAMPLES = 64  # at batch 8: 8 steps an epoch
@@ -85,7 +85,7 @@ def test_each_optimizer_is_its_optax_chain(name):
   keys, hand_written = HAND_WRITTEN[name]
   config = _config(**{'optimizer.name': name, 'optimizer.learning_rate': LR, 'optimizer.weight_decay': WD,
                       **keys})
-  optimizer, _ = optim.create_optimizer(config, config_lib.run_length(config, EXAMPLES))
+  optimizer, _ = optim.create_optimizer(config, lengths.run_length(config, EXAMPLES))
   params = _params()
   gradients = _gradients(params, 3)
   got, _ = _run(optimizer, params, gradients)
@@ -96,7 +96,7 @@ def test_each_optimizer_is_its_optax_chain(name):
 
 def test_sgd_without_momentum_is_plain_sgd_with_no_state():
   config = _config(**{'optimizer.name': 'sgd', 'optimizer.momentum': 0.0, 'optimizer.weight_decay': WD})
-  optimizer, _ = optim.create_optimizer(config, config_lib.run_length(config, EXAMPLES))
+  optimizer, _ = optim.create_optimizer(config, lengths.run_length(config, EXAMPLES))
   params = _params()
   grads = _gradients(params, 1)
   got, state = _run(optimizer, params, grads)
@@ -115,7 +115,7 @@ def test_decay_masks_freezing_multipliers_accumulation_and_lookahead_wrap_lamb_a
                       'optimizer.freeze': ('^Conv_0/',), 'optimizer.lr_multipliers': ('^Dense_0/kernel=0.1',),
                       'optimizer.accumulate_steps': 2, 'optimizer.lookahead_every': 2,
                       'num_train_steps': 8})
-  optimizer, _ = optim.create_optimizer(config, config_lib.run_length(config, EXAMPLES))
+  optimizer, _ = optim.create_optimizer(config, lengths.run_length(config, EXAMPLES))
   params = _params()
   gradients = _gradients(params, 8)
   got, _ = _run(optimizer, params, gradients, compile=True)  # MultiSteps runs slowly op by op
@@ -143,12 +143,12 @@ def test_a_zero_gradient_decays_kernels_only_and_bias_weight_decay_biases():
   zero = jax.tree.map(jnp.zeros_like, params)
   for name in ('lion', 'lamb', 'lars', 'adafactor', 'rmsprop'):
     config = _config(**{'optimizer.name': name, 'optimizer.weight_decay': WD})
-    optimizer, _ = optim.create_optimizer(config, config_lib.run_length(config, EXAMPLES))
+    optimizer, _ = optim.create_optimizer(config, lengths.run_length(config, EXAMPLES))
     updates, _ = optimizer.update(zero, optimizer.init(params), params)
     assert float(jnp.abs(updates['stage1']['bias']).max()) == 0.0, name
     assert float(jnp.abs(updates['stage1']['kernel']).min()) > 0.0, name
     config = _config(**{'optimizer.name': name, 'optimizer.bias_weight_decay': WD})
-    optimizer, _ = optim.create_optimizer(config, config_lib.run_length(config, EXAMPLES))
+    optimizer, _ = optim.create_optimizer(config, lengths.run_length(config, EXAMPLES))
     updates, _ = optimizer.update(zero, optimizer.init(params), params)
     assert float(jnp.abs(updates['stage1']['bias']).min()) > 0.0, name
     assert float(jnp.abs(updates['stage1']['kernel']).max()) == 0.0, name
@@ -161,7 +161,7 @@ def _schedule(name, **keys):
   """The learning rate at each step of a 10-epoch run of 8 steps an epoch, peak 1."""
   config = _config(**{'schedule.name': name, 'optimizer.learning_rate': 1.0, 'num_train_steps': -1,
                       'num_epochs': 10.0, **keys})
-  _, schedule = optim.create_optimizer(config, config_lib.run_length(config, EXAMPLES))
+  _, schedule = optim.create_optimizer(config, lengths.run_length(config, EXAMPLES))
   return lambda step: float(schedule(jnp.asarray(step)))
 
 
@@ -177,7 +177,7 @@ def test_step_schedule_counts_updates_when_accumulating():
   # 2 batches an update: an epoch is 4 updates; the milestone at epoch 3 is update 12, batch 24.
   config = _config(**{'schedule.name': 'step', 'schedule.milestones': (3,), 'optimizer.learning_rate': 1.0,
                       'optimizer.accumulate_steps': 2, 'num_train_steps': -1, 'num_epochs': 10.0})
-  _, lr_at_step = optim.create_optimizer(config, config_lib.run_length(config, EXAMPLES))
+  _, lr_at_step = optim.create_optimizer(config, lengths.run_length(config, EXAMPLES))
   assert [float(lr_at_step(step)) for step in (22, 23, 24, 25)] == pytest.approx([1.0, 1.0, 0.1, 0.1])
 
 
@@ -267,7 +267,7 @@ def test_layer_decay_multiplies_lr_multipliers_in_the_update():
   config = _config(**{'model.name': 'resnet20', 'optimizer.name': 'sgd', 'optimizer.momentum': 0.0,
                       'optimizer.learning_rate': 1.0, 'optimizer.layer_decay': 0.5,
                       'optimizer.lr_multipliers': ('^stage2=3', 'bias=0'), 'optimizer.freeze': ()})
-  optimizer, _ = optim.create_optimizer(config, config_lib.run_length(config, EXAMPLES))
+  optimizer, _ = optim.create_optimizer(config, lengths.run_length(config, EXAMPLES))
   updates, _ = optimizer.update(params, optimizer.init(params), params)  # gradient 1 everywhere
   factors = {name: float(-leaf.ravel()[0]) for name, leaf in optim.named_leaves(updates).items()}
   assert factors == {'Conv_0/kernel': 0.5**10, 'stage2_block1/kernel': 3 * 0.5**6,

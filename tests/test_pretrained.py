@@ -21,7 +21,7 @@ from flax import traverse_util
 from PIL import Image
 
 from flaxtpu import config as config_lib
-from flaxtpu import defaults, finetune, models, pretrained
+from flaxtpu import defaults, finetune, models, pretrained, workdir_config
 from flaxtpu.errors import UserError
 from flaxtpu.models import convnext, layouts, resnet, vit
 
@@ -321,11 +321,12 @@ def test_runs_saved_before_the_variants_keep_their_function():
   for key in ('padding', 'gelu'):
     del saved['model'][key]
   saved['model']['name'] = 'resnet18'
-  assert config_lib.from_saved(saved).model.padding == 'same'
+  assert workdir_config.from_saved(saved).model.padding == 'same'
   saved['model']['name'] = 'vit_s'
-  restored = config_lib.from_saved(saved)
+  restored = workdir_config.from_saved(saved)
   assert (restored.model.gelu, restored.model.padding) == ('tanh', 'torch')  # padding: not a ViT option
-  assert config_lib.from_saved(json.loads(json.dumps(defaults.get_config().to_dict()))).model.gelu == 'exact'
+  saved_today = json.loads(json.dumps(defaults.get_config().to_dict()))
+  assert workdir_config.from_saved(saved_today).model.gelu == 'exact'
 
 
 def test_finetune_from_the_hub_records_preprocessing_and_exports_to_timm(resnet18_hub, tmp_path):

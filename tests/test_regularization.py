@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from conftest import restore_checkpoint, tiny_dataset
-from flaxtpu import augment, defaults, optim, steps, train
+from flaxtpu import augment, defaults, lengths, metric_names, optim, steps, train
 from flaxtpu import config as config_lib
 from flaxtpu.config import ConfigError
 from flaxtpu.data import loaders
@@ -30,7 +30,7 @@ def _config(**overrides):
 def _task(config, num_examples=64):
   dataset = tiny_dataset()
   return steps.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=dataset.mean,
-                           std=dataset.std, length=config_lib.run_length(config, num_examples))
+                           std=dataset.std, length=lengths.run_length(config, num_examples))
 
 
 def _run(task, batches, seed=0):
@@ -82,7 +82,7 @@ def test_accumulating_k_batches_equals_one_batch_k_times_larger():
 def test_the_run_length_rounds_up_to_a_whole_update():
   config = _config(batch_size=8, num_epochs=1.0, **{'optimizer.accumulate_steps': 3,
                                                     'schedule.warmup_epochs': 0.5})
-  length = config_lib.run_length(config, 64)  # 8 batches per epoch -> 9, 3 updates
+  length = lengths.run_length(config, 64)  # 8 batches per epoch -> 9, 3 updates
   assert (length.total_steps, length.total_updates, length.warmup_steps) == (9, 3, 4)
   with pytest.raises(ConfigError, match='accumulate_steps=0 must be > 0'):
     config_lib.validate(_config(**{'optimizer.accumulate_steps': 0}))
@@ -160,7 +160,7 @@ def test_lookahead_from_the_config_ramps_its_decay_and_counts_updates_not_batche
       'schedule.name': 'constant', 'optimizer.learning_rate': 0.1, 'optimizer.momentum': 0.0,
       'optimizer.accumulate_steps': 2, 'optimizer.lookahead_every': 1, 'optimizer.lookahead_decay': 0.5,
       'optimizer.lookahead_decay_power': 1.0})
-  opt, _ = optim.create_optimizer(config, config_lib.run_length(config, 64))  # 4 updates
+  opt, _ = optim.create_optimizer(config, lengths.run_length(config, 64))  # 4 updates
   x = {'w': jnp.ones(())}
   state = opt.init(x)
   got = []
@@ -217,12 +217,12 @@ def test_bias_weight_decay_is_its_own_coefficient():
     config = _config(batch_size=8, num_train_steps=4, **{
         'optimizer.name': name, 'optimizer.learning_rate': 1.0, 'optimizer.momentum': 0.0,
         'schedule.name': 'constant', 'optimizer.weight_decay': 0.1, 'optimizer.bias_weight_decay': 0.01})
-    opt, _ = optim.create_optimizer(config, config_lib.run_length(config, 64))
+    opt, _ = optim.create_optimizer(config, lengths.run_length(config, 64))
     updates, _ = opt.update(zero, opt.init(params), params)
     np.testing.assert_allclose(updates['kernel'], -0.1 * np.ones((2, 2)), rtol=1e-6)
     np.testing.assert_allclose(updates['bias'], -0.01 * np.ones(2), rtol=1e-6)
   config.optimizer.bias_weight_decay = 0.0  # the default: biases never decay
-  opt, _ = optim.create_optimizer(config, config_lib.run_length(config, 64))
+  opt, _ = optim.create_optimizer(config, lengths.run_length(config, 64))
   assert float(jnp.abs(opt.update(zero, opt.init(params), params)[0]['bias']).max()) == 0.0
 
 
@@ -231,7 +231,7 @@ def test_freeze_after_stops_a_parameter_after_its_epochs_counting_updates():
   config = _config(batch_size=8, num_train_steps=12, **{
       'schedule.name': 'constant', 'optimizer.learning_rate': 0.1, 'optimizer.momentum': 0.9,
       'optimizer.accumulate_steps': 2, 'optimizer.freeze_after': ('^bias$=0.5',)})
-  opt, _ = optim.create_optimizer(config, config_lib.run_length(config, 64))
+  opt, _ = optim.create_optimizer(config, lengths.run_length(config, 64))
   x = {'kernel': jnp.ones(()), 'bias': jnp.ones(())}
   state, got = opt.init(x), []
   for _ in range(12):
@@ -417,8 +417,8 @@ def test_eval_ema_of_a_run_without_ema_is_one_line(tmp_path):
 
 
 def test_eval_split_names_and_a_bad_one():
-  assert config_lib.eval_metric_prefix('train[:5000]', first=False) == 'eval_train_5000_'
-  assert config_lib.eval_metric_prefix('test', first=True) == 'eval_'
+  assert metric_names.eval_metric_prefix('train[:5000]', first=False) == 'eval_train_5000_'
+  assert metric_names.eval_metric_prefix('test', first=True) == 'eval_'
   with pytest.raises(ConfigError, match=r"entry 'train\[50%:\]' would log as eval_train_50_accuracy, "
                                         r"which clashes with 'train\[:50%\]'"):
     config_lib.validate(_config(**{'dataset.eval_splits': ('train[:50%]', 'train[50%:]')}))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import make_image_folder
-from flaxtpu import checkpoint, defaults, files, main, resolution, saved, train
+from flaxtpu import checkpoint, defaults, files, main, metric_names, resolution, saved, train, workdir_config
 from flaxtpu import config as config_lib
 from flaxtpu.errors import UserError
 
@@ -97,7 +97,7 @@ def test_a_fine_tune_from_a_run_is_resolved_before_validation_and_never_edited(s
   # eval and predict start from the run's config.json, as the CLI does without --config.
   for mode, overrides in (('eval', {}), ('predict', {'predict.input': os.path.join(folders[1], 'test', 'dog'),
                                                      'predict.output_csv': str(tmp_path / 'dogs.csv')})):
-    restored = config_lib.from_saved(files.read_json(os.path.join(workdir, 'config.json')))
+    restored = workdir_config.from_saved(files.read_json(os.path.join(workdir, 'config.json')))
     restored.update_from_flattened_dict(overrides)
     before = _as_json(restored)
     main.run(restored, workdir, mode, None)
@@ -116,7 +116,7 @@ def test_the_source_record_is_read_without_jax_at_the_step_orbax_picks(source, f
     config = _config(folders[1], **{'init_from.checkpoint': source, 'init_from.step': step, **overrides})
     orbax = checkpoint.Checkpoints(source, config, read_only=True)
     expected = orbax.resolve(step, key='init_from.step')
-    assert saved.best_step(directory, [1, 2], config_lib.best_metric(config),
+    assert saved.best_step(directory, [1, 2], metric_names.best_metric(config),
                            config.checkpoint.best_mode) == orbax.best_step()
     assert resolution.source_record(config) == orbax.read_record(expected), (step, overrides)
     orbax.close()
@@ -158,7 +158,7 @@ def test_the_best_step_is_orbaxs_with_ties_and_steps_without_metrics(metric, mod
     checkpoints.wait()
   steps = checkpoints.all_steps()
   assert steps == sorted(saved.complete_steps(checkpoints.directory)) == list(accuracies)
-  best = saved.best_step(checkpoints.directory, steps, config_lib.best_metric(config), mode)
+  best = saved.best_step(checkpoints.directory, steps, metric_names.best_metric(config), mode)
   assert best == checkpoints.best_step() == ({'max': 3, 'min': 7}[mode] if metric else 7)
   assert saved.read_record(checkpoints.directory, best) == checkpoints.read_record(best) == {'step': best}
   checkpoints.close()

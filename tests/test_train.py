@@ -8,8 +8,7 @@ import pytest
 
 from configs import cifar10_resnet
 from conftest import tiny_dataset
-from flaxtpu import config as config_lib
-from flaxtpu import parallel, progress, steps
+from flaxtpu import lengths, parallel, progress, steps
 from flaxtpu.data import loaders, pipeline
 from flaxtpu.errors import UserError
 
@@ -29,7 +28,7 @@ def _config(**overrides):
 def run_steps(config, mesh, dataset=None, num_steps=STEPS):
   """Trains `num_steps` steps from the seed; returns (losses, host params, host batch stats, state)."""
   dataset = dataset or tiny_dataset()
-  length = config_lib.run_length(config, len(dataset.train))
+  length = lengths.run_length(config, len(dataset.train))
   task = steps.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=dataset.mean,
                            std=dataset.std, length=length)
   placement = steps.place(task, mesh, config)
@@ -133,7 +132,7 @@ def test_batch_that_does_not_divide_over_devices_is_named(key):
 
 
 def test_eta_counts_the_evaluations_and_saves_still_to_come(monkeypatch):
-  from flaxtpu.config import RunLength
+  from flaxtpu.lengths import RunLength
   clock_time = [1000.0]
   monkeypatch.setattr(progress.time, 'time', lambda: clock_time[0])
   clock = progress.TrainClock(first_step=0, progress=progress.Progress())

@@ -10,10 +10,10 @@ import jax
 import ml_collections
 
 from flaxtpu import fewshot, files, steps
-from flaxtpu.config import resolved_eval_batch_size
 from flaxtpu.data import pipeline
 from flaxtpu.errors import UserError
 from flaxtpu.evaluate import evaluate, report_about, tta_name, write_report
+from flaxtpu.lengths import resolved_eval_batch_size
 from flaxtpu.modes.restore import restore
 
 

@@ -10,9 +10,9 @@ import ml_collections
 import numpy as np
 
 from flaxtpu import files, steps
-from flaxtpu.config import resolved_eval_batch_size
 from flaxtpu.data import pipeline, predict_inputs
 from flaxtpu.errors import UserError, printable
+from flaxtpu.lengths import resolved_eval_batch_size
 from flaxtpu.modes.restore import restore
 from flaxtpu.modes.thresholds import tag_thresholds
 from flaxtpu.report import metrics as report_metrics

@@ -80,7 +80,7 @@ def multilabel_named(dataset) -> bool:
 
 def check_selection(dataset) -> None:
   """Config validation: at most one keyed kind named."""
-  from flaxtpu.config import ConfigError  # pylint: disable=g-import-not-at-top
+  from flaxtpu.errors import ConfigError  # pylint: disable=g-import-not-at-top
   names = named(dataset)
   if len(names) > 1:
     raise ConfigError(f'config.dataset.{names[0]} and config.dataset.{names[1]} are both set; '

@@ -167,7 +167,7 @@ class ShardSource(TaggedSource):
 
   @classmethod
   def check(cls, config) -> None:
-    from flaxtpu.config import ConfigError  # pylint: disable=g-import-not-at-top
+    from flaxtpu.errors import ConfigError  # pylint: disable=g-import-not-at-top
     if config.dataset.sampling == 'shards' and not config.dataset.shards:
       raise ConfigError("config.dataset.sampling='shards' streams tar shards per process; set "
                         "config.dataset.shards too, or use sampling='shuffle'")
