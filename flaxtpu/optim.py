@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Any, Callable, NamedTuple
 
@@ -16,7 +15,6 @@ import optax
 from flaxtpu import models
 from flaxtpu.errors import UserError
 from flaxtpu.lengths import RunLength
-from flaxtpu.metric_names import metric_mode
 from flaxtpu.param_patterns import parse_freeze_after, parse_lr_multipliers
 
 FROZEN = 'frozen'  # the label of parameters that get no update and no optimizer state
@@ -408,44 +406,6 @@ def set_plateau_scale(opt_state, scale: float):
   full = np.full(old.shape, scale, old.dtype)
   new = jax.make_array_from_callback(old.shape, old.sharding, lambda index: full[index])
   return optax.tree_utils.tree_set(opt_state, plateau_scale=new)
-
-
-class Plateau:
-  """schedule.name=plateau on the host: optax.contrib.reduce_on_plateau's state machine, fed each
-  evaluation's metric (negated where it is maximised). Its state is a dict of numbers (for `Progress`);
-  any improvement counts (Keras' min_delta=0)."""
-
-  FIELDS = optax.contrib.ReduceLROnPlateauState._fields
-
-  def __init__(self, config: ml_collections.ConfigDict):
-    schedule = config.schedule
-    self.metric = schedule.plateau_metric or 'eval_loss'
-    self.sign = -1.0 if metric_mode(self.metric) == 'max' else 1.0
-    self._transform = optax.contrib.reduce_on_plateau(
-        factor=schedule.factor, patience=schedule.plateau_patience, rtol=0.0, atol=1e-12,
-        cooldown=schedule.plateau_cooldown, accumulation_size=1, min_scale=schedule.final_lr_fraction)
-
-  def initial(self) -> dict:
-    return self._to_json(self._template())
-
-  def _template(self):
-    return self._transform.init(jnp.zeros([], jnp.float32))
-
-  def update(self, state: dict, metrics: dict) -> dict:
-    """The state after an evaluation whose metrics are `metrics`."""
-    if self.metric not in metrics:
-      raise UserError(f'config.schedule.plateau_metric={self.metric!r} is not among the eval metrics '
-                      f'({", ".join(sorted(metrics))}); pick one of them')
-    template = self._template()
-    current = template._replace(**{name: jnp.asarray(math.inf if state[name] is None else state[name],
-                                                     getattr(template, name).dtype) for name in self.FIELDS})
-    _, new = self._transform.update({}, current, value=jnp.float32(self.sign * metrics[self.metric]))
-    return self._to_json(new)
-
-  @staticmethod
-  def _to_json(state) -> dict:
-    values = {name: getattr(state, name).item() for name in Plateau.FIELDS}
-    return {name: None if value == math.inf else value for name, value in values.items()}  # JSON: no inf
 
 
 def _weight_decay(opt: ml_collections.ConfigDict, always: bool = False) -> list[optax.GradientTransformation]:

@@ -30,7 +30,7 @@ class Progress:
   time_to_first_step_s: Optional[float] = None  # of the first attempt: data, init, compile, one step
   wall_time_s: Optional[float] = None  # of every attempt, from its start to its latest save
   memory_plan: dict = dataclasses.field(default_factory=dict)  # XLA's per-device plan of the train step
-  plateau: Optional[dict] = None  # schedule.name=plateau: reduce_on_plateau's state (optim.Plateau)
+  plateau: Optional[dict] = None  # schedule.name=plateau: reduce_on_plateau's state (plateau.Plateau)
   # early_stopping.metric: its best value, the step of it, and the evaluations since without improvement
   early_stopping: dict = dataclasses.field(default_factory=dict)
   stopped_early: Optional[dict] = None  # where early stopping ended the run: {step, metric, best, ...}

@@ -1,11 +1,13 @@
 """The training loop: a config and a workdir in; checkpoints, metrics and results.json out.
 
-Read top to bottom: the helpers (stopping on a signal, profiling, the
-checkpoint record, where a run starts and how a finished one is completed),
-then `train_and_evaluate`: data -> model -> restore -> the loop, whose
-periodic actions (`_Loop.log`, `_Loop.evaluate`, `_Loop.save`) are methods of
-what they share. The step functions and their placement on the devices are
-in `steps.py`; the progress record and its clock in `progress.py`.
+Read top to bottom: the helpers (stopping on a signal, the checkpoint
+record, where a run starts and how a finished one is completed), then
+`train_and_evaluate`: data -> model -> restore -> the loop, whose periodic
+actions (`_Loop.log`, `_Loop.evaluate`, `_Loop.save`) are methods of what
+they share. The step functions and their placement on the devices are in
+`steps.py`; the progress record and its clock in `progress.py`; what reads
+each evaluation in `early_stopping.py` and `plateau.py`; a NaN loss in
+`divergence.py`; the profiler in `profiling.py`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from jax.experimental import multihost_utils
 from flaxtpu import (
   checkpoint,
   distill,
+  divergence,
+  early_stopping,
   fewshot,
   files,
   finetune,
@@ -39,11 +43,13 @@ from flaxtpu import (
 )
 from flaxtpu.data import loaders, pipeline, sampling, workers
 from flaxtpu.data.spec import saved_config
-from flaxtpu.errors import UserError
+from flaxtpu.divergence import Diverged, TrainingDiverged
 from flaxtpu.evaluate import evaluate_splits, report_about, write_report
 from flaxtpu.lengths import RunLength, resolved_eval_batch_size, run_length
 from flaxtpu.memory import check_device, check_host
-from flaxtpu.metric_names import early_stopping_metric, metric_mode
+from flaxtpu.metric_names import early_stopping_metric
+from flaxtpu.plateau import Plateau
+from flaxtpu.profiling import StepProfiler
 from flaxtpu.progress import Progress, TrainClock
 from flaxtpu.report import plots
 from flaxtpu.signals import StopRequest
@@ -64,39 +70,6 @@ def stop_requested(stop: StopRequest, check_all_processes: bool) -> bool:
     stop.abort(stop.abort_reason or 'process 0 lost the workdir\'s lease; see its error line')
     stop.raise_if_aborted()
   return bool(np.any(flags[..., 0]))
-
-
-class StepProfiler:
-  """`profile_steps` steps traced with jax.profiler into WORKDIR/profile, after warm-up steps."""
-  WARMUP_STEPS = 5
-
-  def __init__(self, workdir: str, first_step: int, num_steps: int, total_steps: int):
-    self.directory = os.path.join(workdir, 'profile')
-    self._trace_dir = files.LocalStage(self.directory)  # on gs://: traced locally, uploaded at the end
-    start = min(first_step + self.WARMUP_STEPS, max(first_step, total_steps - num_steps))
-    self._steps = range(start + 1, min(start + num_steps, total_steps) + 1) if num_steps else range(0)
-    self._tracing = False
-
-  def before_step(self, step: int) -> None:
-    if self._steps and step == self._steps.start:
-      jax.profiler.start_trace(self._trace_dir.local, create_perfetto_trace=True)
-      self._tracing = True
-
-  def after_step(self, step: int, state, clock: TrainClock) -> None:
-    if self._tracing and step == self._steps[-1]:
-      with clock.paused('profile'):  # writing the trace is not training time
-        self.stop(state)
-
-  def stop(self, state=None) -> None:
-    """Ends the trace once the steps queued for `state` have run (where one is in progress)."""
-    if self._tracing:
-      jax.block_until_ready(state)
-      jax.profiler.stop_trace()
-      self._trace_dir.publish()
-      self._tracing = False
-      logging.info('profile of steps %d-%d in %s: open it with `tensorboard --logdir %s` (Profile '
-                   'tab) or the *.trace.json.gz in https://ui.perfetto.dev', self._steps.start,
-                   self._steps[-1], self.directory, self.directory)
 
 
 def log_run_overview(writer, config: ml_collections.ConfigDict, task: steps.Task, placement,
@@ -135,36 +108,6 @@ def log_plan(config: ml_collections.ConfigDict, dataset: pipeline.Dataset, lengt
         placement.abstract_state.params)))
     for pattern, epochs in task.param_groups.freeze_after:
       logging.info('optimizer: parameters matching %r stop changing after %g epochs', pattern, epochs)
-
-
-class TrainingDiverged(UserError):
-  """The loss became NaN or infinite: the state from that step on is not worth saving."""
-
-
-class _Diverged(Exception):
-  """Raised in the loop at a NaN/Inf loss; the run closes and reports it as TrainingDiverged."""
-
-  def __init__(self, step: int):
-    super().__init__(step)
-    self.step = step
-
-
-def first_non_finite_step(placement: steps.Placement, window: list, last_step: int) -> Optional[int]:
-  """The step of the first NaN/Inf loss among the per-step metrics of `window` (ending at `last_step`)."""
-  losses = [float(placement.to_host_metrics(step_metrics).compute()['loss']) for step_metrics in window]
-  bad = [index for index, loss in enumerate(losses) if not math.isfinite(loss)]
-  return last_step - len(window) + 1 + bad[0] if bad else None
-
-
-def divergence_message(config: ml_collections.ConfigDict, step: int, checkpoints) -> str:
-  saved = checkpoints.all_steps()
-  last_good = (f'the last good checkpoint, step {max(saved)} in {checkpoints.directory}, is intact: '
-               'change the config and run the same command to resume from it' if saved
-               else 'no checkpoint was saved before it')
-  return (f'the training loss became NaN/Inf at step {step}; likely causes: a learning rate too high '
-          f'(optimizer.learning_rate={config.optimizer.learning_rate}: lower it, add warmup or '
-          f'optimizer.grad_clip_norm) or a {config.dtype} overflow (try dtype=float32); nothing from that '
-          f'step on was saved; {last_good}')
 
 
 def checkpoint_record(config: ml_collections.ConfigDict, task: steps.Task, step: int,
@@ -287,7 +230,7 @@ class _Closing(contextlib.ExitStack):
   """
 
   def __exit__(self, kind, error, traceback) -> bool:
-    if kind is None or issubclass(kind, _Diverged):
+    if kind is None or issubclass(kind, Diverged):
       return super().__exit__(kind, error, traceback)
     if jax.process_count() == 1:
       with contextlib.suppress(Exception):
@@ -378,7 +321,7 @@ class _Loop:
     """The plateau schedule's scale (set in `state`) and early stopping, updated with the evaluation."""
     progress, results = self.clock.progress, self.clock.progress.eval
     if self.config.schedule.name == 'plateau':
-      plateau = optim.Plateau(self.config)
+      plateau = Plateau(self.config)
       before = (progress.plateau or plateau.initial())['scale']
       progress.plateau = plateau.update(progress.plateau or plateau.initial(), results)
       if progress.plateau['scale'] != before:
@@ -387,25 +330,8 @@ class _Loop:
         state = state.replace(opt_state=optim.set_plateau_scale(state.opt_state, progress.plateau['scale']))
     metric = early_stopping_metric(self.config)
     if metric:
-      self._check_early_stopping(step, metric, results)
+      early_stopping.update(self.config, progress, step, metric, results)
     return state
-
-  def _check_early_stopping(self, step: int, metric: str, results: dict) -> None:
-    """Counts the evaluations without improvement of `metric`; at `patience` of them, the run stops."""
-    if metric not in results:
-      raise UserError(f'config.early_stopping.metric={metric!r} is not among the eval metrics '
-                      f'({", ".join(sorted(results))}); pick one of them')
-    stopping, progress, value = self.config.early_stopping, self.clock.progress, float(results[metric])
-    counters = progress.early_stopping
-    best = counters.get('best')
-    sign = 1.0 if metric_mode(metric, stopping.mode) == 'max' else -1.0
-    if best is None or sign * (value - best) > stopping.min_delta:
-      progress.early_stopping = {'best': value, 'best_step': step, 'evaluations_without_improvement': 0}
-      return
-    counters['evaluations_without_improvement'] += 1
-    if counters['evaluations_without_improvement'] >= stopping.patience:
-      progress.stopped_early = {'step': step, 'metric': metric, 'value': value, 'best': best,
-                                'best_step': counters['best_step'], 'patience': stopping.patience}
 
   def save(self, step: int, state, evaluated: bool) -> None:
     """An asynchronous checkpoint of `state` with its record (and the evaluation, for keeping the best)."""
@@ -419,13 +345,13 @@ class _Loop:
                             metrics=self.clock.progress.eval if evaluated else None)
 
   def raise_if_diverged(self, step: int, mean_loss: Optional[float] = None) -> None:
-    """_Diverged at the first NaN/Inf loss of the steps since the last log line (whose `mean_loss`,
+    """Diverged at the first NaN/Inf loss of the steps since the last log line (whose `mean_loss`,
     when it has been fetched, tells whether any is)."""
     if mean_loss is not None and math.isfinite(mean_loss):
       return
-    diverged_at = first_non_finite_step(self.placement, self.window, step)
+    diverged_at = divergence.first_non_finite_step(self.placement, self.window, step)
     if diverged_at is not None or mean_loss is not None:
-      raise _Diverged(step if diverged_at is None else diverged_at)
+      raise Diverged(step if diverged_at is None else diverged_at)
 
   def _merged_window(self):
     return self.placement.to_host_metrics(metrics.merge_window(self.window))
@@ -491,8 +417,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
       for close in (writer.close, checkpoints.close, checkpoints.wait, batches.close, profiler.stop):
         closing.callback(close)
       step = _train(loop, batches, profiler, stop)
-  except _Diverged as diverged:
-    raise TrainingDiverged(divergence_message(config, diverged.step, checkpoints)) from None
+  except Diverged as diverged:
+    raise TrainingDiverged(divergence.message(config, diverged.step, checkpoints)) from None
 
   stopped_early = loop.clock.progress.stopped_early
   if step < length.total_steps and not stopped_early:
@@ -506,23 +432,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
     files.write_json(os.path.join(workdir, 'results.json'), results)
     write_pictures(config, loop.predictions, dataset, workdir, step)
   if stopped_early:
-    log_early_stop(config, stopped_early, checkpoints)
+    early_stopping.log_stop(config, stopped_early, checkpoints)
   return results
-
-
-def log_early_stop(config: ml_collections.ConfigDict, stopped: dict, checkpoints) -> None:
-  """One line: why the run stopped early and which checkpoint is the best."""
-  kept_by = checkpoint.best_metric(config)
-  if not kept_by:
-    best = "no best checkpoint is kept (checkpoint.best_metric='')"
-  else:
-    best_step = checkpoints.best_step()
-    best = (f'the best checkpoint by {kept_by} is step {best_step} in {checkpoints.directory}'
-            + (f' (checkpoint.best_metric={kept_by} is not early_stopping.metric={stopped["metric"]}: set it '
-               f'to keep the best by {stopped["metric"]})' if kept_by != stopped['metric'] else ''))
-  logging.info('stopped early at step %d: %s has not improved on its best, %.4g at step %d, for %d '
-               'evaluations (early_stopping.patience); %s', stopped['step'], stopped['metric'],
-               stopped['best'], stopped['best_step'], stopped['patience'], best)
 
 
 def _train(loop: _Loop, batches, profiler: StepProfiler, stop: StopRequest) -> int:

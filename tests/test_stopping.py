@@ -12,7 +12,8 @@ import pytest
 from configs import digits
 from conftest import ROOT, assert_same_state, metric_rows, restore_checkpoint, signal_at_step
 from flaxtpu import config as config_lib
-from flaxtpu import defaults, optim, train
+from flaxtpu import defaults, train
+from flaxtpu.plateau import Plateau
 
 # Every 4 steps an evaluation; eval_loss never improves by min_delta=1, so with patience 3 the run
 # stops at the 4th evaluation (step 16), its best the first (step 4).
@@ -42,14 +43,14 @@ def test_plateau_scale_drops_by_the_factor_after_patience_evaluations():
   config = defaults.get_config()
   config.update_from_flattened_dict({'schedule.name': 'plateau', 'schedule.plateau_patience': 2,
                                      'schedule.final_lr_fraction': 0.005})
-  plateau = optim.Plateau(config)  # eval_loss, minimised
+  plateau = Plateau(config)  # eval_loss, minimised
   state, scales = plateau.initial(), []
   for loss in (1.0, 0.9, 0.95, 0.9, 0.8, 0.85, 0.85, 0.85, 0.85, 0.85, 0.85):
     state = plateau.update(json.loads(json.dumps(state)), {'eval_loss': loss})  # as Progress keeps it
     scales.append(round(state['scale'], 6))
   assert scales == [1, 1, 1, 0.1, 0.1, 0.1, 0.01, 0.01, 0.005, 0.005, 0.005]  # floored at final_lr_fraction
   config.schedule.plateau_metric = 'eval_accuracy'  # maximised
-  plateau = optim.Plateau(config)
+  plateau = Plateau(config)
   state = plateau.initial()
   for accuracy in (0.5, 0.6, 0.6, 0.59):
     state = plateau.update(state, {'eval_accuracy': accuracy})

@@ -1,0 +1,43 @@
+"""A NaN/Inf training loss: finding its first step among those since the last log line, and the
+one-line error that says what to change and which checkpoint is intact."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import ml_collections
+
+from flaxtpu import steps
+from flaxtpu.errors import UserError
+
+
+class TrainingDiverged(UserError):
+  """The loss became NaN or infinite: the state from that step on is not worth saving."""
+
+
+class Diverged(Exception):
+  """Raised in the loop at a NaN/Inf loss; the run closes and reports it as TrainingDiverged."""
+
+  def __init__(self, step: int):
+    super().__init__(step)
+    self.step = step
+
+
+def first_non_finite_step(placement: steps.Placement, window: list, last_step: int) -> Optional[int]:
+  """The step of the first NaN/Inf loss among the per-step metrics of `window` (ending at `last_step`)."""
+  losses = [float(placement.to_host_metrics(step_metrics).compute()['loss']) for step_metrics in window]
+  bad = [index for index, loss in enumerate(losses) if not math.isfinite(loss)]
+  return last_step - len(window) + 1 + bad[0] if bad else None
+
+
+def message(config: ml_collections.ConfigDict, step: int, checkpoints) -> str:
+  """TrainingDiverged's line: the step, the likely causes with the keys to change, the last good checkpoint."""
+  saved = checkpoints.all_steps()
+  last_good = (f'the last good checkpoint, step {max(saved)} in {checkpoints.directory}, is intact: '
+               'change the config and run the same command to resume from it' if saved
+               else 'no checkpoint was saved before it')
+  return (f'the training loss became NaN/Inf at step {step}; likely causes: a learning rate too high '
+          f'(optimizer.learning_rate={config.optimizer.learning_rate}: lower it, add warmup or '
+          f'optimizer.grad_clip_norm) or a {config.dtype} overflow (try dtype=float32); nothing from that '
+          f'step on was saved; {last_good}')
