@@ -27,12 +27,12 @@ def main() -> None:
   import jax  # pylint: disable=g-import-not-at-top
 
   from configs import cifar10_resnet  # pylint: disable=g-import-not-at-top
-  from flaxtpu import checkpoint, steps  # pylint: disable=g-import-not-at-top
+  from flaxtpu import checkpoint, compile_plan  # pylint: disable=g-import-not-at-top
 
   config = cifar10_resnet.get_config()
   config.model.name, config.batch_size = args.model, args.batch_size
-  placement, state, batch, step_fn, _ = steps.compile_on_zeros(config, image_shape=(32, 32, 3),
-                                                                num_classes=10)
+  placement, state, batch, step_fn, _ = compile_plan.compile_on_zeros(config, image_shape=(32, 32, 3),
+                                                                       num_classes=10)
 
   def timed_step(state):
     started = time.perf_counter()

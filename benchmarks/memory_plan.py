@@ -39,8 +39,8 @@ def main() -> None:
 
   import jax  # pylint: disable=g-import-not-at-top
 
+  from flaxtpu import compile_plan, defaults, parallel  # pylint: disable=g-import-not-at-top
   from flaxtpu import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxtpu import defaults, parallel, steps  # pylint: disable=g-import-not-at-top
 
   batch_size = args.batch_size or (16 if jax.default_backend() == 'cpu' else 256)
   print(f'{parallel.describe_devices()}  jax {jax.__version__}  global batch {batch_size}  {args.dtype}')
@@ -52,7 +52,7 @@ def main() -> None:
       config.model.name, config.model.remat, config.dtype = model_name, policy, args.dtype
       config.batch_size, config.optimizer.name = batch_size, 'sgd'
       config_lib.validate(config)
-      _, state, batch, step, plan = steps.compile_on_zeros(
+      _, state, batch, step, plan = compile_plan.compile_on_zeros(
           config, image_shape=(size, size, 3), num_classes=classes, num_train_examples=100 * batch_size)
       state, _ = step(state, batch)  # warm-up
       jax.block_until_ready(state)

@@ -5,7 +5,7 @@
 
 ResNet-20 at batch 128 on 32x32x3 zeros, jit over 8 CPU devices: each sweep
 run's config (optimizer, rate, decay, its own keys) compiled once with
-`steps.compile_on_zeros`, then `--rounds` rounds in which every optimizer
+`compile_plan.compile_on_zeros`, then `--rounds` rounds in which every optimizer
 takes `--steps` steps (the order rotates each round), so that machine noise
 hits all alike. Prints the median ms per step and its ratio to the recipe's
 SGD + Nesterov; the optimizer's share of a step is what differs (the forward
@@ -29,13 +29,13 @@ def main():
   import jax
 
   from experiments import cifar10_optimizers
-  from flaxtpu import steps
+  from flaxtpu import compile_plan
   compiled = []
   for overrides in cifar10_optimizers.get_sweep():
     config = cifar10_optimizers.get_config()
     config.update_from_flattened_dict(overrides)
     config.compilation_cache_dir = 'none'
-    _, state, batch, step, _ = steps.compile_on_zeros(config, image_shape=(32, 32, 3), num_classes=10)
+    _, state, batch, step, _ = compile_plan.compile_on_zeros(config, image_shape=(32, 32, 3), num_classes=10)
     name = overrides['optimizer.name'] + (' (no momentum)' if overrides.get('optimizer.momentum') == 0.0
                                           else '')
     compiled.append({'name': name, 'state': state, 'batch': batch, 'step': step, 'ms': []})

@@ -107,12 +107,12 @@ def worker(mode: str, model: str, steps: int) -> float:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import steps as steps_lib  # pylint: disable=g-import-not-at-top
+  from flaxtpu import compile_plan  # pylint: disable=g-import-not-at-top
   config = _recipe(model)
   config.model.name, config.batch_size = model, 128 if mode == 'step' else 64
   # The train step as training and --mode=plan build it; timed on random data, not its zero batch.
-  placement, state, _, step, _ = steps_lib.compile_on_zeros(config, image_shape=(32, 32, 3),
-                                                            num_classes=10)
+  placement, state, _, step, _ = compile_plan.compile_on_zeros(config, image_shape=(32, 32, 3),
+                                                                num_classes=10)
   rng = np.random.default_rng(0)
   images = rng.integers(0, 256, (config.batch_size, 32, 32, 3), np.uint8)
   if mode == 'predict':

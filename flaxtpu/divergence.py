@@ -32,7 +32,7 @@ def first_non_finite_step(placement: steps.Placement, window: list, last_step: i
 
 
 def message(config: ml_collections.ConfigDict, step: int, checkpoints) -> str:
-  """TrainingDiverged's line: the step, the likely causes with the keys to change, the last good checkpoint."""
+  """TrainingDiverged's line: the step, the likely causes and keys to change, the last good checkpoint."""
   saved = checkpoints.all_steps()
   last_good = (f'the last good checkpoint, step {max(saved)} in {checkpoints.directory}, is intact: '
                'change the config and run the same command to resume from it' if saved

@@ -292,7 +292,7 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   jax = _start_jax(config, mode)
   # Imported after JAX has started with the right flags.
   # pylint: disable=g-import-not-at-top
-  from flaxtpu import parallel, steps, train
+  from flaxtpu import compile_plan, parallel, train
   from flaxtpu.data import pipeline
   parallel.check_platform(config.require_platform)
   logging.info('JAX %s on %s', jax.__version__, parallel.describe_devices())
@@ -300,7 +300,7 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
     train.train_and_evaluate(config, workdir, stop)
   elif mode == 'plan':
     dataset = pipeline.load(config, need_train=False)  # only the image shape and class count
-    plan = steps.plan_memory(config, image_shape=dataset.image_shape, num_classes=dataset.num_classes)
+    plan = compile_plan.plan_memory(config, image_shape=dataset.image_shape, num_classes=dataset.num_classes)
     if jax.process_index() == 0:
       files.write_json(os.path.join(workdir, 'plan.json'), plan)
     print(json.dumps(plan, indent=2))

@@ -3,8 +3,8 @@
 Read top to bottom: what a task is (model, optimizer, preprocessing), the
 state it trains, the step functions (pure: state and batch in, state and
 metrics out), then `Placement`, the one place that knows whether they run as
-`jax.jit` over a mesh or as `jax.pmap`, and the ahead-of-time compile that
-`--mode=plan` and the benchmarks share with training.
+`jax.jit` over a mesh or as `jax.pmap`, with its ahead-of-time compile of the
+train step (`compile_plan.py` compiles it on zeros for `--mode=plan` and the benchmarks).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import optax
 from flaxtpu import augment, metrics, models, optim, parallel
 from flaxtpu.config import check_against_data
 from flaxtpu.errors import UserError
-from flaxtpu.lengths import RunLength, resolved_eval_batch_size, run_length
+from flaxtpu.lengths import RunLength, resolved_eval_batch_size
 
 # --- the task and its state ---------------------------------------------------
 
@@ -466,43 +466,3 @@ def create_state(task: Task, placement: Placement, seed: int, fitted: Optional[d
   state = jax.jit(functools.partial(init_state, task), static_argnums=0,
                   out_shardings=placement.state_shardings)(seed, fitted)
   return placement.from_saveable(state)
-
-
-def compile_on_zeros(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, int],
-                     num_classes: int, num_train_examples: int = 50_000):
-  """The config's train step compiled for data of this shape, with a zero batch and no dataset.
-
-  Returns (placement, state, batch, compiled step, memory plan): what
-  --mode=plan reports and what the benchmarks time.
-  """
-  length = run_length(config, num_train_examples)
-  zeros = np.zeros(len(image_shape), np.float32)
-  task = create_task(config, num_classes=num_classes, image_shape=image_shape, mean=zeros,
-                     std=zeros + 1, length=length)
-  placement = place(task, parallel.make_mesh(config), config)
-  local_batch_size = config.batch_size // jax.process_count()
-  images = np.zeros((local_batch_size, *image_shape), np.uint8)
-  labels = (np.zeros((local_batch_size, num_classes), np.uint8) if task.multilabel
-            else np.zeros((local_batch_size,), np.int32))
-  state = create_state(task, placement, config.seed)
-  batch = placement.put_train_batch((images, labels))
-  step, plan = placement.compile_train_step(state, batch)
-  return placement, state, batch, step, plan
-
-
-def plan_memory(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, int],
-                num_classes: int) -> dict:
-  """Compiles the train step for this config without training: what --mode=plan reports."""
-  placement, _, _, _, plan = compile_on_zeros(config, image_shape=image_shape,
-                                              num_classes=num_classes)
-  return {'model': config.model.name, 'remat': config.model.remat, 'dtype': config.dtype,
-          'batch_size': config.batch_size, 'parallelism': config.parallelism,
-          'mesh': dict(placement.mesh.shape), 'image_shape': list(image_shape), **plan}
-
-
-def format_plan(plan: dict) -> str:
-  if 'total_bytes' not in plan:
-    return 'not reported by this backend'
-  mib = lambda key: f'{plan[key] / 2**20:.1f} MiB'
-  return (f'arguments {mib("argument_bytes")}, outputs {mib("output_bytes")}, temporaries '
-          f'{mib("temp_bytes")}, total {mib("total_bytes")}')

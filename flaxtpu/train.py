@@ -29,6 +29,7 @@ from jax.experimental import multihost_utils
 
 from flaxtpu import (
   checkpoint,
+  compile_plan,
   distill,
   divergence,
   early_stopping,
@@ -272,7 +273,7 @@ class _Loop:
       train_step, self.clock.progress.memory_plan = self.placement.compile_train_step(state, batch)
     plan = self.clock.progress.memory_plan
     logging.info('compiled train step in %.1fs; per-device memory plan: %s', plan['compile_seconds'],
-                 steps.format_plan(plan))
+                 compile_plan.format_plan(plan))
     check_device(self.config, plan)
     return train_step
 
