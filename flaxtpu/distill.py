@@ -27,7 +27,6 @@ over exactly). Multilabel teachers give per-tag sigmoids and the KL is the
 per-tag binary one, summed over the tags.
 """
 
-import copy
 import dataclasses
 import logging
 from typing import Any, Optional
@@ -129,6 +128,12 @@ def record_of(teacher: Optional[Teacher]) -> Optional[dict]:
   return {'teacher': teacher.source, 'step': teacher.step} if teacher else None
 
 
+# The run's config as the teacher's placement needs it (`defaults.derived`): the run's devices, precision
+# and batch sizes; no test-time augmentation, no EMA, no init_from, no remat.
+INFERENCE = {'eval.flip_tta': False, 'eval.translate_tta': 0, 'eval.ema': False, 'init_from.checkpoint': '',
+             'model.remat': 'none'}
+
+
 def recorded_step(saved_record: dict, teacher: str) -> Optional[int]:
   """The teacher step a run started with (from its checkpoint record), so that `best` or `latest`
   does not move to a newer teacher checkpoint when it resumes."""
@@ -145,20 +150,17 @@ def load_teacher(config: ml_collections.ConfigDict, class_names, image_shape: tu
   shape. `started_step`: the step a resumed run's teacher was read at.
   """
   spec = config.distill.teacher
-  teacher_config = _inference_config(config)
   if pretrained.is_published(spec):  # its model, normalisation and classes, at the run's image size
-    teacher_config.init_from.checkpoint = spec
-    teacher_config.model.name = defaults.get_config().model.name
-    teacher_config.dataset.normalize = 'auto'
-    teacher_config.dataset.image_size = image_shape[0]
+    teacher_config = defaults.derived(config, {
+        **INFERENCE, 'init_from.checkpoint': spec, 'model.name': defaults.get_config().model.name,
+        'dataset.normalize': 'auto', 'dataset.image_size': image_shape[0]})
     pretrained.apply_defaults(teacher_config)  # the teacher's config, resolved as the CLI resolves a run's
     placement, variables, step, record = finetune.published_model(teacher_config)
     source_config = teacher_config
   else:
-    lookup = copy.deepcopy(config)
-    with lookup.unlocked():
-      lookup.init_from.checkpoint = spec
-      lookup.init_from.step = str(started_step) if started_step is not None else config.distill.step
+    lookup = defaults.derived(config, {
+        'init_from.checkpoint': spec,
+        'init_from.step': str(started_step) if started_step is not None else config.distill.step})
     try:
       source, step = finetune.resolve_source(lookup)
     except checkpoint.CheckpointError as e:
@@ -166,10 +168,12 @@ def load_teacher(config: ml_collections.ConfigDict, class_names, image_shape: tu
                                        .replace('init_from.step', 'distill.step')) from None
     try:
       record = source.read_record(step)
-      source_config = from_saved(record.get('config', {}))
-      for section in ('parallelism', 'mesh', 'dtype', 'batch_size', 'eval_batch_size', 'cpu_devices'):
-        source_config[section] = copy.deepcopy(teacher_config[section])
-      source_config.eval = copy.deepcopy(teacher_config.eval)
+      # The teacher's own model and data keys; the run's devices, precision and batch sizes.
+      teacher_config = defaults.derived(config, INFERENCE)
+      source_config = defaults.derived(from_saved(record.get('config', {})), {
+          section: teacher_config[section]
+          for section in ('parallelism', 'mesh', 'dtype', 'batch_size', 'eval_batch_size', 'cpu_devices',
+                          'eval')})
       norm = record['normalization']
       task = steps.create_task(source_config, num_classes=record['num_classes'],
                                image_shape=tuple(record['image_shape']), mean=norm['mean'], std=norm['std'])
@@ -201,18 +205,6 @@ def load_teacher(config: ml_collections.ConfigDict, class_names, image_shape: tu
                source_config.model.name, step, record['num_classes'], settings.loss, settings.alpha,
                settings.temperature)
   return teacher, variables
-
-
-def _inference_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The run's config as the teacher's placement needs it: its devices, precision and batch sizes,
-  no test-time augmentation, no EMA, no init_from."""
-  teacher_config = copy.deepcopy(config)
-  with teacher_config.unlocked():
-    teacher_config.eval.flip_tta, teacher_config.eval.translate_tta = False, 0
-    teacher_config.eval.ema = False
-    teacher_config.init_from.checkpoint = ''
-    teacher_config.model.remat = 'none'
-  return teacher_config
 
 
 def _normalization(source_config: ml_collections.ConfigDict, record: dict):
