@@ -140,7 +140,7 @@ def gil_held_per_image(dataset, batch_size: int, steps: range) -> dict:
 
   def batches(first_step, last_step):  # built by one background thread (workers=0)
     return loaders.train_batches(dataclasses.replace(dataset, workers=0), seed=0, batch_size=batch_size,
-                              first_step=first_step, last_step=last_step)
+                                 first_step=first_step, last_step=last_step)
 
   originals = simplejpeg.decode_jpeg, cv2.resize
   simplejpeg.decode_jpeg, cv2.resize = timed(simplejpeg.decode_jpeg), timed(cv2.resize)

@@ -132,7 +132,7 @@ def measure_child(args) -> None:
   max_batches = -(-args.max_batches // period) * period  # whole cycles (input_pipeline.time_batches)
   first = args.round * (period + 2 + max_batches)  # each round its own steps
   batches = loaders.train_batches(dataset, seed=0, batch_size=args.batch_size, first_step=first,
-                               last_step=first + period + 2 + max_batches)
+                                  last_step=first + period + 2 + max_batches)
   try:
     timed = input_pipeline.time_batches(batches, period + 2, args.seconds, max_batches, period)
   finally:

@@ -93,7 +93,7 @@ def check_against_data(config: ml_collections.ConfigDict, image_shape: tuple[int
     raise ConfigError(f'config.eval.translate_tta={config.eval.translate_tta} must be smaller than the '
                       f'{image_shape[0]}x{image_shape[1]} images (airbench uses 1)')
   channels, given = image_shape[-1], len(config.dataset.mean)
-  # data.load averages an RGB model's three numbers for 1-channel images.
+  # The pipeline averages an RGB model's three numbers for 1-channel images (spec.fixed_normalization).
   if config.dataset.normalize == 'fixed' and given != channels and (channels, given) != (1, 3):
     raise ConfigError(f'config.dataset.mean/std have {given} channels but the images have {channels}; '
                       'give one value per channel')

@@ -45,7 +45,7 @@ def evaluate(placement: steps.Placement, state, dataset: pipeline.Dataset, batch
   keep_logits = keep_logits and jax.process_count() == 1  # another process' examples are not here
   logits, labels, multilabel = [], [], False
   for batch in loaders.eval_batches(dataset, batch_size=batch_size, process_index=jax.process_index(),
-                                 process_count=jax.process_count()):
+                                    process_count=jax.process_count()):
     batch_metrics, batch_logits = placement.eval_step(state, placement.put_eval_batch(tuple(batch)))
     if one_step_in_flight:
       jax.block_until_ready(batch_metrics)

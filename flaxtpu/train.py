@@ -84,8 +84,8 @@ def log_run_overview(writer, config: ml_collections.ConfigDict, task: steps.Task
   writer.write_texts(first_step, {'parameters': f'<pre>{overview}</pre>'})
   if jax.process_count() == 1:  # the first local batch is the whole global batch only on one process
     first = next(iter(loaders.train_batches(dataset, seed=config.seed, batch_size=config.batch_size,
-                                         first_step=first_step, last_step=first_step + 1,
-                                         alternate_flip=config.augment.alternate_flip)))
+                                            first_step=first_step, last_step=first_step + 1,
+                                            alternate_flip=config.augment.alternate_flip)))
     sample = steps.augmented_sample(task, config.seed, first_step, first.images[:16])
     writer.write_images(first_step, {'train_images': sample})
 

@@ -73,8 +73,8 @@ def tiny_dataset():
   images = (rng.integers(0, 80, (64, 8, 8, 3)) + labels[:, None, None, None] * 80).astype(np.uint8)
   examples = pipeline.Examples(images=images, labels=labels)
   return pipeline.Dataset(train=examples, eval=examples, class_names=('a', 'b', 'c'), image_shape=(8, 8, 3),
-                      mean=np.full(3, 0.4, np.float32), std=np.full(3, 0.3, np.float32),
-                      transform=pipeline.Transform())
+                          mean=np.full(3, 0.4, np.float32), std=np.full(3, 0.3, np.float32),
+                          transform=pipeline.Transform())
 
 
 @pytest.fixture(scope='session')

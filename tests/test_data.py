@@ -26,7 +26,7 @@ def _config(folder, **overrides):
 
 def _batches(dataset, steps=range(3), batch_size=8, **kwargs):
   return list(loaders.train_batches(dataset, seed=1, batch_size=batch_size, first_step=steps[0],
-                                 last_step=steps[-1] + 1, **kwargs))
+                                    last_step=steps[-1] + 1, **kwargs))
 
 
 def test_uniform_folder_is_cached_as_one_uint8_array(image_folder):
@@ -135,7 +135,7 @@ def test_a_folder_of_class_folders_is_the_split_all(tmp_path):
   with pytest.raises(pipeline.DataError, match=r"holds class folders .*train_split='all\[:80%\]'"):
     pipeline.load(_config(folder))
   dataset = pipeline.load(_config(folder, **{'dataset.train_split': 'all[:80%]',
-                                         'dataset.eval_split': 'all[80%:]'}))
+                                             'dataset.eval_split': 'all[80%:]'}))
   assert (len(dataset.train), len(dataset.eval)) == (16, 4)
   assert np.bincount(dataset.eval.labels).tolist() == [2, 2]
 
@@ -182,7 +182,7 @@ def test_an_epoch_visits_each_example_at_most_once():
 def _in_memory(images, labels):
   examples = pipeline.Examples(images=images, labels=labels)
   return pipeline.Dataset(train=examples, eval=examples, class_names=('a',), image_shape=images.shape[1:],
-                      mean=np.zeros(3), std=np.ones(3), transform=pipeline.Transform())
+                          mean=np.zeros(3), std=np.ones(3), transform=pipeline.Transform())
 
 
 def test_processes_take_disjoint_slices_of_the_global_batch():
@@ -382,7 +382,7 @@ def test_a_cache_decoded_by_workers_holds_private_arrays(tmp_path):
   # kept them would run out of descriptors at CIFAR size (50,000 images).
   folder = make_image_folder(tmp_path, classes=('a', 'b'), train_per_class=500, test_per_class=1)
   dataset = pipeline.load(_config(folder, **{'dataset.image_size': 8, 'dataset.cache': 'memory',
-                                         'input.workers': 1}))
+                                             'input.workers': 1}))
   assert len(dataset.train.images) == 1000
   assert {type(image) for image in dataset.train.images} == {np.ndarray}
 

@@ -95,9 +95,9 @@ def test_trained_features_beat_random_ones():
   random_init = probe(state)
   compiled, _ = placement.compile_train_step(state, placement.put_train_batch(
       tuple(next(iter(loaders.train_batches(dataset, seed=0, batch_size=config.batch_size, first_step=0,
-                                         last_step=1))))[:2]))
+                                            last_step=1))))[:2]))
   for batch in loaders.train_batches(dataset, seed=0, batch_size=config.batch_size, first_step=0,
-                                  last_step=length.total_steps):
+                                     last_step=length.total_steps):
     state, _ = compiled(state, placement.put_train_batch(tuple(batch)[:2]))
   trained = probe(state)
   assert trained['eval_fewshot_5shot'] > random_init['eval_fewshot_5shot'] + 0.1

@@ -27,8 +27,8 @@ def _examples(labels, shards=None):
 def _dataset(labels, *, sampling='shuffle', shards=None):
   num_classes = labels.shape[1] if labels.ndim == 2 else int(labels.max()) + 1
   return pipeline.Dataset(train=_examples(labels, shards), eval=_examples(labels),
-                      class_names=tuple(f'c{i}' for i in range(num_classes)), image_shape=(1, 1, 1),
-                      mean=np.zeros(1), std=np.ones(1), transform=pipeline.Transform(), sampling=sampling)
+                          class_names=tuple(f'c{i}' for i in range(num_classes)), image_shape=(1, 1, 1),
+                          mean=np.zeros(1), std=np.ones(1), transform=pipeline.Transform(), sampling=sampling)
 
 
 def _config(**overrides):
@@ -117,7 +117,7 @@ def test_balanced_sampling_is_deterministic_and_resumes_exactly():
     np.testing.assert_array_equal(a.labels, b.labels)
     np.testing.assert_array_equal(a.images, b.images)
   halves = [list(loaders.train_batches(dataset, seed=2, batch_size=100, first_step=23, last_step=35,
-                                    process_index=p, process_count=2)) for p in range(2)]
+                                       process_index=p, process_count=2)) for p in range(2)]
   for whole, first_half, second_half in zip(resumed, *halves, strict=True):
     np.testing.assert_array_equal(np.concatenate([first_half.labels, second_half.labels]), whole.labels)
   np.testing.assert_array_equal(np.concatenate([batch.labels for batch in full[:10]]),
@@ -236,9 +236,9 @@ def test_shard_batches_resume_exactly_and_hold_only_local_rows():
   dataset = _dataset(labels, sampling='shards', shards=shards)
   for p in range(2):
     full = list(loaders.train_batches(dataset, seed=1, batch_size=8, first_step=0, last_step=40,
-                                   process_index=p, process_count=2))
-    resumed = list(loaders.train_batches(dataset, seed=1, batch_size=8, first_step=17, last_step=40,
                                       process_index=p, process_count=2))
+    resumed = list(loaders.train_batches(dataset, seed=1, batch_size=8, first_step=17, last_step=40,
+                                         process_index=p, process_count=2))
     assert all(batch.labels.shape == (4,) and batch.mask.all() for batch in full)
     for a, b in zip(full[17:], resumed, strict=True):
       np.testing.assert_array_equal(a.images, b.images)
@@ -255,7 +255,7 @@ def test_fewer_shards_than_processes_is_one_line():
     shard_source.ShardSampler(0, np.repeat(np.arange(2, dtype=np.int32), [30, 5]), 16, 0, 2)
   with pytest.raises(DataError, match='is not read from shards; set config.dataset.shards'):
     loaders.train_batches(_dataset(np.zeros(20, np.int32), sampling='shards'), seed=0, batch_size=4,
-                       first_step=0, last_step=1)
+                          first_step=0, last_step=1)
 
 
 def test_alternate_flip_under_other_samplers_mirrors_by_example_and_epoch_parity():
@@ -359,8 +359,8 @@ def _from_split(split, *, cache, size=0, skip_corrupt=False):
   examples = cache_lib.examples(split, cache=cache, transform=transform, num_workers=0,
                                 skip_corrupt=skip_corrupt)
   return pipeline.Dataset(train=examples, eval=examples, class_names=('a', 'b', 'c', 'd'),
-                      image_shape=(size or 8, size or 8, 3), mean=np.zeros(3), std=np.ones(3),
-                      transform=transform, skip_corrupt=skip_corrupt, multilabel=True)
+                          image_shape=(size or 8, size or 8, 3), mean=np.zeros(3), std=np.ones(3),
+                          transform=transform, skip_corrupt=skip_corrupt, multilabel=True)
 
 
 @pytest.mark.parametrize('size', [0, 8])  # 0: cached batches are slices; 8: cropped from the cache
@@ -370,7 +370,7 @@ def test_multi_hot_labels_are_the_same_cached_and_streamed(multi_hot_split, size
   np.testing.assert_array_equal(cached.train.labels, multi_hot_split.labels)
   for sampling in ('shuffle', 'balanced'):
     batches = [list(loaders.train_batches(dataclasses.replace(d, sampling=sampling), seed=3, batch_size=8,
-                                       first_step=4, last_step=9)) for d in (cached, streamed)]
+                                          first_step=4, last_step=9)) for d in (cached, streamed)]
     for a, b in zip(*batches, strict=True):
       assert a.labels.dtype == b.labels.dtype == np.uint8 and a.labels.shape == (8, 4)
       np.testing.assert_array_equal(a.labels, b.labels)
@@ -446,7 +446,7 @@ def shard_set(tmp_path_factory):
 
 def test_tar_shards_stream_per_process_the_same_cached_or_not_and_resume_exactly(shard_set):
   cached, streamed = (pipeline.load(_config(**{'dataset.shards': shard_set, 'dataset.sampling': 'shards',
-                                           'dataset.cache': cache})) for cache in ('memory', 'none'))
+                                               'dataset.cache': cache})) for cache in ('memory', 'none'))
   assert cached.train.cached and not streamed.train.cached and len(cached.train) == 48
   shards = cached.train.example_groups
   np.testing.assert_array_equal(shards, streamed.train.example_groups)

@@ -103,7 +103,7 @@ def test_unknown_name_and_split_are_named(data_dir):
     pipeline.load(_config('no_such_dataset_xyz', data_dir))
   with pytest.raises(pipeline.DataError, match="has no split 'validation'; it has: test, train"):
     pipeline.load(_config('flaxtpu_toy_mixed', data_dir, **{'dataset.eval_split': 'validation',
-                                                        'dataset.image_size': 16}))
+                                                            'dataset.image_size': 16}))
 
 
 def test_offline_tfds_fails_within_seconds_with_one_line(tmp_path, monkeypatch):

@@ -35,7 +35,7 @@ def run_steps(config, mesh, dataset=None, num_steps=STEPS):
   state = steps.create_state(task, placement, config.seed)
   losses = []
   for batch in loaders.train_batches(dataset, seed=config.seed, batch_size=config.batch_size,
-                                  first_step=0, last_step=num_steps):
+                                     first_step=0, last_step=num_steps):
     state, step_metrics = placement.train_step(state, placement.put_train_batch(tuple(batch)[:2]))
     losses.append(float(placement.to_host_metrics(step_metrics).compute()['loss']))
   saved = placement.to_saveable(state)

@@ -38,7 +38,7 @@ def train_batches(dataset: Dataset, *, seed: int, batch_size: int, first_step: i
   (the device's random flip is then off: `augment.augment_image`).
   """
   chosen = sampling.sampler(dataset, seed=seed, batch_size=batch_size, process_index=process_index,
-                   process_count=process_count)
+                            process_count=process_count)
   steps = range(first_step, last_step)
   train = dataset.train
   if _sliceable(dataset, train):  # CIFAR-size: slicing is all there is

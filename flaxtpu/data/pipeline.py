@@ -53,7 +53,7 @@ def load(config: ml_collections.ConfigDict | DatasetSpec, *, need_train: bool = 
   returned Dataset's `mean`/`std`.
   """
   spec = DatasetSpec.of(config)
-  source = sources.get(spec.settings, task=spec.task)
+  source = sources.get(spec)
   train_split, eval_split, class_names = source.splits(spec.train_split if need_train else None,
                                                        spec.eval_split, class_names)
   transform = image_transform(spec, source.channels)

@@ -51,8 +51,8 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
   placement, state, step, record = restore(config, workdir)
   image_shape = tuple(record['image_shape'])
   paths, images = predict_inputs.read_images(config.predict.input, image_shape,
-                                   pipeline.image_transform(config, channels=image_shape[-1]),
-                                   skip_corrupt=config.dataset.skip_corrupt)
+                                             pipeline.image_transform(config, channels=image_shape[-1]),
+                                             skip_corrupt=config.dataset.skip_corrupt)
   logits = predict_logits(placement, state, images, resolved_eval_batch_size(config))
   class_names = record['class_names']
   top_k = min(config.predict.top_k, len(class_names))

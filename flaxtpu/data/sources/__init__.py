@@ -36,9 +36,10 @@ def kind_of(dataset) -> type[Source]:
 
 
 def get(dataset, task: str = 'multiclass') -> Source:
-  """The source `dataset` names (config.dataset, or a `DatasetSpec`'s settings). `task`
-  (config.task) decides the labels: class indices, or multi-hot rows for multilabel."""
-  return kind_of(dataset).create(dataset, task)
+  """The source `dataset` names: a `DatasetSpec` (its settings and task), or config.dataset with
+  `task` (config.task), which decides the labels: class indices, or multi-hot rows."""
+  settings, task = getattr(dataset, 'settings', dataset), getattr(dataset, 'task', task)
+  return kind_of(settings).create(settings, task)
 
 
 def keyed() -> list[type[Source]]:
