@@ -266,7 +266,7 @@ def class_names(published: Published) -> tuple[str, ...]:
 def apply_defaults(config, workdir: str = '') -> bool:
   """Makes the published source's model and preprocessing the run's, where the config left them open.
 
-  Open means: model.name 'cnn' (the default, which no published weights
+  Open means: model.name at its default (a model no published weights
   are), model options at their defaults, dataset.normalize 'auto',
   dataset.image_size 0 and dataset.crop_fraction 0. A run in `workdir` that
   already started from the same weights keeps what its config.json resolved
