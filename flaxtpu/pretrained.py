@@ -9,7 +9,10 @@
                              and as `--mode=export` writes)
 
 `describe(spec)` reads the file's tensors and names the flaxtpu model that
-computes the same function (`model.name` and its options), its classes and
+computes the same function (`model.name` and its options); a file that holds
+more tensors than that model reads, or fewer (its classifier aside: a headless
+file has 0 classes), is refused, and one no family recognises is named as what
+it looks like (`models/foreign.py`). It names the model's classes and
 its preprocessing (mean/std, input size, crop fraction: timm's
 `pretrained_cfg` where the file carries one, else timm's defaults for that
 family). `apply_defaults(config)` makes those the run's defaults. No JAX here:

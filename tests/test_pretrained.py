@@ -509,3 +509,11 @@ def test_a_file_of_another_architecture_is_named_as_what_it_is(library, architec
       f"test weights looks like {named}, which flaxtpu has no model for; supported: ResNet (resnet18-152), "
       "ViT (vit_ti/s/b) or ConvNeXt (convnext_t) in timm's, torchvision's or big_vision's layout")):
     pretrained.infer_model(tensors, 'test weights')
+
+
+def test_a_big_vision_checkpoint_may_hold_more_than_its_vit_outside_the_vit_prefix():
+  """Its optimizer's state and a text tower are no tensors of the ViT; under the ViT's prefix all are."""
+  keys = {'params/img/embedding/kernel', 'params/img/head/bias', 'params/txt/Embed_0/embedding', 'opt/mu/x'}
+  assert vit.BIG_VISION.unread(keys) == {'params/txt/Embed_0/embedding', 'opt/mu/x'}
+  assert vit.BIG_VISION.unread({'embedding/kernel', 'pre_logits/kernel'}) == set()
+  assert vit.BIG_VISION.head({'params/img/embedding/kernel'}) == 'params/img/head/bias'  # even headless
