@@ -229,6 +229,10 @@ def _init_from_published(config: ml_collections.ConfigDict, task: steps.Task, pl
                          state, class_names: Sequence[str]) -> tuple[Any, dict]:
   """init_from for published weights: every array the layout maps, the head unless kept."""
   published = pretrained.describe(config.init_from.checkpoint)
+  if config.init_from.keep_head and not published.num_classes:  # headless: the new head is all it lacks
+    raise UserError(f'config.init_from.keep_head=True keeps the head of {published.spec}, but it has '
+                    f'none (no tensor {published.head!r}: a headless checkpoint, as timm saves with '
+                    'num_classes=0); drop keep_head to train a new head for the data\'s classes')
   abstract = placement.abstract_state
   target = _shapes(abstract)
   bare = {name: name.split('/', 1)[1] for name in target}  # without the collection, as the patterns see them
@@ -275,6 +279,10 @@ def published_model(config: ml_collections.ConfigDict):
   if not (config.init_from.checkpoint and pretrained.is_published(config.init_from.checkpoint)):
     raise UserError(f'config.init_from.checkpoint={config.init_from.checkpoint!r} is not published weights')
   published = pretrained.describe(config.init_from.checkpoint)
+  if not published.num_classes:
+    raise UserError(f'{published.spec} has no classifier (no tensor {published.head!r}: a headless '
+                    'checkpoint, as timm saves with num_classes=0), so it cannot score images as it is; '
+                    'fine-tune it on labelled images first (train with init_from: a new head is trained)')
   if config.task != 'multiclass':
     raise UserError(f'{published.spec} is a softmax classifier: predict with it as config.task=multiclass, '
                     'or fine-tune it on tagged images first (init_from) for task=multilabel')

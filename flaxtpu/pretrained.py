@@ -9,7 +9,10 @@
                              and as `--mode=export` writes)
 
 `describe(spec)` reads the file's tensors and names the flaxtpu model that
-computes the same function (`model.name` and its options), its classes and
+computes the same function (`model.name` and its options); a file that holds
+more tensors than that model reads, or fewer (its classifier aside: a headless
+file has 0 classes), is refused, and one no family recognises is named as what
+it looks like (`models/foreign.py`). It names the model's classes and
 its preprocessing (mean/std, input size, crop fraction: timm's
 `pretrained_cfg` where the file carries one, else timm's defaults for that
 family). `apply_defaults(config)` makes those the run's defaults. No JAX here:
@@ -31,7 +34,7 @@ import numpy as np
 
 from flaxtpu import models
 from flaxtpu.errors import UserError
-from flaxtpu.models import layouts
+from flaxtpu.models import foreign, layouts
 from flaxtpu.models.family import join_or
 
 HUB_PREFIX = 'hf-hub:'
@@ -64,6 +67,7 @@ class Published:
   image_size: int  # the input size it was trained at
   crop_fraction: float
   native: bool = False  # trained at the native size of its images (a flaxtpu export with image_size 0)
+  head: str = ''  # the file's key of the classifier's bias; absent from a headless file (num_classes 0)
 
   def rules(self) -> list[layouts.Rule]:
     """How the file's tensors become this model's arrays."""
@@ -196,14 +200,41 @@ def infer_model(tensors: dict, where: str) -> tuple[str, str, dict]:
   layout that recognises its tensors."""
   for family in models.families():
     for layout in family.layouts:
-      if (found := layout.recognise(tensors, where)) is not None:
+      try:
+        found = layout.recognise(tensors, where)
+      except KeyError as e:  # a tensor the layout always has, absent: a damaged file
+        raise UserError(f'{where} lacks tensor {e.args[0]!r}, which every {family.title} in '
+                        f'{join_or(list(layout.sources))}\'s layout holds: the file is incomplete or '
+                        'damaged; download it again or save the whole model.state_dict()') from None
+      if found is not None:
         return layout.name, found[0], found[1]
   shown = ', '.join(sorted(tensors)[:4])
+  if looks := foreign.identify(tensors):
+    raise UserError(f'{where} looks like {looks}, which flaxtpu has no model for; supported: {_supported()}')
   titles = [family.title for family in models.families() if family.layouts]
-  sources = list(dict.fromkeys(f"{source}'s" for family in models.families() for layout in family.layouts
-                               for source in layout.sources))
-  raise UserError(f'{where} is not a {join_or(titles)} in {join_or(sources)} layout '
-                  f'(its tensors: {shown}, ...); flaxtpu imports those')
+  raise UserError(f'{where} is not a {join_or(titles)} in {_sources()} layout (its tensors: {shown}, ...); '
+                  'flaxtpu imports those')
+
+
+def _supported() -> str:
+  """'ResNet (resnet18-152), ViT (vit_ti/s/b) or ConvNeXt (convnext_t) in timm's, ... layout'."""
+  titles = [f'{family.title} ({family.listed()})' for family in models.families() if family.layouts]
+  return f'{join_or(titles)} in {_sources()} layout'
+
+
+def _sources() -> str:
+  """Whose layouts the registered families read: "timm's, torchvision's or big_vision's"."""
+  return join_or(list(dict.fromkeys(f"{source}'s" for family in models.families()
+                                    for layout in family.layouts for source in layout.sources)))
+
+
+def check_tensors(tensors: dict, layout: str, model: str, options: dict, where: str) -> bool:
+  """That the file holds exactly the tensors of `model` in `layout` (its classifier may be absent: a
+  headless file), as a UserError naming the first missing or extra tensor; returns whether it is headless."""
+  table = models.layout(model, layout)
+  rules = table.rules(models.get_spec(model), options, tensors)
+  return layouts.check_coverage(rules, tensors, table.head(tensors), table.unread(tensors), where,
+                                f"{model} ({layout}'s layout)", foreign.identify)
 
 
 def _head(tensors: dict, layout: str, model: str) -> np.ndarray:
@@ -222,7 +253,10 @@ def describe(spec: str) -> Published:
   # timm's config can say more than the tensors: a model built with the tanh GELU (as flaxtpu exports one).
   if metadata.get('model_args', {}).get('act_layer') == 'gelu_tanh' and 'gelu' in options:
     options['gelu'] = 'tanh'
-  num_classes = int(_head(tensors, layout, model).shape[0])
+  # A headless file (timm's num_classes=0) has 0 classes: a run that trains a new head reads it.
+  headless = check_tensors(tensors, layout, model, options, path)
+  head = models.layout(model, layout).head(tensors)
+  num_classes = 0 if headless else int(tensors[head].shape[0])
   # timm's defaults for the family where the file says nothing (ViTs: AugReg's, at their embeddings' size).
   family_defaults = models.get_family(model).preprocessing(tensors, layout, options)
   mean = tuple(pretrained_cfg.get('mean', family_defaults.mean))
@@ -236,9 +270,11 @@ def describe(spec: str) -> Published:
   class_names = metadata.get('label_names')
   if class_names is None and num_classes == 1000:
     class_names = imagenet_class_names()
-  if class_names is not None and len(class_names) != num_classes:
+  if class_names is not None and len(class_names) != num_classes and not headless:
     logging.warning('%s names %d classes for a %d-class head; using class_N', spec, len(class_names),
                     num_classes)
+    class_names = None
+  if headless:
     class_names = None
   if not pretrained_cfg:
     logging.info('%s carries no preprocessing; assuming timm\'s defaults for %s: mean %s, std %s, %d px, '
@@ -246,7 +282,8 @@ def describe(spec: str) -> Published:
                  'dataset.crop_fraction)', spec, model, mean, std, image_size, crop_fraction)
   return Published(spec=spec, path=path, layout=layout, model=model, options=options,
                    num_classes=num_classes, class_names=tuple(class_names) if class_names else None,
-                   mean=mean, std=std, image_size=image_size, crop_fraction=crop_fraction, native=native)
+                   mean=mean, std=std, image_size=image_size, crop_fraction=crop_fraction, native=native,
+                   head=head)
 
 
 def imagenet_class_names() -> tuple[str, ...]:

@@ -8,6 +8,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -384,3 +385,135 @@ def test_an_rgb_first_layer_sees_gray_images_as_the_rgb_model_does():
   as_rgb = np.einsum('nhwc,hwco->no', np.repeat(image, 3, axis=-1), kernel)
   np.testing.assert_allclose(np.einsum('nhwc,hwco->no', image, gray), as_rgb, rtol=1e-5)
   assert finetune.to_one_channel(kernel, (5, 5, 1, 64)).shape == kernel.shape  # other mismatches left to load
+
+
+
+# --- files that do not hold exactly the model they are read as ------------------------------------
+
+
+@pytest.fixture(scope='module')
+def resnet18_state():
+  """timm's resnet18 state dict (num_batches_tracked included) as numpy arrays."""
+  torch, _, timm = import_torch()
+  torch.manual_seed(0)
+  model = randomise_batch_norm(torch, timm.create_model('resnet18'))
+  return {key: value.numpy().copy() for key, value in model.state_dict().items()}
+
+
+def _saved(tmp_path, name, tensors):
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  path = str(tmp_path / f'{name}.safetensors')
+  save_file(tensors, path)
+  return path
+
+
+def _exactly(line: str) -> str:
+  """The pattern of one whole line."""
+  return f'^{re.escape(line)}$'
+
+
+def test_a_file_with_tensors_the_model_has_no_place_for_is_not_read_in_part(resnet18_state, tmp_path):
+  """An SE-ResNet-18 is not read as a ResNet-18 without its squeeze-excitation; nor is any extra tensor."""
+  torch, _, timm = import_torch()
+  assert pretrained.describe(_saved(tmp_path, 'resnet18', resnet18_state)).model == 'resnet18'  # counters ok
+  torch.manual_seed(0)
+  se = {key: value.numpy() for key, value in timm.create_model('seresnet18').state_dict().items()}
+  path = _saved(tmp_path, 'seresnet18', se)
+  with pytest.raises(UserError, match=_exactly(
+      f"{path} holds 32 tensors that resnet18 (timm's layout) has no place for ('layer1.0.se.fc1.bias', "
+      "'layer1.0.se.fc1.weight' and 30 more): it looks like an SE-ResNet or SE-ResNeXt (squeeze-excitation) "
+      '(its layer1.0.se.* tensors), which flaxtpu has no model for; read without them it would compute '
+      'another function')):
+    pretrained.describe(path)
+  path = _saved(tmp_path, 'extra', {**resnet18_state, 'extra.weight': np.ones(3, np.float32)})
+  with pytest.raises(UserError, match=_exactly(
+      f"{path} holds 1 tensor that resnet18 (timm's layout) has no place for ('extra.weight'): it is another "
+      'architecture or a variant (extra.*) that flaxtpu has no model for; read without them it would compute '
+      'another function')):
+    pretrained.describe(path)
+
+
+def test_a_non_finite_tensor_is_named(resnet18_state):
+  """One NaN in a BatchNorm statistic, two Infs in a kernel: timm computes NaN, flaxtpu refuses the file."""
+  images = _images(1, 32)
+  nan = dict(resnet18_state)
+  nan['layer1.0.bn1.running_mean'] = nan['layer1.0.bn1.running_mean'].copy()
+  nan['layer1.0.bn1.running_mean'][3] = np.nan
+  with pytest.raises(UserError, match=_exactly(
+      "test weights: tensor 'layer1.0.bn1.running_mean' holds 1 NaN/Inf value (of 64); the file is damaged "
+      'or was saved from a diverged model: use another copy of the weights')):
+    flaxtpu_logits(nan, images)
+  inf = dict(resnet18_state)
+  inf['layer3.1.conv2.weight'] = inf['layer3.1.conv2.weight'].copy()
+  inf['layer3.1.conv2.weight'][0, 0, :, 0] = [np.inf, -np.inf, 1.0]
+  with pytest.raises(UserError, match=re.escape("tensor 'layer3.1.conv2.weight' holds 2 NaN/Inf values "
+                                                '(of 589824)')):
+    flaxtpu_logits(inf, images)
+
+
+def test_a_headless_file_trains_a_new_head_but_cannot_predict_or_keep_its_head(resnet18_state, tmp_path):
+  """timm's num_classes=0: no fc.*. A run that trains a new head reads the rest; predict, eval, a
+  distillation teacher (finetune.published_model) and keep_head need the head: one line each."""
+  path = _saved(tmp_path, 'headless', {key: value for key, value in resnet18_state.items()
+                                       if not key.startswith('fc.')})
+  published = pretrained.describe(path)
+  assert (published.model, published.num_classes, published.class_names, published.head) == (
+      'resnet18', 0, None, 'fc.bias')
+  config = defaults.get_config()
+  config.init_from.checkpoint = path
+  assert pretrained.apply_defaults(config) and config.model.name == 'resnet18'
+  model = models.create('resnet18', num_classes=5, padding='torch')
+  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False))
+  wanted = {f'{collection}/{key}': leaf.shape for collection in shapes
+            for key, leaf in traverse_util.flatten_dict(shapes[collection], sep='/').items()
+            if not key.startswith('Dense_0')}  # init_from's new head
+  arrays = finetune._published_arrays(config, published, wanted)  # pylint: disable=protected-access
+  assert set(arrays) == set(wanted)
+  np.testing.assert_array_equal(arrays['params/Conv_0/kernel'],
+                                resnet18_state['conv1.weight'].transpose(2, 3, 1, 0))
+  with pytest.raises(UserError, match=_exactly(
+      f"{path} has no classifier (no tensor 'fc.bias': a headless checkpoint, as timm saves with "
+      'num_classes=0), so it cannot score images as it is; fine-tune it on labelled images first (train with '
+      'init_from: a new head is trained)')):
+    finetune.published_model(config)
+  config.init_from.keep_head = True
+  with pytest.raises(UserError, match=_exactly(
+      f"config.init_from.keep_head=True keeps the head of {path}, but it has none (no tensor 'fc.bias': a "
+      'headless checkpoint, as timm saves with num_classes=0); drop keep_head to train a new head for the '
+      "data's classes")):
+    finetune._init_from_published(config, None, None, None, ())  # pylint: disable=protected-access
+
+
+def test_a_missing_tensor_is_named(resnet18_state, tmp_path):
+  for deleted in ('layer2.1.conv2.weight', 'layer4.1.conv1.weight', 'bn1.running_var', 'fc.weight'):
+    path = _saved(tmp_path, deleted, {key: value for key, value in resnet18_state.items() if key != deleted})
+    with pytest.raises(UserError, match=_exactly(
+        f"{path} lacks tensor '{deleted}' of resnet18 (timm's layout), which its other tensors are: the file "
+        'is incomplete or damaged; download it again or save the whole model.state_dict()')):
+      pretrained.describe(path)
+
+
+@pytest.mark.parametrize('library, architecture, named', [
+    ('timm', 'efficientnet_b0', 'a timm EfficientNet (its blocks.0.0.se.* tensors)'),
+    ('timm', 'mobilenetv3_large_100', 'a timm MobileNetV3 (its conv_stem.* tensors)'),
+    ('timm', 'swin_tiny_patch4_window7_224', 'a Swin Transformer (its layers.0.blocks.0.attn.* tensors)'),
+    ('torchvision', 'mobilenet_v3_small', 'a torchvision MobileNetV3 (its classifier.3.* tensors)'),
+    ('torchvision', 'efficientnet_b0', 'a torchvision EfficientNet (its features.1.0.block.* tensors)'),
+])
+def test_a_file_of_another_architecture_is_named_as_what_it_is(library, architecture, named):
+  torch, torchvision, timm = import_torch()
+  model = (timm.create_model(architecture) if library == 'timm'
+           else getattr(torchvision.models, architecture)())
+  tensors = {key: value.numpy() for key, value in model.state_dict().items()}
+  with pytest.raises(UserError, match=_exactly(
+      f"test weights looks like {named}, which flaxtpu has no model for; supported: ResNet (resnet18-152), "
+      "ViT (vit_ti/s/b) or ConvNeXt (convnext_t) in timm's, torchvision's or big_vision's layout")):
+    pretrained.infer_model(tensors, 'test weights')
+
+
+def test_a_big_vision_checkpoint_may_hold_more_than_its_vit_outside_the_vit_prefix():
+  """Its optimizer's state and a text tower are no tensors of the ViT; under the ViT's prefix all are."""
+  keys = {'params/img/embedding/kernel', 'params/img/head/bias', 'params/txt/Embed_0/embedding', 'opt/mu/x'}
+  assert vit.BIG_VISION.unread(keys) == {'params/txt/Embed_0/embedding', 'opt/mu/x'}
+  assert vit.BIG_VISION.unread({'embedding/kernel', 'pre_logits/kernel'}) == set()
+  assert vit.BIG_VISION.head({'params/img/embedding/kernel'}) == 'params/img/head/bias'  # even headless

@@ -49,7 +49,7 @@ def _recognise(tensors, where: str):
   keys = set(tensors)
   if not ('stem.0.weight' in keys and 'stages.0.blocks.0.conv_dw.weight' in keys):
     return None
-  stages = tuple(layouts.count(keys, rf'stages\.{stage}\.blocks\.(\d+)\.norm\.weight') for stage in range(4))
+  stages = tuple(layouts.count(keys, rf'stages\.{stage}\.blocks\.(\d+)\..+') for stage in range(4))
   widths = tuple(int(tensors[f'stages.{stage}.blocks.0.norm.weight'].shape[0]) for stage in range(4))
   name = FAMILY.twin(where, f'a ConvNeXt with {stages} blocks of widths {widths}',
                      stage_sizes=stages, widths=widths)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Collection, Mapping, Optional
 import numpy as np
 
 from flaxtpu.errors import UserError
+from flaxtpu.models.layouts import torch_counters
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 INCEPTION_MEAN, INCEPTION_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)  # pixels to [-1, 1]: big_vision, AugReg
@@ -64,7 +65,11 @@ class Layout:
   recognise: Callable[[Mapping[str, np.ndarray], str], Optional[tuple[str, dict]]]
   # (spec, model options, the file's keys (empty when writing)) -> the rules
   rules: Callable[[Spec, dict, Collection[str]], list]
-  head: Callable[[Collection[str]], str]  # the file's key of the classifier's bias (its length: the classes)
+  # the file's key of the classifier's bias (its length: the classes), also where a headless file has none
+  head: Callable[[Collection[str]], str]
+  # the file's keys that no rule reads and no model computes with (BatchNorm's counters, an optimizer's
+  # state); any other key that no rule reads is an error (another model)
+  unread: Callable[[Collection[str]], Collection[str]] = torch_counters
 
 
 def _no_data_fit(spec: Spec) -> None:

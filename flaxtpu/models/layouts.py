@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping, Optional
 
 import numpy as np
 
@@ -69,6 +69,51 @@ def dense(source: str, target: str, kind=linear) -> list[Rule]:
           vector(f'{source}.bias', f'params/{target}/bias')]
 
 
+def torch_counters(keys: Collection[str]) -> set[str]:
+  """The keys a state dict holds that no model computes with: BatchNorm's update counters."""
+  return {key for key in keys if key.endswith('.num_batches_tracked')}
+
+
+def module_of(key: str) -> str:
+  """'fc' of 'fc.bias', 'params/head' of 'params/head/bias'."""
+  return re.split(r'[./](?=[^./]*$)', key)[0]
+
+
+def _listed(keys: list[str]) -> str:
+  shown = ', '.join(repr(key) for key in keys[:2])
+  return shown + (f' and {len(keys) - 2} more' if len(keys) > 2 else '')
+
+
+def check_coverage(rules: list[Rule], tensors: Mapping[str, np.ndarray], head: str, unread: Collection[str],
+                   where: str, what: str, identify: Callable[[Collection[str]], Optional[str]]) -> bool:
+  """That the file holds every tensor the rules read and nothing else (`unread` aside): a file the rules
+  read in part is another model. Returns whether the file is headless: the classifier's module (of
+  `head`, its bias) absent altogether, which a run that trains a new head does not need.
+
+  `what` names the model the rules are of ('resnet18 (timm layout)'); `identify` (keys -> what the file
+  looks like, or None) names the architecture of a file whose extra tensors flaxtpu has no model for.
+  """
+  sources = {rule.source for rule in rules}
+  head_sources = {source for source in sources if module_of(source) == module_of(head)}
+  headless = not any(source in tensors for source in head_sources)
+  missing = [rule.source for rule in rules if rule.source not in tensors
+             and not (headless and rule.source in head_sources)]
+  if missing:
+    raise UserError(f'{where} lacks tensor {_listed(missing)} of {what}, which its other tensors are: the '
+                    'file is incomplete or damaged; download it again or save the whole model.state_dict()')
+  unused = [key for key in tensors if key not in sources and key not in unread]
+  if unused:
+    modules = list(dict.fromkeys(module_of(key) + '.*' for key in unused))
+    looks = identify(set(tensors))
+    raise UserError(f'{where} holds {len(unused)} tensor{"s" * (len(unused) > 1)} that {what} has no place '
+                    f'for ({_listed(unused)}): '
+                    + (f'it looks like {looks}, which flaxtpu has no model for' if looks else
+                       f'it is another architecture or a variant ({", ".join(modules[:2])}'
+                       f'{", ..." if len(modules) > 2 else ""}) that flaxtpu has no model for')
+                    + '; read without them it would compute another function')
+  return headless
+
+
 # --- applying a table ----------------------------------------------------------------------------
 
 
@@ -91,6 +136,11 @@ def load(rules: list[Rule], tensors: Mapping[str, np.ndarray], wanted: Mapping[s
                       f'(it holds {len(tensors)} tensors, e.g. {", ".join(near or list(tensors)[:3])}); '
                       'is it a checkpoint of this model? set config.model.name to its architecture')
     source = np.asarray(tensors[rule.source], np.float32)
+    if not np.isfinite(source).all():
+      bad = int(np.size(source) - np.isfinite(source).sum())
+      raise UserError(f'{where}: tensor {rule.source!r} holds {bad} NaN/Inf value{"s" * (bad > 1)} (of '
+                      f'{np.size(source)}); the file is damaged or was saved from a diverged model: '
+                      'use another copy of the weights')
     for target, array in zip(rule.targets, rule.load(source)):
       if target not in wanted:
         continue

@@ -57,7 +57,7 @@ def _recognise(tensors, where: str):
   keys = set(tensors)
   if not ('conv1.weight' in keys and 'layer1.0.conv1.weight' in keys):
     return None
-  stages = tuple(layouts.count(keys, rf'layer{stage}\.(\d+)\.conv1\.weight') for stage in range(1, 5))
+  stages = tuple(layouts.count(keys, rf'layer{stage}\.(\d+)\..+') for stage in range(1, 5))
   bottleneck = 'layer1.0.conv3.weight' in keys
   if tensors['conv1.weight'].shape[-1] != 7 or tensors['layer1.0.conv1.weight'].shape[0] != 64:
     raise UserError(f'{where} is a ResNet variant (stem or widths differ from resnet18-152), which no '

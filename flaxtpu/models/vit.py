@@ -81,8 +81,8 @@ def vit_rules(depth: int, width: int, heads: int, class_token: bool) -> list[Rul
 
 def _recognise_timm(tensors, where: str):
   keys = set(tensors)
-  if 'patch_embed.proj.weight' not in keys:
-    return None
+  if 'patch_embed.proj.weight' not in keys or not any(key.startswith('blocks.') for key in keys):
+    return None  # not a ViT (a Swin Transformer has patch_embed too)
   for unsupported, what in (('fc_norm.weight', 'a norm after pooling (fc_norm)'),
                             ('reg_token', 'register tokens'), ('attn_pool.latent', 'attention pooling'),
                             ('norm_pre.weight', 'a pre-norm')):
@@ -90,7 +90,7 @@ def _recognise_timm(tensors, where: str):
       raise UserError(f'{where} is a ViT with {what}, which flaxtpu\'s ViT lacks; supported: timm '
                       'ViTs with a class token or plain average pooling (e.g. augreg)')
   kernel = tensors['patch_embed.proj.weight']
-  depth = layouts.count(keys, r'blocks\.(\d+)\.norm1\.weight')
+  depth = layouts.count(keys, r'blocks\.(\d+)\..+')  # by any tensor: the coverage check names one missing
   name = FAMILY.twin(where, f'a ViT of width {kernel.shape[0]} and depth {depth}',
                      widths=(kernel.shape[0],), stage_sizes=(depth,))
   pool = 'tok' if 'cls_token' in keys else 'gap'
@@ -156,7 +156,7 @@ def _recognise_big_vision(tensors, where: str):
   kernel = tensors[f'{prefix}embedding/kernel']
   stacked = f'{prefix}Transformer/encoderblock/LayerNorm_0/scale'
   depth = (tensors[stacked].shape[0] if stacked in keys
-           else layouts.count(keys, re.escape(prefix) + r'Transformer/encoderblock_(\d+)/LayerNorm_0/scale'))
+           else layouts.count(keys, re.escape(prefix) + r'Transformer/encoderblock_(\d+)/.+'))
   name = FAMILY.twin(where, f'a ViT of width {kernel.shape[-1]} and depth {depth}',
                      widths=(kernel.shape[-1],), stage_sizes=(depth,))
   pool = 'tok' if f'{prefix}cls' in keys else 'gap'
@@ -174,11 +174,18 @@ def _preprocessing(tensors, layout: str, options: dict) -> Preprocessing:
   return Preprocessing(INCEPTION_MEAN, INCEPTION_STD, 0.9, size)
 
 
+def _big_vision_unread(keys) -> set[str]:
+  """What a big_vision checkpoint holds besides the ViT: the optimizer's state, a text tower (params/txt)."""
+  prefix = big_vision_rules(set(keys), 0, False)[0].source[:-len('embedding/kernel')]
+  return {key for key in keys if not key.startswith(prefix)}
+
+
 # Recognised before timm's layout: flax names.
 BIG_VISION = Layout('big_vision', ('big_vision',), _recognise_big_vision,
                     rules=lambda spec, options, keys: big_vision_rules(set(keys), spec.stage_sizes[0],
                                                                        options['pool'] == 'tok'),
-                    head=lambda keys: next(key for key in keys if key.endswith('head/bias')))
+                    head=lambda keys: big_vision_rules(set(keys), 0, False)[-1].source,
+                    unread=_big_vision_unread)
 TIMM = Layout('timm', ('timm',), _recognise_timm,
               rules=lambda spec, options, keys: vit_rules(spec.stage_sizes[0], spec.widths[0], spec.num_heads,
                                                           options.get('pool', 'tok') == 'tok'),
