@@ -155,6 +155,17 @@ def test_an_eval_only_load_matches_the_checkpoints_classes_by_name(tmp_path):
   assert tags.labels.sum(axis=0).tolist() == [3, 3] and len(tags) == 9  # frogs stay, untagged
 
 
+def test_a_class_only_the_eval_split_has_is_not_made_a_class_of_the_model(tmp_path):
+  # One class list, taken from training: a test-only class in a label file is the unknown-label error.
+  rows = [(p, c, s) for p, c, s in _photos(tmp_path, count=3) if c != 'frog' or s == 'test']
+  labels = _write(tmp_path / 'labels.csv', 'path,label,split\n' + ''.join(f'{p},{c},{s}\n' for p, c, s in rows))
+  with pytest.raises(DataError, match=r"split 'test' of .*labels.csv has labels the model is not trained on: "
+                                      r'frog \(1 examples\)'):
+    _dataset(labels=labels).splits('train', 'test', None)
+  train, test, class_names = _dataset(labels=labels, unknown_classes='drop').splits('train', 'test', None)
+  assert class_names == ('cat', 'dog') and test.labels.tolist() == [0, 1]
+
+
 def test_an_image_folder_elsewhere_and_a_missing_image_skipped_on_request(tmp_path, caplog):
   _png(tmp_path / 'images' / 'x' / 'a.png')
   labels = _write(tmp_path / 'l.csv', 'path,label\nx/a.png,cat\nx/gone.png,dog\n')
@@ -399,6 +410,56 @@ def test_parquet_string_labels_lists_and_images_by_path(tmp_path):
   assert class_names == ('0',) and split.load(0)[0] == str(tmp_path / 'files' / 'a.png')
   with pytest.raises(DataError, match=r"has no label column \(its columns: img, label\)|no column 'kind'"):
     _dataset(parquet=str(tmp_path / 'one.parquet'), label_column='kind').splits(None, 'all', None)
+
+
+def test_each_shard_reads_the_classes_txt_beside_it_matched_by_name(tmp_path):
+  # train/classes.txt and test/classes.txt list the classes in other orders: labels go by name.
+  for split, order in (('train', ('zebra', 'apple', 'moth')), ('test', ('moth', 'zebra', 'apple'))):
+    os.makedirs(tmp_path / split)
+    _write(tmp_path / split / 'classes.txt', '\n'.join(order) + '\n')
+    _tar(tmp_path / split / 's-0.tar', [
+        member for i, name in enumerate(('zebra', 'apple', 'moth'))
+        for member in ((f'{split}{i}.png', _png(None)),
+                       (f'{split}{i}.cls', str(order.index(name)).encode()))])
+  source = _dataset(shards=str(tmp_path / '{split}' / 's-0.tar'))
+  train, test, class_names = source.splits('train', 'test', None)
+  assert class_names == ('zebra', 'apple', 'moth')  # training's classes.txt
+  assert train.labels.tolist() == [0, 1, 2] and test.labels.tolist() == [0, 1, 2]
+  # Evaluating alone with a checkpoint's classes: the same, by name.
+  _, test, _ = source.splits(None, 'test', ('apple', 'moth', 'zebra'))
+  assert test.labels.tolist() == [2, 0, 1]
+  # A class the run lacks: the unknown-label error (or dataset.unknown_classes=drop).
+  _write(tmp_path / 'test' / 'classes.txt', 'moth\nzebra\nowl\n')
+  with pytest.raises(DataError, match=r"split 'test' of shards .* labels the model is not trained on: owl"):
+    source.splits('train', 'test', None)
+  # Index labels in a shard with no classes.txt beside it, while other shards' lists differ.
+  os.remove(tmp_path / 'test' / 'classes.txt')
+  _write(tmp_path / 'train' / 'classes.txt', 'zebra\napple\nmoth\n')
+  os.makedirs(tmp_path / 'val')
+  _write(tmp_path / 'val' / 'classes.txt', 'apple\nzebra\nmoth\n')
+  _tar(tmp_path / 'val' / 's-0.tar', [('v.png', _png(None)), ('v.cls', b'0')])
+  with pytest.raises(DataError, match=r'test0 in shard .*test/s-0.tar has class index 1 but no classes.txt '
+                                      r'beside it'):
+    source.splits('train', 'test+val', None)
+  # No classes.txt beside the test shards and one list elsewhere: that list (as before).
+  os.remove(tmp_path / 'val' / 'classes.txt')
+  assert source.splits('train', 'test+val', None)[1].labels.tolist() == [1, 2, 0, 0]
+
+
+def test_parquet_class_labels_are_read_per_file_and_matched_by_name(tmp_path):
+  image = _png(None)
+  # Files sorted: test first. Its ClassLabel lists the classes in another order than train's.
+  _hf_parquet(str(tmp_path / 'data' / 'test-00000-of-00001.parquet'), [image] * 3, [2, 0, 1],
+              {'label': {'names': ['moth', 'zebra', 'apple'], '_type': 'ClassLabel'}})
+  _hf_parquet(str(tmp_path / 'data' / 'train-00000-of-00002.parquet'), [image] * 3, [0, 1, 2],
+              {'label': {'names': ['zebra', 'apple', 'moth'], '_type': 'ClassLabel'}})
+  # Two files of one split that disagree: each decoded with its own names.
+  _hf_parquet(str(tmp_path / 'data' / 'train-00001-of-00002.parquet'), [image] * 2, [0, 1],
+              {'label': {'names': ['moth', 'apple'], '_type': 'ClassLabel'}})
+  train, test, class_names = _dataset(parquet=str(tmp_path)).splits('train', 'test', None)
+  assert class_names == ('zebra', 'apple', 'moth')  # the first train file's ClassLabel
+  assert train.labels.tolist() == [0, 1, 2, 2, 1]
+  assert test.labels.tolist() == [1, 2, 0]  # apple, moth, zebra
 
 
 # --- end to end ----------------------------------------------------------------------------------

@@ -42,9 +42,21 @@ class Catalog:
   what: str  # how messages name the dataset
   tags: list  # per example: its class names (tuple of str), first tag first; () = untagged
   split_of: Optional[np.ndarray]  # per example: its split (str); None = one split, 'all'
-  class_names: tuple[str, ...]  # the dataset's own classes, the same for every split
+  class_names: tuple[str, ...]  # the dataset's own classes (every split's), for strata and messages
   where: Callable[[int], str]  # example -> 'line 7 of labels.csv (cat/1.jpg)', for messages
   absent: Callable[[str, list], str]  # (split, the splits there are) -> why it is not there
+  # (split, its class names) of each file that lists them (a classes.txt, a ClassLabel), in file order
+  class_lists: list = dataclasses.field(default_factory=list)
+
+  def classes_of(self, split_names: Sequence[str]) -> tuple[str, ...]:
+    """The classes of the splits `split_names` (training's, whole): the names their files list (the
+    first file's order), then the other names their examples use, in `class_names` order. Never
+    another split's: its names are matched to these by name (`_encoded`)."""
+    listed_names = dict.fromkeys(name for split, names in self.class_lists if split in split_names
+                                 for name in names)
+    used = {tag for split in split_names for row in self.rows(split) for tag in self.tags[row]}
+    return tuple(listed_names) + tuple(name for name in self.class_names
+                                       if name in used and name not in listed_names)
 
   @functools.cached_property
   def strata(self) -> np.ndarray:
@@ -191,6 +203,42 @@ def tags_of_values(values: list, names: Optional[Sequence[str]], where: Callable
   return tags, tuple(names)
 
 
+def tags_of_files(values: list, file_of: np.ndarray, lists: Sequence[Optional[Sequence[str]]],
+                  sources: Sequence[str], where: Callable[[int], str], what: str,
+                  lacking: str) -> tuple[list, tuple[str, ...]]:
+  """`tags_of_values` of labels read from several files, each of which may list its own class names
+  (`lists[f]`, from `sources[f]`: the classes.txt beside a shard, a parquet file's ClassLabel). A
+  file's class indices are decoded with ITS names, never another file's, so files that list the
+  classes in other orders agree by name. A file that lists none takes the one list the others
+  share; when their lists differ, its indices are a DataError (`lacking`: 'no classes.txt beside
+  it'). The class names: every file's, in file order."""
+  given = list(dict.fromkeys(tuple(names) for names in lists if names is not None))
+  if not given:
+    return tags_of_values(values, None, where, what, sources[0])
+  tags, class_names = [None] * len(values), {}
+  file_of = np.asarray(file_of)
+  for number, names in enumerate(lists):
+    positions = np.flatnonzero(file_of == number)
+    source = sources[number]
+    if names is None and len(given) == 1:
+      names, source = given[0], next(sources[f] for f, names in enumerate(lists) if names is not None)
+    elif names is None:
+      first = next((p for p in positions if any(isinstance(v, int) for v in values[p])), None)
+      if first is not None:
+        index = next(v for v in values[first] if isinstance(v, int))
+        raise DataError(f'{where(first)} has class index {index} but {lacking}, and the class lists of the '
+                        'other files differ '
+                        f'({", ".join(dict.fromkeys(s for s, n in zip(sources, lists) if n is not None))}); '
+                        'give it its own list, or write class names')
+      names = None
+    file_tags, file_names = tags_of_values([values[p] for p in positions], names,
+                                           lambda i, positions=positions: where(positions[i]), what, source)
+    for position, row_tags in zip(positions, file_tags):
+      tags[position] = row_tags
+    class_names.update(dict.fromkeys(file_names))
+  return tags, tuple(class_names)
+
+
 def pick_column(names: Sequence[str], configured: str, candidates: Sequence[str], key: str, what: str,
                  where: str) -> str:
   """Which of `names` is the image (or label) column: `configured` (config.dataset.KEY), else the
@@ -235,7 +283,12 @@ class TaggedSource(Source):
     catalog.check_tags(self.multilabel)
     if not catalog.class_names:
       raise DataError(f'{catalog.what} has no labels at all; label its images')
-    class_names = tuple(class_names) if class_names is not None else catalog.class_names
+    if class_names is None:  # training's classes; other splits are matched to them by name
+      try:
+        class_names = catalog.classes_of(names(train_spec if train_spec is not None else self.train_spec))
+      except DataError:  # evaluating alone on data without the training split: every split's
+        class_names = catalog.class_names
+    class_names = tuple(class_names)
     loaded = []
     for spec in (train_spec, eval_spec):
       if spec is not None:
