@@ -158,7 +158,8 @@ def test_an_eval_only_load_matches_the_checkpoints_classes_by_name(tmp_path):
 def test_a_class_only_the_eval_split_has_is_not_made_a_class_of_the_model(tmp_path):
   # One class list, taken from training: a test-only class in a label file is the unknown-label error.
   rows = [(p, c, s) for p, c, s in _photos(tmp_path, count=3) if c != 'frog' or s == 'test']
-  labels = _write(tmp_path / 'labels.csv', 'path,label,split\n' + ''.join(f'{p},{c},{s}\n' for p, c, s in rows))
+  labels = _write(tmp_path / 'labels.csv',
+                  'path,label,split\n' + ''.join(f'{p},{c},{s}\n' for p, c, s in rows))
   with pytest.raises(DataError, match=r"split 'test' of .*labels.csv has labels the model is not trained on: "
                                       r'frog \(1 examples\)'):
     _dataset(labels=labels).splits('train', 'test', None)
