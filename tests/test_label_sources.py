@@ -463,6 +463,39 @@ def test_parquet_class_labels_are_read_per_file_and_matched_by_name(tmp_path):
   assert test.labels.tolist() == [1, 2, 0]  # apple, moth, zebra
 
 
+@pytest.mark.parametrize('kind', ['csv', 'jsonl', 'parquet', 'cls', 'json'])
+def test_tags_in_a_one_label_column_are_one_line_not_a_class_named_with_the_separator(tmp_path, kind):
+  # Multi-label tags written where one class is read (a `label` column, KEY.cls) would become a class
+  # named 'cat;outdoor'.
+  image = _png(tmp_path / 'a.png')
+  _png(tmp_path / 'b.png')
+  if kind in ('csv', 'jsonl'):
+    text = ('path,label\na.png,cat\nb.png,cat;outdoor\n' if kind == 'csv' else
+            '{"path": "a.png", "label": "cat"}\n{"path": "b.png", "label": "cat;outdoor"}\n')
+    source, where = _dataset(labels=_write(tmp_path / f'l.{kind}', text)), rf'line 2 of .*l\.{kind}'
+    if kind == 'csv':
+      where = r'line 3 of .*l\.csv'
+  elif kind == 'parquet':
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({'image': [image, image], 'label': ['cat', 'cat;outdoor']}),
+                   tmp_path / 'x.parquet')
+    source, where = _dataset(parquet=str(tmp_path / 'x.parquet')), r'row 1 of .*x\.parquet'
+  else:
+    label = b'cat;outdoor' if kind == 'cls' else b'{"label": "cat;outdoor"}'
+    shard = _tar(tmp_path / 's.tar', [('a.png', image), ('a.cls', b'cat'), ('b.png', image),
+                                      (f'b.{kind}', label)])
+    source, where = _dataset(shards=shard), rf'b in shard {shard} has b\.{kind}'
+  fix = (r"a 'label' column holds one class per image: name it labels" if kind not in ('cls', 'json') else
+         r'(KEY.cls|"label") holds one class: write tags as .*"labels"')
+  with pytest.raises(DataError, match=rf"{where}:? 'cat;outdoor' holds tags separated by ';', but {fix}"):
+    source.splits(None, 'all', None)
+  if kind == 'csv':  # in a `labels` column they are tags
+    labels = _write(tmp_path / 'tags.csv', 'path,labels\na.png,cat\nb.png,cat;outdoor\n')
+    _, split, class_names = _dataset('multilabel', labels=labels).splits(None, 'all', None)
+    assert class_names == ('cat', 'outdoor') and split.labels.tolist() == [[1, 0], [1, 1]]
+
+
 # --- end to end ----------------------------------------------------------------------------------
 
 

@@ -17,10 +17,12 @@ from flaxtpu.data.sources.base import ALL, DataError, IndexedRecords, Split
 from flaxtpu.data.sources.tagged import (
   LABEL_COLUMNS,
   Catalog,
+  SeveralTags,
   TaggedSource,
   label_values,
   pattern_files,
   pick_column,
+  several_tags,
   tags_of_files,
 )
 
@@ -152,7 +154,9 @@ class ParquetSource(TaggedSource):
       lists.append(_hf_class_names(schema.metadata, label))  # this file's: its indices name these
       for row, cell in enumerate(cells):
         try:
-          values.append(label_values(None if cell == -1 else cell, separated=False))  # -1: no label
+          values.append(label_values(None if cell == -1 else cell, label.strip().lower() != 'label'))
+        except SeveralTags as e:  # -1 above: no label
+          raise DataError(f'row {row} of {path}: {e}, but {several_tags(label)}') from None
         except ValueError as e:
           raise DataError(f'row {row} of {path}: {e}; labels are class indices or names, or lists of '
                           'them') from None

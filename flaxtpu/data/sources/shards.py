@@ -22,7 +22,14 @@ import numpy as np
 from flaxtpu.data import sampling, workers
 from flaxtpu.data.preprocess import IMAGE_EXTENSIONS
 from flaxtpu.data.sources.base import ALL, DataError, IndexedRecords, Split
-from flaxtpu.data.sources.tagged import Catalog, TaggedSource, label_values, pattern_files, tags_of_files
+from flaxtpu.data.sources.tagged import (
+  Catalog,
+  SeveralTags,
+  TaggedSource,
+  label_values,
+  pattern_files,
+  tags_of_files,
+)
 
 SHARD_CLASSES = 'classes.txt'  # beside the shards: one class name per line, indexed by KEY.cls
 SHARD_LABEL_SUFFIXES = ('cls', 'json')
@@ -86,14 +93,23 @@ def _member_label(suffix: str, data: bytes) -> list:
   """KEY.cls (a class index or name) or KEY.json ({"label": x} or {"labels": [...]}) -> label values."""
   text = data.decode('utf-8').strip()  # UnicodeDecodeError is a ValueError
   if suffix == 'cls':
-    return label_values(text, separated=False)
+    try:
+      return label_values(text, separated=False)
+    except SeveralTags as e:
+      raise ValueError(f'{e}, but KEY.cls holds one class: write tags as KEY.json {{"labels": [...]}}'
+                       ) from None
   try:
     record = json.loads(text)
   except json.JSONDecodeError as e:
     raise ValueError(f'is not valid JSON ({e.msg})') from None
   if not isinstance(record, dict) or not {'label', 'labels'} & set(record):
     raise ValueError('has no "label" or "labels" key')
-  return label_values(record['labels']) if 'labels' in record else label_values(record['label'], False)
+  if 'labels' in record:
+    return label_values(record['labels'])
+  try:
+    return label_values(record['label'], False)
+  except SeveralTags as e:
+    raise ValueError(f'{e}, but "label" holds one class: write tags as {{"labels": [...]}}') from None
 
 
 _SHARD_INDEXES: dict = {}  # (path, size, mtime) -> index_shard's answer: each shard is indexed once

@@ -145,9 +145,29 @@ def sorted_classes(names) -> tuple[str, ...]:
   return tuple(sorted(names))
 
 
+class SeveralTags(ValueError):
+  """A one-label cell (a `label` column, a KEY.cls) that holds `;`-separated tags: multi-label tags
+  written where one class is read would otherwise become one class named 'cat;outdoor'."""
+
+
+def one_label(cell: str) -> str:
+  """A cell of a one-label column, as written; SeveralTags when it holds TAG_SEPARATOR."""
+  if TAG_SEPARATOR in cell and len([tag for tag in cell.split(TAG_SEPARATOR) if tag.strip()]) > 1:
+    raise SeveralTags(f'{printable(cell.strip())!r} holds tags separated by {TAG_SEPARATOR!r}')
+  return cell
+
+
+def several_tags(column: str) -> str:
+  """The fix for SeveralTags in a label column named `column`."""
+  return (f'a {column!r} column holds one class per image: name it labels for tags separated by '
+          f"'{TAG_SEPARATOR}' (with --config.task=multilabel), or name the column to read with "
+          '--config.dataset.label_column')
+
+
 def label_values(value, separated: bool = True) -> list:
   """A label as written (a class index or name, a list of them, a `;`-separated string, or None)
-  -> its class indices (int) and names (str), in order, once each. A bad value is a ValueError."""
+  -> its class indices (int) and names (str), in order, once each. A bad value is a ValueError;
+  a `;`-separated string where one label is read (not `separated`) is SeveralTags."""
   if value is None:
     items = []
   elif isinstance(value, list):
@@ -155,7 +175,7 @@ def label_values(value, separated: bool = True) -> list:
   elif isinstance(value, str) and separated:
     items = value.split(TAG_SEPARATOR)
   else:
-    items = [value]
+    items = [one_label(value) if isinstance(value, str) else value]
   values = []
   for item in items:
     if isinstance(item, float) and item.is_integer():
