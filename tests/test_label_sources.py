@@ -167,6 +167,30 @@ def test_a_class_only_the_eval_split_has_is_not_made_a_class_of_the_model(tmp_pa
   assert class_names == ('cat', 'dog') and test.labels.tolist() == [0, 1]
 
 
+@pytest.mark.parametrize('value, close', [('Train', 'train'), ('tset', 'test'), ('valid', 'val')])
+def test_a_split_value_that_looks_like_a_split_the_run_reads_is_one_line(tmp_path, value, close):
+  eval_split = 'val' if close == 'val' else 'test'
+  rows = [(p, c, eval_split if s == 'test' else s) for p, c, s in _photos(tmp_path, count=3)]
+  first = next(i for i, (_, _, s) in enumerate(rows) if s == close)  # one row's value misspelt
+  labels = _write(tmp_path / 'labels.csv', 'path,label,split\n' + ''.join(
+      f'{p},{c},{value if i == first else s}\n' for i, (p, c, s) in enumerate(rows)))
+  with pytest.raises(DataError, match=r'labels.csv has split values that are not a split this run reads but '
+                                      rf"look like one: '{value}' \(1 examples; '{close}'\?\); .*the run "
+                                      rf'reads train, {eval_split}'):
+    _dataset(labels=labels, eval_split=eval_split).splits('train', eval_split, None)
+
+
+def test_a_split_the_run_does_not_read_is_left_out_with_a_warning(tmp_path, caplog):
+  rows = _photos(tmp_path, count=6)
+  labels = _write(tmp_path / 'labels.csv', 'path,label,split\n' + ''.join(
+      f'{p},{c},{"validation" if i % 6 == 5 else s}\n' for i, (p, c, s) in enumerate(rows)))
+  with caplog.at_level(logging.WARNING):
+    train, test, _ = _dataset(labels=labels).splits('train', 'test', None)
+  assert (len(train), len(test)) == (12, 3)
+  assert ("leaving out the examples of splits this run does not read (it reads train, test): 'validation' "
+          '(3 examples)') in caplog.text
+
+
 def test_an_image_folder_elsewhere_and_a_missing_image_skipped_on_request(tmp_path, caplog):
   _png(tmp_path / 'images' / 'x' / 'a.png')
   labels = _write(tmp_path / 'l.csv', 'path,label\nx/a.png,cat\nx/gone.png,dog\n')

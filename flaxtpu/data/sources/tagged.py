@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import difflib
 import functools
 import glob
 import logging
@@ -32,6 +33,7 @@ from flaxtpu.data.sources.base import (
 
 TAG_SEPARATOR = ';'  # between the tags of a `labels` cell
 LABEL_COLUMNS = ('label', 'labels')  # label: one per row; labels (or a set label_column): tags
+SPLIT_MISSPELLING = 0.75  # difflib's ratio from which a split value is a misspelt split name
 _INTEGER = re.compile(r'-?\d+')
 _BRACES = re.compile(r'\{(\d+)\.\.(\d+)\}|\{([^{}]*,[^{}]*)\}')
 
@@ -88,6 +90,35 @@ class Catalog:
         shown = TAG_SEPARATOR.join(printable(tag) for tag in tags[:5])
         raise DataError(f'{self.where(position)} has {len(tags)} labels ({shown}); a multiclass model takes '
                         'one per image: set --config.task=multilabel for images with several tags')
+
+
+def check_split_values(catalog: Catalog, configured: Sequence[str]) -> None:
+  """A split column's values that no configured split (train_split, eval_split, eval_splits, those
+  asked for) names exactly leave their examples out, never silently. A value that differs from a
+  configured name only in case ('Train') or is a close misspelling of one ('tset', 'valid' for
+  'val') is a DataError naming the values, the file and the splits asked for, with the close match;
+  other values are splits of their own the run does not use ('val' beside train and test): a
+  warning counts the examples left out."""
+  if catalog.split_of is None:
+    return
+  configured = list(dict.fromkeys(configured))
+  unused = collections.Counter(value for value in catalog.split_of.tolist() if value not in configured)
+  if not unused:
+    return
+  lowered = {name.lower(): name for name in configured}
+  close = {value: lowered.get(value.lower()) or next(iter(difflib.get_close_matches(value, configured, 1,
+                                                                                    SPLIT_MISSPELLING)), None)
+           for value in unused}
+  if mistakes := [value for value in unused if close[value]]:
+    shown = ', '.join(f'{printable(value)!r} ({unused[value]} examples; {close[value]!r}?)'
+                      for value in mistakes)
+    raise DataError(f'{catalog.what} has split values that are not a split this run reads but look like one: '
+                    f'{shown}; split names match exactly, and the run reads {listed(configured)}: fix the '
+                    'values in the file, or set --config.dataset.train_split / eval_split to them')
+  logging.warning('%s: leaving out the examples of splits this run does not read (it reads %s): %s',
+                  catalog.what, listed(configured),
+                  ', '.join(f'{printable(value)!r} ({count} examples)'
+                            for value, count in unused.most_common()))
 
 
 def _sliced(catalog: Catalog, spec: str) -> np.ndarray:
@@ -284,6 +315,9 @@ class TaggedSource(Source):
   def __init__(self, dataset: ml_collections.ConfigDict, task: str):
     self.multilabel = task == 'multilabel'
     self.train_spec, self.unknown_classes = dataset.train_split, dataset.unknown_classes
+    # Every split the config names: a split column's other values are checked against them.
+    self.configured_specs = (dataset.train_split, dataset.get('eval_split', ''),
+                             *dataset.get('eval_splits', ()))
     self.skip_corrupt = dataset.skip_corrupt
     self.image_column, self.label_column = dataset.get('image_column', ''), dataset.get('label_column', '')
 
@@ -300,6 +334,8 @@ class TaggedSource(Source):
     # Evaluating alone without the classes: those training on train_split gives.
     optional = names(self.train_spec) if train_spec is None and class_names is None else []
     catalog = self.catalog(list(dict.fromkeys(names(train_spec) + names(eval_spec))), optional)
+    check_split_values(catalog, [name for spec in (*self.configured_specs, train_spec, eval_spec)
+                                 for name in names(spec)])
     catalog.check_tags(self.multilabel)
     if not catalog.class_names:
       raise DataError(f'{catalog.what} has no labels at all; label its images')
