@@ -264,16 +264,16 @@ def tags_of_files(values: list, file_of: np.ndarray, lists: Sequence[Optional[Se
   share; when their lists differ, its indices are a DataError (`lacking`: 'no classes.txt beside
   it'). The class names: every file's, in file order."""
   given = list(dict.fromkeys(tuple(names) for names in lists if names is not None))
-  if not given:
-    return tags_of_values(values, None, where, what, sources[0])
+  if len(given) <= 1:  # no list, or one that every file shares
+    return tags_of_values(values, given[0] if given else None, where, what,
+                          next((s for s, names in zip(sources, lists) if names is not None), sources[0]))
   tags, class_names = [None] * len(values), {}
-  file_of = np.asarray(file_of)
+  file_of = np.asarray(file_of, np.int64)
+  order, ends = np.argsort(file_of, kind='stable'), np.cumsum(np.bincount(file_of, minlength=len(lists)))
   for number, names in enumerate(lists):
-    positions = np.flatnonzero(file_of == number)
+    positions = order[(ends[number - 1] if number else 0):ends[number]]  # this file's examples
     source = sources[number]
-    if names is None and len(given) == 1:
-      names, source = given[0], next(sources[f] for f, names in enumerate(lists) if names is not None)
-    elif names is None:
+    if names is None:
       first = next((p for p in positions if any(isinstance(v, int) for v in values[p])), None)
       if first is not None:
         index = next(v for v in values[first] if isinstance(v, int))
@@ -281,7 +281,6 @@ def tags_of_files(values: list, file_of: np.ndarray, lists: Sequence[Optional[Se
                         'other files differ '
                         f'({", ".join(dict.fromkeys(s for s, n in zip(sources, lists) if n is not None))}); '
                         'give it its own list, or write class names')
-      names = None
     file_tags, file_names = tags_of_values([values[p] for p in positions], names,
                                            lambda i, positions=positions: where(positions[i]), what, source)
     for position, row_tags in zip(positions, file_tags):
