@@ -155,6 +155,42 @@ def test_an_eval_only_load_matches_the_checkpoints_classes_by_name(tmp_path):
   assert tags.labels.sum(axis=0).tolist() == [3, 3] and len(tags) == 9  # frogs stay, untagged
 
 
+def test_a_class_only_the_eval_split_has_is_not_made_a_class_of_the_model(tmp_path):
+  # One class list, taken from training: a test-only class in a label file is the unknown-label error.
+  rows = [(p, c, s) for p, c, s in _photos(tmp_path, count=3) if c != 'frog' or s == 'test']
+  labels = _write(tmp_path / 'labels.csv',
+                  'path,label,split\n' + ''.join(f'{p},{c},{s}\n' for p, c, s in rows))
+  with pytest.raises(DataError, match=r"split 'test' of .*labels.csv has labels the model is not trained on: "
+                                      r'frog \(1 examples\)'):
+    _dataset(labels=labels).splits('train', 'test', None)
+  train, test, class_names = _dataset(labels=labels, unknown_classes='drop').splits('train', 'test', None)
+  assert class_names == ('cat', 'dog') and test.labels.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize('value, close', [('Train', 'train'), ('tset', 'test'), ('valid', 'val')])
+def test_a_split_value_that_looks_like_a_split_the_run_reads_is_one_line(tmp_path, value, close):
+  eval_split = 'val' if close == 'val' else 'test'
+  rows = [(p, c, eval_split if s == 'test' else s) for p, c, s in _photos(tmp_path, count=3)]
+  first = next(i for i, (_, _, s) in enumerate(rows) if s == close)  # one row's value misspelt
+  labels = _write(tmp_path / 'labels.csv', 'path,label,split\n' + ''.join(
+      f'{p},{c},{value if i == first else s}\n' for i, (p, c, s) in enumerate(rows)))
+  with pytest.raises(DataError, match=r'labels.csv has split values that are not a split this run reads but '
+                                      rf"look like one: '{value}' \(1 examples; '{close}'\?\); .*the run "
+                                      rf'reads train, {eval_split}'):
+    _dataset(labels=labels, eval_split=eval_split).splits('train', eval_split, None)
+
+
+def test_a_split_the_run_does_not_read_is_left_out_with_a_warning(tmp_path, caplog):
+  rows = _photos(tmp_path, count=6)
+  labels = _write(tmp_path / 'labels.csv', 'path,label,split\n' + ''.join(
+      f'{p},{c},{"validation" if i % 6 == 5 else s}\n' for i, (p, c, s) in enumerate(rows)))
+  with caplog.at_level(logging.WARNING):
+    train, test, _ = _dataset(labels=labels).splits('train', 'test', None)
+  assert (len(train), len(test)) == (12, 3)
+  assert ("leaving out the examples of splits this run does not read (it reads train, test): 'validation' "
+          '(3 examples)') in caplog.text
+
+
 def test_an_image_folder_elsewhere_and_a_missing_image_skipped_on_request(tmp_path, caplog):
   _png(tmp_path / 'images' / 'x' / 'a.png')
   labels = _write(tmp_path / 'l.csv', 'path,label\nx/a.png,cat\nx/gone.png,dog\n')
@@ -399,6 +435,89 @@ def test_parquet_string_labels_lists_and_images_by_path(tmp_path):
   assert class_names == ('0',) and split.load(0)[0] == str(tmp_path / 'files' / 'a.png')
   with pytest.raises(DataError, match=r"has no label column \(its columns: img, label\)|no column 'kind'"):
     _dataset(parquet=str(tmp_path / 'one.parquet'), label_column='kind').splits(None, 'all', None)
+
+
+def test_each_shard_reads_the_classes_txt_beside_it_matched_by_name(tmp_path):
+  # train/classes.txt and test/classes.txt list the classes in other orders: labels go by name.
+  for split, order in (('train', ('zebra', 'apple', 'moth')), ('test', ('moth', 'zebra', 'apple'))):
+    os.makedirs(tmp_path / split)
+    _write(tmp_path / split / 'classes.txt', '\n'.join(order) + '\n')
+    _tar(tmp_path / split / 's-0.tar', [
+        member for i, name in enumerate(('zebra', 'apple', 'moth'))
+        for member in ((f'{split}{i}.png', _png(None)),
+                       (f'{split}{i}.cls', str(order.index(name)).encode()))])
+  source = _dataset(shards=str(tmp_path / '{split}' / 's-0.tar'))
+  train, test, class_names = source.splits('train', 'test', None)
+  assert class_names == ('zebra', 'apple', 'moth')  # training's classes.txt
+  assert train.labels.tolist() == [0, 1, 2] and test.labels.tolist() == [0, 1, 2]
+  # Evaluating alone with a checkpoint's classes: the same, by name.
+  _, test, _ = source.splits(None, 'test', ('apple', 'moth', 'zebra'))
+  assert test.labels.tolist() == [2, 0, 1]
+  # A class the run lacks: the unknown-label error (or dataset.unknown_classes=drop).
+  _write(tmp_path / 'test' / 'classes.txt', 'moth\nzebra\nowl\n')
+  with pytest.raises(DataError, match=r"split 'test' of shards .* labels the model is not trained on: owl"):
+    source.splits('train', 'test', None)
+  # Index labels in a shard with no classes.txt beside it, while other shards' lists differ.
+  os.remove(tmp_path / 'test' / 'classes.txt')
+  _write(tmp_path / 'train' / 'classes.txt', 'zebra\napple\nmoth\n')
+  os.makedirs(tmp_path / 'val')
+  _write(tmp_path / 'val' / 'classes.txt', 'apple\nzebra\nmoth\n')
+  _tar(tmp_path / 'val' / 's-0.tar', [('v.png', _png(None)), ('v.cls', b'0')])
+  with pytest.raises(DataError, match=r'test0 in shard .*test/s-0.tar has class index 1 but no classes.txt '
+                                      r'beside it'):
+    source.splits('train', 'test+val', None)
+  # No classes.txt beside the test shards and one list elsewhere: that list (as before).
+  os.remove(tmp_path / 'val' / 'classes.txt')
+  assert source.splits('train', 'test+val', None)[1].labels.tolist() == [1, 2, 0, 0]
+
+
+def test_parquet_class_labels_are_read_per_file_and_matched_by_name(tmp_path):
+  image = _png(None)
+  # Files sorted: test first. Its ClassLabel lists the classes in another order than train's.
+  _hf_parquet(str(tmp_path / 'data' / 'test-00000-of-00001.parquet'), [image] * 3, [2, 0, 1],
+              {'label': {'names': ['moth', 'zebra', 'apple'], '_type': 'ClassLabel'}})
+  _hf_parquet(str(tmp_path / 'data' / 'train-00000-of-00002.parquet'), [image] * 3, [0, 1, 2],
+              {'label': {'names': ['zebra', 'apple', 'moth'], '_type': 'ClassLabel'}})
+  # Two files of one split that disagree: each decoded with its own names.
+  _hf_parquet(str(tmp_path / 'data' / 'train-00001-of-00002.parquet'), [image] * 2, [0, 1],
+              {'label': {'names': ['moth', 'apple'], '_type': 'ClassLabel'}})
+  train, test, class_names = _dataset(parquet=str(tmp_path)).splits('train', 'test', None)
+  assert class_names == ('zebra', 'apple', 'moth')  # the first train file's ClassLabel
+  assert train.labels.tolist() == [0, 1, 2, 2, 1]
+  assert test.labels.tolist() == [1, 2, 0]  # apple, moth, zebra
+
+
+@pytest.mark.parametrize('kind', ['csv', 'jsonl', 'parquet', 'cls', 'json'])
+def test_tags_in_a_one_label_column_are_one_line_not_a_class_named_with_the_separator(tmp_path, kind):
+  # Multi-label tags written where one class is read (a `label` column, KEY.cls) would become a class
+  # named 'cat;outdoor'.
+  image = _png(tmp_path / 'a.png')
+  _png(tmp_path / 'b.png')
+  if kind in ('csv', 'jsonl'):
+    text = ('path,label\na.png,cat\nb.png,cat;outdoor\n' if kind == 'csv' else
+            '{"path": "a.png", "label": "cat"}\n{"path": "b.png", "label": "cat;outdoor"}\n')
+    source, where = _dataset(labels=_write(tmp_path / f'l.{kind}', text)), rf'line 2 of .*l\.{kind}'
+    if kind == 'csv':
+      where = r'line 3 of .*l\.csv'
+  elif kind == 'parquet':
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({'image': [image, image], 'label': ['cat', 'cat;outdoor']}),
+                   tmp_path / 'x.parquet')
+    source, where = _dataset(parquet=str(tmp_path / 'x.parquet')), r'row 1 of .*x\.parquet'
+  else:
+    label = b'cat;outdoor' if kind == 'cls' else b'{"label": "cat;outdoor"}'
+    shard = _tar(tmp_path / 's.tar', [('a.png', image), ('a.cls', b'cat'), ('b.png', image),
+                                      (f'b.{kind}', label)])
+    source, where = _dataset(shards=shard), rf'b in shard {shard} has b\.{kind}'
+  fix = (r"a 'label' column holds one class per image: name it labels" if kind not in ('cls', 'json') else
+         r'(KEY.cls|"label") holds one class: write tags as .*"labels"')
+  with pytest.raises(DataError, match=rf"{where}:? 'cat;outdoor' holds tags separated by ';', but {fix}"):
+    source.splits(None, 'all', None)
+  if kind == 'csv':  # in a `labels` column they are tags
+    labels = _write(tmp_path / 'tags.csv', 'path,labels\na.png,cat\nb.png,cat;outdoor\n')
+    _, split, class_names = _dataset('multilabel', labels=labels).splits(None, 'all', None)
+    assert class_names == ('cat', 'outdoor') and split.labels.tolist() == [[1, 0], [1, 1]]
 
 
 # --- end to end ----------------------------------------------------------------------------------

@@ -398,3 +398,39 @@ def test_best_checkpoint_by_default_metric_of_the_task():
   assert checkpoint.best_metric(config) == 'eval_accuracy'
   config.task = 'multilabel'  # exact match at a tuned threshold is noisy; mAP needs no threshold
   assert checkpoint.best_metric(config) == 'eval_map'
+
+
+@pytest.mark.parametrize('value, shown', [(5.0, '5.0'), (None, 'null'), (float('nan'), 'NaN'), (-1, '-1'),
+                                          ('abc', '"abc"'), (True, 'true')])
+def test_a_hand_edited_thresholds_file_is_checked_when_read(tmp_path, value, shown):
+  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  from flaxtpu.evaluate import report_about  # pylint: disable=g-import-not-at-top
+  from flaxtpu.modes import thresholds  # pylint: disable=g-import-not-at-top
+  config = defaults.get_config()
+  config.task = 'multilabel'
+  path = tmp_path / 'thresholds.json'
+
+  def write(class_thresholds):
+    path.write_text(json.dumps({**report_about(config, 10), 'class_thresholds': class_thresholds}))
+
+  write({'dog': 0.25, 'cat': 0.4})  # any order: by name
+  chosen, source = thresholds.tag_thresholds(config, str(tmp_path), 10, ['cat', 'dog'])
+  assert chosen.tolist() == [0.4, 0.25] and 'thresholds.json' in source
+  write({'cat': 0.4, 'dog': value})
+  with pytest.raises(UserError, match=rf"{path}: the threshold of class 'dog' is {shown}, not a number from "
+                                      r'0 to 1; .*--mode=eval to rewrite .*--config.eval.threshold'):
+    thresholds.tag_thresholds(config, str(tmp_path), 10, ['cat', 'dog'])
+  write({'cat': 0.4})
+  with pytest.raises(UserError, match=rf"{path} has no threshold for class 'dog'; "):
+    thresholds.tag_thresholds(config, str(tmp_path), 10, ['cat', 'dog'])
+  write({'cat': 0.4, 'dgo': 0.5, 'dog': 0.5})
+  with pytest.raises(UserError, match=rf"{path} has a threshold for 'dgo', which is not one of the model"):
+    thresholds.tag_thresholds(config, str(tmp_path), 10, ['cat', 'dog'])
+  path.write_text('{"class_thresholds": {"cat": 0.4,')
+  with pytest.raises(UserError, match=rf'{path} cannot be read as JSON \(JSONDecodeError'):
+    thresholds.tag_thresholds(config, str(tmp_path), 10, ['cat', 'dog'])
+  write({'ant': 0.3})  # another model's classes: not this model's file
+  assert thresholds.tag_thresholds(config, str(tmp_path), 10, ['cat', 'dog'])[0].tolist() == [0.5, 0.5]
+  config.eval.threshold = 0.7  # the user's choice wins, the file is not read
+  path.write_text('not json')
+  assert thresholds.tag_thresholds(config, str(tmp_path), 10, ['cat', 'dog'])[0].tolist() == [0.7, 0.7]

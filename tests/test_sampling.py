@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import logging
 import os
 
 import numpy as np
@@ -318,6 +319,15 @@ def test_class_weights_from_a_file(tmp_path, text, name):
   np.testing.assert_array_equal(weights, np.array([2.5, 1.0, 0.0], np.float32))  # dog unlisted: 1.0
 
 
+def test_classes_a_class_weights_file_leaves_out_are_named(tmp_path, caplog):
+  path = tmp_path / 'w.csv'
+  path.write_text('cat,2\n')
+  with caplog.at_level(logging.WARNING):
+    weights = _weights(str(path), np.arange(3), ('cat', 'dog', 'frog'))
+  assert weights.tolist() == [2.0, 1.0, 1.0]
+  assert 'does not list 2 of the 3 classes; they weigh 1.0: dog, frog' in caplog.text
+
+
 @pytest.mark.parametrize('text,name,message', [
     ('cat,2\nhorse,1\n', 'w.csv', r"w.csv', line 2: class 'horse' is not one of the dataset's 3 classes "
                                   r'\(cat, dog, frog\); correct the name or remove it'),
@@ -331,6 +341,10 @@ def test_class_weights_from_a_file(tmp_path, text, name):
     ('{"cat": 1,}', 'w.json', r'w.json' + "'" + r' is not valid JSON \(.*\); write an object'),
     ('[["cat", 1]]', 'w.json', r'holds a JSON list, not an object'),
     (None, 'missing.csv', r"missing.csv' cannot be read \(No such file or directory\); give a CSV"),
+    ('class,weight\n', 'w.csv', r"w.csv' weighs no class; write class,weight lines"),
+    ('{}', 'w.json', r"w.json' weighs no class"),
+    ('cat,0\ndog,0\nfrog,0.0\n', 'w.csv', r"w.csv' weighs every class 0, so the loss would be 0"),
+    ('cat,inf\n', 'w.csv', r"the weight of class 'cat' is 'inf', not a finite number >= 0"),
 ])
 def test_class_weight_file_mistakes_are_one_line(tmp_path, text, name, message):
   path = tmp_path / name

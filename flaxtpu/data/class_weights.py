@@ -55,7 +55,9 @@ def balanced_class_weights(counts: np.ndarray, num_examples: int) -> np.ndarray:
 
 def read_class_weights(path: str, class_names: Sequence[str]) -> np.ndarray:
   """Weights from a CSV of class,weight rows (a header row is optional) or a JSON object
-  {class: weight}; classes it does not list weigh 1.0. Each mistake is one DataError line."""
+  {class: weight}; classes it does not list weigh 1.0 (a warning names them). Each mistake is one
+  DataError line: a class the dataset lacks or weighed twice, a weight that is not a finite number
+  >= 0, no class at all, or every weight 0 (the loss would be 0: nothing learnt)."""
   where = f'config.dataset.class_weights={path!r}'
   try:
     with open(path, encoding='utf-8') as f:
@@ -82,6 +84,15 @@ def read_class_weights(path: str, class_names: Sequence[str]) -> np.ndarray:
                       'finite number >= 0; give a number such as 2.5')
     weights[index[name]] = weight
     seen.add(name)
+  if not seen:
+    raise DataError(f'{where} weighs no class; write class,weight lines (or {{class: weight}}), or choose '
+                    'none or balanced')
+  if not weights.any():
+    raise DataError(f'{where} weighs every class 0, so the loss would be 0 and nothing learnt; give some '
+                    'class a weight > 0')
+  if unlisted := [printable(name) for name in class_names if name not in seen]:
+    logging.warning('%s does not list %d of the %d classes; they weigh 1.0: %s', where, len(unlisted),
+                    len(class_names), ', '.join(unlisted[:10]) + (', ...' if len(unlisted) > 10 else ''))
   return weights
 
 

@@ -32,8 +32,8 @@ def tag_thresholds(config: ml_collections.ConfigDict, workdir: str, step: int,
   for name in sorted(files.listdir(workdir)) if files.isdir(workdir) else []:
     if not (name.startswith('thresholds') and name.endswith('.json')):
       continue
-    saved = files.read_json(os.path.join(workdir, name)) or {}
-    if list(saved.get('class_thresholds', {})) != list(class_names):
+    saved = tables.read_thresholds(os.path.join(workdir, name), class_names)  # checked: a person may edit it
+    if saved is None:
       continue  # another model's classes
     fit = tuple(saved.get(key) == wanted[key] for key in ('step', 'weights', 'tta'))
     candidates.append((fit + (name == tables.THRESHOLDS_FILE,), name, saved))

@@ -7,11 +7,13 @@ store), so a crash never leaves half a file. Undefined numbers (NaN) are empty C
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Sequence
 
 from flaxtpu import files
+from flaxtpu.errors import UserError, printable
 from flaxtpu.report import metrics
 
 THRESHOLDS_FILE = 'thresholds.json'
@@ -76,3 +78,35 @@ def write_thresholds(path: str, report: Mapping[str, Any], about: Mapping[str, A
   """Writes `thresholds_record(report, about)` as JSON to `path` (a THRESHOLDS_FILE)."""
   record = thresholds_record(report, about)
   files.atomic_write(path, lambda temporary: files.write_json(temporary, record))
+
+
+def read_thresholds(path: str, class_names: Sequence[str]) -> dict[str, Any] | None:
+  """A THRESHOLDS_FILE (a person may have edited it), checked as strictly as the config: None when it
+  is another model's (no class in common); else its record, each class's threshold a finite number
+  from 0 to 1 and its classes the model's. Anything else is one UserError line naming the file, the
+  class and the value."""
+  fix = ('fix it, or re-run --mode=eval to rewrite the file, or set --config.eval.threshold to use one '
+         'threshold for every tag')
+  try:
+    with files.open_file(path, encoding='utf-8') as f:
+      record = json.load(f)
+  except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    raise UserError(f'{path} cannot be read as JSON ({type(e).__name__}: {" ".join(str(e).split())}); '
+                    f'{fix}') from None
+  saved = record.get('class_thresholds') if isinstance(record, dict) else None
+  if not isinstance(saved, dict):
+    raise UserError(f'{path} holds no "class_thresholds" object {{class: threshold}}; {fix}')
+  if not set(saved) & set(class_names):
+    return None  # another model's classes
+  if missing := [name for name in class_names if name not in saved]:
+    raise UserError(f'{path} has no threshold for class {printable(missing[0])!r}'
+                    + (f' (and {len(missing) - 1} more)' if len(missing) > 1 else '') + f'; {fix}')
+  if extra := [name for name in saved if name not in set(class_names)]:
+    raise UserError(f'{path} has a threshold for {printable(extra[0])!r}, which is not one of the '
+                    f"model's {len(class_names)} classes; {fix}")
+  for name in class_names:
+    value = saved[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+      raise UserError(f'{path}: the threshold of class {printable(name)!r} is {json.dumps(value)}, not a '
+                      f'number from 0 to 1; {fix}')
+  return record

@@ -20,9 +20,12 @@ from flaxtpu.data.sources.tagged import (
   LABEL_COLUMNS,
   TAG_SEPARATOR,
   Catalog,
+  SeveralTags,
   TaggedSource,
   label_values,
+  one_label,
   pick_column,
+  several_tags,
   sorted_classes,
 )
 
@@ -61,8 +64,9 @@ def read_label_file(path: str, image_column: str = '', label_column: str = '') -
 
 
 def _tags(cell: str, separated: bool) -> tuple[str, ...]:
-  """A label cell's tags: split at ';' unless the column holds one label; blanks dropped."""
-  pieces = cell.split(TAG_SEPARATOR) if separated else [cell]
+  """A label cell's tags: split at ';' unless the column holds one label (SeveralTags if it holds
+  several); blanks dropped."""
+  pieces = cell.split(TAG_SEPARATOR) if separated else [one_label(cell)]
   return tuple(dict.fromkeys(piece.strip() for piece in pieces if piece.strip()))
 
 
@@ -125,8 +129,11 @@ def _csv_rows(path: str, text: str, image_column: str, label_column: str) -> lis
     if columns.split and not split:
       raise DataError(f'line {line} of {path} has no {columns.split}; give every row one (train, test, ...) '
                       'or remove the column')
-    rows.append(LabelRow(line, cells[at[columns.image]].strip(),
-                         _tags(cells[at[columns.label]], columns.label.strip().lower() != 'label'), split))
+    try:
+      tags = _tags(cells[at[columns.label]], columns.label.strip().lower() != 'label')
+    except SeveralTags as e:
+      raise DataError(f'line {line} of {path}: {e}, but {several_tags(columns.label)}') from None
+    rows.append(LabelRow(line, cells[at[columns.image]].strip(), tags, split))
   return rows
 
 
@@ -156,6 +163,8 @@ def _json_lines_rows(path: str, text: str, image_column: str, label_column: str)
                       'or leave the key out everywhere')
     try:
       values = label_values(record[columns.label], columns.label.strip().lower() != 'label')
+    except SeveralTags as e:
+      raise DataError(f'{where}: {e}, but {several_tags(columns.label)}') from None
     except ValueError as e:
       raise DataError(f'{where}: {e}; write a class name, a list of them, or null') from None
     rows.append(LabelRow(line, image.strip(), tuple(str(value) for value in values),

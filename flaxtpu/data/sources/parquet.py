@@ -17,11 +17,13 @@ from flaxtpu.data.sources.base import ALL, DataError, IndexedRecords, Split
 from flaxtpu.data.sources.tagged import (
   LABEL_COLUMNS,
   Catalog,
+  SeveralTags,
   TaggedSource,
   label_values,
   pattern_files,
   pick_column,
-  tags_of_values,
+  several_tags,
+  tags_of_files,
 )
 
 PARQUET_IMAGE_COLUMNS = ('image', 'img', 'path')
@@ -126,7 +128,7 @@ class ParquetSource(TaggedSource):
     import pyarrow as pa  # pylint: disable=g-import-not-at-top
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
     files = self._files(split_names, optional)
-    values, file_of, row_of, starts, column, names = [], [], [], [], None, None
+    values, file_of, row_of, starts, column, lists = [], [], [], [], None, []
     for number, (path, _) in enumerate(files):
       try:
         parquet = pq.ParquetFile(path)
@@ -149,10 +151,12 @@ class ParquetSource(TaggedSource):
       except (pa.ArrowException, OSError) as e:
         raise DataError(f'{path} is not a readable parquet file ({type(e).__name__}: '
                         f'{" ".join(str(e).split())}); replace it') from None
-      names = names or _hf_class_names(schema.metadata, label)
+      lists.append(_hf_class_names(schema.metadata, label))  # this file's: its indices name these
       for row, cell in enumerate(cells):
         try:
-          values.append(label_values(None if cell == -1 else cell, separated=False))  # -1: no label
+          values.append(label_values(None if cell == -1 else cell, label.strip().lower() != 'label'))
+        except SeveralTags as e:  # -1 above: no label
+          raise DataError(f'row {row} of {path}: {e}, but {several_tags(label)}') from None
         except ValueError as e:
           raise DataError(f'row {row} of {path}: {e}; labels are class indices or names, or lists of '
                           'them') from None
@@ -164,13 +168,15 @@ class ParquetSource(TaggedSource):
     row_of = np.concatenate(row_of)
     self.images = _ParquetImages(paths, column, file_of, row_of, tuple(starts))
     where = lambda i: f'row {row_of[i]} of {paths[file_of[i]]}'
-    tags, class_names = tags_of_values(values, names, where, f'parquet {self.pattern}',
-                                        f'the ClassLabel feature of {paths[0]}')
+    tags, class_names = tags_of_files(values, file_of, lists,
+                                      [f'the ClassLabel feature of {path}' for path in paths], where,
+                                      f'parquet {self.pattern}', 'its file has no ClassLabel names')
     split_of = None
     if files[0][1] is not None:
       split_of = np.asarray([name for _, name in files], object)[file_of]
     return Catalog(what=f'parquet {self.pattern}', tags=tags, split_of=split_of, class_names=class_names,
-                    where=where, absent=self._absent)
+                   where=where, absent=self._absent,
+                   class_lists=[(split or ALL, names) for (_, split), names in zip(files, lists) if names])
 
   def _absent(self, split: str, present: list) -> str:
     if present == [ALL]:

@@ -22,7 +22,14 @@ import numpy as np
 from flaxtpu.data import sampling, workers
 from flaxtpu.data.preprocess import IMAGE_EXTENSIONS
 from flaxtpu.data.sources.base import ALL, DataError, IndexedRecords, Split
-from flaxtpu.data.sources.tagged import Catalog, TaggedSource, label_values, pattern_files, tags_of_values
+from flaxtpu.data.sources.tagged import (
+  Catalog,
+  SeveralTags,
+  TaggedSource,
+  label_values,
+  pattern_files,
+  tags_of_files,
+)
 
 SHARD_CLASSES = 'classes.txt'  # beside the shards: one class name per line, indexed by KEY.cls
 SHARD_LABEL_SUFFIXES = ('cls', 'json')
@@ -86,14 +93,23 @@ def _member_label(suffix: str, data: bytes) -> list:
   """KEY.cls (a class index or name) or KEY.json ({"label": x} or {"labels": [...]}) -> label values."""
   text = data.decode('utf-8').strip()  # UnicodeDecodeError is a ValueError
   if suffix == 'cls':
-    return label_values(text, separated=False)
+    try:
+      return label_values(text, separated=False)
+    except SeveralTags as e:
+      raise ValueError(f'{e}, but KEY.cls holds one class: write tags as KEY.json {{"labels": [...]}}'
+                       ) from None
   try:
     record = json.loads(text)
   except json.JSONDecodeError as e:
     raise ValueError(f'is not valid JSON ({e.msg})') from None
   if not isinstance(record, dict) or not {'label', 'labels'} & set(record):
     raise ValueError('has no "label" or "labels" key')
-  return label_values(record['labels']) if 'labels' in record else label_values(record['label'], False)
+  if 'labels' in record:
+    return label_values(record['labels'])
+  try:
+    return label_values(record['label'], False)
+  except SeveralTags as e:
+    raise ValueError(f'{e}, but "label" holds one class: write tags as {{"labels": [...]}}') from None
 
 
 _SHARD_INDEXES: dict = {}  # (path, size, mtime) -> index_shard's answer: each shard is indexed once
@@ -222,18 +238,26 @@ class ShardSource(TaggedSource):
                                  np.asarray([row[3] for row in rows], np.int64),
                                  np.asarray([row[4] for row in rows], np.int64), [row[2] for row in rows])
     where = lambda i: f'{rows[i][1]} in shard {paths[rows[i][0]]}'
-    classes_file = os.path.join(os.path.dirname(paths[0]), SHARD_CLASSES)
-    names = None
-    if os.path.isfile(classes_file):
-      with open(classes_file, encoding='utf-8') as f:
-        names = [line.strip() for line in f if line.strip()]
-    tags, class_names = tags_of_values([row[5] for row in rows], names, where, f'shards {self.pattern}',
-                                        classes_file)
+    # Each shard's class indices name the classes of the classes.txt beside IT (splits may list them in
+    # other orders); they are matched to training's by name.
+    classes_files = [os.path.join(os.path.dirname(path), SHARD_CLASSES) for path in paths]
+    lists = {}
+    for classes_file in dict.fromkeys(classes_files):
+      if os.path.isfile(classes_file):
+        with open(classes_file, encoding='utf-8') as f:
+          lists[classes_file] = [line.strip() for line in f if line.strip()]
+    tags, class_names = tags_of_files([row[5] for row in rows], np.asarray([row[0] for row in rows]),
+                                      [lists.get(classes_file) for classes_file in classes_files],
+                                      classes_files, where, f'shards {self.pattern}',
+                                      f'no {SHARD_CLASSES} beside it')
+    split_of_shard = [ALL if name is None else name for _, name in shard_splits]
     return Catalog(
         what=f'shards {self.pattern}', tags=tags,
         split_of=None if '{split}' not in self.pattern else np.asarray(
             [shard_splits[row[0]][1] for row in rows], object),
-        class_names=class_names, where=where, absent=self._absent)
+        class_names=class_names, where=where, absent=self._absent,
+        class_lists=[(split_of_shard[shard], lists[file]) for shard, file in enumerate(classes_files)
+                     if file in lists])
 
   def _absent(self, split: str, present: list) -> str:
     if present == [ALL]:

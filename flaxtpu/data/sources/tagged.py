@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import difflib
 import functools
 import glob
 import logging
@@ -32,6 +33,7 @@ from flaxtpu.data.sources.base import (
 
 TAG_SEPARATOR = ';'  # between the tags of a `labels` cell
 LABEL_COLUMNS = ('label', 'labels')  # label: one per row; labels (or a set label_column): tags
+SPLIT_MISSPELLING = 0.75  # difflib's ratio from which a split value is a misspelt split name
 _INTEGER = re.compile(r'-?\d+')
 _BRACES = re.compile(r'\{(\d+)\.\.(\d+)\}|\{([^{}]*,[^{}]*)\}')
 
@@ -42,9 +44,21 @@ class Catalog:
   what: str  # how messages name the dataset
   tags: list  # per example: its class names (tuple of str), first tag first; () = untagged
   split_of: Optional[np.ndarray]  # per example: its split (str); None = one split, 'all'
-  class_names: tuple[str, ...]  # the dataset's own classes, the same for every split
+  class_names: tuple[str, ...]  # the dataset's own classes (every split's), for strata and messages
   where: Callable[[int], str]  # example -> 'line 7 of labels.csv (cat/1.jpg)', for messages
   absent: Callable[[str, list], str]  # (split, the splits there are) -> why it is not there
+  # (split, its class names) of each file that lists them (a classes.txt, a ClassLabel), in file order
+  class_lists: list = dataclasses.field(default_factory=list)
+
+  def classes_of(self, split_names: Sequence[str]) -> tuple[str, ...]:
+    """The classes of the splits `split_names` (training's, whole): the names their files list (the
+    first file's order), then the other names their examples use, in `class_names` order. Never
+    another split's: its names are matched to these by name (`_encoded`)."""
+    listed_names = dict.fromkeys(name for split, names in self.class_lists if split in split_names
+                                 for name in names)
+    used = {tag for split in split_names for row in self.rows(split) for tag in self.tags[row]}
+    return tuple(listed_names) + tuple(name for name in self.class_names
+                                       if name in used and name not in listed_names)
 
   @functools.cached_property
   def strata(self) -> np.ndarray:
@@ -76,6 +90,35 @@ class Catalog:
         shown = TAG_SEPARATOR.join(printable(tag) for tag in tags[:5])
         raise DataError(f'{self.where(position)} has {len(tags)} labels ({shown}); a multiclass model takes '
                         'one per image: set --config.task=multilabel for images with several tags')
+
+
+def check_split_values(catalog: Catalog, configured: Sequence[str]) -> None:
+  """A split column's values that no configured split (train_split, eval_split, eval_splits, those
+  asked for) names exactly leave their examples out, never silently. A value that differs from a
+  configured name only in case ('Train') or is a close misspelling of one ('tset', 'valid' for
+  'val') is a DataError naming the values, the file and the splits asked for, with the close match;
+  other values are splits of their own the run does not use ('val' beside train and test): a
+  warning counts the examples left out."""
+  if catalog.split_of is None:
+    return
+  configured = list(dict.fromkeys(configured))
+  unused = collections.Counter(value for value in catalog.split_of.tolist() if value not in configured)
+  if not unused:
+    return
+  lowered = {name.lower(): name for name in configured}
+  close = {value: lowered.get(value.lower()) or next(iter(difflib.get_close_matches(value, configured, 1,
+                                                                                    SPLIT_MISSPELLING)), None)
+           for value in unused}
+  if mistakes := [value for value in unused if close[value]]:
+    shown = ', '.join(f'{printable(value)!r} ({unused[value]} examples; {close[value]!r}?)'
+                      for value in mistakes)
+    raise DataError(f'{catalog.what} has split values that are not a split this run reads but look like one: '
+                    f'{shown}; split names match exactly, and the run reads {listed(configured)}: fix the '
+                    'values in the file, or set --config.dataset.train_split / eval_split to them')
+  logging.warning('%s: leaving out the examples of splits this run does not read (it reads %s): %s',
+                  catalog.what, listed(configured),
+                  ', '.join(f'{printable(value)!r} ({count} examples)'
+                            for value, count in unused.most_common()))
 
 
 def _sliced(catalog: Catalog, spec: str) -> np.ndarray:
@@ -133,9 +176,29 @@ def sorted_classes(names) -> tuple[str, ...]:
   return tuple(sorted(names))
 
 
+class SeveralTags(ValueError):
+  """A one-label cell (a `label` column, a KEY.cls) that holds `;`-separated tags: multi-label tags
+  written where one class is read would otherwise become one class named 'cat;outdoor'."""
+
+
+def one_label(cell: str) -> str:
+  """A cell of a one-label column, as written; SeveralTags when it holds TAG_SEPARATOR."""
+  if TAG_SEPARATOR in cell and len([tag for tag in cell.split(TAG_SEPARATOR) if tag.strip()]) > 1:
+    raise SeveralTags(f'{printable(cell.strip())!r} holds tags separated by {TAG_SEPARATOR!r}')
+  return cell
+
+
+def several_tags(column: str) -> str:
+  """The fix for SeveralTags in a label column named `column`."""
+  return (f'a {column!r} column holds one class per image: name it labels for tags separated by '
+          f"'{TAG_SEPARATOR}' (with --config.task=multilabel), or name the column to read with "
+          '--config.dataset.label_column')
+
+
 def label_values(value, separated: bool = True) -> list:
   """A label as written (a class index or name, a list of them, a `;`-separated string, or None)
-  -> its class indices (int) and names (str), in order, once each. A bad value is a ValueError."""
+  -> its class indices (int) and names (str), in order, once each. A bad value is a ValueError;
+  a `;`-separated string where one label is read (not `separated`) is SeveralTags."""
   if value is None:
     items = []
   elif isinstance(value, list):
@@ -143,7 +206,7 @@ def label_values(value, separated: bool = True) -> list:
   elif isinstance(value, str) and separated:
     items = value.split(TAG_SEPARATOR)
   else:
-    items = [value]
+    items = [one_label(value) if isinstance(value, str) else value]
   values = []
   for item in items:
     if isinstance(item, float) and item.is_integer():
@@ -191,6 +254,41 @@ def tags_of_values(values: list, names: Optional[Sequence[str]], where: Callable
   return tags, tuple(names)
 
 
+def tags_of_files(values: list, file_of: np.ndarray, lists: Sequence[Optional[Sequence[str]]],
+                  sources: Sequence[str], where: Callable[[int], str], what: str,
+                  lacking: str) -> tuple[list, tuple[str, ...]]:
+  """`tags_of_values` of labels read from several files, each of which may list its own class names
+  (`lists[f]`, from `sources[f]`: the classes.txt beside a shard, a parquet file's ClassLabel). A
+  file's class indices are decoded with ITS names, never another file's, so files that list the
+  classes in other orders agree by name. A file that lists none takes the one list the others
+  share; when their lists differ, its indices are a DataError (`lacking`: 'no classes.txt beside
+  it'). The class names: every file's, in file order."""
+  given = list(dict.fromkeys(tuple(names) for names in lists if names is not None))
+  if len(given) <= 1:  # no list, or one that every file shares
+    return tags_of_values(values, given[0] if given else None, where, what,
+                          next((s for s, names in zip(sources, lists) if names is not None), sources[0]))
+  tags, class_names = [None] * len(values), {}
+  file_of = np.asarray(file_of, np.int64)
+  order, ends = np.argsort(file_of, kind='stable'), np.cumsum(np.bincount(file_of, minlength=len(lists)))
+  for number, names in enumerate(lists):
+    positions = order[(ends[number - 1] if number else 0):ends[number]]  # this file's examples
+    source = sources[number]
+    if names is None:
+      first = next((p for p in positions if any(isinstance(v, int) for v in values[p])), None)
+      if first is not None:
+        index = next(v for v in values[first] if isinstance(v, int))
+        raise DataError(f'{where(first)} has class index {index} but {lacking}, and the class lists of the '
+                        'other files differ '
+                        f'({", ".join(dict.fromkeys(s for s, n in zip(sources, lists) if n is not None))}); '
+                        'give it its own list, or write class names')
+    file_tags, file_names = tags_of_values([values[p] for p in positions], names,
+                                           lambda i, positions=positions: where(positions[i]), what, source)
+    for position, row_tags in zip(positions, file_tags):
+      tags[position] = row_tags
+    class_names.update(dict.fromkeys(file_names))
+  return tags, tuple(class_names)
+
+
 def pick_column(names: Sequence[str], configured: str, candidates: Sequence[str], key: str, what: str,
                  where: str) -> str:
   """Which of `names` is the image (or label) column: `configured` (config.dataset.KEY), else the
@@ -216,6 +314,9 @@ class TaggedSource(Source):
   def __init__(self, dataset: ml_collections.ConfigDict, task: str):
     self.multilabel = task == 'multilabel'
     self.train_spec, self.unknown_classes = dataset.train_split, dataset.unknown_classes
+    # Every split the config names: a split column's other values are checked against them.
+    self.configured_specs = (dataset.train_split, dataset.get('eval_split', ''),
+                             *dataset.get('eval_splits', ()))
     self.skip_corrupt = dataset.skip_corrupt
     self.image_column, self.label_column = dataset.get('image_column', ''), dataset.get('label_column', '')
 
@@ -232,10 +333,17 @@ class TaggedSource(Source):
     # Evaluating alone without the classes: those training on train_split gives.
     optional = names(self.train_spec) if train_spec is None and class_names is None else []
     catalog = self.catalog(list(dict.fromkeys(names(train_spec) + names(eval_spec))), optional)
+    check_split_values(catalog, [name for spec in (*self.configured_specs, train_spec, eval_spec)
+                                 for name in names(spec)])
     catalog.check_tags(self.multilabel)
     if not catalog.class_names:
       raise DataError(f'{catalog.what} has no labels at all; label its images')
-    class_names = tuple(class_names) if class_names is not None else catalog.class_names
+    if class_names is None:  # training's classes; other splits are matched to them by name
+      try:
+        class_names = catalog.classes_of(names(train_spec if train_spec is not None else self.train_spec))
+      except DataError:  # evaluating alone on data without the training split: every split's
+        class_names = catalog.class_names
+    class_names = tuple(class_names)
     loaded = []
     for spec in (train_spec, eval_spec):
       if spec is not None:
