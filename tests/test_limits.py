@@ -12,10 +12,11 @@ import pytest
 from configs import digits
 from conftest import ROOT
 from flaxtpu import checkpoint, export, files, memory, train
-from flaxtpu.config import ConfigError, from_saved
+from flaxtpu.config import ConfigError
 from flaxtpu.errors import UserError
 from flaxtpu.modes import eval as eval_mode
 from flaxtpu.report import writer
+from flaxtpu.workdir_config import from_saved
 
 
 def _digits(**overrides):
