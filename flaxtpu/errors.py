@@ -26,3 +26,8 @@ def printable(text: str) -> str:
                  # a byte that os.fsdecode kept
                  f'\\x{ord(char) - 0xdc00:02x}' if 0xdc80 <= ord(char) <= 0xdcff else
                  char.encode('unicode_escape').decode('ascii') for char in text)
+
+
+def join_or(words: list[str], conjunction: str = 'or') -> str:
+  """'a, b or c' (conjunction 'and': 'a, b and c'), for a message that lists choices."""
+  return words[0] if len(words) == 1 else f'{", ".join(words[:-1])} {conjunction} {words[-1]}'

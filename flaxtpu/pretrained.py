@@ -33,9 +33,8 @@ from typing import Optional
 import numpy as np
 
 from flaxtpu import models
-from flaxtpu.errors import UserError
+from flaxtpu.errors import UserError, join_or
 from flaxtpu.models import foreign, layouts
-from flaxtpu.models.family import join_or
 
 HUB_PREFIX = 'hf-hub:'
 WEIGHT_SUFFIXES = ('.safetensors', '.pth', '.pt', '.bin', '.npz')

@@ -14,9 +14,9 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from flaxtpu.errors import UserError
+from flaxtpu.errors import UserError, join_or
 from flaxtpu.models import cnn, convnext, fastnet, resnet, vit
-from flaxtpu.models.family import Family, Layout, Spec, join_or
+from flaxtpu.models.family import Family, Layout, Spec
 
 _FAMILIES: dict[str, Family] = {}  # family name -> plug-in
 _SPECS: dict[str, Spec] = {}  # model name -> architecture

@@ -124,7 +124,3 @@ class Family:
     raise UserError(f'{where} holds {described}, which no flaxtpu model matches; supported: '
                     f'{", ".join(self.specs)}')
 
-
-def join_or(words: list[str], conjunction: str = 'or') -> str:
-  """'a, b or c'."""
-  return words[0] if len(words) == 1 else f'{", ".join(words[:-1])} {conjunction} {words[-1]}'

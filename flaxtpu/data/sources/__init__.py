@@ -13,6 +13,7 @@ from __future__ import annotations
 from flaxtpu.data.sources.base import DataError as DataError
 from flaxtpu.data.sources.base import Source
 from flaxtpu.data.sources.base import Split as Split
+from flaxtpu.errors import join_or
 
 KINDS: list[type[Source]] = []  # in registration order; `ordered` puts the fallbacks last
 
@@ -47,26 +48,22 @@ def keyed() -> list[type[Source]]:
   return [kind for kind in ordered() if not kind.fallback and kind.key]
 
 
-def _joined(words: list[str]) -> str:
-  return ', '.join(words[:-1]) + (' or ' if len(words) > 1 else '') + words[-1]
-
-
 def named_keys_text() -> str:
   """'labels, shards or parquet': the keys besides folder and name that name a dataset."""
-  return _joined([kind.key for kind in keyed()])
+  return join_or([kind.key for kind in keyed()])
 
 
 def multilabel_keys_text() -> str:
   """How a message names the keys of the kinds that read tags."""
   keys = [kind.key for kind in keyed() if kind.multilabel]
-  return _joined([f'{keys[0]} (a CSV or JSON Lines file)' if keys[0] == 'labels' else keys[0]] + keys[1:])
+  return join_or([f'{keys[0]} (a CSV or JSON Lines file)' if keys[0] == 'labels' else keys[0]] + keys[1:])
 
 
 def listing_titles_text() -> str:
   """'an image folder, label file, shards or parquet': the kinds that list labels without images."""
   titles = [kind.title for kind in ordered() if kind.fallback and kind.lists_labels] + [
       kind.title for kind in keyed() if kind.lists_labels]
-  return 'an ' + _joined(titles)
+  return 'an ' + join_or(titles)
 
 
 def named(dataset) -> list[str]:
