@@ -13,7 +13,7 @@ from __future__ import annotations
 from flaxtpu.data.sources.base import DataError as DataError
 from flaxtpu.data.sources.base import Source
 from flaxtpu.data.sources.base import Split as Split
-from flaxtpu.errors import join_or
+from flaxtpu.errors import ConfigError, join_or
 
 KINDS: list[type[Source]] = []  # in registration order; `ordered` puts the fallbacks last
 
@@ -78,7 +78,6 @@ def multilabel_named(dataset) -> bool:
 
 def check_selection(dataset) -> None:
   """Config validation: at most one keyed kind named."""
-  from flaxtpu.errors import ConfigError  # pylint: disable=g-import-not-at-top
   names = named(dataset)
   if len(names) > 1:
     raise ConfigError(f'config.dataset.{names[0]} and config.dataset.{names[1]} are both set; '

@@ -30,6 +30,7 @@ from flaxtpu.data.sources.tagged import (
   pattern_files,
   tags_of_files,
 )
+from flaxtpu.errors import ConfigError
 
 SHARD_CLASSES = 'classes.txt'  # beside the shards: one class name per line, indexed by KEY.cls
 SHARD_LABEL_SUFFIXES = ('cls', 'json')
@@ -183,7 +184,6 @@ class ShardSource(TaggedSource):
 
   @classmethod
   def check(cls, config) -> None:
-    from flaxtpu.errors import ConfigError  # pylint: disable=g-import-not-at-top
     if config.dataset.sampling == 'shards' and not config.dataset.shards:
       raise ConfigError("config.dataset.sampling='shards' streams tar shards per process; set "
                         "config.dataset.shards too, or use sampling='shuffle'")
