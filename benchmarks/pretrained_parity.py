@@ -3,7 +3,8 @@
     python -m benchmarks.pretrained_parity  # every architecture and layout, 256 images each
     python -m benchmarks.pretrained_parity --images 32 --only resnet18
 
-Each source model is built locally with random weights (no download): timm's
+Each source model is built locally with random weights (no download; BatchNorm statistics measured
+on images, not drawn): timm's
 ResNets, ViTs and ConvNeXt, torchvision's ResNets, and big_vision/AugReg .npz
 files written from a timm ViT built with the tanh GELU. The weights go
 through the path a user's do: a .safetensors/.npz file named by
@@ -59,7 +60,9 @@ def compare(case, images: int, directory: str) -> list[dict]:
     source = getattr(torchvision.models, architecture)()
   else:
     source = timm.create_model(architecture, **({'act_layer': 'gelu_tanh'} if library == 'npz' else {}))
-  source = test_pretrained.randomise_batch_norm(torch, source).eval()
+  # statistics measured on images of the native size (random ones collapse deep nets' outputs)
+  calibration = np.random.default_rng(1).integers(0, 256, (32, size, size, 3)).astype(np.float32)
+  source = test_pretrained.measure_batch_norm(torch, source, (calibration / 255.0 - 0.45) / 0.225)
   state = {key: value.numpy() for key, value in source.state_dict().items()}
   if library == 'npz':
     path = os.path.join(directory, f'{architecture}.npz')

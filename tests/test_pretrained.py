@@ -24,7 +24,7 @@ from PIL import Image
 from flaxtpu import config as config_lib
 from flaxtpu import defaults, finetune, models, pretrained, workdir_config
 from flaxtpu.errors import UserError
-from flaxtpu.models import convnext, layouts, resnet, vit
+from flaxtpu.models import layouts, resnet, vit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,6 +52,22 @@ def randomise_batch_norm(torch, model):
   return model
 
 
+def measure_batch_norm(torch, model, images):
+  """Affine BatchNorm parameters away from their init, and running statistics measured on `images`
+  (float32 [N, H, W, C]) rather than drawn: random statistics let a deep net's activations explode or
+  vanish until its output no longer depends on the input, which hides a wrong import."""
+  randomise_batch_norm(torch, model)
+  norms = [module for module in model.modules() if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)]
+  for module in norms:
+    module.reset_running_stats()
+    module.momentum = None  # a cumulative average over the batches seen
+  model.train()
+  with torch.no_grad():
+    for chunk in np.array_split(images, max(1, len(images) // 16)):
+      model(torch.from_numpy(np.ascontiguousarray(chunk)).permute(0, 3, 1, 2))
+  return model.eval()
+
+
 def torch_logits(torch, model, images):
   with torch.no_grad():
     return model.eval()(torch.from_numpy(images).permute(0, 3, 1, 2)).numpy()
@@ -70,7 +86,7 @@ def flaxtpu_logits(tensors, images, model_name=None, **overrides):
   published = pretrained.Published('test', 'test', layout, name, options, 0, None, (), (), 0, 0.0)
   spec = models.get_spec(name)
   rules = (vit.big_vision_rules(set(tensors), spec.stage_sizes[0], options['pool'] == 'tok')
-           if layout == 'big_vision' else _timm_rules(spec, options))
+           if layout == 'big_vision' else _timm_rules(spec, options, set(tensors)))
   adapt = {'params/pos_embedding': functools.partial(finetune.resample_position_embeddings,
                                                      prefix_tokens=int(options.get('pool') == 'tok'))}
   loaded = layouts.load(rules, tensors, wanted, 'test weights', adapt)
@@ -88,12 +104,9 @@ def layouts_head(tensors, layout, name):
   return int(pretrained._head(tensors, layout, name).shape[0])  # pylint: disable=protected-access
 
 
-def _timm_rules(spec, options):
-  if spec.family == 'imagenet_resnet':
-    return resnet.resnet_rules(spec.stage_sizes, spec.bottleneck)
-  if spec.family == 'vit':
-    return vit.vit_rules(spec.stage_sizes[0], spec.widths[0], spec.num_heads, options['pool'] == 'tok')
-  return convnext.convnext_rules(spec.stage_sizes)
+def _timm_rules(spec, options, keys):
+  return next(family for family in models.families()
+              if family.name == spec.family).layout('timm').rules(spec, options, keys)
 
 
 def assert_same_function(expected, actual):
@@ -120,9 +133,9 @@ def test_import_computes_the_source_models_function(source, name, size):
   torch.manual_seed(0)
   model = (timm.create_model(architecture) if library == 'timm'
            else getattr(torchvision.models, architecture)())
-  model = randomise_batch_norm(torch, model)
-  tensors = {key: value.numpy() for key, value in model.state_dict().items()}
   images = _images(4, size)
+  model = measure_batch_norm(torch, model, _images(16, size, seed=1))
+  tensors = {key: value.numpy() for key, value in model.state_dict().items()}
   assert_same_function(torch_logits(torch, model, images), flaxtpu_logits(tensors, images, name))
 
 
