@@ -47,7 +47,8 @@ SPECS = {f'efficientnet_{variant}': _spec(variant) for variant in _SCALES}
 
 def _recognise_timm(tensors, where: str):
   keys = set(tensors)
-  if not ('conv_stem.weight' in keys and 'bn2.running_mean' in keys and 'blocks.0.0.conv_dw.weight' in keys):
+  if not ('conv_stem.weight' in keys and 'bn2.running_mean' in keys and 'blocks.0.0.conv_dw.weight' in keys
+          and 'blocks.0.0.se.conv_reduce.weight' in keys):  # timm's MobileNetV2 is the same net without SE
     return None
   sizes, widths = mbconv.timm_shape(tensors)
   name = FAMILY.twin(where, f'an EfficientNet with {sizes} blocks of widths {widths}',
