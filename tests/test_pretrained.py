@@ -502,7 +502,8 @@ def test_a_missing_tensor_is_named(resnet18_state, tmp_path):
 
 @pytest.mark.parametrize('library, architecture, named', [
     ('timm', 'swin_tiny_patch4_window7_224', 'a Swin Transformer (its layers.0.blocks.0.attn.* tensors)'),
-    ('timm', 'mobilenetv2_100', 'a timm MobileNetV2 or another EfficientNet-like net (its conv_stem.* tensors)'),
+    ('timm', 'mobilenetv2_100',
+     'a timm MobileNetV2 or another EfficientNet-like net (its conv_stem.* tensors)'),
     ('torchvision', 'mobilenet_v2', 'a torchvision MobileNetV2 (its features.1.conv.* tensors)'),
 ])
 def test_a_file_of_another_architecture_is_named_as_what_it_is(library, architecture, named):
