@@ -25,7 +25,7 @@ import types
 
 from benchmarks import harness
 
-# (label, library, architecture, flaxtpu model, native size, second size for ViTs)
+# (label, library, architecture, flaxtpu model, native size, second size)
 CASES = [
     ('resnet18 timm', 'timm', 'resnet18', 'resnet18', 224, None),
     ('resnet50 timm', 'timm', 'resnet50', 'resnet50', 224, None),
@@ -41,6 +41,38 @@ CASES = [
     ('vit_s/16 big_vision npz', 'npz', 'vit_small_patch16_224', 'vit_s', 224, None),
     ('vit_b/16 big_vision npz', 'npz', 'vit_base_patch16_224', 'vit_b', 224, None),
     ('convnext_t timm', 'timm', 'convnext_tiny', 'convnext_t', 224, None),
+    # EfficientNet and MobileNetV3 at 224 px and at 200 (not a multiple of 32); tf: timm's TensorFlow ports
+    # (model.padding=same, as a bare file of one needs)
+    ('efficientnet_b0 timm', 'timm', 'efficientnet_b0', 'efficientnet_b0', 224, 200),
+    ('efficientnet_b0 tf timm', 'timm', 'tf_efficientnet_b0', 'efficientnet_b0', 224, 200),
+    ('efficientnet_b0 torchvision', 'torchvision', 'efficientnet_b0', 'efficientnet_b0', 224, 200),
+    ('efficientnet_b1 timm', 'timm', 'efficientnet_b1', 'efficientnet_b1', 224, 200),
+    ('efficientnet_b1 tf timm', 'timm', 'tf_efficientnet_b1', 'efficientnet_b1', 224, 200),
+    ('efficientnet_b1 torchvision', 'torchvision', 'efficientnet_b1', 'efficientnet_b1', 224, 200),
+    ('efficientnet_b2 timm', 'timm', 'efficientnet_b2', 'efficientnet_b2', 224, 200),
+    ('efficientnet_b2 tf timm', 'timm', 'tf_efficientnet_b2', 'efficientnet_b2', 224, 200),
+    ('efficientnet_b2 torchvision', 'torchvision', 'efficientnet_b2', 'efficientnet_b2', 224, 200),
+    ('efficientnet_b3 timm', 'timm', 'efficientnet_b3', 'efficientnet_b3', 224, 200),
+    ('efficientnet_b3 tf timm', 'timm', 'tf_efficientnet_b3', 'efficientnet_b3', 224, 200),
+    ('efficientnet_b3 torchvision', 'torchvision', 'efficientnet_b3', 'efficientnet_b3', 224, 200),
+    ('efficientnet_b4 timm', 'timm', 'efficientnet_b4', 'efficientnet_b4', 224, 200),
+    ('efficientnet_b4 tf timm', 'timm', 'tf_efficientnet_b4', 'efficientnet_b4', 224, 200),
+    ('efficientnet_b4 torchvision', 'torchvision', 'efficientnet_b4', 'efficientnet_b4', 224, 200),
+    ('efficientnet_b5 timm', 'timm', 'efficientnet_b5', 'efficientnet_b5', 224, 200),
+    ('efficientnet_b5 tf timm', 'timm', 'tf_efficientnet_b5', 'efficientnet_b5', 224, 200),
+    ('efficientnet_b5 torchvision', 'torchvision', 'efficientnet_b5', 'efficientnet_b5', 224, 200),
+    ('efficientnet_b6 timm', 'timm', 'efficientnet_b6', 'efficientnet_b6', 224, 200),
+    ('efficientnet_b6 tf timm', 'timm', 'tf_efficientnet_b6', 'efficientnet_b6', 224, 200),
+    ('efficientnet_b6 torchvision', 'torchvision', 'efficientnet_b6', 'efficientnet_b6', 224, 200),
+    ('efficientnet_b7 timm', 'timm', 'efficientnet_b7', 'efficientnet_b7', 224, 200),
+    ('efficientnet_b7 tf timm', 'timm', 'tf_efficientnet_b7', 'efficientnet_b7', 224, 200),
+    ('efficientnet_b7 torchvision', 'torchvision', 'efficientnet_b7', 'efficientnet_b7', 224, 200),
+    ('mobilenetv3_l timm', 'timm', 'mobilenetv3_large_100', 'mobilenetv3_l', 224, 200),
+    ('mobilenetv3_l tf timm', 'timm', 'tf_mobilenetv3_large_100', 'mobilenetv3_l', 224, 200),
+    ('mobilenetv3_l torchvision', 'torchvision', 'mobilenet_v3_large', 'mobilenetv3_l', 224, 200),
+    ('mobilenetv3_s timm', 'timm', 'mobilenetv3_small_100', 'mobilenetv3_s', 224, 200),
+    ('mobilenetv3_s tf timm', 'timm', 'tf_mobilenetv3_small_100', 'mobilenetv3_s', 224, 200),
+    ('mobilenetv3_s torchvision', 'torchvision', 'mobilenet_v3_small', 'mobilenetv3_s', 224, 200),
     # The deepest last: each costs what three of the others do on a CPU.
     ('resnet101 torchvision', 'torchvision', 'resnet101', 'resnet101', 224, None),
     ('resnet152 torchvision', 'torchvision', 'resnet152', 'resnet152', 224, None),
@@ -79,6 +111,8 @@ def compare(case, images: int, directory: str) -> list[dict]:
     config.dataset.image_size = side
     config.cpu_devices = 1
     config.compilation_cache_dir = 'none'
+    if architecture.startswith('tf_'):
+      config.model.padding = 'same'  # a bare file of timm's TensorFlow port: the user names its padding
     pretrained.describe.cache_clear()
     pretrained.apply_defaults(config)  # resolved as the CLI resolves it
     placement, state_, _, record = finetune.published_model(config)
@@ -90,7 +124,7 @@ def compare(case, images: int, directory: str) -> list[dict]:
     mean = np.asarray(record['normalization']['mean'], np.float32)
     std = np.asarray(record['normalization']['std'], np.float32)
     reference_model = source
-    if side != size:  # timm's own resampling of the position embeddings
+    if side != size and hasattr(source, 'pos_embed'):  # timm's own resampling of the position embeddings
       from timm.models.vision_transformer import checkpoint_filter_fn  # pylint: disable=g-import-not-at-top
       reference_model = timm.create_model(architecture, img_size=side,
                                           **({'act_layer': 'gelu_tanh'} if library == 'npz' else {}))

@@ -130,19 +130,22 @@ def get_config() -> ml_collections.ConfigDict:
   # --- model ------------------------------------------------------------
   config.model = ml_collections.ConfigDict()
   # cnn | fastnet_s | fastnet | fastnet_whiten | resnet20/32/44/56/110 | resnet18/34/50/101/152 |
-  # vit_ti/s/b | convnext_t.
+  # vit_ti/s/b | convnext_t | efficientnet_b0-b7 | mobilenetv3_l/s.
   config.model.name = 'cnn'
   config.model.remat = 'none'  # none | full | a jax.checkpoint_policies name (dots_saveable, ...).
   # vit/convnext: patch side (convnext: stem stride); 0 = published, 16/4 (on 32x32: 4/2).
   config.model.patch_size = 0
   # vit: gap (mean of the tokens; big_vision's default) | tok (a class token, as in the paper).
   config.model.pool = 'gap'
-  # vit: dropout rate (after the embeddings, in the MLP, on each residual branch).
+  # vit: dropout rate (after the embeddings, in the MLP, on each residual branch); efficientnet,
+  # mobilenetv3: before the classifier.
   config.model.dropout = 0.0
-  # vit/convnext/resnet: stochastic depth of the last block (0 at the first, linear between).
+  # vit/convnext/resnet: stochastic depth of the last block (0 at the first, linear between);
+  # efficientnet/mobilenetv3: the rate all blocks approach (block i of N: rate * i / N, as timm).
   config.model.drop_path = 0.0
   # resnet: torch (symmetric, as PyTorch/timm: imported weights agree) | same (XLA's SAME; runs
-  # saved before this key).
+  # saved before this key). efficientnet/mobilenetv3: torch (PyTorch's models) | same (TensorFlow's
+  # ports, timm's tf_*: SAME padding, BatchNorm eps 1e-3).
   config.model.padding = 'torch'
   # vit: exact (erf, as timm/PyTorch) | tanh (big_vision's approximation; runs saved before this
   # key).

@@ -252,6 +252,9 @@ def describe(spec: str) -> Published:
   # timm's config can say more than the tensors: a model built with the tanh GELU (as flaxtpu exports one).
   if metadata.get('model_args', {}).get('act_layer') == 'gelu_tanh' and 'gelu' in options:
     options['gelu'] = 'tanh'
+  # timm's TensorFlow ports (tf_efficientnet_b0, ...) hold their PyTorch twins' tensors; the padding differs.
+  if str(metadata.get('architecture', '')).startswith('tf_') and 'padding' in options:
+    options['padding'] = 'same'
   # A headless file (timm's num_classes=0) has 0 classes: a run that trains a new head reads it.
   headless = check_tensors(tensors, layout, model, options, path)
   head = models.layout(model, layout).head(tensors)

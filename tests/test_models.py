@@ -46,6 +46,8 @@ def test_cnn_layers_match_keras():
 def test_output_shapes(name, shape, classes):
   if name in ('resnet101', 'resnet152', 'resnet110', 'vit_b') and shape[1] == 28:
     pytest.skip('deep variants: one input shape is enough')
+  if name.startswith('efficientnet_b') and name != 'efficientnet_b0':
+    pytest.skip('B0 builds every block kind; the blocks of B1-B7: test_family_efficientnet')
   # Patches of 4 pixels tile both 32x32 and 28x28 (ViT and ConvNeXt; the others take no patches).
   patch_size = 4 if 'patch_size' in models.get_spec(name).options else 0
   model = models.create(name, num_classes=classes, patch_size=patch_size, image_shape=shape[1:])
@@ -53,7 +55,7 @@ def test_output_shapes(name, shape, classes):
   logits = jax.eval_shape(lambda v: model.apply(v, jnp.zeros(shape), train=False), variables)
   assert logits.shape == (shape[0], classes)
   assert logits.dtype == jnp.float32
-  assert ('batch_stats' in variables) == name.startswith(('resnet', 'fastnet'))
+  assert ('batch_stats' in variables) == name.startswith(('resnet', 'fastnet', 'efficientnet', 'mobilenetv3'))
 
 
 def test_fastnet_pools_to_a_few_pixels_and_scales_its_logits():

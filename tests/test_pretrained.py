@@ -85,8 +85,7 @@ def flaxtpu_logits(tensors, images, model_name=None, **overrides):
             for key, leaf in traverse_util.flatten_dict(variables[collection], sep='/').items()}
   published = pretrained.Published('test', 'test', layout, name, options, 0, None, (), (), 0, 0.0)
   spec = models.get_spec(name)
-  rules = (vit.big_vision_rules(set(tensors), spec.stage_sizes[0], options['pool'] == 'tok')
-           if layout == 'big_vision' else _timm_rules(spec, options, set(tensors)))
+  rules = models.layout(name, layout).rules(spec, options, set(tensors))
   adapt = {'params/pos_embedding': functools.partial(finetune.resample_position_embeddings,
                                                      prefix_tokens=int(options.get('pool') == 'tok'))}
   loaded = layouts.load(rules, tensors, wanted, 'test weights', adapt)
@@ -102,11 +101,6 @@ def flaxtpu_logits(tensors, images, model_name=None, **overrides):
 
 def layouts_head(tensors, layout, name):
   return int(pretrained._head(tensors, layout, name).shape[0])  # pylint: disable=protected-access
-
-
-def _timm_rules(spec, options, keys):
-  return next(family for family in models.families()
-              if family.name == spec.family).layout('timm').rules(spec, options, keys)
 
 
 def assert_same_function(expected, actual):
@@ -507,11 +501,10 @@ def test_a_missing_tensor_is_named(resnet18_state, tmp_path):
 
 
 @pytest.mark.parametrize('library, architecture, named', [
-    ('timm', 'efficientnet_b0', 'a timm EfficientNet (its blocks.0.0.se.* tensors)'),
-    ('timm', 'mobilenetv3_large_100', 'a timm MobileNetV3 (its conv_stem.* tensors)'),
     ('timm', 'swin_tiny_patch4_window7_224', 'a Swin Transformer (its layers.0.blocks.0.attn.* tensors)'),
-    ('torchvision', 'mobilenet_v3_small', 'a torchvision MobileNetV3 (its classifier.3.* tensors)'),
-    ('torchvision', 'efficientnet_b0', 'a torchvision EfficientNet (its features.1.0.block.* tensors)'),
+    ('timm', 'mobilenetv2_100',
+     'a timm MobileNetV2 or another EfficientNet-like net (its conv_stem.* tensors)'),
+    ('torchvision', 'mobilenet_v2', 'a torchvision MobileNetV2 (its features.1.conv.* tensors)'),
 ])
 def test_a_file_of_another_architecture_is_named_as_what_it_is(library, architecture, named):
   torch, torchvision, timm = import_torch()
@@ -520,7 +513,8 @@ def test_a_file_of_another_architecture_is_named_as_what_it_is(library, architec
   tensors = {key: value.numpy() for key, value in model.state_dict().items()}
   with pytest.raises(UserError, match=_exactly(
       f"test weights looks like {named}, which flaxtpu has no model for; supported: ResNet (resnet18-152), "
-      "ViT (vit_ti/s/b) or ConvNeXt (convnext_t) in timm's, torchvision's or big_vision's layout")):
+      "ViT (vit_ti/s/b), ConvNeXt (convnext_t), EfficientNet (efficientnet_b0-b7) or MobileNetV3 "
+      "(mobilenetv3_l/s) in timm's, torchvision's or big_vision's layout")):
     pretrained.infer_model(tensors, 'test weights')
 
 

@@ -15,7 +15,7 @@ import functools
 from typing import Optional
 
 from flaxtpu.errors import UserError, join_or
-from flaxtpu.models import cnn, convnext, fastnet, resnet, vit
+from flaxtpu.models import cnn, convnext, efficientnet, fastnet, mobilenetv3, resnet, vit
 from flaxtpu.models.family import Family, Layout, Spec
 
 _FAMILIES: dict[str, Family] = {}  # family name -> plug-in
@@ -47,7 +47,9 @@ def unregister(name: str) -> None:
 
 
 POOLS = ('gap', 'tok')
-PADDINGS = ('torch', 'same')  # resnet: symmetric as PyTorch | XLA's SAME (runs saved before model.padding)
+# resnet: symmetric as PyTorch | XLA's SAME (runs saved before model.padding);
+# efficientnet, mobilenetv3: PyTorch's models | TensorFlow's ports (timm's tf_*: SAME, BatchNorm eps 1e-3)
+PADDINGS = ('torch', 'same')
 GELUS = ('exact', 'tanh')  # vit: erf as timm | tanh as big_vision (runs saved before model.gelu)
 # What a run saved before a model option existed computed; config.from_saved fills these in.
 LEGACY_OPTIONS = {'padding': 'same', 'gelu': 'tanh'}
@@ -153,4 +155,6 @@ def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 
 
 
 for _family in (cnn.FAMILY, fastnet.FAMILY, resnet.CIFAR, resnet.IMAGENET, vit.FAMILY, convnext.FAMILY):
+  register(_family)
+for _family in (efficientnet.FAMILY, mobilenetv3.FAMILY):
   register(_family)
