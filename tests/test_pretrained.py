@@ -85,8 +85,7 @@ def flaxtpu_logits(tensors, images, model_name=None, **overrides):
             for key, leaf in traverse_util.flatten_dict(variables[collection], sep='/').items()}
   published = pretrained.Published('test', 'test', layout, name, options, 0, None, (), (), 0, 0.0)
   spec = models.get_spec(name)
-  rules = (vit.big_vision_rules(set(tensors), spec.stage_sizes[0], options['pool'] == 'tok')
-           if layout == 'big_vision' else _timm_rules(spec, options, set(tensors)))
+  rules = models.layout(name, layout).rules(spec, options, set(tensors))
   adapt = {'params/pos_embedding': functools.partial(finetune.resample_position_embeddings,
                                                      prefix_tokens=int(options.get('pool') == 'tok'))}
   loaded = layouts.load(rules, tensors, wanted, 'test weights', adapt)
@@ -102,11 +101,6 @@ def flaxtpu_logits(tensors, images, model_name=None, **overrides):
 
 def layouts_head(tensors, layout, name):
   return int(pretrained._head(tensors, layout, name).shape[0])  # pylint: disable=protected-access
-
-
-def _timm_rules(spec, options, keys):
-  return next(family for family in models.families()
-              if family.name == spec.family).layout('timm').rules(spec, options, keys)
 
 
 def assert_same_function(expected, actual):
