@@ -6,7 +6,8 @@ Models carry timm's names. Their stages are the published ones, as timm's `gener
 `adjust_widths_groups_comp` derive them from (depth, w0, wa, wm, group width) (tests check each against
 timm's and torchvision's own derivation). torchvision rounds the bottleneck widths to the group width
 otherwise than timm for three models: timm's `regnetx_004_tv`, `regnety_008_tv` and `regnety_080_tv`
-are torchvision's regnet_x_400mf, regnet_y_800mf and regnet_y_8gf.
+are torchvision's regnet_x_400mf, regnet_y_800mf and regnet_y_8gf. The larger published models
+(regnetx_040 and up, regnety_064/120/320/1280) are one table row each away.
 """
 
 from __future__ import annotations
@@ -42,12 +43,6 @@ _SPECS = {
     'regnetx_008': _x((1, 3, 7, 5), (64, 128, 288, 672), 16),  # regnet_x_800mf
     'regnetx_016': _x((2, 4, 10, 2), (72, 168, 408, 912), 24),  # regnet_x_1_6gf
     'regnetx_032': _x((2, 6, 15, 2), (96, 192, 432, 1008), 48),  # regnet_x_3_2gf
-    'regnetx_040': _x((2, 5, 14, 2), (80, 240, 560, 1360), 40),
-    'regnetx_064': _x((2, 4, 10, 1), (168, 392, 784, 1624), 56),
-    'regnetx_080': _x((2, 5, 15, 1), (80, 240, 720, 1920), (80, 120, 120, 120)),  # regnet_x_8gf
-    'regnetx_120': _x((2, 5, 11, 1), (224, 448, 896, 2240), 112),
-    'regnetx_160': _x((2, 6, 13, 1), (256, 512, 896, 2048), 128),  # regnet_x_16gf
-    'regnetx_320': _x((2, 7, 13, 1), (336, 672, 1344, 2520), 168),  # regnet_x_32gf
     'regnety_002': _y((1, 1, 4, 7), (24, 56, 152, 368), 8),
     'regnety_004': _y((1, 3, 6, 6), (48, 104, 208, 440), 8),  # regnet_y_400mf
     'regnety_006': _y((1, 3, 7, 4), (48, 112, 256, 608), 16),
@@ -56,13 +51,9 @@ _SPECS = {
     'regnety_016': _y((2, 6, 17, 2), (48, 120, 336, 888), 24),  # regnet_y_1_6gf
     'regnety_032': _y((2, 5, 13, 1), (72, 216, 576, 1512), 24),  # regnet_y_3_2gf
     'regnety_040': _y((2, 6, 12, 2), (128, 192, 512, 1088), 64),
-    'regnety_064': _y((2, 7, 14, 2), (144, 288, 576, 1296), 72),
     'regnety_080': _y((2, 4, 10, 1), (168, 448, 896, 2016), 56),
     'regnety_080_tv': _y((2, 4, 10, 1), (224, 448, 896, 2016), 56),  # regnet_y_8gf
-    'regnety_120': _y((2, 5, 11, 1), (224, 448, 896, 2240), 112),
     'regnety_160': _y((2, 4, 11, 1), (224, 448, 1232, 3024), 112),  # regnet_y_16gf
-    'regnety_320': _y((2, 5, 12, 1), (232, 696, 1392, 3712), 232),  # regnet_y_32gf
-    'regnety_1280': _y((2, 7, 17, 1), (528, 1056, 2904, 7392), 264),  # regnet_y_128gf
 }
 
 
@@ -88,7 +79,7 @@ def regnet_rules(spec: RegNetSpec, torchvision: bool) -> list[Rule]:
   rules = [conv(f'{stem}.weight', 'params/stem/kernel'), *batch_norm(stem_bn, 'stem_bn')]
   for stage, size in enumerate(spec.stage_sizes, 1):
     for block in range(1, size + 1):
-      source = (f'trunk_output.block{stage}.block{stage}-{block - 1}' if torchvision else f's{stage}.b{block}')
+      source = f'trunk_output.block{stage}.block{stage}-{block - 1}' if torchvision else f's{stage}.b{block}'
       target = f'stage{stage}_block{block}'
       # (torchvision's, timm's) name of each convolution + BatchNorm, in the order flaxtpu numbers them
       parts = [('f.a', 'conv1'), ('f.b', 'conv2'), ('f.c', 'conv3')] + [('proj', 'downsample')] * (block == 1)
@@ -98,7 +89,8 @@ def regnet_rules(spec: RegNetSpec, torchvision: bool) -> list[Rule]:
                   *batch_norm(f'{source}.{norm}', f'{target}/BatchNorm_{index}')]
       if spec.se_ratio:
         se = f'{source}.f.se' if torchvision else f'{source}.se'
-        rules += [*dense(f'{se}.fc1', f'{target}/se/fc1', conv), *dense(f'{se}.fc2', f'{target}/se/fc2', conv)]
+        rules += [*dense(f'{se}.fc1', f'{target}/se/fc1', conv),
+                  *dense(f'{se}.fc2', f'{target}/se/fc2', conv)]
   return rules + dense(head, 'head')
 
 
@@ -134,6 +126,6 @@ TORCHVISION = Layout('torchvision', ('torchvision',),
                      head=lambda keys: 'fc.bias')
 
 FAMILY = Family('regnet', _SPECS, _build, _layers, ('drop_path',), title='RegNet',
-                short_names='regnetx_002-320, regnety_002-320, regnety_1280 (timm\'s names; *_tv: torchvision\'s)',
+                short_names='regnetx_*/regnety_*',
                 layouts=(TIMM, TORCHVISION), timm_architecture=_timm_architecture,
                 input_kernel='params/stem/kernel')

@@ -138,5 +138,5 @@ IMAGENET = Family(_R, {
     'wide_resnet50_2': ResNetSpec(_R, (3, 4, 6, 3), bottleneck=True, base_width=128),
     'wide_resnet101_2': ResNetSpec(_R, (3, 4, 23, 3), bottleneck=True, base_width=128),
 }, _build, _layers, OPTIONS, title='ResNet',
-    short_names='resnet18-152, resnet18d-152d, resnext50/101, wide_resnet50/101_2', layouts=(TIMM,),
+    short_names='resnet18-152/18d-152d/resnext*/wide_resnet*', layouts=(TIMM,),
     timm_architecture=_timm_architecture, input_kernel='params/Conv_0/kernel')
