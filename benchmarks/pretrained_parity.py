@@ -25,7 +25,7 @@ import types
 
 from benchmarks import harness
 
-# (label, library, architecture, flaxtpu model, native size, second size)
+# (label, library, architecture, flaxtpu model, native size, a second size or None)
 CASES = [
     ('resnet18 timm', 'timm', 'resnet18', 'resnet18', 224, None),
     ('resnet50 timm', 'timm', 'resnet50', 'resnet50', 224, None),
@@ -76,6 +76,48 @@ CASES = [
     # The deepest last: each costs what three of the others do on a CPU.
     ('resnet101 torchvision', 'torchvision', 'resnet101', 'resnet101', 224, None),
     ('resnet152 torchvision', 'torchvision', 'resnet152', 'resnet152', 224, None),
+    # ResNet-D, ResNeXt, wide ResNets and RegNets: also at 176 px (not a multiple of 32)
+    ('resnet18d timm', 'timm', 'resnet18d', 'resnet18d', 224, 176),
+    ('resnet34d timm', 'timm', 'resnet34d', 'resnet34d', 224, 176),
+    ('resnet50d timm', 'timm', 'resnet50d', 'resnet50d', 224, 176),
+    ('resnet101d timm', 'timm', 'resnet101d', 'resnet101d', 224, 176),
+    ('resnet152d timm', 'timm', 'resnet152d', 'resnet152d', 224, 176),
+    ('resnext50_32x4d timm', 'timm', 'resnext50_32x4d', 'resnext50_32x4d', 224, 176),
+    ('resnext50_32x4d torchvision', 'torchvision', 'resnext50_32x4d', 'resnext50_32x4d', 224, 176),
+    ('resnext101_32x4d timm', 'timm', 'resnext101_32x4d', 'resnext101_32x4d', 224, 176),
+    ('resnext101_32x8d timm', 'timm', 'resnext101_32x8d', 'resnext101_32x8d', 224, 176),
+    ('resnext101_32x8d torchvision', 'torchvision', 'resnext101_32x8d', 'resnext101_32x8d', 224, 176),
+    ('resnext101_64x4d timm', 'timm', 'resnext101_64x4d', 'resnext101_64x4d', 224, 176),
+    ('resnext101_64x4d torchvision', 'torchvision', 'resnext101_64x4d', 'resnext101_64x4d', 224, 176),
+    ('wide_resnet50_2 timm', 'timm', 'wide_resnet50_2', 'wide_resnet50_2', 224, 176),
+    ('wide_resnet50_2 torchvision', 'torchvision', 'wide_resnet50_2', 'wide_resnet50_2', 224, 176),
+    ('wide_resnet101_2 timm', 'timm', 'wide_resnet101_2', 'wide_resnet101_2', 224, 176),
+    ('wide_resnet101_2 torchvision', 'torchvision', 'wide_resnet101_2', 'wide_resnet101_2', 224, 176),
+    ('regnetx_002 timm', 'timm', 'regnetx_002', 'regnetx_002', 224, 176),
+    ('regnetx_004 timm', 'timm', 'regnetx_004', 'regnetx_004', 224, 176),
+    ('regnetx_006 timm', 'timm', 'regnetx_006', 'regnetx_006', 224, 176),
+    ('regnetx_008 timm', 'timm', 'regnetx_008', 'regnetx_008', 224, 176),
+    ('regnetx_016 timm', 'timm', 'regnetx_016', 'regnetx_016', 224, 176),
+    ('regnetx_032 timm', 'timm', 'regnetx_032', 'regnetx_032', 224, 176),
+    ('regnety_002 timm', 'timm', 'regnety_002', 'regnety_002', 224, 176),
+    ('regnety_004 timm', 'timm', 'regnety_004', 'regnety_004', 224, 176),
+    ('regnety_006 timm', 'timm', 'regnety_006', 'regnety_006', 224, 176),
+    ('regnety_008 timm', 'timm', 'regnety_008', 'regnety_008', 224, 176),
+    ('regnety_016 timm', 'timm', 'regnety_016', 'regnety_016', 224, 176),
+    ('regnety_032 timm', 'timm', 'regnety_032', 'regnety_032', 224, 176),
+    ('regnety_040 timm', 'timm', 'regnety_040', 'regnety_040', 224, 176),
+    ('regnety_080 timm', 'timm', 'regnety_080', 'regnety_080', 224, 176),
+    ('regnety_160 timm', 'timm', 'regnety_160', 'regnety_160', 224, 176),
+    ('regnet_x_400mf torchvision', 'torchvision', 'regnet_x_400mf', 'regnetx_004_tv', 224, 176),
+    ('regnet_x_800mf torchvision', 'torchvision', 'regnet_x_800mf', 'regnetx_008', 224, 176),
+    ('regnet_x_1_6gf torchvision', 'torchvision', 'regnet_x_1_6gf', 'regnetx_016', 224, 176),
+    ('regnet_x_3_2gf torchvision', 'torchvision', 'regnet_x_3_2gf', 'regnetx_032', 224, 176),
+    ('regnet_y_400mf torchvision', 'torchvision', 'regnet_y_400mf', 'regnety_004', 224, 176),
+    ('regnet_y_800mf torchvision', 'torchvision', 'regnet_y_800mf', 'regnety_008_tv', 224, 176),
+    ('regnet_y_1_6gf torchvision', 'torchvision', 'regnet_y_1_6gf', 'regnety_016', 224, 176),
+    ('regnet_y_3_2gf torchvision', 'torchvision', 'regnet_y_3_2gf', 'regnety_032', 224, 176),
+    ('regnet_y_8gf torchvision', 'torchvision', 'regnet_y_8gf', 'regnety_080_tv', 224, 176),
+    ('regnet_y_16gf torchvision', 'torchvision', 'regnet_y_16gf', 'regnety_160', 224, 176),
 ]
 
 

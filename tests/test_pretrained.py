@@ -512,9 +512,10 @@ def test_a_file_of_another_architecture_is_named_as_what_it_is(library, architec
            else getattr(torchvision.models, architecture)())
   tensors = {key: value.numpy() for key, value in model.state_dict().items()}
   with pytest.raises(UserError, match=_exactly(
-      f"test weights looks like {named}, which flaxtpu has no model for; supported: ResNet (resnet18-152), "
-      "ViT (vit_ti/s/b), ConvNeXt (convnext_t), EfficientNet (efficientnet_b0-b7) or MobileNetV3 "
-      "(mobilenetv3_l/s) in timm's, torchvision's or big_vision's layout")):
+      f"test weights looks like {named}, which flaxtpu has no model for; supported: ResNet "
+      "(resnet18-152/18d-152d/resnext*/wide_resnet*), ViT (vit_ti/s/b), ConvNeXt (convnext_t), EfficientNet "
+      "(efficientnet_b0-b7), MobileNetV3 (mobilenetv3_l/s) or RegNet (regnetx_*/regnety_*) in timm's, "
+      "torchvision's or big_vision's layout")):
     pretrained.infer_model(tensors, 'test weights')
 
 

@@ -15,7 +15,7 @@ import functools
 from typing import Optional
 
 from flaxtpu.errors import UserError, join_or
-from flaxtpu.models import cnn, convnext, efficientnet, fastnet, mobilenetv3, resnet, vit
+from flaxtpu.models import cnn, convnext, efficientnet, fastnet, mobilenetv3, regnet, resnet, vit
 from flaxtpu.models.family import Family, Layout, Spec
 
 _FAMILIES: dict[str, Family] = {}  # family name -> plug-in
@@ -154,7 +154,6 @@ def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 
                       bn_axis_name=bn_axis_name, **{key: options[key] for key in family.options})
 
 
-for _family in (cnn.FAMILY, fastnet.FAMILY, resnet.CIFAR, resnet.IMAGENET, vit.FAMILY, convnext.FAMILY):
-  register(_family)
-for _family in (efficientnet.FAMILY, mobilenetv3.FAMILY):
+for _family in (cnn.FAMILY, fastnet.FAMILY, resnet.CIFAR, resnet.IMAGENET, vit.FAMILY, convnext.FAMILY,
+                efficientnet.FAMILY, mobilenetv3.FAMILY, regnet.FAMILY):
   register(_family)

@@ -30,7 +30,6 @@ def _all(*keys: str) -> Callable[[Collection[str]], Optional[str]]:
 # (what the file is, test: keys -> the module that shows it, or None), the more specific first.
 _ARCHITECTURES = (
     ('an SE-ResNet or SE-ResNeXt (squeeze-excitation)', _some(r'(layer\d+\.\d+\.se)\..+')),
-    ('a ResNet-D (a deep stem: timm\'s resnet*d)', _all('conv1.0.weight', 'layer1.0.conv1.weight')),
     ('a ViT with layer scale (DeiT III)', _some(r'(blocks\.\d+\.ls1)\..+')),
     ('a Swin Transformer', _some(r'(.+)\.relative_position_bias_table')),
     ('a timm MobileNetV2 or another EfficientNet-like net', _all('conv_stem.weight')),
@@ -39,7 +38,6 @@ _ARCHITECTURES = (
      _some(r'(features\.\d+\.\d+)\.layer_scale')),
     ('a ViT in torchvision\'s layout (flaxtpu reads timm\'s and big_vision\'s)',
      _all('conv_proj.weight', 'encoder.pos_embedding')),
-    ('a RegNet', _some(r'(s\d+\.b\d+|trunk_output\.block\d+)\..+')),
     ('a DenseNet', _some(r'(features\.denseblock\d+)\..+')),
     ('a VGG', _some(r'(pre_logits\.fc1|classifier\.6)\.weight')),
 )

@@ -1,4 +1,6 @@
-"""ResNets (He et al. 2016): the CIFAR family (resnet20/32/44/56/110) and the ImageNet family (resnet18-152).
+"""ResNets (He et al. 2016): the CIFAR family (resnet20/32/44/56/110) and the ImageNet family (resnet18-152),
+with timm's ResNet-D (a deep stem and average-pooled shortcuts), ResNeXt (grouped 3x3 convolutions) and
+wide ResNets; the bottleneck block is also RegNet's (nets/regnet.py).
 
 Both take any input size: the CIFAR stem is one 3x3 convolution; the ImageNet
 stem (7x7 stride 2 + max pool) also runs on 32x32 inputs, down to a 1x1 map.
@@ -37,9 +39,20 @@ class Block(nn.Module):
   bn_axis_name: Optional[str] = None
   drop_path: float = 0.0  # probability of dropping the residual branch (stochastic depth)
   padding: str = 'torch'  # 'torch' (symmetric) | 'same' (XLA's SAME)
+  avg_down: bool = False  # ResNet-D: the shortcut average-pools instead of striding its convolution
 
   def layers(self):
     return (conv_layer(self.padding, self.dtype), batch_norm(self.train, self.dtype, self.bn_axis_name))
+
+  def shortcut(self, x, y):
+    """x, projected (1x1 conv + BN) where the block changes its width or stride."""
+    if x.shape[-1] == y.shape[-1] and self.strides == 1:
+      return x
+    conv, norm = self.layers()
+    strides = self.strides
+    if self.avg_down and strides > 1:
+      x, strides = average_pool(x, strides), 1
+    return norm()(conv(y.shape[-1], (1, 1), strides)(x))
 
 
 def conv_layer(padding: str, dtype: Any):
@@ -53,6 +66,25 @@ def conv_layer(padding: str, dtype: Any):
   return conv
 
 
+def average_pool(x, stride: int):
+  """PyTorch's AvgPool2d(stride, stride, ceil_mode=True, count_include_pad=False): a partial window at an odd
+  map's edge averages the pixels it holds."""
+  padding = [(0, -size % stride) for size in x.shape[1:3]]
+  return nn.avg_pool(x, (stride, stride), (stride, stride), padding, count_include_pad=False)
+
+
+class SqueezeExcite(nn.Module):
+  """Channel gates from the pooled map: 1x1 conv to `width`, ReLU, 1x1 conv back, sigmoid (fc1, fc2)."""
+  width: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    gate = jnp.mean(x, axis=(1, 2), keepdims=True)
+    gate = nn.relu(nn.Conv(self.width, (1, 1), dtype=self.dtype, name='fc1')(gate))
+    return x * nn.sigmoid(nn.Conv(x.shape[-1], (1, 1), dtype=self.dtype, name='fc2')(gate))
+
+
 class BasicBlock(Block):
   """Two 3x3 convolutions."""
 
@@ -61,31 +93,36 @@ class BasicBlock(Block):
     conv, norm = self.layers()
     y = nn.relu(norm()(conv(self.features, (3, 3), self.strides)(x)))
     y = norm(scale_init=nn.initializers.zeros)(conv(self.features, (3, 3))(y))
-    if x.shape != y.shape:
-      x = norm()(conv(self.features, (1, 1), self.strides)(x))
-    return nn.relu(x + stochastic_depth(y, self.drop_path, self.train))
+    return nn.relu(self.shortcut(x, y) + stochastic_depth(y, self.drop_path, self.train))
 
 
 class BottleneckBlock(Block):
-  """1x1 reduce, 3x3, 1x1 expand (x4)."""
+  """1x1 reduce, 3x3 (grouped: ResNeXt, RegNet), squeeze-excitation (RegNetY), 1x1 expand."""
+  groups: int = 1  # of the 3x3 convolution
+  group_width: int = 0  # its channels per group; 0 = `features` (ResNet's one group)
+  expansion: int = 4  # output channels per `features` (RegNet: 1)
+  se_ratio: float = 0.0  # RegNetY: gates squeezed to round(se_ratio * the block's input channels)
 
   @nn.compact
   def __call__(self, x):
     conv, norm = self.layers()
-    y = nn.relu(norm()(conv(self.features, (1, 1))(x)))
-    y = nn.relu(norm()(conv(self.features, (3, 3), self.strides)(y)))
-    y = norm(scale_init=nn.initializers.zeros)(conv(self.features * 4, (1, 1))(y))
-    if x.shape != y.shape:
-      x = norm()(conv(self.features * 4, (1, 1), self.strides)(x))
-    return nn.relu(x + stochastic_depth(y, self.drop_path, self.train))
+    width = self.groups * (self.group_width or self.features)
+    y = nn.relu(norm()(conv(width, (1, 1))(x)))
+    y = nn.relu(norm()(conv(width, (3, 3), self.strides, feature_group_count=self.groups)(y)))
+    if self.se_ratio:
+      y = SqueezeExcite(round(self.se_ratio * x.shape[-1]), self.dtype, name='se')(y)
+    y = norm(scale_init=nn.initializers.zeros)(conv(self.features * self.expansion, (1, 1))(y))
+    return nn.relu(self.shortcut(x, y) + stochastic_depth(y, self.drop_path, self.train))
 
 
 class ResNet(nn.Module):
   stage_sizes: Sequence[int]
   block: Callable[..., nn.Module]  # BasicBlock or BottleneckBlock, possibly wrapped in nn.remat
   num_classes: int
-  stem: str  # 'cifar' | 'imagenet'
+  stem: str  # 'cifar' (3x3) | 'imagenet' (7x7 + max pool) | 'deep' (ResNet-D: three 3x3 + max pool)
   width: int = 64
+  groups: int = 1  # ResNeXt: groups of the bottleneck's 3x3 convolution (timm's cardinality)
+  base_width: int = 64  # channels per group of the first stage's 3x3 (wide ResNets: 128; ResNeXt: 4, 8)
   dtype: Any = jnp.float32
   bn_axis_name: Optional[str] = None
   drop_path: float = 0.0  # the last block's rate; 0 in the first, linear in between
@@ -100,16 +137,25 @@ class ResNet(nn.Module):
     if self.stem == 'cifar':
       x = nn.relu(norm()(conv(self.width, (3, 3))(x)))
     else:
-      x = nn.Conv(self.width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False,
-                  dtype=self.dtype)(x)
+      if self.stem == 'deep':
+        x = nn.relu(norm()(conv(self.width // 2, (3, 3), 2)(x)))
+        x = nn.relu(norm()(conv(self.width // 2, (3, 3))(x)))
+        x = conv(self.width, (3, 3))(x)
+      else:
+        x = nn.Conv(self.width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False,
+                    dtype=self.dtype)(x)
       pool_padding = 'SAME' if self.padding == 'same' else ((1, 1), (1, 1))
       x = nn.max_pool(nn.relu(norm()(x)), (3, 3), strides=(2, 2), padding=pool_padding)
     for stage, num_blocks in enumerate(self.stage_sizes):
       for index in range(num_blocks):
         strides = 2 if stage > 0 and index == 0 else 1
+        features = self.width * 2**stage
+        # ResNeXt and wide ResNets (bottleneck blocks only): a grouped or wider 3x3 convolution.
+        grouping = ({} if (self.groups, self.base_width) == (1, 64) else
+                    {'groups': self.groups, 'group_width': features * self.base_width // 64})
         # Explicit names: the same parameter tree with and without remat.
-        x = self.block(self.width * 2**stage, strides, train, dtype=self.dtype,
-                       bn_axis_name=self.bn_axis_name, padding=self.padding,
+        x = self.block(features, strides, train, dtype=self.dtype, **grouping,
+                       bn_axis_name=self.bn_axis_name, padding=self.padding, avg_down=self.stem == 'deep',
                        drop_path=self.drop_path * block_index / max(total_blocks - 1, 1),
                        name=f'stage{stage + 1}_block{index + 1}')(x)
         block_index += 1
