@@ -114,12 +114,12 @@ def block_names(spec) -> list[tuple[str, Block]]:
 
 
 def layers(spec) -> list[tuple[str, ...]]:
-  """As timm's group_matcher: the stem, one layer per block, then EfficientNet's conv_head + bn2 (a layer
-  of their own) and the classifier, or MobileNetV3's conv_head with the classifier (timm leaves it
-  unmatched: the last layer)."""
+  """As timm's group_matcher: the stem, one layer per block (EfficientNet's conv_head + bn2 join the last:
+  timm's MATCH_PREV_GROUP), the classifier (MobileNetV3's conv_head with it: timm leaves it unmatched)."""
   blocks = [(name,) for name, _ in block_names(spec)]
-  head = [('head_conv', 'head_bn'), ('head',)] if spec.head_norm else [('head_conv', 'head')]
-  return [('stem', 'stem_bn'), *blocks, *head]
+  if spec.head_norm:
+    return [('stem', 'stem_bn'), *blocks[:-1], (*blocks[-1], 'head_conv', 'head_bn'), ('head',)]
+  return [('stem', 'stem_bn'), *blocks, ('head_conv', 'head')]
 
 
 def smallest_image(spec) -> int:
