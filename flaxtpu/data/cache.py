@@ -74,8 +74,9 @@ class _CacheDecoder:
   def __call__(self, chunk: int) -> list:
     examples = []
     for index in range(chunk * CACHE_CHUNK, min((chunk + 1) * CACHE_CHUNK, len(self.split))):
-      item, label = self.split.load(index)
+      label = None  # a record that gives no image (a null parquet cell) is unreadable like a bad file
       try:
+        item, label = self.split.load(index)
         examples.append((self._cacheable(preprocess.open_image(item)), label))
       except Exception as e:  # pylint: disable=broad-except
         examples.append((unreadable(self.split.describe(index), e), label))
