@@ -281,7 +281,7 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   from flaxtpu import resolution  # pylint: disable=g-import-not-at-top
   from_published = resolution.restores_published(workdir, mode)
   resolution.resolve(config, workdir, mode)  # every default from its source, before validation
-  config_lib.validate(config)  # after it, nothing edits the config
+  config_lib.validate(config, mode)  # after it, nothing edits the config
   memory.check_before_start(config, mode)  # a run that cannot fit stops before the workdir is touched
   if not workdir and from_published and mode == 'predict':  # nothing to restore: write beside the CSV
     workdir = os.path.dirname(os.path.abspath(config.predict.output_csv or 'predictions.csv'))

@@ -51,8 +51,8 @@ def validated(monkeypatch):
   seen, frozen = [], set()
   validate = config_lib.validate
 
-  def spy(config):
-    validate(config)
+  def spy(config, mode='train'):
+    validate(config, mode)
     seen.append(json.loads(json.dumps(config.to_dict())))
     frozen.update(id(node) for node in _nodes(config))
 
