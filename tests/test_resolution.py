@@ -171,3 +171,27 @@ def test_training_an_unresolved_fine_tune_is_one_line(source, folders, tmp_path)
                                       r'.*/checkpoints/2; resolve the config before training: '
                                       r'flaxtpu.resolution.resolve\('):
     train.train_and_evaluate(config, str(tmp_path / 'unresolved'))
+
+
+def test_a_run_saved_before_model_padding_keeps_its_function_when_a_new_recipe_resumes_it(tmp_path):
+  """Issue 43, class 8: config.json without model.padding computed 'same'; a recipe that leaves padding
+  at its default resumes (or evaluates) it with 'same', and one that asks for another is one line."""
+  from flaxtpu.errors import ConfigError
+  saved = defaults.get_config().to_dict()
+  saved['model'].update(name='resnet20')
+  del saved['model']['padding']
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  for mode in ('train', 'eval'):
+    config = defaults.get_config()
+    config.model.name = 'resnet20'
+    resolution.resolve(config, str(tmp_path), mode)
+    assert config.model.padding == 'same'
+  saved['model']['padding'] = 'torch'  # a run saved since: its own value, which a config cannot change
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  config.model.padding = 'same'
+  with pytest.raises(ConfigError, match=rf"^--workdir={tmp_path} was trained with model.padding='torch', but "
+                                        r"the config asks for 'same', which computes another function"):
+    resolution.resolve(config, str(tmp_path), 'train')
+  config.model.name = 'resnet32'  # another model: the checkpoint's own checks name it
+  resolution.resolve(config, str(tmp_path), 'train')
+  assert config.model.padding == 'same'
