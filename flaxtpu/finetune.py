@@ -218,9 +218,10 @@ def _published_arrays(config: ml_collections.ConfigDict, published: pretrained.P
   adapt = {'params/pos_embedding': functools.partial(resample_position_embeddings,
                                                      prefix_tokens=prefix_tokens),
            **({first_kernel: to_one_channel} if first_kernel else {})}
-  if published.model != config.model.name:
-    logging.warning('init_from: %s holds %s, read into config.model.name=%s', published.spec, published.model,
-                    config.model.name)
+  if published.model != config.model.name:  # read in part it would compute neither model's function
+    raise UserError(f'config.init_from.checkpoint={published.spec!r} holds {published.model} but '
+                    f'config.model.name={config.model.name!r}; drop model.name (the weights\' model is used) '
+                    f'or give {config.model.name} weights')
   return layouts.load(published.rules(), pretrained.read_tensors(published.path), wanted,
                       f'config.init_from.checkpoint={published.spec!r}', adapt)
 
