@@ -195,3 +195,27 @@ def test_a_run_saved_before_model_padding_keeps_its_function_when_a_new_recipe_r
   config.model.name = 'resnet32'  # another model: the checkpoint's own checks name it
   resolution.resolve(config, str(tmp_path), 'train')
   assert config.model.padding == 'same'
+
+
+def test_a_nan_in_a_source_runs_checkpoint_is_one_line(source, folders, tmp_path, monkeypatch):
+  """init_from a flaxtpu run whose step holds a NaN (it diverged, or the file was damaged): one line naming
+  the array, as for a published file's tensor (issue 43)."""
+  real_restore = checkpoint.Checkpoints.restore
+
+  def restore_with_a_nan(self, step, target, *args, **kwargs):
+    arrays, record = real_restore(self, step, target, *args, **kwargs)
+    node = arrays['params']
+    while isinstance(node[next(iter(node))], dict):  # the first parameter's module
+      node = node[next(iter(node))]
+    name = next(iter(node))
+    node[name] = node[name].at[(0,) * node[name].ndim].set(np.nan)
+    return arrays, record
+
+  monkeypatch.setattr(checkpoint.Checkpoints, 'restore', restore_with_a_nan)
+  config = _config(folders[1], **{'init_from.checkpoint': source})
+  if not main.FLAGS.is_parsed():  # main.run reads the cluster flags (their defaults here)
+    main.FLAGS.mark_as_parsed()
+  with pytest.raises(checkpoint.CheckpointError, match=(
+      rf"^config.init_from.checkpoint {source}/checkpoints/2: array 'params/\S+' holds 1 NaN/Inf "
+      r'value \(of \d+\); that run had diverged or the file is damaged: start from an earlier step')):
+    main.run(config, str(tmp_path / 'tuned'), 'train', None)
