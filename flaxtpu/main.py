@@ -320,7 +320,9 @@ def _quiet_libraries() -> None:
   flaxtpu reports each checkpoint failure itself in one line, so orbax's own records are dropped."""
   logging.get_absl_handler().addFilter(lambda record: 'orbax' not in record.pathname)
   import logging as python_logging  # pylint: disable=g-import-not-at-top
-  python_logging.getLogger('gcsfs').setLevel(python_logging.WARNING)  # a line per object it reads
+  # A line per object it reads, and a traceback per request out of retries: flaxtpu reports the
+  # failure itself, in one line (a failed save, a lease it cannot renew).
+  python_logging.getLogger('gcsfs').setLevel(python_logging.CRITICAL)
 
 
 def main(argv):
