@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src import asyncio_utils as _asyncio_utils
 
-from flaxtpu import files
+from flaxtpu import files, storage
 from flaxtpu.errors import CheckpointError
 from flaxtpu.metric_names import best_metric
 from flaxtpu.saved import complete_steps as _complete_steps
@@ -152,9 +152,13 @@ class Checkpoints:
       failed = pending if pending is not None and pending not in complete else step
       kept = [s for s in complete if s != failed]
       intact = f'checkpoint step {max(kept)} is intact' if kept else 'no earlier checkpoint exists'
+      # The fix by the cause: a refusing disk, or a bucket (or its emulator) that stopped answering.
+      fix = ('free disk space or fix permissions' if files.storage_error(e) is not None else
+             'check the connection to the bucket (or the emulator STORAGE_EMULATOR_HOST names)'
+             if storage.is_remote(self.directory) else 'fix the cause')
       raise CheckpointError(
           f'saving checkpoint step {failed} in {self.directory} failed ({files.short_error(e)}); {intact}; '
-          'free disk space or fix permissions, then run the same command to resume') from e
+          f'{fix}, then run the same command to resume') from e
 
   def close(self) -> None:
     self._manager.close()

@@ -74,14 +74,20 @@ def _positive(key: str, value, allow: tuple = ()) -> None:
     raise ConfigError(f'config.{key}={value!r} must be > 0{extra}')
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
-  """Raises ConfigError naming the first key whose value cannot work.
+# Modes that read no dataset (predict reads predict.input): their dataset source is not checked, so a
+# recipe's training folder (or none) is not asked for.
+DATALESS_MODES = ('predict',)
+
+
+def validate(config: ml_collections.ConfigDict, mode: str = 'train') -> None:
+  """Raises ConfigError naming the first key whose value cannot work for `mode`.
 
   One check per section of `defaults.py`, in its order; what needs the data
   (image shape, classes) is `check_against_data`.
   """
   for check in SECTION_CHECKS:
-    check(config)
+    if not (check is _check_dataset_source and mode in DATALESS_MODES):
+      check(config)
 
 
 def check_against_data(config: ml_collections.ConfigDict, image_shape: tuple[int, ...],
@@ -99,7 +105,8 @@ def check_against_data(config: ml_collections.ConfigDict, image_shape: tuple[int
                       'give one value per channel')
 
 
-def _check_dataset(config: ml_collections.ConfigDict) -> None:
+def _check_dataset_source(config: ml_collections.ConfigDict) -> None:
+  """Where the examples come from: a source, its splits, sampling, class weights (not in DATALESS_MODES)."""
   # The source kinds own their keys and checks (flaxtpu/data/sources/); imported here, not at the
   # top, so that a config module without a dataset to check stays light.
   from flaxtpu.data import sampling, sources  # pylint: disable=g-import-not-at-top
@@ -113,18 +120,23 @@ def _check_dataset(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f'config.dataset.eval_splits={dataset.eval_splits!r} must be a tuple of split '
                       "names, e.g. --config.dataset.eval_splits=\"('train[:5000]',)\"")
   check_eval_split_names(dataset.eval_split, dataset.eval_splits)
-  if dataset.image_size < 0:
-    raise ConfigError(f'config.dataset.image_size={dataset.image_size} must be >= 0 (0 = native size)')
-  if not 0.0 <= dataset.crop_fraction <= 1.0:
-    raise ConfigError(f'config.dataset.crop_fraction={dataset.crop_fraction!r} must be in (0, 1] '
-                      '(0 = the init_from source\'s, else 0.875)')
-  _one_of('dataset.cache', dataset.cache, ('auto', 'memory', 'none'))
   sources.check_selection(dataset)
   _one_of('dataset.sampling', dataset.sampling, sampling.names())
   sources.check(config)
   if not dataset.class_weights:
     raise ConfigError("config.dataset.class_weights='' is not valid; choose none, balanced or a CSV/JSON "
                       'file of class,weight')
+
+
+def _check_dataset(config: ml_collections.ConfigDict) -> None:
+  """How the images are read: size, crop, cache, normalisation."""
+  dataset = config.dataset
+  if dataset.image_size < 0:
+    raise ConfigError(f'config.dataset.image_size={dataset.image_size} must be >= 0 (0 = native size)')
+  if not 0.0 <= dataset.crop_fraction <= 1.0:
+    raise ConfigError(f'config.dataset.crop_fraction={dataset.crop_fraction!r} must be in (0, 1] '
+                      '(0 = the init_from source\'s, else 0.875)')
+  _one_of('dataset.cache', dataset.cache, ('auto', 'memory', 'none'))
   _one_of('dataset.normalize', dataset.normalize, NORMALIZATIONS)
   if dataset.normalize == 'fixed' and not (
       len(dataset.mean) == len(dataset.std) > 0 and min(dataset.std) > 0):
@@ -443,9 +455,9 @@ def _check_wandb(config: ml_collections.ConfigDict) -> None:
 
 
 # The sections of defaults.py, in its order.
-SECTION_CHECKS = (_check_dataset, _check_input, _check_augment, _check_model, _check_training,
-                  _check_optimizer, _check_schedule, _check_ema, _check_init_from, _check_distill,
-                  _check_parallelism,
+SECTION_CHECKS = (_check_dataset_source, _check_dataset, _check_input, _check_augment, _check_model,
+                  _check_training, _check_optimizer, _check_schedule, _check_ema, _check_init_from,
+                  _check_distill, _check_parallelism,
                   _check_loop, _check_checkpoint, _check_early_stopping, _check_eval, _check_predict,
                   _check_wandb)
 

@@ -89,7 +89,7 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     f'files ({reason}); copy the run to a writable directory and export there')
   recover(workdir)
   tf = _import_tensorflow()
-  placement, state, step, record = restore(config, workdir)
+  placement, state, step, record = restore(config, workdir, replaces=[os.path.join(workdir, EXPORT_DIR)])
   images = _check_images(config, record)
   expected = predict_logits(placement, state, images, resolved_eval_batch_size(config))
   # Sharded (fsdp) or per-device (pmap) parameters -> one numpy copy on the host.

@@ -181,6 +181,9 @@ def _other_dataset(config: ml_collections.ConfigDict, entry: str,
   source, train_split, eval_split = (parts + ['train', 'test'][len(parts) - 1:])[:3]
   # The run's spec with its own source: every source key of the run's is cleared (`with_source`).
   key = 'folder' if os.path.isdir(source) else 'name'
+  if key == 'name' and os.sep in source:  # a path, not a TFDS name
+    raise UserError(f'config.eval.fewshot.datasets entry {entry!r}: {source} is not a folder; give an image '
+                    'folder laid out as split/class/image, or a TFDS name')
   other = DatasetSpec.of(config).with_source(**{key: source}).replace(
       train_split=train_split, eval_split=eval_split, eval_splits=(), image_size=dataset.image_shape[0],
       class_weights='none', sampling='shuffle')

@@ -30,6 +30,10 @@ STORAGE_ERRORS = {code: os.strerror(code) for code in (errno.ENOSPC, errno.EDQUO
 _STORAGE_TEXTS = {**{text.lower(): text for text in STORAGE_ERRORS.values()},
                   f"os_error_code='{errno.ENOSPC}'": STORAGE_ERRORS[errno.ENOSPC]}
 
+# A path named by the user that cannot be written as a file (`writing`).
+PATH_ERRORS = {errno.ENOENT: 'its folder {folder} does not exist', errno.EISDIR: 'it is a folder',
+               errno.ENOTDIR: 'a part of {folder} is a file, not a folder'}
+
 
 def _epath(path: str):
   from etils import epath  # pylint: disable=g-import-not-at-top
@@ -187,13 +191,15 @@ def short_error(error: BaseException, limit: int = 150) -> str:
 
 @contextlib.contextmanager
 def writing(path: str, fix: str) -> Iterator[None]:
-  """Turns a write the storage refuses into UserError: one line naming `path`, the cause and `fix`."""
+  """Turns a write the storage refuses, or a path that cannot be a file (its folder missing, a folder
+  itself), into UserError: one line naming `path`, the cause and `fix`."""
   try:
     yield
   except OSError as e:
-    if storage_error(e) is None:
+    reason = storage_error(e) or PATH_ERRORS.get(e.errno, '').format(folder=os.path.dirname(path) or '.')
+    if not reason:
       raise
-    raise UserError(f'cannot write {path}: {storage_error(e)}; {fix}') from e
+    raise UserError(f'cannot write {path}: {reason}; {fix}') from e
 
 
 def unwritable(directory: str) -> Optional[str]:
@@ -261,12 +267,14 @@ def write_json(path: str, payload: Mapping[str, Any]) -> None:
 
 
 def read_json(path: str) -> dict[str, Any] | None:
-  """The JSON object in `path`, or None when it is missing or unreadable (e.g. cut off by a crash)."""
+  """The JSON object in `path`, or None when it is missing, unreadable (e.g. cut off by a crash) or not
+  an object (a hand-edited file holding a list or a number)."""
   try:
     with open_file(path, encoding='utf-8') as f:
-      return json.load(f)
+      loaded = json.load(f)
   except (OSError, ValueError):
     return None
+  return loaded if isinstance(loaded, dict) else None
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

@@ -136,6 +136,7 @@ def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: st
 
   loaded = {f'{collection}/{name}': leaf for collection in restored
             for name, leaf in optim.named_leaves(restored[collection]).items()}
+  _check_finite(loaded, path)
   state = placement.from_saveable(_merge(placement.to_saveable(state), loaded))
 
   counts = {collection: f'{len(load[collection])} of {len(target[collection])}' for collection in COLLECTIONS}
@@ -148,6 +149,16 @@ def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: st
                  'class_names': record.get('class_names'),
                  'loaded': sum(len(arrays) for arrays in load.values()),
                  'reinitialised': {reason: names for reason, names in reasons.items()}}
+
+
+def _check_finite(arrays: dict[str, Any], path: str) -> None:
+  """A source run's array holding NaN/Inf (it diverged, or the file was damaged) is one line naming it,
+  as a published file's tensor is (models/layouts.load)."""
+  for name, leaf in arrays.items():
+    if jnp.issubdtype(leaf.dtype, jnp.floating) and (bad := int(leaf.size - jnp.isfinite(leaf).sum())):
+      raise CheckpointError(f'config.init_from.checkpoint {path}: array {name!r} holds {bad} NaN/Inf '
+                            f'value{"s" * (bad > 1)} (of {leaf.size}); that run had diverged or the file is '
+                            'damaged: start from an earlier step (--config.init_from.step=N) or another run')
 
 
 def check_keep_head_task(config: ml_collections.ConfigDict, source_task: str, source: str) -> None:
@@ -218,9 +229,10 @@ def _published_arrays(config: ml_collections.ConfigDict, published: pretrained.P
   adapt = {'params/pos_embedding': functools.partial(resample_position_embeddings,
                                                      prefix_tokens=prefix_tokens),
            **({first_kernel: to_one_channel} if first_kernel else {})}
-  if published.model != config.model.name:
-    logging.warning('init_from: %s holds %s, read into config.model.name=%s', published.spec, published.model,
-                    config.model.name)
+  if published.model != config.model.name:  # read in part it would compute neither model's function
+    raise UserError(f'config.init_from.checkpoint={published.spec!r} holds {published.model} but '
+                    f'config.model.name={config.model.name!r}; drop model.name (the weights\' model is used) '
+                    f'or give {config.model.name} weights')
   return layouts.load(published.rules(), pretrained.read_tensors(published.path), wanted,
                       f'config.init_from.checkpoint={published.spec!r}', adapt)
 

@@ -1,4 +1,5 @@
-"""One live trainer per workdir: an exclusive lock on WORKDIR/train.lock.
+"""One live trainer per workdir: an exclusive lock on WORKDIR/train.lock (and one sweep per sweep
+directory: the same lock on DIR/sweep.lock, `file` and `who` naming it).
 
 The lock is an `flock` held for the whole run, so the kernel releases it when
 the process ends in any way (kill -9 included): a dead run never blocks the
@@ -48,9 +49,11 @@ class WorkdirLock:
       return WorkdirLease(workdir, *args, **kwargs)
     return super().__new__(cls)
 
-  def __init__(self, workdir: str, on_lost: Optional[Callable[[str], None]] = None):
+  def __init__(self, workdir: str, on_lost: Optional[Callable[[str], None]] = None, file: str = LOCK_FILE,
+               who: str = 'trainer'):
     del on_lost  # an flock is held until the process ends: it cannot be lost
-    self.path = os.path.join(workdir, LOCK_FILE)
+    self.path = os.path.join(workdir, file)
+    self.who = who
     self._fd = None
 
   def __enter__(self) -> 'WorkdirLock':
@@ -62,8 +65,8 @@ class WorkdirLock:
       if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
         holder = _describe(os.pread(fd, 4096, 0))
         os.close(fd)
-        raise WorkdirBusy(f'--workdir={os.path.dirname(self.path)} is in use by a live trainer ({holder}); '
-                          'wait for it to finish, stop it, or use another --workdir') from None
+        raise WorkdirBusy(f'--workdir={os.path.dirname(self.path)} is in use by a live {self.who} '
+                          f'({holder}); wait for it to finish, stop it, or use another --workdir') from None
       # Some network filesystems have no flock: train, but nothing guards the workdir.
       logging.warning('cannot lock %s (%s); make sure no other trainer uses this workdir', self.path,
                       e.strerror)
@@ -101,8 +104,9 @@ class WorkdirLease(WorkdirLock):
   """
 
   def __init__(self, workdir: str, seconds: float | None = None,  # pylint: disable=super-init-not-called
-               on_lost: Optional[Callable[[str], None]] = None):
-    self.path = os.path.join(workdir, LOCK_FILE)
+               on_lost: Optional[Callable[[str], None]] = None, file: str = LOCK_FILE, who: str = 'trainer'):
+    self.path = os.path.join(workdir, file)
+    self.who = who
     self.seconds = LEASE_SECONDS if seconds is None else seconds
     self.on_lost = on_lost
     self.lost: Optional[str] = None
@@ -124,15 +128,16 @@ class WorkdirLease(WorkdirLock):
       age, limit = time.time() - holder['renewed'], holder.get('seconds', self.seconds)
       if age < limit:
         wait = limit - age
-        raise WorkdirBusy(f'--workdir={os.path.dirname(self.path)} is leased by a trainer '
+        raise WorkdirBusy(f'--workdir={os.path.dirname(self.path)} is leased by a {self.who} '
                           f'({_describe(current.value)}, renewed {age:.0f} s ago); if it was killed, '
                           f'its lease expires in {wait:.0f} s: run again then, or delete {self.path} to '
                           'take over now; else use another --workdir')
       logging.warning('taking over %s: its holder (%s) has not renewed it for %.0f s', self.path,
                       _describe(current.value), age)
     if not self._write(current.stamp.generation):
-      raise WorkdirBusy(f'--workdir={os.path.dirname(self.path)} was leased by another trainer at the same '
-                        f'moment ({_describe(self._store.read("").result().value)}); use another --workdir')
+      holder = _describe(self._store.read('').result().value)
+      raise WorkdirBusy(f'--workdir={os.path.dirname(self.path)} was leased by another {self.who} at the '
+                        f'same moment ({holder}); use another --workdir')
     self._renewer = threading.Thread(target=self._renew, name='flaxtpu-lease', daemon=True)
     self._renewer.start()
     return self

@@ -281,7 +281,7 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   from flaxtpu import resolution  # pylint: disable=g-import-not-at-top
   from_published = resolution.restores_published(workdir, mode)
   resolution.resolve(config, workdir, mode)  # every default from its source, before validation
-  config_lib.validate(config)  # after it, nothing edits the config
+  config_lib.validate(config, mode)  # after it, nothing edits the config
   memory.check_before_start(config, mode)  # a run that cannot fit stops before the workdir is touched
   if not workdir and from_published and mode == 'predict':  # nothing to restore: write beside the CSV
     workdir = os.path.dirname(os.path.abspath(config.predict.output_csv or 'predictions.csv'))
@@ -320,7 +320,9 @@ def _quiet_libraries() -> None:
   flaxtpu reports each checkpoint failure itself in one line, so orbax's own records are dropped."""
   logging.get_absl_handler().addFilter(lambda record: 'orbax' not in record.pathname)
   import logging as python_logging  # pylint: disable=g-import-not-at-top
-  python_logging.getLogger('gcsfs').setLevel(python_logging.WARNING)  # a line per object it reads
+  # A line per object it reads, and a traceback per request out of retries: flaxtpu reports the
+  # failure itself, in one line (a failed save, a lease it cannot renew).
+  python_logging.getLogger('gcsfs').setLevel(python_logging.CRITICAL)
 
 
 def main(argv):

@@ -4,10 +4,11 @@
 import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import flax.serialization
 import jax
@@ -248,15 +249,53 @@ def flat_hparams(config: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
   return flat
 
 
+class OptionalWriter(metric_writers.MetricWriter):
+  """A writer whose failure never stops training (TensorBoard, W&B): its first exception, when it starts
+  or at any write, is one warning naming it, and it writes nothing more this run; metrics.jsonl (written
+  beside it) keeps every row."""
+
+  def __init__(self, name: str, create: Callable[[], metric_writers.MetricWriter]):
+    self.name, self.writer = name, None
+    self.writer = self._guarded('its start', create)
+
+  def _guarded(self, doing: str, call: Callable[..., Any], *args, **kwargs) -> Any:
+    try:
+      return call(*args, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except  # any library's error: the run goes on
+      logging.warning('%s failed in %s (%s); training goes on without it (metrics.jsonl keeps every '
+                      'metric)', self.name, doing, files.short_error(e, 300))
+      self.writer = None
+      return None
+
+  def _forward(method: str):  # pylint: disable=no-self-argument
+    def forward(self, *args, **kwargs):
+      if self.writer is not None:
+        self._guarded(method, getattr(self.writer, method), *args, **kwargs)
+    return forward
+
+  write_summaries, write_scalars, write_images = (
+      _forward('write_summaries'), _forward('write_scalars'), _forward('write_images'))
+  write_videos, write_audios, write_texts = (
+      _forward('write_videos'), _forward('write_audios'), _forward('write_texts'))
+  write_histograms, write_hparams = _forward('write_histograms'), _forward('write_hparams')
+  flush, close = _forward('flush'), _forward('close')
+
+
 def create_writer(workdir: str, *, is_main_process: bool,
                   config: Mapping[str, Any] | None = None) -> metric_writers.MetricWriter:
-  """TensorBoard events + metrics.jsonl (+ W&B when config.wandb.project is set) from process 0."""
+  """TensorBoard events + metrics.jsonl (+ W&B when config.wandb.project is set) from process 0.
+
+  TensorBoard and W&B are `OptionalWriter`s: a failing one is dropped with a warning, never stopping
+  training; metrics.jsonl is the run's own record (its failures stop the run like a checkpoint's).
+  """
   if not is_main_process:
     return metric_writers.MultiWriter([])
   staged = storage.is_remote(workdir)
-  events = StagedSummaryWriter(workdir) if staged else metric_writers.SummaryWriter(workdir)
+  events = OptionalWriter('TensorBoard', lambda: StagedSummaryWriter(workdir) if staged
+                          else metric_writers.SummaryWriter(workdir))
   writers = [events, JsonlWriter(os.path.join(workdir, 'metrics.jsonl'))]
   if config is not None and config.wandb.project:
-    writers.append(WandbWriter(workdir, config.wandb.project, config.wandb.entity, config.wandb.mode,
-                               flat_hparams(config.to_dict())))
+    wandb = config.wandb
+    writers.append(OptionalWriter('Weights & Biases', lambda: WandbWriter(
+        workdir, wandb.project, wandb.entity, wandb.mode, flat_hparams(config.to_dict()))))
   return metric_writers.MultiWriter(writers)

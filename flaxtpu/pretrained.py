@@ -151,6 +151,9 @@ def locate(spec: str) -> tuple[str, Optional[dict]]:
     except (OSError, ValueError) as e:
       raise UserError(f'{config_path} (the weights\' config) is not readable JSON ({e}); '
                       'fix or remove it') from e
+    if not isinstance(metadata, dict):
+      raise UserError(f'{config_path} (the weights\' config) holds a JSON {type(metadata).__name__}, not an '
+                      'object; fix or remove it')
   return weights, metadata
 
 

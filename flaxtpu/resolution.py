@@ -3,6 +3,10 @@
 `resolve` applies them in this order; each fills only what the user and the
 steps before it left open:
 
+  0. a run that already started in the workdir keeps the function its weights
+     compute: model.padding and model.gelu from its config.json (legacy values
+     where it predates them), refused where the config asks for another
+     (`keep_saved_function`);
   1. the saved run's config: eval/predict/export of a trained run start from
      its config.json (flaxtpu/workdir_config.py -> `from_saved`, which
      fills options a run saved before they existed), read while the flags are
@@ -22,12 +26,13 @@ orbax keeps beside its arrays (flaxtpu/saved.py).
 
 from __future__ import annotations
 
+import logging
 import os
 
 import ml_collections
 
 from flaxtpu import files, pretrained, saved
-from flaxtpu.errors import CheckpointError
+from flaxtpu.errors import CheckpointError, ConfigError
 from flaxtpu.metric_names import best_metric
 from flaxtpu.workdir_config import CONFIG_FILE  # what a run resolved, written when it starts
 
@@ -41,11 +46,38 @@ def restores_published(workdir: str, mode: str) -> bool:
 
 def resolve(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
   """Fills, in place and in the order above, what `config` leaves open for a run of `mode` in `workdir`."""
+  keep_saved_function(config, workdir)
   if mode in TRAINING_MODES:
     apply_source_defaults(config, workdir)
   elif restores_published(workdir, mode) or not files.isdir(os.path.join(workdir or '', 'checkpoints')):
     # evaluate.restore reads published weights wherever the workdir has no checkpoints.
     pretrained.apply_defaults(config)
+
+
+def keep_saved_function(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """A run that already started in `workdir` keeps the function its weights were trained to compute.
+
+  The model options that change what the same weights compute (models.LEGACY_OPTIONS: padding, gelu)
+  come from its config.json, where a run saved before an option existed has that option's legacy
+  value (`workdir_config.from_saved`). A config that leaves one at its default (a new recipe resumed on an
+  old run) gets the saved value, with a log line; one that asks for another value is refused.
+  """
+  started = files.read_json(os.path.join(workdir, CONFIG_FILE)) if workdir else None
+  if not started or started.get('model', {}).get('name') != config.model.name:
+    return  # a new run, or another model (the checkpoint's own checks name that)
+  from flaxtpu import defaults, models, workdir_config  # pylint: disable=g-import-not-at-top
+  trained, default = workdir_config.from_saved(started).model, defaults.get_config().model
+  for key in models.LEGACY_OPTIONS:
+    if key not in trained or config.model[key] == trained[key]:
+      continue
+    how = ('' if key in started['model'] else
+           f' (its config.json predates model.{key}: runs then computed {trained[key]!r})')
+    if config.model[key] != default[key]:
+      raise ConfigError(f'--workdir={workdir} was trained with model.{key}={trained[key]!r}{how}, but the '
+                        f'config asks for {config.model[key]!r}, which computes another function with the '
+                        f'same weights; drop model.{key} (the run\'s is kept) or use another --workdir')
+    logging.warning('model.%s=%r: the run in %s was trained with it%s', key, trained[key], workdir, how)
+    config.model[key] = trained[key]
 
 
 def apply_source_defaults(config: ml_collections.ConfigDict, workdir: str = '') -> None:

@@ -365,6 +365,42 @@ def test_unreadable_latest_checkpoint_falls_back_to_the_newest_readable(finished
   assert _complete_steps(workdir) == [3, 6] and int(restore_checkpoint(workdir, 6)['step']) == 6
 
 
+def test_a_fallback_never_replaces_a_newer_result(finished, image_folder, tmp_path):
+  """Issue 43, class 4: export, eval and predict falling back past a damaged step 6 keep step 6's results."""
+  import shutil
+
+  from flaxtpu import export
+  from flaxtpu.errors import UserError
+  from flaxtpu.modes import eval as eval_mode
+  from flaxtpu.modes import predict
+  workdir = str(tmp_path / 'copy')
+  shutil.copytree(finished, workdir)
+  _truncate(workdir, 6)
+  os.makedirs(os.path.join(workdir, 'export'))
+  results = {os.path.join(workdir, 'export', 'export.json'): '{"step": 6}',
+             os.path.join(workdir, 'eval.json'): '{"step": 6, "eval_accuracy": 1.0}',
+             str(tmp_path / 'predictions.csv'): 'path,class_1\n'}  # a CSV records no step: kept too
+  for path, text in results.items():
+    with open(path, 'w') as f:
+      f.write(text)
+  config = _config(image_folder, **{'predict.input': os.path.join(image_folder, 'test', 'cat'),
+                                    'predict.output_csv': str(tmp_path / 'predictions.csv')})
+  for write, result in ((export.export_checkpoint, 'export'), (eval_mode.evaluate_checkpoint, 'eval.json'),
+                        (predict.predict, 'predictions.csv')):
+    with pytest.raises(UserError, match=rf"checkpoints/6 cannot be read, so this would write step 3's result "
+                                        rf"over \S*{result}, which holds (step 6|a step it does not record); "
+                                        r'.* pass --config.eval.checkpoint=3 to replace it'):
+      write(config, workdir)
+  assert {path: open(path).read() for path in results} == results
+  # Asked for by number, step 3's result replaces it; a result of step 3 or older is no reason to refuse.
+  config.eval.checkpoint = '3'
+  assert len(predict.predict(config, workdir)) == 7
+  config.eval.checkpoint = 'latest'
+  with open(os.path.join(workdir, 'eval.json'), 'w') as f:
+    f.write('{"step": 3}')
+  assert eval_mode.evaluate_checkpoint(config, workdir)['step'] == 3
+
+
 def test_no_readable_checkpoint_is_one_line_and_nothing_is_deleted(finished, image_folder, tmp_path):
   import shutil
   workdir = str(tmp_path / 'copy')

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from configs import cifar10, cifar10_fast, cifar10_resnet, digits, imagenet_resnet50, mnist, photos
+from configs import cifar10, cifar10_fast, cifar10_resnet, digits, finetune, imagenet_resnet50, mnist, photos
 from experiments import cifar10_fast_ablation
 from flaxtpu import config as config_lib
 from flaxtpu import defaults, lengths, models
@@ -144,3 +144,17 @@ def test_a_config_outside_the_repo_builds_on_the_installed_defaults(tmp_path):
                           env={k: v for k, v in os.environ.items() if k != 'PYTHONPATH'})
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.strip() == 'resnet20'
+
+
+def test_predict_needs_no_dataset_source():
+  """Issue 43, class 8: --mode=predict from a published head with --config=configs/finetune.py (no
+  dataset.folder) or a recipe whose training folder is gone: predict reads predict.input only."""
+  config = finetune.get_config()
+  config.init_from.keep_head = True
+  config.predict.input = '/photos/cat.jpg'
+  config_lib.validate(config, 'predict')
+  with pytest.raises(config_lib.ConfigError, match='dataset.folder and config.dataset.name are both empty'):
+    config_lib.validate(config, 'train')
+  config.dataset.parquet = '/no/such/training/files/*.parquet'
+  config.dataset.image_column = 'photo'
+  config_lib.validate(config, 'predict')

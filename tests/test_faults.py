@@ -206,3 +206,131 @@ def test_class_names_in_any_script_draw_without_missing_glyphs(tmp_path):
   # Drawn with a font that has it, or written as its escape: never an empty box.
   assert plots._short('猫') in ('猫', '\\u732b')
   assert plots._short('dog') == 'dog'
+
+
+# --- issue 43, class 6: what a user's file or path can hold is one line, never '(a bug?)' -------------
+
+
+def _png_bytes(value: int) -> bytes:
+  import io
+
+  from PIL import Image
+  buffer = io.BytesIO()
+  Image.fromarray(np.full((8, 8, 3), value, np.uint8)).save(buffer, format='PNG')
+  return buffer.getvalue()
+
+
+@pytest.fixture(scope='module')
+def user_files(tmp_path_factory):
+  """Data sources with one bad record each (6 examples a split, the first bad), and files of other keys."""
+  import io
+  import tarfile
+
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  root = tmp_path_factory.mktemp('user_files')
+  images, labels = [_png_bytes(80 * (i % 2)) for i in range(6)], ['cat', 'dog'] * 3
+  for name, first in (('null_cell', None), ('empty_cell', b''), ('garbage_cell', b'garbage')):
+    for split in ('train', 'test'):
+      os.makedirs(root / name, exist_ok=True)
+      pq.write_table(pa.table({'image': pa.array([first, *images[1:]], pa.binary()), 'label': labels}),
+                     root / name / f'{split}.parquet')
+  for split in ('train', 'test'):
+    with tarfile.open(root / f'{split}-0.tar', 'w') as tar:
+      for i, (data, label) in enumerate(zip([b'', *images[1:]], labels)):
+        for member, content in ((f'k{i}.png', data), (f'k{i}.cls', label.encode())):
+          info = tarfile.TarInfo(member)
+          info.size = len(content)
+          tar.addfile(info, io.BytesIO(content))
+  (root / 'empty').mkdir()
+  return root
+
+
+def _run(config, workdir, mode='train'):
+  from flaxtpu import main
+  from flaxtpu.signals import StopRequest
+  if not main.FLAGS.is_parsed():  # main.run reads the cluster flags (their defaults here)
+    main.FLAGS.mark_as_parsed()
+  main.run(config, str(workdir), mode, StopRequest())
+
+
+# (case, config overrides with {root} for the fixture's folder, the one line's pattern)
+USER_PATH_CASES = [
+    ('parquet null image cell', {'dataset.parquet': '{root}/null_cell'},
+     r"cannot decode image row 0 of \S+/null_cell/train.parquet \(ValueError: its 'image' cell holds no "
+     r'image\); remove or replace it, or set --config.dataset.skip_corrupt=true'),
+    # skipped: 5 of 6 examples are left, fewer than a batch of 8 (so the test stops before training)
+    ('parquet null image cell, skip_corrupt',
+     {'dataset.parquet': '{root}/null_cell', 'dataset.skip_corrupt': True},
+     r'config.batch_size=8 is larger than the train split \(5 examples\)'),
+    ('parquet empty image cell', {'dataset.parquet': '{root}/empty_cell'},
+     r'cannot decode image row 0 of \S+/empty_cell/train.parquet \(ValueError'),
+    ('parquet garbage image cell', {'dataset.parquet': '{root}/garbage_cell'},
+     r'cannot decode image row 0 of \S+/garbage_cell/train.parquet \(UnidentifiedImageError'),
+    ('tar shard empty image member', {'dataset.shards': '{root}/{{split}}-0.tar'},
+     r'cannot decode image k0.png in shard \S+/train-0.tar \(UnidentifiedImageError'),
+    ('tar shard empty image member, skip_corrupt', {'dataset.shards': '{root}/{{split}}-0.tar',
+                                                    'dataset.skip_corrupt': True},
+     r'config.batch_size=8 is larger than the train split \(5 examples\)'),
+    ('dataset.name that is a path', {'dataset.folder': '', 'dataset.name': '{root}/nope'},
+     r"config.dataset.name='\S+/nope' is not a TFDS dataset \(nor a folder: it does not exist\)"),
+    # Rows that held already: every file-valued key, missing or of the wrong type.
+    ('label file missing', {'dataset.labels': '{root}/nope.csv'},
+     r"config.dataset.labels='\S+' is not a file"),
+    ('label file a folder', {'dataset.labels': '{root}/empty'}, r"config.dataset.labels='\S+' is not a file"),
+    ('parquet missing', {'dataset.parquet': '{root}/nope.parquet'},
+     r'nope.parquet \(from config.dataset.parquet'),
+    ('parquet folder without files', {'dataset.parquet': '{root}/empty'}, r'holds no .parquet files'),
+    ('shards missing', {'dataset.shards': '{root}/nope-{{split}}.tar'}, r'does not exist; fix the pattern'),
+    ('class weights missing', {'dataset.class_weights': '{root}/nope.csv'}, r'cannot be read \(No such file'),
+    ('class weights a folder', {'dataset.class_weights': '{root}/empty'},
+     r'cannot be read \(Is a directory\)'),
+    ('dataset.folder empty', {'dataset.folder': '{root}/empty'}, r'train does not exist; splits found'),
+    ('init_from missing', {'init_from.checkpoint': '{root}/nope'}, r'holds no flaxtpu checkpoint'),
+    ('init_from an empty folder', {'init_from.checkpoint': '{root}/empty'}, r'holds no flaxtpu checkpoint'),
+    ('distill.teacher missing', {'distill.teacher': '{root}/nope'}, r'config.distill.teacher=\S+ holds no'),
+]
+
+
+@pytest.mark.parametrize('case, overrides, message', USER_PATH_CASES, ids=[c[0] for c in USER_PATH_CASES])
+def test_a_users_file_or_path_is_one_line(case, overrides, message, user_files, image_folder, tmp_path):
+  from flaxtpu.errors import UserError
+  config = defaults.get_config()
+  config.model.name = 'cnn'
+  config.dataset.folder = image_folder
+  for key in ('dataset.parquet', 'dataset.shards', 'dataset.labels'):
+    if key in overrides:
+      config.dataset.folder = ''
+  config.update_from_flattened_dict({'num_train_steps': 1, 'batch_size': 8, 'compilation_cache_dir': 'none',
+                                     'cpu_devices': 1})
+  rooted = lambda value: value.format(root=user_files) if isinstance(value, str) else value
+  config.update_from_flattened_dict({key: tuple(map(rooted, value)) if isinstance(value, tuple)
+                                     else rooted(value) for key, value in overrides.items()})
+  with pytest.raises(UserError) as raised:
+    _run(config, tmp_path / 'run')
+  assert len(str(raised.value).splitlines()) == 1 and __import__('re').search(message, str(raised.value)), (
+      case, str(raised.value))
+
+
+def test_output_paths_and_hand_edited_json_are_one_line(tmp_path):
+  """predict.output_csv in a folder that does not exist, or naming a folder; JSON files read back that
+  hold a list (eval.json, results.json, sweep.json: read as absent), a weights' config.json that does."""
+  from flaxtpu import fewshot, files, pretrained
+  from flaxtpu.errors import UserError
+  rows = [{'path': 'a.png', 'class_1': 'cat'}]
+  with pytest.raises(UserError, match=rf'^cannot write {tmp_path}/nope/p.csv: its folder {tmp_path}/nope '
+                                      r'does not exist; choose another --config.predict.output_csv$'):
+    files.write_csv(str(tmp_path / 'nope' / 'p.csv'), rows, 'predict.output_csv')
+  with pytest.raises(UserError, match=rf'^cannot write {tmp_path}: it is a folder; choose another'):
+    files.write_csv(str(tmp_path), rows, 'predict.output_csv')
+  (tmp_path / 'list.json').write_text('[1, 2]')
+  assert files.read_json(str(tmp_path / 'list.json')) is None
+  (tmp_path / 'timm').mkdir()
+  (tmp_path / 'timm' / 'model.safetensors').write_bytes(b'')
+  (tmp_path / 'timm' / 'config.json').write_text('[1, 2]')
+  with pytest.raises(UserError, match=r"config.json \(the weights' config\) holds a JSON list, not an "):
+    pretrained.locate(str(tmp_path / 'timm'))
+  # A few-shot dataset that is a path to nothing is not looked up as a TFDS name (a ValueError there).
+  config = defaults.get_config()
+  with pytest.raises(UserError, match=rf"entry '{tmp_path}/nope': {tmp_path}/nope is not a folder; give an"):
+    fewshot._other_dataset(config, str(tmp_path / 'nope'), None)  # pylint: disable=protected-access

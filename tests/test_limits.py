@@ -258,3 +258,23 @@ def test_a_full_disk_during_export_keeps_the_previous_export(trained, tmp_path, 
   assert _content(workdir) == 'old'
   assert not [name for name in os.listdir(workdir) if name.startswith('export.')]
 
+
+
+def test_a_forced_memory_cache_that_cannot_fit_is_refused_before_decoding(image_folder, monkeypatch):
+  """Issue 43, class 8: dataset.cache=memory is estimated first (69 images of at least 19x19x3 bytes at
+  image_size=16: 74727 bytes), then refused in one line with the numbers and the fix; nothing decodes."""
+  from flaxtpu import defaults
+  from flaxtpu.data import cache, pipeline
+  decoded = []
+  monkeypatch.setattr(cache, 'examples', lambda *args, **kwargs: decoded.append(args))
+  monkeypatch.setattr(memory, 'available_bytes', lambda: 50_000)
+  config = defaults.get_config()
+  config.dataset.update({'folder': image_folder, 'image_size': 16, 'cache': 'memory'})
+  with pytest.raises(ConfigError, match=r'^config.dataset.cache=memory cannot fit: the 69 images decode '
+                                        r'to about 0 MiB \(19x19x3 uint8 each at least\), more than the 0 '
+                                        r'MiB of host memory available; set --config.dataset.cache=auto'):
+    pipeline.load(config)
+  assert decoded == []
+  monkeypatch.setattr(memory, 'available_bytes', lambda: 80_000)  # enough: decoded as asked
+  pipeline.load(config)
+  assert len(decoded) == 2

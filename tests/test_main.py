@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import cifar10_resnet
-from conftest import ROOT, make_mixed_folder
+from conftest import ROOT, make_mixed_folder, metric_rows
 from flaxtpu import lengths, steps
 from flaxtpu.modes import eval as eval_mode
 
@@ -336,3 +336,34 @@ def test_eigen_convolutions_leave_ynnpack_and_keep_the_numbers():
     default, eigen = np.asarray(default), np.asarray(eigen)
     # float32 sums of 256 products in another order: relative to the gradient's scale
     assert np.abs(eigen - default).max() <= 1e-5 * np.abs(default).max()
+
+
+def test_a_failing_tensorboard_or_wandb_writer_never_stops_training(tmp_path, monkeypatch, caplog):
+  """Issue 43, class 7: TensorBoard failing at a write, W&B failing to start: one warning each, the
+  writes go on into metrics.jsonl."""
+  from clu import metric_writers
+
+  from flaxtpu import defaults, metrics
+
+  def full_disk(self, step, scalars):
+    raise OSError(28, 'No space left on device')
+
+  def offline(*args, **kwargs):
+    raise RuntimeError('wandb.init() timed out: the W&B server cannot be reached')
+
+  monkeypatch.setattr(metric_writers.SummaryWriter, 'write_scalars', full_disk)
+  monkeypatch.setattr(metrics.WandbWriter, '__init__', offline)
+  config = defaults.get_config()
+  config.wandb.project = 'p'
+  writer = metrics.create_writer(str(tmp_path), is_main_process=True, config=config)
+  for step in (1, 2):
+    writer.write_scalars(step, {'train_loss': 0.5 / step})
+  writer.flush()
+  writer.close()
+  assert metric_rows(str(tmp_path)) == [{'step': 1, 'train_loss': 0.5}, {'step': 2, 'train_loss': 0.25}]
+  warnings = [r.getMessage() for r in caplog.records if 'training goes on without it' in r.getMessage()]
+  assert warnings == [
+      'Weights & Biases failed in its start (RuntimeError: wandb.init() timed out: the W&B server cannot '
+      'be reached); training goes on without it (metrics.jsonl keeps every metric)',
+      'TensorBoard failed in write_scalars (No space left on device); training goes on without it '
+      '(metrics.jsonl keeps every metric)']

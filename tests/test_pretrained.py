@@ -525,3 +525,16 @@ def test_a_big_vision_checkpoint_may_hold_more_than_its_vit_outside_the_vit_pref
   assert vit.BIG_VISION.unread(keys) == {'params/txt/Embed_0/embedding', 'opt/mu/x'}
   assert vit.BIG_VISION.unread({'embedding/kernel', 'pre_logits/kernel'}) == set()
   assert vit.BIG_VISION.head({'params/img/embedding/kernel'}) == 'params/img/head/bias'  # even headless
+
+
+def test_a_file_of_another_model_than_the_named_one_is_one_line(resnet18_state, tmp_path):
+  """model.name=resnet34 named with a resnet18 file: read in part it would compute neither (issue 43)."""
+  path = _saved(tmp_path, 'resnet18', resnet18_state)
+  config = defaults.get_config()
+  config.init_from.checkpoint = path
+  config.model.name = 'resnet34'
+  assert pretrained.apply_defaults(config) and config.model.name == 'resnet34'  # the user's choice is kept
+  with pytest.raises(UserError, match=_exactly(
+      f"config.init_from.checkpoint={path!r} holds resnet18 but config.model.name='resnet34'; drop "
+      "model.name (the weights' model is used) or give resnet34 weights")):
+    finetune._published_arrays(config, pretrained.describe(path), {})  # pylint: disable=protected-access

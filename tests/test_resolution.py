@@ -51,8 +51,8 @@ def validated(monkeypatch):
   seen, frozen = [], set()
   validate = config_lib.validate
 
-  def spy(config):
-    validate(config)
+  def spy(config, mode='train'):
+    validate(config, mode)
     seen.append(json.loads(json.dumps(config.to_dict())))
     frozen.update(id(node) for node in _nodes(config))
 
@@ -171,3 +171,51 @@ def test_training_an_unresolved_fine_tune_is_one_line(source, folders, tmp_path)
                                       r'.*/checkpoints/2; resolve the config before training: '
                                       r'flaxtpu.resolution.resolve\('):
     train.train_and_evaluate(config, str(tmp_path / 'unresolved'))
+
+
+def test_a_run_saved_before_model_padding_keeps_its_function_when_a_new_recipe_resumes_it(tmp_path):
+  """Issue 43, class 8: config.json without model.padding computed 'same'; a recipe that leaves padding
+  at its default resumes (or evaluates) it with 'same', and one that asks for another is one line."""
+  from flaxtpu.errors import ConfigError
+  saved = defaults.get_config().to_dict()
+  saved['model'].update(name='resnet20')
+  del saved['model']['padding']
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  for mode in ('train', 'eval'):
+    config = defaults.get_config()
+    config.model.name = 'resnet20'
+    resolution.resolve(config, str(tmp_path), mode)
+    assert config.model.padding == 'same'
+  saved['model']['padding'] = 'torch'  # a run saved since: its own value, which a config cannot change
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  config.model.padding = 'same'
+  with pytest.raises(ConfigError, match=rf"^--workdir={tmp_path} was trained with model.padding='torch', but "
+                                        r"the config asks for 'same', which computes another function"):
+    resolution.resolve(config, str(tmp_path), 'train')
+  config.model.name = 'resnet32'  # another model: the checkpoint's own checks name it
+  resolution.resolve(config, str(tmp_path), 'train')
+  assert config.model.padding == 'same'
+
+
+def test_a_nan_in_a_source_runs_checkpoint_is_one_line(source, folders, tmp_path, monkeypatch):
+  """init_from a flaxtpu run whose step holds a NaN (it diverged, or the file was damaged): one line naming
+  the array, as for a published file's tensor (issue 43)."""
+  real_restore = checkpoint.Checkpoints.restore
+
+  def restore_with_a_nan(self, step, target, *args, **kwargs):
+    arrays, record = real_restore(self, step, target, *args, **kwargs)
+    node = arrays['params']
+    while isinstance(node[next(iter(node))], dict):  # the first parameter's module
+      node = node[next(iter(node))]
+    name = next(iter(node))
+    node[name] = node[name].at[(0,) * node[name].ndim].set(np.nan)
+    return arrays, record
+
+  monkeypatch.setattr(checkpoint.Checkpoints, 'restore', restore_with_a_nan)
+  config = _config(folders[1], **{'init_from.checkpoint': source})
+  if not main.FLAGS.is_parsed():  # main.run reads the cluster flags (their defaults here)
+    main.FLAGS.mark_as_parsed()
+  with pytest.raises(checkpoint.CheckpointError, match=(
+      rf"^config.init_from.checkpoint {source}/checkpoints/2: array 'params/\S+' holds 1 NaN/Inf "
+      r'value \(of \d+\); that run had diverged or the file is damaged: start from an earlier step')):
+    main.run(config, str(tmp_path / 'tuned'), 'train', None)

@@ -331,6 +331,10 @@ def test_classes_a_class_weights_file_leaves_out_are_named(tmp_path, caplog):
 @pytest.mark.parametrize('text,name,message', [
     ('cat,2\nhorse,1\n', 'w.csv', r"w.csv', line 2: class 'horse' is not one of the dataset's 3 classes "
                                   r'\(cat, dog, frog\); correct the name or remove it'),
+    # A first row that misspells a class is a row, not a header (issue 43): named with its near miss.
+    ('dgo,heavy\ncat,2\n', 'w.csv', r"w.csv', line 1: class 'dgo' is not one of the dataset's 3 classes "
+                                    r"\(did you mean 'dog'\?\) \(cat, dog, frog\)"),
+    ('Class,Weight\nglass,2\n', 'w.csv', r"line 2: class 'glass' is not one of"),  # a header word is one
     ('cat,-1\n', 'w.csv', r"line 1: the weight of class 'cat' is '-1', not a finite number >= 0"),
     ('class,weight\ncat,heavy\n', 'w.csv', r"line 2: the weight of class 'cat' is 'heavy', not a finite"),
     ('cat,nan\n', 'w.csv', r"the weight of class 'cat' is 'nan'"),

@@ -381,3 +381,20 @@ def test_an_s3_workdir_is_refused_in_one_line(tmp_path):
   errors = [line for line in result.stderr.splitlines() if line.startswith('error:')]
   assert result.returncode == 2 and len(errors) == 1
   assert 'orbax writes checkpoint arrays to s3://' in errors[0]
+
+
+def test_a_save_the_bucket_did_not_answer_names_the_connection(tmp_path, monkeypatch):
+  """The emulator (or the bucket) stopped during a save: one line that names the connection, not the disk
+  (issue 43, class 7; a full run with the emulator stopped for 45 s mid-save ends with this line, exit 2,
+  and the restart resumes from the newest complete step)."""
+  from types import SimpleNamespace
+
+  from flaxtpu import checkpoint
+  fake = SimpleNamespace(directory=str(tmp_path / 'checkpoints'), _saving_step=4)
+  monkeypatch.setattr(storage, 'is_remote', lambda path: True)
+  with pytest.raises(checkpoint.CheckpointError, match=(
+      r'^saving checkpoint step 4 in \S+ failed \(ConnectionError: Cannot connect to host 127.0.0.1:1\); no '
+      r'earlier checkpoint exists; check the connection to the bucket \(or the emulator '
+      r'STORAGE_EMULATOR_HOST names\), then run the same command to resume$')):
+    with checkpoint.Checkpoints._save_errors(fake, 4):  # pylint: disable=protected-access
+      raise ConnectionError('Cannot connect to host 127.0.0.1:1')

@@ -398,6 +398,33 @@ def test_a_missing_data_folder_stops_the_sweep_before_any_run(tmp_path, in_repo_
   runner.check_data_folders(config, runs_overrides, [f'--config.dataset.folder={image_folder}'])
 
 
+def test_a_second_sweep_on_one_directory_is_refused_and_changes_nothing(tmp_path, in_repo_root, capsys,
+                                                                       image_folder, monkeypatch):
+  """Issue 43, class 5: the sweep directory has its own lock; the second sweep is one line, exit 2."""
+  from flaxtpu import lock
+  experiment = write_experiment(tmp_path, TWO_KEY_EXPERIMENT)
+  workdir = tmp_path / 'sweep'
+  workdir.mkdir()
+  (workdir / 'sweep.json').write_text(
+      '{"runs": [{"name": "optimizer.learning_rate=0.1,schedule.name=cosine", "status": "done"}]}')
+  started = []
+  monkeypatch.setattr(runner, 'run_sweep', lambda *args, **kwargs: started.append(args))
+  with lock.WorkdirLock(str(workdir), file=runner.LOCK_FILE, who='sweep'):  # the first sweep, alive
+    before = {path: path.read_bytes() for path in workdir.iterdir()}
+    for launcher in ([], ['--launcher=slurm']):
+      assert cli.main([str(experiment), f'--workdir={workdir}', f'--config.dataset.folder={image_folder}',
+                       *launcher]) == 2
+      error = capsys.readouterr().err
+      assert error.startswith(f'error: --workdir={workdir} is in use by a live sweep (pid {os.getpid()} on '
+                              'host ') and error.count('\n') == 1, error
+    assert started == [] and {path: path.read_bytes() for path in workdir.iterdir()} == before
+  # Reports read a live sweep's directory; once the first sweep ends, the next one runs.
+  assert cli.main([str(experiment), f'--workdir={workdir}', '--report']) == 0
+  capsys.readouterr()
+  cli.main([str(experiment), f'--workdir={workdir}', f'--config.dataset.folder={image_folder}'])
+  assert len(started) == 1
+
+
 def test_parallel_runs_split_the_gpus_or_are_refused(monkeypatch):
   monkeypatch.setattr(runner.glob, 'glob', lambda pattern: [])
   monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '0,1,2,3')

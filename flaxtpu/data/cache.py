@@ -12,6 +12,7 @@ from flaxtpu.data import preprocess, workers
 from flaxtpu.data.dataset import Examples, image_shape, label_batch
 from flaxtpu.data.preprocess import Transform
 from flaxtpu.data.sources.base import Split, unreadable, without_unreadable
+from flaxtpu.errors import ConfigError
 
 # The decoded splits may take this share of host memory before `dataset.cache=auto` streams.
 CACHE_MEMORY_FRACTION = 1 / 8
@@ -20,11 +21,23 @@ CACHE_CHUNK = 500  # images per cache-decoding task: a hand-over to a worker cos
 
 
 def use_cache(cache: str, count: int, image_shape: tuple[int, int, int], transform: Transform) -> bool:
-  if cache != 'auto':
-    return cache == 'memory'
+  """Whether the splits are decoded into memory: `auto` when they fit a share of it; `memory` forced,
+  estimated first and refused (one line with the numbers) when they cannot fit what is available."""
   side = cache_side(transform) or max(image_shape[:2])
+  needed = count * side * side * image_shape[2]  # at least: a cached image keeps its shorter side
+  if cache == 'memory':
+    from flaxtpu import memory  # pylint: disable=g-import-not-at-top  # memory reads the spec module
+    if needed > (available := memory.available_bytes()):
+      raise ConfigError(
+          f'config.dataset.cache=memory cannot fit: the {count} images decode to about '
+          f'{memory.format_bytes(needed)} ({side}x{side}x{image_shape[2]} uint8 each at least), more than '
+          f'the {memory.format_bytes(available)} of host memory available; set --config.dataset.cache=auto '
+          '(or none) to stream them from disk, or lower config.dataset.image_size')
+    return True
+  if cache != 'auto':
+    return False
   budget = min(_host_memory_bytes() * CACHE_MEMORY_FRACTION, CACHE_MAX_BYTES)
-  return count * side * side * image_shape[2] <= budget
+  return needed <= budget
 
 
 def _host_memory_bytes() -> int:
@@ -74,8 +87,9 @@ class _CacheDecoder:
   def __call__(self, chunk: int) -> list:
     examples = []
     for index in range(chunk * CACHE_CHUNK, min((chunk + 1) * CACHE_CHUNK, len(self.split))):
-      item, label = self.split.load(index)
+      label = None  # a record that gives no image (a null parquet cell) is unreadable like a bad file
       try:
+        item, label = self.split.load(index)
         examples.append((self._cacheable(preprocess.open_image(item)), label))
       except Exception as e:  # pylint: disable=broad-except
         examples.append((unreadable(self.split.describe(index), e), label))

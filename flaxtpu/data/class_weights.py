@@ -4,6 +4,7 @@ file of class,weight read here; a loss weight per class (`Dataset.class_weights`
 from __future__ import annotations
 
 import csv
+import difflib
 import io
 import json
 import logging
@@ -74,8 +75,10 @@ def read_class_weights(path: str, class_names: Sequence[str]) -> np.ndarray:
   for place, name, value in entries:
     if name not in index:
       known = ', '.join(printable(n) for n in class_names[:10]) + (', ...' if len(class_names) > 10 else '')
+      near = difflib.get_close_matches(name, class_names, n=1)
+      hint = f' (did you mean {printable(near[0])!r}?)' if near else ''
       raise DataError(f'{where}, {place}: class {printable(name)!r} is not one of the dataset\'s '
-                      f'{len(class_names)} classes ({known}); correct the name or remove it')
+                      f'{len(class_names)} classes{hint} ({known}); correct the name or remove it')
     if name in seen:
       raise DataError(f'{where}, {place}: class {printable(name)!r} is weighted twice; keep one weight')
     weight = _weight(value)
@@ -94,6 +97,10 @@ def read_class_weights(path: str, class_names: Sequence[str]) -> np.ndarray:
     logging.warning('%s does not list %d of the %d classes; they weigh 1.0: %s', where, len(unlisted),
                     len(class_names), ', '.join(unlisted[:10]) + (', ...' if len(unlisted) > 10 else ''))
   return weights
+
+
+# First cells that make a first row a header whatever the class names (a class named 'glass' is near 'class').
+HEADER_WORDS = ('class', 'classes', 'label', 'labels', 'name', 'category', 'class_name')
 
 
 def _weight(value) -> Optional[float]:
@@ -121,11 +128,14 @@ def _json_weights(text: str, where: str) -> list[tuple[str, str, object]]:
 
 def _csv_weights(text: str, where: str, class_names: Sequence[str]) -> list[tuple[str, str, str]]:
   """(place, class, weight) of each class,weight row; the first row is a header when it names no
-  class and holds no number (class,weight)."""
+  class and holds no number (class,weight), unless its first cell is a near miss of a class's name
+  (dgo,heavy is a misspelt row, read and refused as such)."""
   rows = [(number, [cell.strip() for cell in row]) for number, row in
           enumerate(csv.reader(io.StringIO(text)), start=1) if any(cell.strip() for cell in row)]
   if rows and rows[0][1][0] not in class_names and _weight(rows[0][1][-1]) is None:
-    rows = rows[1:]
+    first = rows[0][1][0]
+    if first.lower() in HEADER_WORDS or not difflib.get_close_matches(first, class_names, n=1):
+      rows = rows[1:]
   entries = []
   for number, row in rows:
     if len(row) != 2:

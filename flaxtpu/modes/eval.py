@@ -28,7 +28,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   """
   # A run on a read-only disk is still evaluated: its files then go elsewhere (a warning says where).
   output = files.writable_or_elsewhere(workdir, 'eval.json, per_class.csv and the pictures')
-  placement, state, step, record = restore(config, workdir)
+  placement, state, step, record = restore(config, workdir, replaces=[os.path.join(output, 'eval.json')])
   dataset = pipeline.load(config, need_train=False, class_names=record.get('class_names'))  # matched by name
   if dataset.num_classes != record['num_classes'] or dataset.image_shape != tuple(record['image_shape']):
     raise UserError(f'{config.dataset.folder or config.dataset.name} has {dataset.num_classes} classes '

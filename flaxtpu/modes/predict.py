@@ -48,7 +48,7 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
   whose probability reaches its threshold (`tag_thresholds` says which, in the log and on stdout)."""
   if not config.predict.input:
     raise UserError('--mode=predict needs --config.predict.input=IMAGE_OR_FOLDER')
-  placement, state, step, record = restore(config, workdir)
+  placement, state, step, record = restore(config, workdir, replaces=[config.predict.output_csv])
   image_shape = tuple(record['image_shape'])
   paths, images = predict_inputs.read_images(config.predict.input, image_shape,
                                              pipeline.image_transform(config, channels=image_shape[-1]),

@@ -1,19 +1,23 @@
 """Restore a checkpoint for a mode: parameters (and BatchNorm statistics) only, on whatever devices are here.
 
-Every mode that reads a trained run (eval, predict, export) starts with `restore`.
+Every mode that reads a trained run (eval, predict, export) starts with `restore`, naming the results it
+would replace: when `latest` had to fall back past damaged checkpoints, a result of a newer step (or of an
+unknown one) is never replaced by the older step's unless that step is asked for by number (`keep_newer`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import Optional, Sequence
 
 import ml_collections
 
 from flaxtpu import checkpoint, files, finetune, parallel, pretrained, steps
+from flaxtpu.errors import UserError
 
 
-def restore(config: ml_collections.ConfigDict, workdir: str):
+def restore(config: ml_collections.ConfigDict, workdir: str, replaces: Sequence[str] = ()):
   """The model of `config.eval.checkpoint` (latest | best | STEP), laid out for these devices.
 
   Returns (placement, model state, step, record). Only parameters and
@@ -22,6 +26,8 @@ def restore(config: ml_collections.ConfigDict, workdir: str):
   normalisation statistics come from the checkpoint. A workdir without
   checkpoints and a config whose init_from names published weights gives
   the published model, its head and classes kept.
+
+  `replaces`: the results the mode writes (files or directories); see `keep_newer`.
   """
   if (config.init_from.checkpoint and pretrained.is_published(config.init_from.checkpoint)
       and not files.isdir(os.path.join(workdir, 'checkpoints'))):
@@ -52,8 +58,40 @@ def restore(config: ml_collections.ConfigDict, workdir: str):
 
   # An unreadable latest checkpoint falls back to the newest readable one; one that a live run
   # rotates away while it is read is listed again.
+  listed = max(checkpoints.all_steps(), default=None)  # before reading: a live run may save newer ones
   step, (placement, saved, record) = checkpoints.restore_which(str(config.eval.checkpoint), read)
   checkpoints.close()
+  if str(config.eval.checkpoint) == 'latest' and listed is not None and step < listed:  # fell back
+    keep_newer(workdir, step, listed, replaces)
   if config.eval.ema:
     logging.info('using the EMA weights of checkpoint step %d', step)
   return placement, placement.from_saveable(saved), step, record
+
+
+def keep_newer(workdir: str, step: int, damaged: int, replaces: Sequence[str]) -> None:
+  """Refuses to write the fallback `step`'s result over one made of a newer step (or of an unknown one).
+
+  The one rule for every mode that writes from a checkpoint it fell back to: a newer result is kept
+  unless the older step is asked for by number (--config.eval.checkpoint=STEP restores no fallback).
+  """
+  for path in replaces:
+    if not path or not files.exists(path):
+      continue
+    made_of = result_step(path)
+    if made_of is not None and made_of <= step:
+      continue
+    of = f'step {made_of}' if made_of is not None else 'a step it does not record'
+    damaged_path = os.path.join(workdir, 'checkpoints', str(damaged))
+    raise UserError(f'checkpoint {damaged_path} cannot be read, so this would write step {step}\'s result '
+                    f'over {path}, which holds {of}; repair or remove the damaged checkpoint, or pass '
+                    f'--config.eval.checkpoint={step} to replace it with step {step}\'s')
+
+
+def result_step(path: str) -> Optional[int]:
+  """The step a result was made of: a JSON file's `step`, a directory's export.json's; None if unknown."""
+  if files.isdir(path):
+    path = os.path.join(path, 'export.json')
+  if not path.endswith('.json'):
+    return None
+  step = (files.read_json(path) or {}).get('step')
+  return step if isinstance(step, int) and not isinstance(step, bool) else None

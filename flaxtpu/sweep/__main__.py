@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import shutil
@@ -12,7 +13,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from flaxtpu import storage, sweep
+from flaxtpu import lock, storage, sweep
 from flaxtpu.sweep import report, runner, slurm
 
 
@@ -136,6 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   """The `python -m flaxtpu.sweep` CLI; returns the exit status (0 only if every run finished)."""
   args, config_args = _parse_args(sys.argv[1:] if argv is None else argv)
   storage.configure()  # a gs:// WORKDIR on an emulator: STORAGE_EMULATOR_HOST (the runs configure themselves)
+  with contextlib.ExitStack() as held:  # the sweep directory's lock, while runs are started or submitted
+    return _main(args, config_args, held)
+
+
+def _main(args: argparse.Namespace, config_args: list[str], held: contextlib.ExitStack) -> int:
   try:
     _check_launcher_flags(args)
     config, runs_overrides = runner.load_experiment(args.experiment)
@@ -144,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = runner.make_runs(args.experiment, args.workdir, runs_overrides, extra_overrides)
     if not args.dry_run and not args.report:
       runner.check_data_folders(config, runs_overrides, extra_overrides)
+      # One sweep per directory: a second one would start the same runs and record them from its view.
+      held.enter_context(lock.WorkdirLock(args.workdir, file=runner.LOCK_FILE, who='sweep'))
       if args.launcher == 'slurm':
         slurm.check_commands()
       else:
@@ -152,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run and args.launcher == 'slurm':
       slurm.dry_run(args.workdir, runs, _slurm_options(args))
       return 0
-  except sweep.SweepError as error:
+  except (sweep.SweepError, lock.WorkdirBusy) as error:
     print(f'error: {error}', file=sys.stderr)
     return 2
   except Exception as error:  # A bug in the experiment file: say so in one line, then show where.

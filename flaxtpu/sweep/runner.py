@@ -33,6 +33,7 @@ from flaxtpu.sweep import Overrides, Sweep, SweepError
 PENDING, RUNNING, DONE, FAILED, INTERRUPTED = 'pending', 'running', 'done', 'failed', 'interrupted'
 
 SWEEP_FILE = 'sweep.json'
+LOCK_FILE = 'sweep.lock'  # held by the sweep command that runs or submits the runs (flaxtpu.lock)
 LOG_FILE = 'log.txt'
 RESULTS_FILE = 'results.json'
 # Heads each attempt in a run's log.txt, so errors are read from the latest attempt only.

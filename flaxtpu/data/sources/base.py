@@ -185,14 +185,18 @@ def unreadable(where: str, error: Exception) -> str:
 
 
 def _header_size(split: Split, index: int) -> tuple[int, int] | str:
-  """(height, width) from the file's header (its pixels stay unread), or what is wrong with it."""
-  path, _ = split.load(index)
+  """(height, width) from the file's header (its pixels stay unread), or what is wrong with it.
+
+  A record that gives no image at all (a null parquet cell, an empty tar member) is wrong the same way,
+  named as the user finds it (`describe`).
+  """
   try:
+    path, _ = split.load(index)
     with preprocess.open_image(path) as image:
       width, height = preprocess.upright_size(image)
       return height, width
   except Exception as e:  # pylint: disable=broad-except
-    return unreadable(path, e)
+    return unreadable(split.describe(index), e)
 
 
 class _HeaderScan:

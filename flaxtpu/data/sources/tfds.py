@@ -5,6 +5,7 @@ check that this machine is online (TFDS would otherwise retry for minutes)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 
@@ -26,8 +27,9 @@ def tfds_builder(name: str, data_dir: str):
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   try:
     builder = tfds.builder(name, data_dir=data_dir or None)
-  except tfds.core.registered.DatasetNotFoundError as e:
-    raise DataError(f'config.dataset.name={name!r} is not a TFDS dataset; use a name from '
+  except (tfds.core.registered.DatasetNotFoundError, ValueError) as e:  # ValueError: not even a name
+    folder = ' (nor a folder: it does not exist)' if os.sep in name else ''
+    raise DataError(f'config.dataset.name={name!r} is not a TFDS dataset{folder}; use a name from '
                     'tfds.list_builders() (e.g. cifar10, mnist, imagenet2012) or set '
                     'config.dataset.folder') from e
   if not builder.is_prepared():
