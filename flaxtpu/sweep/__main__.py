@@ -36,10 +36,10 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                       help='local: run here; slurm: submit the runs as one SLURM job array')
   search = parser.add_argument_group('--trials=N', 'an Optuna study over get_search(trial) instead of a grid')
   search.add_argument('--trials', type=int, default=0, help='run the study until it holds N trials')
-  search.add_argument('--sampler', choices=studies.SAMPLERS, default='tpe', help='how trials are drawn '
-                      '(seeded: --seed)')
-  search.add_argument('--seed', type=int, default=0, help='the sampler\'s seed')
-  search.add_argument('--pruner', choices=studies.PRUNERS, default='none',
+  search.add_argument('--sampler', choices=studies.SAMPLERS, default=None, help='how trials are drawn '
+                      '(default tpe, seeded: --seed)')
+  search.add_argument('--seed', type=int, default=None, help='the sampler\'s seed (default 0)')
+  search.add_argument('--pruner', choices=studies.PRUNERS, default=None,
                       help='stops trials whose evaluations fall behind (halving = successive halving)')
   search.add_argument('--storage', default='', help='Optuna storage URL (postgresql://..., sqlite:///...) '
                       'or journal:PATH (a journal file); default WORKDIR/study.db, on SLURM '
@@ -149,7 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   """The `python -m flaxtpu.sweep` CLI; returns the exit status (0 only if every run finished)."""
   args, config_args = _parse_args(sys.argv[1:] if argv is None else argv)
   storage.configure()  # a gs:// WORKDIR on an emulator: STORAGE_EMULATOR_HOST (the runs configure themselves)
-  if args.trials or args.worker >= 0 or args.storage or (args.report and studies.has_study(args.workdir)):
+  study_flags = (args.trials, args.storage, args.sampler, args.pruner, args.seed is not None,
+                 args.worker >= 0)
+  if any(study_flags) or (args.report and studies.has_study(args.workdir)):
     return study_main(args, config_args)
   try:
     _check_launcher_flags(args)
@@ -238,6 +240,7 @@ def _check_study_flags(args: argparse.Namespace) -> None:
 
 def study_main(args: argparse.Namespace, config_args: list[str]) -> int:
   """`--trials=N`: run (or preview, report, submit to SLURM) the study of the experiment's get_search."""
+  args.sampler, args.pruner, args.seed = args.sampler or 'tpe', args.pruner or 'none', args.seed or 0
   try:
     _check_study_flags(args)
     config, get_search = studies.load_search(args.experiment)
