@@ -71,6 +71,8 @@ def test_dry_run_lists_the_trials_drawn_and_creates_nothing(tmp_path, in_repo_ro
                                 for key, value in drawn.items()]
     assert ('optimizer.momentum' in drawn) == (drawn['optimizer.name'] == 'sgd')
   assert not workdir.exists()
+  assert cli.main(['experiments/cifar10_search.py', f'--workdir={workdir}', '--trials=2', '--dry-run']) == 0
+  assert capsys.readouterr().out.count('--config.optimizer.weight_decay=') == 2
 
 
 def test_a_study_s_mistakes_are_one_error_line(tmp_path, in_repo_root, capsys):

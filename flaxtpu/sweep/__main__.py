@@ -211,6 +211,8 @@ def _run_on_slurm(args: argparse.Namespace, runs: list[runner.Run], extra_overri
                   config: Any) -> int:
   print(f'[sweep] {len(runs)} runs of {args.experiment} in {args.workdir}, on SLURM', flush=True)
   try:
+    # sbatch passes the submitting environment on: the runs become children of the sweep's MLflow run.
+    os.environ.update(tracking.parent_environment(config, extra_overrides, args.workdir))
     slurm.submit(args.experiment, args.workdir, runs, _slurm_options(args), extra_overrides)
     if not args.wait:
       return 0
