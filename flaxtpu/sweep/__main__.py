@@ -246,6 +246,7 @@ def study_main(args: argparse.Namespace, config_args: list[str]) -> int:
   try:
     _check_study_flags(args)
     config, get_search = studies.load_search(args.experiment)
+    studies.check_search(get_search, config, args.experiment)
     extra_overrides = runner.parse_extra_overrides(config, config_args, swept_keys={'search.storage'})
     storage_url = args.storage or studies.default_storage(args.workdir, args.launcher)
     name = studies.study_name(args.workdir)

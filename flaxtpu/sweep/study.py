@@ -158,6 +158,12 @@ def suggest(get_search: Callable[[Any], Overrides], trial, config: ml_collection
   return dict(overrides)
 
 
+def check_search(get_search: Callable[[Any], Overrides], config: ml_collections.ConfigDict,
+                 path: str) -> None:
+  """One draw in a scratch study, so a mistake in get_search is one error line before anything runs."""
+  suggest(get_search, optuna().create_study().ask(), config, path)
+
+
 # --- trials ------------------------------------------------------------------------------
 
 
@@ -290,7 +296,7 @@ def run_trials(study, get_search, config, experiment: str, workdir: str, storage
         tell(study, trial, run, workdir, metric)
         failures += run.status == runner.FAILED
         print(f'[sweep] {name}: {_outcome(study, trial, run, workdir)}', flush=True)
-  except KeyboardInterrupt:
+  except BaseException:  # Ctrl-C, SIGTERM, or a trial whose draws get_search got wrong
     # The trials stay RUNNING in the study; the next command resumes them from their checkpoints.
     for _, _, process, _, _, _ in running.values():
       process.terminate()
