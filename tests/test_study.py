@@ -122,6 +122,18 @@ def test_an_interrupted_trial_resumes_in_its_directory_with_its_draws_and_report
   assert run.name == 'trial-000'
 
 
+@pytest.mark.parametrize('sampler', ['tpe', 'random', 'qmc'])
+def test_a_continued_study_draws_new_configurations(tmp_path, sampler):
+  url = studies.default_storage(str(tmp_path), 'local')
+  drawn = []
+  for _ in range(3):  # three commands, one trial each, as a killed and continued study runs
+    study = studies.open_study(url, 'study', digits.get_config(), sampler, 'none')
+    trial, run = _claim(study, url, tmp_path)
+    study.tell(trial, 0.5)
+    drawn.append(run.overrides['optimizer.learning_rate'])
+  assert len(set(drawn)) == 3, drawn
+
+
 def test_a_study_that_cannot_be_reached_never_stops_training(caplog):
   config = digits.get_config()
   config.search.storage, config.search.study, config.search.trial = 'sqlite:////nonexistent/dir/x.db', 's', 0

@@ -255,7 +255,7 @@ def study_main(args: argparse.Namespace, config_args: list[str]) -> int:
     if not args.report:
       runner.check_data_folders(config, [{}], extra_overrides)
     study = studies.open_study(storage_url, name, config, args.sampler, args.pruner,
-                               seed=args.seed + max(args.worker, 0))
+                               seed=args.seed + 10007 * max(args.worker, 0))
     if args.report:
       _print_summary(studies.write_report(study, args.experiment, args.workdir, config, extra_overrides))
       return 0

@@ -109,7 +109,8 @@ def study_name(workdir: str) -> str:
 def open_study(storage_url: str, name: str, config: ml_collections.ConfigDict, sampler: str, pruner: str,
                seed: int = 0):
   """The study (created where missing), with the sampler and pruner it was started with: a study keeps
-  them in its user attributes, and running it on with others is refused."""
+  them in its user attributes, and running it on with others is refused. The sampler is seeded with
+  `seed` plus the trials the study holds."""
   direction = 'maximize' if config.checkpoint.best_mode == 'max' else 'minimize'
   try:
     study = optuna().create_study(storage=open_storage(storage_url), study_name=name, direction=direction,
@@ -119,6 +120,9 @@ def open_study(storage_url: str, name: str, config: ml_collections.ConfigDict, s
     raise SweepError(f'--storage={storage_url}: cannot open the study ({type(error).__name__}: '
                      f'{str(error).splitlines()[0] if str(error) else ""}); check the URL and that the '
                      'database is reachable') from None
+  # A continued study draws on from where it is: a sampler seeded as at its start would draw its first
+  # configurations again (TPE's random start-up trials, random, QMC).
+  study.sampler = make_sampler(sampler, seed + len(study.get_trials(deepcopy=False)))
   for option, value in (('sampler', sampler), ('pruner', pruner)):
     recorded = study.user_attrs.get(option)
     if recorded is None:
