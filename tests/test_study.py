@@ -34,6 +34,7 @@ optuna = pytest.importorskip('optuna')
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = 'experiments/digits_search.py'
 SERVER_START_S = 180  # an mlflow server takes 15-50 s to answer on 2 busy cores
+STUDY_TIMEOUT_S = 1800  # 3 tiny trials: about 2 minutes on 2 idle cores, 10 on 2 cores shared by 7 agents
 
 
 @pytest.fixture
@@ -216,7 +217,8 @@ def test_a_study_prunes_reports_and_a_rerun_keeps_its_trials(tmp_path):
              '--config.eval_every_steps=5', '--config.cpu_devices=1',
              f'--config.mlflow.tracking_uri={mlflow_uri}']
   environment = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-  first = subprocess.run(command, cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=600)
+  first = subprocess.run(command, cwd=REPO_ROOT, env=environment, capture_output=True, text=True,
+                         timeout=STUDY_TIMEOUT_S)
   assert first.returncode == 0, first.stdout + first.stderr
   with open(workdir / 'results.csv') as f:
     rows = {row['run']: row for row in csv.DictReader(f)}
@@ -251,7 +253,8 @@ def test_a_study_prunes_reports_and_a_rerun_keeps_its_trials(tmp_path):
   assert child.data.params['optimizer.name'] == 'sgd' and child.data.tags['pruned'] == 'true'
 
   # Run again: the finished trials are kept, none trains again.
-  again = subprocess.run(command, cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=600)
+  again = subprocess.run(command, cwd=REPO_ROOT, env=environment, capture_output=True, text=True,
+                         timeout=STUDY_TIMEOUT_S)
   assert again.returncode == 0, again.stdout + again.stderr
   assert '[sweep] start' not in again.stdout
   assert [trial.state.name for trial in study.trials] == ['COMPLETE', 'COMPLETE', 'PRUNED']
