@@ -212,12 +212,14 @@ def test_two_workers_share_a_postgresql_study_and_its_pruner_stops_the_worse_tri
 def test_a_study_prunes_reports_and_a_rerun_keeps_its_trials(tmp_path):
   workdir = tmp_path / 'study'
   mlflow_uri = f'sqlite:///{tmp_path}/mlflow.db'
-  command = [sys.executable, '-m', 'flaxtpu.sweep', EXPERIMENT, f'--workdir={workdir}', '--trials=3',
+  # Run outside the repository: an MLflow SQLite store keeps artifacts in ./mlruns.
+  command = [sys.executable, '-m', 'flaxtpu.sweep', str(REPO_ROOT / EXPERIMENT), f'--workdir={workdir}',
+             '--trials=3',
              '--sampler=random', '--pruner=halving', '--config.num_train_steps=10',
              '--config.eval_every_steps=5', '--config.cpu_devices=1',
              f'--config.mlflow.tracking_uri={mlflow_uri}']
   environment = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-  first = subprocess.run(command, cwd=REPO_ROOT, env=environment, capture_output=True, text=True,
+  first = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True,
                          timeout=STUDY_TIMEOUT_S)
   assert first.returncode == 0, first.stdout + first.stderr
   with open(workdir / 'results.csv') as f:
@@ -253,7 +255,7 @@ def test_a_study_prunes_reports_and_a_rerun_keeps_its_trials(tmp_path):
   assert child.data.params['optimizer.name'] == 'sgd' and child.data.tags['pruned'] == 'true'
 
   # Run again: the finished trials are kept, none trains again.
-  again = subprocess.run(command, cwd=REPO_ROOT, env=environment, capture_output=True, text=True,
+  again = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True,
                          timeout=STUDY_TIMEOUT_S)
   assert again.returncode == 0, again.stdout + again.stderr
   assert '[sweep] start' not in again.stdout
