@@ -454,12 +454,21 @@ def _check_wandb(config: ml_collections.ConfigDict) -> None:
                       "pip install 'flaxtpu[wandb]' (or leave wandb.project empty)")
 
 
+def _check_mlflow(config: ml_collections.ConfigDict) -> None:
+  if config.mlflow.tracking_uri and importlib.util.find_spec('mlflow') is None:
+    raise ConfigError(f'config.mlflow.tracking_uri={config.mlflow.tracking_uri!r} needs MLflow: '
+                      "pip install 'flaxtpu[mlflow]' (or leave mlflow.tracking_uri empty)")
+  if config.search.storage and importlib.util.find_spec('optuna') is None:
+    raise ConfigError(f'config.search.storage={config.search.storage!r} needs Optuna: '
+                      "pip install 'flaxtpu[search]' (or leave search.storage empty)")
+
+
 # The sections of defaults.py, in its order.
 SECTION_CHECKS = (_check_dataset_source, _check_dataset, _check_input, _check_augment, _check_model,
                   _check_training, _check_optimizer, _check_schedule, _check_ema, _check_init_from,
                   _check_distill, _check_parallelism,
                   _check_loop, _check_checkpoint, _check_early_stopping, _check_eval, _check_predict,
-                  _check_wandb)
+                  _check_wandb, _check_mlflow)
 
 
 def config_keys(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:

@@ -373,6 +373,19 @@ def get_config() -> ml_collections.ConfigDict:
   # online | offline (written under WORKDIR/wandb, `wandb sync` later).
   config.wandb.mode = 'online'
 
+  config.mlflow = ml_collections.ConfigDict()
+  # Also log to this MLflow tracking server or store ('' = off; http://host:5000, sqlite:///mlflow.db;
+  # pip install 'flaxtpu[mlflow]'). A server that is down or refuses never stops training.
+  config.mlflow.tracking_uri = ''
+  config.mlflow.experiment = 'flaxtpu'  # MLflow experiment the runs go to (created when missing).
+
+  # Set by `python -m flaxtpu.sweep --trials=N` on each trial: the study the run reports its evaluations
+  # to, so Optuna's pruner can stop it (a pruned run saves, writes results.json marked pruned, exits 0).
+  config.search = ml_collections.ConfigDict()
+  config.search.storage = ''  # Optuna storage URL ('' = not a trial).
+  config.search.study = ''  # Study name in that storage.
+  config.search.trial = -1  # Trial number in the study.
+
   # JAX persistent compile cache ('' = ~/.cache/flaxtpu/jax; 'none' = off).
   config.compilation_cache_dir = ''
   config.lock()

@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from typing import Any, Callable, Mapping
 
 import flax.serialization
@@ -238,6 +239,52 @@ class WandbWriter(metric_writers.MetricWriter):
     self._run.finish()
 
 
+class MlflowWriter(metric_writers.MetricWriter):
+  """MLflow as one more metric writer (flaxtpu/tracking.py): the config as parameters, scalars at their
+  step. Images and texts go to TensorBoard only; the end's pictures become artifacts."""
+
+  def __init__(self, workdir: str, tracking_uri: str, experiment: str):
+    from flaxtpu import tracking  # pylint: disable=g-import-not-at-top
+    self._tracking = tracking
+    self._tracker = tracking.tracker(tracking_uri, experiment)
+    self._run_id, self._resumed = tracking.open_run(self._tracker, workdir,
+                                                    parent=os.environ.get(tracking.PARENT_ENV, ''))
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    if self._run_id:
+      self._tracking.log_metrics(self._tracker, self._run_id, step, scalars, int(time.time() * 1000))
+
+  def write_hparams(self, hparams: Mapping[str, Any]):
+    if self._run_id and not self._resumed:  # MLflow refuses to log a parameter twice
+      self._tracking.log_params(self._tracker, self._run_id, hparams)
+
+  def write_images(self, step, images):
+    pass
+
+  def write_texts(self, step, texts):
+    pass
+
+  def write_summaries(self, step, values, metadata=None):
+    pass
+
+  def write_videos(self, step, videos):
+    pass
+
+  def write_audios(self, step, audios, *, sample_rate):
+    pass
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    pass
+
+  def flush(self):
+    pass
+
+  def close(self):
+    # Stopped before its end: a resumed run sets it running again; a finished one ends it FINISHED.
+    if self._run_id:
+      self._tracking.end_run(self._tracker, self._run_id, 'KILLED')
+
+
 def flat_hparams(config: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
   """The config as {'optimizer.learning_rate': 0.1, ...}: the scalars TensorBoard's HParams plugin takes."""
   flat = {}
@@ -283,10 +330,11 @@ class OptionalWriter(metric_writers.MetricWriter):
 
 def create_writer(workdir: str, *, is_main_process: bool,
                   config: Mapping[str, Any] | None = None) -> metric_writers.MetricWriter:
-  """TensorBoard events + metrics.jsonl (+ W&B when config.wandb.project is set) from process 0.
+  """TensorBoard events + metrics.jsonl (+ W&B when config.wandb.project is set, + MLflow when
+  config.mlflow.tracking_uri is) from process 0.
 
-  TensorBoard and W&B are `OptionalWriter`s: a failing one is dropped with a warning, never stopping
-  training; metrics.jsonl is the run's own record (its failures stop the run like a checkpoint's).
+  TensorBoard and W&B are `OptionalWriter`s and MLflow warns once by itself: a failing tracker never
+  stops training; metrics.jsonl is the run's own record (its failures stop the run like a checkpoint's).
   """
   if not is_main_process:
     return metric_writers.MultiWriter([])
@@ -298,4 +346,6 @@ def create_writer(workdir: str, *, is_main_process: bool,
     wandb = config.wandb
     writers.append(OptionalWriter('Weights & Biases', lambda: WandbWriter(
         workdir, wandb.project, wandb.entity, wandb.mode, flat_hparams(config.to_dict()))))
+  if config is not None and config.mlflow.tracking_uri:
+    writers.append(MlflowWriter(workdir, config.mlflow.tracking_uri, config.mlflow.experiment))
   return metric_writers.MultiWriter(writers)

@@ -33,7 +33,8 @@ class Progress:
   plateau: Optional[dict] = None  # schedule.name=plateau: reduce_on_plateau's state (plateau.Plateau)
   # early_stopping.metric: its best value, the step of it, and the evaluations since without improvement
   early_stopping: dict = dataclasses.field(default_factory=dict)
-  stopped_early: Optional[dict] = None  # where early stopping ended the run: {step, metric, best, ...}
+  # where early stopping (or a study's pruner: 'pruned') ended the run: {step, metric, best, ...}
+  stopped_early: Optional[dict] = None
 
   @classmethod
   def from_json(cls, saved: Optional[dict]) -> Progress:
@@ -59,6 +60,7 @@ class Progress:
         'time_to_first_step_s': self.time_to_first_step_s,
         'memory_plan': self.memory_plan,
         **({'stopped_early': self.stopped_early} if self.stopped_early else {}),
+        **({'pruned': True} if (self.stopped_early or {}).get('pruned') else {}),
     }
 
 

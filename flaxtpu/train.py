@@ -41,6 +41,7 @@ from flaxtpu import (
   optim,
   parallel,
   steps,
+  tracking,
 )
 from flaxtpu.data import loaders, pipeline, sampling, workers
 from flaxtpu.data.spec import saved_config
@@ -52,6 +53,7 @@ from flaxtpu.metric_names import early_stopping_metric
 from flaxtpu.plateau import Plateau
 from flaxtpu.profiling import StepProfiler
 from flaxtpu.progress import Progress, TrainClock
+from flaxtpu.pruning import Pruning, log_pruned
 from flaxtpu.report import plots
 from flaxtpu.signals import StopRequest
 
@@ -256,6 +258,7 @@ class _Loop:
   last_log_time: float = dataclasses.field(default_factory=time.time)
   predictions: Any = None  # the last evaluation's logits and labels, for the per-class report
   probe: Optional[fewshot.Probe] = None  # eval.fewshot's linear probes, run with every evaluation
+  pruning: Optional[Pruning] = None  # a study's trial: each evaluation reported to its pruner
 
   def due(self, step: int, every: int) -> bool:
     """Whether an action taken every `every` steps (and after the last) is due after `step`."""
@@ -299,8 +302,9 @@ class _Loop:
 
   def evaluate(self, step: int, state) -> None:
     """Every eval split: to the log, TensorBoard and metrics.jsonl."""
-    # Where early stopping may end the run, any evaluation may be its last.
-    is_last = step == self.length.total_steps or bool(self.config.early_stopping.metric)
+    # Where early stopping or a study's pruner may end the run, any evaluation may be its last.
+    is_last = (step == self.length.total_steps or bool(self.config.early_stopping.metric)
+               or self.pruning is not None)
     with self.clock.paused('eval', state):
       # The last evaluation also keeps the logits that the per-class report is made of.
       results, self.predictions = evaluate_splits(self.placement, state, self.eval_sets,
@@ -319,7 +323,8 @@ class _Loop:
     self.writer.flush()
 
   def after_evaluation(self, step: int, state):
-    """The plateau schedule's scale (set in `state`) and early stopping, updated with the evaluation."""
+    """The plateau schedule's scale (set in `state`), early stopping and a study's pruner, updated with the
+    evaluation."""
     progress, results = self.clock.progress, self.clock.progress.eval
     if self.config.schedule.name == 'plateau':
       plateau = Plateau(self.config)
@@ -332,6 +337,8 @@ class _Loop:
     metric = early_stopping_metric(self.config)
     if metric:
       early_stopping.update(self.config, progress, step, metric, results)
+    if self.pruning and not progress.stopped_early:
+      self.pruning.update(progress, step, results)
     return state
 
   def save(self, step: int, state, evaluated: bool) -> None:
@@ -411,7 +418,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
           process_count=jax.process_count(), alternate_flip=config.augment.alternate_flip))
   loop = _Loop(config, task, placement, dataset, eval_sets, length, checkpoints, writer,
                TrainClock(start.step, start.progress, started), start, start.window,
-               probe=fewshot.maybe_probe(config, dataset, task, placement))
+               probe=fewshot.maybe_probe(config, dataset, task, placement), pruning=Pruning.of(config))
   profiler = StepProfiler(workdir, start.step, config.profile_steps, length.total_steps)
   try:
     with _Closing() as closing:
@@ -432,7 +439,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   if is_main:
     files.write_json(os.path.join(workdir, 'results.json'), results)
     write_pictures(config, loop.predictions, dataset, workdir, step)
-  if stopped_early:
+    tracking.log_results(config, workdir, results)
+  if stopped_early and stopped_early.get('pruned'):
+    log_pruned(stopped_early)
+  elif stopped_early:
     early_stopping.log_stop(config, stopped_early, checkpoints)
   return results
 

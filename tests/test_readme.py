@@ -92,12 +92,18 @@ def check_main(words: list[str]) -> None:
 def check_sweep(words: list[str]) -> None:
   from flaxtpu.sweep import __main__ as sweep_cli  # pylint: disable=g-import-not-at-top
   from flaxtpu.sweep import runner  # pylint: disable=g-import-not-at-top
+  from flaxtpu.sweep import study as studies  # pylint: disable=g-import-not-at-top
   args, config_args = sweep_cli._parse_args(words[3:])  # pylint: disable=protected-access
   assert (ROOT / args.experiment).is_file(), f'{args.experiment} does not exist'
   if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-  config, runs_overrides = runner.load_experiment(str(ROOT / args.experiment))
-  swept_keys = {key for overrides in runs_overrides for key in overrides}
+  if callable(getattr(runner.import_experiment(str(ROOT / args.experiment), ('get_config',)), 'get_sweep',
+                      None)):
+    config, runs_overrides = runner.load_experiment(str(ROOT / args.experiment))
+    swept_keys = {key for overrides in runs_overrides for key in overrides}
+  else:  # a study (--trials=N): its keys are drawn by get_search
+    config, _ = studies.load_search(str(ROOT / args.experiment))
+    swept_keys = set()
   runner.parse_extra_overrides(config, config_args, swept_keys)
 
 

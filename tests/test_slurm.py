@@ -401,6 +401,56 @@ def test_a_run_that_left_the_queue_without_results_is_submitted_again(slurm, tmp
   assert '0/2 done, 0 running, 0 queued, 2 failed' in sweep(base + ['--report'])
 
 
+# --- a study whose array tasks share one storage ----------------------------------------------
+
+SEARCH_EXPERIMENT = '''
+from configs import digits
+
+def get_config():
+  return digits.get_config()
+
+def get_search(trial):
+  return {'optimizer.learning_rate': trial.suggest_float('optimizer.learning_rate', 1e-3, 1e-2, log=True)}
+'''
+
+
+@pytest.mark.multiprocess
+def test_two_array_tasks_take_the_trials_of_one_study_from_its_journal(slurm, tmp_path):
+  optuna = pytest.importorskip('optuna')
+  experiment = tmp_path / 'experiment.py'
+  experiment.write_text(SEARCH_EXPERIMENT)
+  workdir = tmp_path / 'study'
+  command = [sys.executable, '-m', 'flaxtpu.sweep', str(experiment), f'--workdir={workdir}', '--trials=2',
+             '--sampler=random', '--launcher=slurm', '--parallel=2', '--cpus-per-run=1', '--time=10:00',
+             '--config.num_train_steps=4', '--config.eval_every_steps=2', '--config.cpu_devices=1',
+             '--config.compilation_cache_dir=none']
+
+  def study(*extra):
+    done = subprocess.run(command + list(extra), cwd=ROOT, env=slurm.env, capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+  first = study('--wait')
+  assert 'submitted 2 study worker(s) as SLURM job array' in first, first
+  assert '2 trials: 2 complete, 0 pruned, 0 failed, 0 unfinished.' in first, first
+  storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(
+      str(workdir / 'study.journal')))
+  trials = optuna.load_study(study_name='study', storage=storage).trials
+  assert [trial.state.name for trial in trials] == ['COMPLETE', 'COMPLETE']
+  assert {trial.params['optimizer.learning_rate'] for trial in trials} == {
+      json.loads((workdir / f'trial-00{i}' / 'config.json').read_text())['optimizer']['learning_rate']
+      for i in (0, 1)}
+  # Each trial was started once, by one of the two tasks (each task's sampler has its own seed).
+  outputs = [path.read_text() for path in sorted((workdir / 'slurm').glob('*.out'))]
+  assert len(outputs) == 2
+  started = [line.split()[2] for output in outputs for line in output.splitlines()
+             if line.startswith('[sweep] start ')]
+  assert sorted(started) == ['trial-000', 'trial-001'], outputs
+  assert 'nothing to submit' in study()
+  print(f'\nstudy on SLURM: trials per task {[output.count("[sweep] start ") for output in outputs]}')
+
+
 # --- one run over two srun tasks -----------------------------------------------------------
 
 TRAIN_ARGS = ['--config=configs/digits.py', '--config.batch_size=16', '--config.num_train_steps=4',

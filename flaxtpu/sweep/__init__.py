@@ -17,6 +17,9 @@ Run it (each run is a normal `python -m flaxtpu.main` process in
     python -m flaxtpu.sweep experiments/cifar10_lr.py --workdir=runs/sweeps/lr --dry-run
     python -m flaxtpu.sweep experiments/cifar10_lr.py --workdir=runs/sweeps/lr --report
 
+An experiment may define `get_search(trial)` instead: `--trials=N` runs an
+Optuna study over it (`study`; docs/search.md).
+
 `runner` launches the runs, `report` writes the tables and plots, `__main__` is
 the command line. The package only launches processes and reads files: it must
 never import JAX (experiment files import it, and `flaxtpu.main` loads

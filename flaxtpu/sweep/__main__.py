@@ -13,15 +13,17 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from flaxtpu import lock, storage, sweep
+from flaxtpu import lock, storage, sweep, tracking
 from flaxtpu.sweep import report, runner, slurm
+from flaxtpu.sweep import study as studies
 
 
 def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
   parser = argparse.ArgumentParser(
       prog='python -m flaxtpu.sweep', description=sweep.__doc__.split('\n\n')[0],
       epilog='Extra --config.KEY=VALUE arguments are passed to every run.')
-  parser.add_argument('experiment', help='experiment file defining get_config() and get_sweep()')
+  parser.add_argument('experiment', help='experiment file defining get_config() and get_sweep() (or, with '
+                      '--trials, get_search(trial))')
   parser.add_argument('--workdir', required=True, help='sweep directory (or gs://bucket/path); each run goes '
                       'to WORKDIR/<run name>')
   parser.add_argument('--log-dir', default='', help='local directory for the runs\' log.txt while they run '
@@ -33,6 +35,17 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
   parser.add_argument('--report', action='store_true', help='only (re)write the results table and plots')
   parser.add_argument('--launcher', choices=('local', 'slurm'), default='local',
                       help='local: run here; slurm: submit the runs as one SLURM job array')
+  search = parser.add_argument_group('--trials=N', 'an Optuna study over get_search(trial) instead of a grid')
+  search.add_argument('--trials', type=int, default=0, help='run the study until it holds N trials')
+  search.add_argument('--sampler', choices=studies.SAMPLERS, default=None, help='how trials are drawn '
+                      '(default tpe, seeded: --seed)')
+  search.add_argument('--seed', type=int, default=None, help='the sampler\'s seed (default 0)')
+  search.add_argument('--pruner', choices=studies.PRUNERS, default=None,
+                      help='stops trials whose evaluations fall behind (halving = successive halving)')
+  search.add_argument('--storage', default='', help='Optuna storage URL (postgresql://..., sqlite:///...) '
+                      'or journal:PATH (a journal file); default WORKDIR/study.db, on SLURM '
+                      'WORKDIR/study.journal')
+  search.add_argument('--worker', type=int, default=-1, help=argparse.SUPPRESS)  # a SLURM array task
   slurm_flags = parser.add_argument_group('--launcher=slurm', 'what each run (one array task) asks SLURM for')
   slurm_flags.add_argument('--partition', default='', help='sbatch --partition')
   slurm_flags.add_argument('--time', default='', help='time limit per run, e.g. 4:00:00')
@@ -137,6 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   """The `python -m flaxtpu.sweep` CLI; returns the exit status (0 only if every run finished)."""
   args, config_args = _parse_args(sys.argv[1:] if argv is None else argv)
   storage.configure()  # a gs:// WORKDIR on an emulator: STORAGE_EMULATOR_HOST (the runs configure themselves)
+  study_flags = (args.trials, args.storage, args.sampler, args.pruner, args.seed is not None,
+                 args.worker >= 0)
+  if any(study_flags) or (args.report and studies.has_study(args.workdir)):
+    return study_main(args, config_args)
   with contextlib.ExitStack() as held:  # the sweep directory's lock, while runs are started or submitted
     return _main(args, config_args, held)
 
@@ -188,6 +205,7 @@ def _main(args: argparse.Namespace, config_args: list[str], held: contextlib.Exi
           'as each ends', flush=True)
   # A scheduler or `kill` stopping the sweep gets the same clean stop as Ctrl-C.
   signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+  os.environ.update(tracking.parent_environment(config, extra_overrides, args.workdir))
   try:
     runner.run_sweep(args.experiment, args.workdir, runs, parallel, extra_overrides, args.log_dir)
   except KeyboardInterrupt:
@@ -201,6 +219,8 @@ def _run_on_slurm(args: argparse.Namespace, runs: list[runner.Run], extra_overri
                   config: Any) -> int:
   print(f'[sweep] {len(runs)} runs of {args.experiment} in {args.workdir}, on SLURM', flush=True)
   try:
+    # sbatch passes the submitting environment on: the runs become children of the sweep's MLflow run.
+    os.environ.update(tracking.parent_environment(config, extra_overrides, args.workdir))
     slurm.submit(args.experiment, args.workdir, runs, _slurm_options(args), extra_overrides)
     if not args.wait:
       return 0
@@ -214,6 +234,132 @@ def _run_on_slurm(args: argparse.Namespace, runs: list[runner.Run], extra_overri
     return 130
   return _final_report(args, runs, config)
 
+
+# --- --trials=N: an Optuna study ----------------------------------------------------------
+
+
+def _check_study_flags(args: argparse.Namespace) -> None:
+  if args.trials < 1 and not args.report:
+    raise sweep.SweepError('--sampler, --pruner, --storage and --seed belong to a study: add --trials=N '
+                           '(how many trials it runs)')
+  if storage.is_remote(args.workdir):
+    raise sweep.SweepError(f'--workdir={args.workdir}: a study keeps its trials\' logs and its lock in '
+                           'local files; use a local or shared directory')
+  _check_launcher_flags(args)
+
+
+def study_main(args: argparse.Namespace, config_args: list[str]) -> int:
+  """`--trials=N`: run (or preview, report, submit to SLURM) the study of the experiment's get_search."""
+  args.sampler, args.pruner, args.seed = args.sampler or 'tpe', args.pruner or 'none', args.seed or 0
+  try:
+    _check_study_flags(args)
+    config, get_search = studies.load_search(args.experiment)
+    studies.check_search(get_search, config, args.experiment)
+    extra_overrides = runner.parse_extra_overrides(config, config_args, swept_keys={'search.storage'})
+    storage_url = args.storage or studies.default_storage(args.workdir, args.launcher)
+    name = studies.study_name(args.workdir)
+    if args.dry_run:
+      return _preview_study(args, storage_url, name, config, get_search, extra_overrides)
+    if not args.report:
+      runner.check_data_folders(config, [{}], extra_overrides)
+    study = studies.open_study(storage_url, name, config, args.sampler, args.pruner,
+                               seed=args.seed + 10007 * max(args.worker, 0))
+    if args.report:
+      _print_summary(studies.write_report(study, args.experiment, args.workdir, config, extra_overrides))
+      return 0
+    if args.worker >= 0:  # one SLURM array task: trials until the study holds N, one at a time
+      failures = studies.run_trials(study, get_search, config, args.experiment, args.workdir, storage_url,
+                                    args.trials, 1, extra_overrides)
+      return 1 if failures else 0
+    if args.launcher == 'slurm':
+      return _submit_study(args, study, storage_url, config, extra_overrides)
+    with studies.only_sweep_here(args.workdir):
+      return _run_study(args, study, storage_url, config, get_search, extra_overrides)
+  except sweep.SweepError as error:
+    print(f'error: {error}', file=sys.stderr)
+    return 2
+  except Exception as error:  # A bug in the experiment file: say so in one line, then show where.
+    print(f'error: {args.experiment}: {type(error).__name__}: {error}', file=sys.stderr)
+    traceback.print_exc()
+    return 2
+
+
+def _preview_study(args, storage_url: str, name: str, config, get_search, extra_overrides) -> int:
+  """--dry-run: the study's state and the commands of its next trials; nothing is created or run."""
+  fresh = any(storage_url.startswith(prefix) and not os.path.exists(storage_url[len(prefix):])
+              for prefix in ('sqlite:///', studies.JOURNAL_PREFIX))
+  study = studies.open_study('' if fresh else storage_url, name, config, args.sampler, args.pruner,
+                             seed=args.seed)
+  done = len(studies.latest_trials(study))
+  print(f'# study {name!r} in {storage_url}: {done} trial(s) so far, --sampler={args.sampler} '
+        f'--pruner={args.pruner}; the next {max(args.trials - done, 0)} would run:')
+  for line in studies.preview(study, get_search, config, args.experiment, args.workdir, args.trials,
+                              extra_overrides):
+    print(line)
+  return 0
+
+
+def _print_summary(lines: list[str]) -> None:
+  for line in lines:
+    if line:
+      print(f'[sweep] {line.strip()}', flush=True)
+
+
+def _run_study(args, study, storage_url: str, config, get_search, extra_overrides) -> int:
+  if shutil.which('squeue') and (queued := slurm.study_tasks_in_queue(args.workdir)):
+    raise sweep.SweepError(f'{len(queued)} SLURM task(s) of this study are queued or running '
+                           f'({", ".join(queued)}); wait for them, or scancel them, before running it here '
+                           '(or add --launcher=slurm)')
+  requeued = studies.requeue_interrupted(study)
+  if requeued:
+    print(f'[sweep] resuming {len(requeued)} interrupted trial(s) from their checkpoints: '
+          f'{", ".join(requeued)}', flush=True)
+  parallel = args.parallel or 1
+  print(f'[sweep] study {study.study_name!r} of {args.experiment} in {storage_url}: {args.trials} trials, '
+        f'{parallel} at a time, --sampler={args.sampler} --pruner={args.pruner}', flush=True)
+  signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+  environment = tracking.parent_environment(config, extra_overrides, args.workdir)
+  try:
+    failures = studies.run_trials(study, get_search, config, args.experiment, args.workdir, storage_url,
+                                      args.trials, parallel, extra_overrides, args.log_dir, environment)
+  except KeyboardInterrupt:
+    print('[sweep] interrupted; run the same command again to resume the study', file=sys.stderr)
+    studies.write_report(study, args.experiment, args.workdir, config, extra_overrides)
+    return 130
+  lines = studies.write_report(study, args.experiment, args.workdir, config, extra_overrides)
+  _print_summary(lines)
+  print(f'[sweep] results: {os.path.join(args.workdir, "results.md")}', flush=True)
+  if study.get_trials(states=(studies.optuna().trial.TrialState.COMPLETE,)):
+    tracking.end_parent(config, extra_overrides, args.workdir,
+                        {'best.trial': study.best_trial.number, 'best.value': study.best_value,
+                         **{f'best.{key}': value for key, value in study.best_params.items()}})
+  return 1 if failures else 0
+
+
+def _submit_study(args, study, storage_url: str, config, extra_overrides) -> int:
+  """--launcher=slurm: array tasks that each take trials from the one study until it holds N."""
+  worker = [sys.executable, '-m', 'flaxtpu.sweep', args.experiment, f'--workdir={args.workdir}',
+            f'--trials={args.trials}', f'--storage={storage_url}', f'--sampler={args.sampler}',
+            f'--pruner={args.pruner}', f'--seed={args.seed}', *extra_overrides]
+
+  def before_submit() -> bool:
+    requeued = studies.requeue_interrupted(study)
+    if requeued:
+      print(f'[sweep] {len(requeued)} interrupted trial(s) will resume: {", ".join(requeued)}', flush=True)
+    return studies.budget_left(study, args.trials)
+
+  try:
+    # sbatch passes the submitting environment on: the trials become children of the study's MLflow run.
+    os.environ.update(tracking.parent_environment(config, extra_overrides, args.workdir))
+    tasks = min(args.parallel or args.trials, args.trials)
+    job = slurm.submit_study(args.workdir, worker, tasks, _slurm_options(args), before_submit)
+    if job and args.wait:
+      slurm.wait_for_tasks(args.workdir)
+      _print_summary(studies.write_report(study, args.experiment, args.workdir, config, extra_overrides))
+  except sweep.SweepError as error:
+    print(f'error: {error}', file=sys.stderr)
+    return 2
+  return 0
 
 if __name__ == '__main__':
   sys.exit(main())

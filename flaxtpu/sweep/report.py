@@ -40,11 +40,12 @@ def metric_curve(records: Sequence[Mapping[str, Any]], metric: str) -> tuple[lis
   return [step for step, _ in points], [value for _, value in points]
 
 
-def collect_results(workdir: str, runs: Sequence[Run],
-                    config: ml_collections.ConfigDict | None = None) -> list[dict[str, Any]]:
+def collect_results(workdir: str, runs: Sequence[Run], config: ml_collections.ConfigDict | None = None,
+                    statuses: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
   """One row per run (swept values, results.json numbers, best eval accuracy, status, error), best first.
 
   A key that some runs sweep and others leave alone shows the base `config`'s value for the latter.
+  `statuses` (a study's trial states: complete, pruned, failed) replace what the sweep record says.
   """
   base_values = {key: config[key] for key in _swept_keys(runs)} if config is not None else {}
   record = read_sweep_record(workdir)
@@ -59,7 +60,9 @@ def collect_results(workdir: str, runs: Sequence[Run],
     _, eval_accuracies = metric_curve(read_metrics(run_dir), 'eval_accuracy')
     if 'eval_accuracy' in results:
       eval_accuracies.append(results['eval_accuracy'])
-    if results:
+    if statuses is not None:
+      status, error = statuses[run.name], run.error
+    elif results:
       status, error = DONE, ''
     else:
       # Status of a run without results: what the last sweep saw, or what its directory shows.
@@ -100,8 +103,10 @@ def _markdown_cell(column: str, value: Any) -> str:
   return format_value(value).replace('|', '\\|')
 
 
-def write_tables(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, Any]], title: str) -> None:
-  """DIR/results.csv (exact numbers) and DIR/results.md (rounded; failed runs' errors below the table)."""
+def write_tables(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, Any]], title: str,
+                 notes: Sequence[str] = ()) -> None:
+  """DIR/results.csv (exact numbers) and DIR/results.md (rounded; failed runs' errors below the table,
+  then `notes`' lines)."""
   keys = _swept_keys(runs)
   optional = [column for column in OPTIONAL_COLUMNS if any(row.get(column) is not None for row in rows)]
   metrics = [REPORT_COLUMNS[0], *optional, *REPORT_COLUMNS[1:]]
@@ -130,6 +135,8 @@ def write_tables(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, 
   if errors:
     lines += ['', 'Errors:', '']
     lines += [f'- `{row["run"]}`: {row["error"]}' for row in errors]
+  if notes:
+    lines += ['', *notes]
   files.atomic_write(os.path.join(workdir, 'results.md'),
                      lambda path: _write_text(path, '\n'.join(lines) + '\n'))
 
@@ -243,11 +250,12 @@ def write_plots(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, A
 
 
 def write_report(experiment_path: str, workdir: str, runs: Sequence[Run],
-                 config: ml_collections.ConfigDict | None = None) -> list[dict[str, Any]]:
+                 config: ml_collections.ConfigDict | None = None, statuses: Mapping[str, str] | None = None,
+                 notes: Sequence[str] = (), title: str = '') -> list[dict[str, Any]]:
   """Write DIR/results.md, DIR/results.csv and DIR/plots/*.png; returns the table rows, best first."""
-  rows = collect_results(workdir, runs, config)
+  rows = collect_results(workdir, runs, config, statuses)
   files.makedirs(workdir)
-  write_tables(workdir, runs, rows, title=f'{experiment_path} ({len(runs)} runs)')
+  write_tables(workdir, runs, rows, title=title or f'{experiment_path} ({len(runs)} runs)', notes=notes)
   write_plots(workdir, runs, rows)
   return rows
 

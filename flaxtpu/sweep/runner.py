@@ -125,8 +125,8 @@ def check_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, A
       raise SweepError(f'sweep key {key!r}: value {value!r} has the wrong type ({error})') from None
 
 
-def load_experiment(path: str) -> tuple[ml_collections.ConfigDict, Sweep]:
-  """Import an experiment file; return its base config and its runs' overrides, checked against the config."""
+def import_experiment(path: str, functions: Sequence[str]) -> Any:
+  """Import an experiment file as a module; SweepError unless it defines each of `functions`."""
   if not os.path.isfile(path):
     raise SweepError(f'experiment file {path!r} does not exist')
   # Experiments import recipes (`from configs import ...`): make the repo root
@@ -136,11 +136,17 @@ def load_experiment(path: str) -> tuple[ml_collections.ConfigDict, Sweep]:
       sys.path.insert(0, import_root)
   spec = importlib.util.spec_from_file_location('flaxtpu_experiment', path)
   module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  for function in functions:
+    if not callable(getattr(module, function, None)):
+      raise SweepError(f'{path}: must define {function}()')
+  return module
+
+
+def load_experiment(path: str) -> tuple[ml_collections.ConfigDict, Sweep]:
+  """Import an experiment file; return its base config and its runs' overrides, checked against the config."""
+  module = import_experiment(path, ('get_config', 'get_sweep'))
   try:
-    spec.loader.exec_module(module)
-    for function in ('get_config', 'get_sweep'):
-      if not callable(getattr(module, function, None)):
-        raise SweepError(f'must define {function}()')
     config = module.get_config()
     runs_overrides = module.get_sweep()
   except SweepError as error:
@@ -318,7 +324,7 @@ def repo_root() -> str:
   return os.path.abspath(os.path.join(os.path.dirname(__file__), '..', '..'))
 
 
-def _child_environment() -> dict[str, str]:
+def child_environment() -> dict[str, str]:
   environment = dict(os.environ)
   # The runs must import this same flaxtpu (and configs/) wherever the sweep is started from:
   # put it first on their path.
@@ -328,7 +334,7 @@ def _child_environment() -> dict[str, str]:
   return environment
 
 
-def _launch(run: Run, workdir: str, environment: Mapping[str, str],
+def launch(run: Run, workdir: str, environment: Mapping[str, str],
             log_dir: str = '') -> tuple[subprocess.Popen, Any]:
   """Start one run's trainer, its output going to its log.txt; returns the process and the open log."""
   path = log_path(workdir, run.name, log_dir)
@@ -346,7 +352,7 @@ def _launch(run: Run, workdir: str, environment: Mapping[str, str],
   return process, log
 
 
-def _record_exit(run: Run, returncode: int, wall_time_s: float, workdir: str, log_dir: str = '') -> None:
+def record_exit(run: Run, returncode: int, wall_time_s: float, workdir: str, log_dir: str = '') -> None:
   """Set a finished run's status: done only on exit status 0 with a results.json, else failed + its error."""
   run_dir = os.path.join(workdir, run.name)
   run.returncode, run.wall_time_s = returncode, round(wall_time_s, 1)
@@ -382,7 +388,7 @@ def run_sweep(experiment_path: str, workdir: str, runs: list[Run], parallel: int
   if len(pending) < len(runs):
     print(f'[sweep] {len(runs) - len(pending)} run(s) already finished, skipping them', flush=True)
 
-  environment = _child_environment()
+  environment = child_environment()
   free_devices = device_groups(parallel)  # one group per slot, returned when its run ends
   devices_of: dict[str, dict[str, str]] = {}
   sweep_start = time.monotonic()
@@ -400,7 +406,7 @@ def run_sweep(experiment_path: str, workdir: str, runs: list[Run], parallel: int
       while pending and len(processes) < parallel:
         run = pending.pop(0)
         devices_of[run.name] = free_devices.pop()
-        processes[run.name] = _launch(run, workdir, {**environment, **devices_of[run.name]}, log_dir)
+        processes[run.name] = launch(run, workdir, {**environment, **devices_of[run.name]}, log_dir)
         started[run.name] = time.monotonic()
         run.status = RUNNING
         print(f'[sweep] start {run.name} (log: {log_path(workdir, run.name, log_dir)})', flush=True)
@@ -413,7 +419,7 @@ def run_sweep(experiment_path: str, workdir: str, runs: list[Run], parallel: int
         log.close()
         free_devices.append(devices_of.pop(run.name))
         copy_log(workdir, run.name, log_dir)
-        _record_exit(run, process.returncode, time.monotonic() - started[run.name], workdir, log_dir)
+        record_exit(run, process.returncode, time.monotonic() - started[run.name], workdir, log_dir)
         if run.status == DONE:
           finished_durations.append(run.wall_time_s)
           print(f'[sweep] done {run.name} in {files.format_duration(run.wall_time_s)}', flush=True)

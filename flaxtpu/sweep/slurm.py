@@ -291,3 +291,65 @@ def wait(experiment_path: str, workdir: str, runs: Sequence[Run], extra_override
     time.sleep(poll_interval_s)
     # Short runs are seen finishing soon; a long sweep asks the controller every 10 s.
     poll_interval_s = min(poll_interval_s * 1.5, MAX_POLL_INTERVAL_S)
+
+
+# --- studies: array tasks that take trials from one study ------------------------------------
+
+
+def study_script(worker_command: Sequence[str]) -> str:
+  """A bash script whose every array task runs the study's worker (trials until the study holds N)."""
+  return '\n'.join([
+      '#!/bin/bash',
+      '# Written by python -m flaxtpu.sweep --trials=N --launcher=slurm: each array task takes trials from',
+      '# the study until it holds N; each trial logs to DIR/<trial>/log.txt.',
+      f'export PYTHONPATH={shlex.quote(runner.repo_root())}${{PYTHONPATH:+:$PYTHONPATH}}',
+      'export PYTHONUNBUFFERED=1',
+      f'exec {shlex.join(worker_command)} --worker="$SLURM_ARRAY_TASK_ID"',
+      ''])
+
+
+def study_tasks_in_queue(workdir: str) -> list[str]:
+  """The study's array tasks that SLURM still holds (none where no study was submitted from DIR)."""
+  record = files.read_json(_jobs_path(workdir)) or {}
+  arrays = {array['job'] for array in record.get('arrays', []) if array.get('study')}
+  if not arrays:
+    return []
+  return sorted(job for job in queue_states() if job.split('_')[0] in arrays)
+
+
+def submit_study(workdir: str, worker_command: Sequence[str], tasks: int, options: Options,
+                 before_submit) -> str:
+  """Submits `tasks` array tasks running `worker_command`, unless the study's earlier tasks are still
+  queued or running; `before_submit()` (re-queueing interrupted trials) runs first, under the lock.
+  Returns the array's job id, '' when nothing was submitted."""
+  check_commands()
+  with _locked(workdir):
+    queued = study_tasks_in_queue(workdir)
+    if queued:
+      print(f'[sweep] {len(queued)} task(s) of this study are queued or running ({", ".join(queued)}); '
+            'they take the remaining trials, not submitting more', flush=True)
+      return ''
+    if not before_submit():
+      print('[sweep] the study holds all its trials: nothing to submit', flush=True)
+      return ''
+    record = files.read_json(_jobs_path(workdir)) or {}
+    arrays = record.setdefault('arrays', [])
+    script_path = os.path.join(workdir, SLURM_DIR, f'study-{len(arrays) + 1}.sh')
+    with open(script_path, 'w') as f:
+      f.write(study_script(worker_command))
+    command = sbatch_command(dataclasses.replace(options, parallel=0), tasks, workdir, _job_name(workdir),
+                             script_path)
+    array_job = _slurm(command).strip().split(';')[0]
+    arrays.append({'job': array_job, 'script': script_path, 'command': command, 'study': True,
+                   'submitted': time.strftime('%Y-%m-%d %H:%M:%S')})
+    files.write_json(_jobs_path(workdir), record)
+  print(f'[sweep] submitted {tasks} study worker(s) as SLURM job array {array_job} ({script_path}); follow '
+        f'it with squeue -j {array_job}, or --report for the trials so far', flush=True)
+  return array_job
+
+
+def wait_for_tasks(workdir: str, poll_interval_s: float = 1.0) -> None:
+  """Polls the queue until none of the study's tasks is queued or running."""
+  while study_tasks_in_queue(workdir):
+    time.sleep(poll_interval_s)
+    poll_interval_s = min(poll_interval_s * 1.5, MAX_POLL_INTERVAL_S)
