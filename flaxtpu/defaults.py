@@ -147,6 +147,9 @@ def get_config() -> ml_collections.ConfigDict:
   # vit: exact (erf, as timm/PyTorch) | tanh (big_vision's approximation; runs saved before this
   # key).
   config.model.gelu = 'exact'
+  # convnext: floor (stride-2 downsampling drops an odd map's last row/column, as timm) | ceil (XLA's
+  # SAME pads it; runs saved before this key).
+  config.model.downsample = 'floor'
   # Compute dtype: float32 | bfloat16 (params, optimizer, BN stats stay float32).
   config.dtype = 'float32'
 
