@@ -15,7 +15,7 @@ import functools
 from typing import Optional
 
 from flaxtpu.errors import UserError, join_or
-from flaxtpu.models import cnn, convnext, fastnet, resnet, vit
+from flaxtpu.models import cnn, convnext, fastnet, resnet, swin, vit
 from flaxtpu.models.family import Family, Layout, Spec
 
 _FAMILIES: dict[str, Family] = {}  # family name -> plug-in
@@ -156,3 +156,4 @@ def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 
 
 for _family in (cnn.FAMILY, fastnet.FAMILY, resnet.CIFAR, resnet.IMAGENET, vit.FAMILY, convnext.FAMILY):
   register(_family)
+register(swin.FAMILY)

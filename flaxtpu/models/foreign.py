@@ -32,7 +32,6 @@ _ARCHITECTURES = (
     ('an SE-ResNet or SE-ResNeXt (squeeze-excitation)', _some(r'(layer\d+\.\d+\.se)\..+')),
     ('a ResNet-D (a deep stem: timm\'s resnet*d)', _all('conv1.0.weight', 'layer1.0.conv1.weight')),
     ('a ViT with layer scale (DeiT III)', _some(r'(blocks\.\d+\.ls1)\..+')),
-    ('a Swin Transformer', _some(r'(.+)\.relative_position_bias_table')),
     ('a timm MobileNetV3', _all('conv_stem.weight', 'conv_head.bias')),
     ('a timm EfficientNet', _some(r'(blocks\.\d+\.\d+\.se)\.conv_reduce\.weight')),
     ('a timm MobileNetV2 or another EfficientNet-like net', _all('conv_stem.weight')),
