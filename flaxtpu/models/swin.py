@@ -51,11 +51,13 @@ def _layers(spec: Spec) -> list[tuple[str, ...]]:
 
 def swin_rules(stage_sizes) -> list[Rule]:
   """timm's SwinTransformer (patch_embed, layers.S.downsample, layers.S.blocks.B, norm, head.fc)."""
-  rules = [*dense('patch_embed.proj', 'patch_embed', conv), *layer_norm('patch_embed.norm', 'patch_embed_norm')]
+  rules = [*dense('patch_embed.proj', 'patch_embed', conv),
+           *layer_norm('patch_embed.norm', 'patch_embed_norm')]
   for stage, blocks in enumerate(stage_sizes):
     if stage > 0:
-      rules += [*layer_norm(f'layers.{stage}.downsample.norm', f'stage{stage + 1}_merge_norm'),
-                linear(f'layers.{stage}.downsample.reduction.weight', f'params/stage{stage + 1}_merge/kernel')]
+      merge = f'stage{stage + 1}_merge'
+      rules += [*layer_norm(f'layers.{stage}.downsample.norm', f'{merge}_norm'),
+                linear(f'layers.{stage}.downsample.reduction.weight', f'params/{merge}/kernel')]
     for block in range(blocks):
       source, target = f'layers.{stage}.blocks.{block}', f'stage{stage + 1}_block{block + 1}'
       rules += [*layer_norm(f'{source}.norm1', f'{target}/norm1'),
@@ -70,12 +72,12 @@ def swin_rules(stage_sizes) -> list[Rule]:
 
 def _recognise(tensors, where: str):
   keys = set(tensors)
-  if not ('patch_embed.proj.weight' in keys and 'layers.0.blocks.0.attn.relative_position_bias_table' in keys):
+  if not {'patch_embed.proj.weight', 'layers.0.blocks.0.attn.relative_position_bias_table'} <= keys:
     return None
   if 'layers.0.downsample.reduction.weight' in keys:
-    raise UserError(f'{where} is a Swin Transformer in Microsoft\'s original layout (patch merging at the end '
-                    'of a stage); flaxtpu reads timm\'s: load it with timm.create_model(..., pretrained=True, '
-                    'pretrained_cfg_overlay={"file": ...}) and save model.state_dict()')
+    raise UserError(f'{where} is a Swin Transformer in Microsoft\'s original layout (patch merging at the '
+                    'end of a stage); flaxtpu reads timm\'s: load it with timm.create_model(..., '
+                    'pretrained=True, pretrained_cfg_overlay={"file": ...}) and save model.state_dict()')
   stages = tuple(layouts.count(keys, rf'layers\.{stage}\.blocks\.(\d+)\..+') for stage in range(4))
   tables = [tensors[f'layers.{stage}.blocks.0.attn.relative_position_bias_table'].shape for stage in range(4)
             if stages[stage]]

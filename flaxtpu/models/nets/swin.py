@@ -92,7 +92,8 @@ def table_resize(table_window: int, window: tuple[int, int]) -> Optional[np.ndar
 
 
 @functools.lru_cache(maxsize=None)
-def shift_mask(height: int, width: int, window: tuple[int, int], shift: tuple[int, int]) -> Optional[np.ndarray]:
+def shift_mask(height: int, width: int, window: tuple[int, int],
+               shift: tuple[int, int]) -> Optional[np.ndarray]:
   """[windows, area, area] of 0 / -100 for a shifted, padded `height` x `width` map: timm's attn_mask,
   sliced as timm slices it (a shift of 0 along an axis included)."""
   if not any(shift):
