@@ -130,7 +130,7 @@ def get_config() -> ml_collections.ConfigDict:
   # --- model ------------------------------------------------------------
   config.model = ml_collections.ConfigDict()
   # cnn | fastnet_s | fastnet | fastnet_whiten | resnet20/32/44/56/110 | resnet18/34/50/101/152 |
-  # vit_ti/s/b | convnext_t.
+  # vit_ti/s/b | convnext_t/s/b/l | swin_t/s/b.
   config.model.name = 'cnn'
   config.model.remat = 'none'  # none | full | a jax.checkpoint_policies name (dots_saveable, ...).
   # vit/convnext: patch side (convnext: stem stride); 0 = published, 16/4 (on 32x32: 4/2).

@@ -122,12 +122,12 @@ def test_a_registered_family_is_created_and_imports_its_published_weights(toy_fa
 
 def test_a_registered_family_has_no_timm_export_unless_it_declares_an_architecture(toy_family):
   with pytest.raises(UserError, match='toy_net has no timm twin; timm\'s layout exists for resnet18-152, '
-                                      'vit_ti/s/b and convnext_t'):
+                                      'vit_ti/s/b, convnext_t/s/b/l and swin_t/s/b'):
     pretrained.timm_architecture('toy_net', {}, (8, 8, 3), 3)
 
 
 def test_a_file_of_no_family_lists_the_registered_families(toy_family, tmp_path):
-  with pytest.raises(UserError, match=r"is not a ResNet, ViT, ConvNeXt or toy net in timm's, "
+  with pytest.raises(UserError, match=r"is not a ResNet, ViT, ConvNeXt, Swin Transformer or toy net in timm's, "
                                       r"torchvision's, big_vision's or toy's layout \(its tensors: x"):
     pretrained.infer_model({'x': np.zeros(1)}, 'test weights')
 
