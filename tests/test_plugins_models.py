@@ -127,8 +127,9 @@ def test_a_registered_family_has_no_timm_export_unless_it_declares_an_architectu
 
 
 def test_a_file_of_no_family_lists_the_registered_families(toy_family, tmp_path):
-  with pytest.raises(UserError, match=r"is not a ResNet, ViT, ConvNeXt, Swin Transformer or toy net in timm's, "
-                                      r"torchvision's, big_vision's or toy's layout \(its tensors: x"):
+  with pytest.raises(UserError, match=r"is not a ResNet, ViT, ConvNeXt, Swin Transformer or toy net in "
+                                      r"timm's, torchvision's, big_vision's or toy's layout "
+                                      r"\(its tensors: x"):
     pretrained.infer_model({'x': np.zeros(1)}, 'test weights')
 
 

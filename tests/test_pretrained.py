@@ -519,7 +519,8 @@ def test_a_file_of_another_architecture_is_named_as_what_it_is(library, architec
   tensors = {key: value.numpy() for key, value in model.state_dict().items()}
   with pytest.raises(UserError, match=_exactly(
       f"test weights looks like {named}, which flaxtpu has no model for; supported: ResNet (resnet18-152), "
-      "ViT (vit_ti/s/b), ConvNeXt (convnext_t/s/b/l) or Swin Transformer (swin_t/s/b) in timm's, torchvision's or big_vision's layout")):
+      "ViT (vit_ti/s/b), ConvNeXt (convnext_t/s/b/l) or Swin Transformer (swin_t/s/b) "
+      "in timm's, torchvision's or big_vision's layout")):
     pretrained.infer_model(tensors, 'test weights')
 
 

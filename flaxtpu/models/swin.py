@@ -40,13 +40,13 @@ def _build(spec: SwinSpec, *, num_classes, dtype, wrap, bn_axis_name, patch_size
 
 
 def _layers(spec: Spec) -> list[tuple[str, ...]]:
-  """The patch embedding, one layer per block (a stage's patch merging joins its first block), the final
-  norm, the head (timm's group_matcher)."""
+  """The patch embedding, one layer per block (a stage's patch merging joins its first block, the final
+  norm the last block: timm's group_matcher), the head."""
   layers = [('patch_embed', 'patch_embed_norm')]
   for stage, size in enumerate(spec.stage_sizes, 1):
     merge = (f'stage{stage}_merge_norm', f'stage{stage}_merge') if stage > 1 else ()
     layers += [(f'stage{stage}_block{block}', *(merge if block == 1 else ())) for block in range(1, size + 1)]
-  return [*layers, ('norm',), ('head',)]
+  return [*layers[:-1], (*layers[-1], 'norm'), ('head',)]
 
 
 def swin_rules(stage_sizes) -> list[Rule]:
