@@ -16,7 +16,7 @@ from test_pretrained import assert_same_function, flaxtpu_logits, hub_cache, imp
 
 from conftest import make_image_folder
 from flaxtpu import defaults, export, finetune, main, models, optim, pretrained, workdir_config
-from flaxtpu.errors import UserError
+from flaxtpu.errors import CheckpointError, UserError
 from flaxtpu.models.nets import swin
 from flaxtpu.modes import predict
 
@@ -168,22 +168,27 @@ def test_convnext_runs_saved_before_model_downsample_keep_ceil():
   assert workdir_config.from_saved(saved).model.downsample == 'floor'  # not a Swin option
 
 
+@pytest.fixture
+def in_process(monkeypatch):
+  """main.run in this process: JAX runs already (on the suite's CPU devices)."""
+  monkeypatch.setattr(main, '_start_jax', lambda config, mode: jax)
+
+
 def _run_config(folder, name, **overrides):
   config = defaults.get_config()
   config.dataset.folder = str(folder)
   config.model.name = name
   config.batch_size = 8
   config.num_train_steps = 2
-  config.cpu_devices = 2
   config.compilation_cache_dir = 'none'
   config.update_from_flattened_dict(overrides)
   return config
 
 
-def test_an_old_convnext_run_evaluates_as_it_trained(tmp_path):
+def test_an_old_convnext_run_evaluates_as_it_trained(tmp_path, in_process):
   """A run at 36 px (9x9 -> 5x5 under ceil, 4x4 under floor) trained as flaxtpu trained before the key,
-  its config.json as such a run wrote it: eval restores it with ceil and reproduces its eval loss; the
-  same checkpoint under floor computes another loss."""
+  its config.json and records as such a run wrote them: eval restores it with ceil and reproduces its eval
+  loss (the same checkpoint under floor computes another); resuming its training under floor is refused."""
   folder = make_image_folder(tmp_path / 'photos', size=36, train_per_class=4, test_per_class=2)
   workdir = str(tmp_path / 'run')
   main.run(_run_config(folder, 'convnext_t', **{'model.downsample': 'ceil'}), workdir, 'train', None)
@@ -203,6 +208,19 @@ def test_an_old_convnext_run_evaluates_as_it_trained(tmp_path):
     losses[downsample] = json.loads(open(os.path.join(workdir, 'eval.json')).read())['eval_loss']
   assert losses['ceil'] == pytest.approx(trained, rel=1e-5)
   assert abs(losses['floor'] - trained) > 1e-4 * abs(trained)
+
+  # Resuming its training under today's default would change its function mid-run: refused by name.
+  for step in os.listdir(os.path.join(workdir, 'checkpoints')):
+    record_path = os.path.join(workdir, 'checkpoints', step, 'record', 'metadata')
+    if os.path.isfile(record_path):
+      record = json.loads(open(record_path).read())
+      del record['config']['model']['downsample']
+      with open(record_path, 'w') as f:
+        json.dump(record, f)
+  with pytest.raises(CheckpointError, match=r'trained before config.model.downsample existed, computing what '
+                                            r'downsample=ceil computes; resume with '
+                                            r'--config.model.downsample=ceil or use another --workdir'):
+    main.run(_run_config(folder, 'convnext_t', num_train_steps=3), workdir, 'train', None)
 
 
 @pytest.fixture(scope='module')
@@ -256,7 +274,7 @@ def test_swin_keep_head_predict_at_another_size_is_timms(swin_published):
   assert_same_function(theirs, ours)
 
 
-def test_swin_finetune_from_a_timm_folder_exports_back_to_timm(swin_published, tmp_path):
+def test_swin_finetune_from_a_timm_folder_exports_back_to_timm(swin_published, tmp_path, in_process):
   """configs/finetune.py from a local timm folder at 36 px (9/5/3/2 tokens: padded, shifted, shrunk windows)
   with layer decay and fsdp -> export: timm.create_model loads export/timm with the SavedModel's logits."""
   torch, _, timm = import_torch()
@@ -268,7 +286,7 @@ def test_swin_finetune_from_a_timm_folder_exports_back_to_timm(swin_published, t
   config = finetune_recipe.get_config()
   config.update_from_flattened_dict({
       'dataset.folder': str(folder), 'init_from.checkpoint': str(root / 'folder'), 'dataset.image_size': 36,
-      'num_train_steps': 2, 'batch_size': 8, 'cpu_devices': 2, 'compilation_cache_dir': 'none',
+      'num_train_steps': 2, 'batch_size': 8, 'compilation_cache_dir': 'none',
       'optimizer.layer_decay': 0.75, 'mesh.fsdp': 2, 'mesh.fsdp_min_size': 1024})
   workdir = str(tmp_path / 'run')
   pretrained.describe.cache_clear()
