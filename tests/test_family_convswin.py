@@ -266,8 +266,8 @@ def test_swin_keep_head_predict_at_another_size_is_timms(swin_published):
   pretrained.describe.cache_clear()
   pretrained.apply_defaults(config)
   placement, state, _, record = finetune.published_model(config)
-  pixels = np.random.default_rng(0).integers(0, 256, (4, 72, 72, 3)).astype(np.uint8)
-  ours = predict.predict_logits(placement, state, pixels, 4)
+  pixels = np.random.default_rng(0).integers(0, 256, (8, 72, 72, 3)).astype(np.uint8)
+  ours = predict.predict_logits(placement, state, pixels, 8)  # a batch over the suite's 8 devices
   mean, std = (np.asarray(record['normalization'][key], np.float32) for key in ('mean', 'std'))
   theirs = torch_logits(torch, _at_size('swin_tiny_patch4_window7_224', 72),
                         ((pixels / 255.0 - mean) / std).astype(np.float32))
