@@ -79,6 +79,17 @@ def test_convnext_floors_odd_maps_as_timm():
   assert np.abs(ceil - expected).max() > 1e-2 * np.abs(expected).max()
 
 
+def test_convnext_names_images_too_small_to_floor():
+  """16 px at stride 4: 4 -> 2 -> 1 -> nothing; stride 1 keeps 8 px images (as SAME padding did)."""
+  with pytest.raises(UserError, match=r'ConvNeXt with patch_size=4 floors a 1x1 map to nothing at stage 4: '
+                                      r'it needs images of at least 32x32'):
+    jax.eval_shape(lambda: models.create('convnext_t', num_classes=3).init(
+        jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 3)), train=False))
+  variables = jax.eval_shape(lambda: models.create('convnext_t', num_classes=3, patch_size=1).init(
+      jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 3)), train=False))
+  assert variables['params']['head']['kernel'].shape == (768, 3)
+
+
 @pytest.mark.parametrize('name, architecture', VARIANTS)
 def test_every_variant_is_recognised_with_timms_parameter_count(name, architecture):
   """Shapes only (timm's model on the meta device, zero-stride arrays): the file's tensors name the variant,

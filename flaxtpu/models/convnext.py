@@ -81,8 +81,9 @@ TIMM = Layout('timm', ('timm',), _recognise,
               head=lambda keys: 'head.fc.bias')
 
 def _smallest_image(spec: Spec) -> int:
-  """The stem's stride, then a halving per later stage (floored: each map must keep a pixel)."""
-  return spec.patch_size * 2 ** (len(spec.stage_sizes) - 1)
+  """A halving per later stage (floored, each map must keep a pixel) after a stem of stride 1 at least;
+  the network names a larger stride's need (`nets.convnext.ConvNeXt`)."""
+  return 2 ** (len(spec.stage_sizes) - 1)
 
 
 FAMILY = Family('convnext', {

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from flaxtpu.errors import UserError
 from flaxtpu.models.nets.vit import stochastic_depth
 
 # Convolutions and dense layers start as timm's trunc_normal_(std=.02), biases at zero.
@@ -62,6 +63,11 @@ class ConvNeXt(nn.Module):
     num_blocks, index = sum(self.stage_sizes), 0
     for stage, (size, width) in enumerate(zip(self.stage_sizes, self.stage_widths)):
       if stage > 0:
+        if self.downsample == 'floor' and min(x.shape[1:3]) < 2:
+          need = self.patch_size * 2 ** (len(self.stage_sizes) - 1)
+          raise UserError(f'ConvNeXt with patch_size={self.patch_size} floors a {x.shape[1]}x{x.shape[2]} '
+                          f'map to nothing at stage {stage + 1}: it needs images of at least {need}x{need}; '
+                          'set --config.dataset.image_size (or a smaller --config.model.patch_size)')
         padding = 'VALID' if self.downsample == 'floor' else 'SAME'
         x = conv(width, 2, f'stage{stage + 1}_downsample', padding)(norm(f'stage{stage + 1}_norm')(x))
       for block in range(size):
