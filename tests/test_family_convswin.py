@@ -285,6 +285,7 @@ def test_swin_keep_head_predict_at_another_size_is_timms(swin_published):
   assert_same_function(theirs, ours)
 
 
+@pytest.mark.slow  # 2-20 min on 2 shared cores; the parity and keep_head tests check the function
 def test_swin_finetune_from_a_timm_folder_exports_back_to_timm(swin_published, tmp_path, in_process):
   """configs/finetune.py from a local timm folder at 36 px (9/5/3/2 tokens: padded, shifted, shrunk windows)
   with layer decay and fsdp -> export: timm.create_model loads export/timm with the SavedModel's logits."""
