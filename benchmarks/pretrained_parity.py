@@ -11,12 +11,14 @@ through the path a user's do: a .safetensors/.npz file named by
 `init_from.checkpoint`, `finetune.published_model` (model inferred, mapped,
 normalisation from the source) and `modes.predict.predict_logits` on uint8 images;
 the source model sees the same uint8 images normalised by the same numbers.
-ViTs are also compared at a second size against timm's own position-embedding
-resampling. Prints max |logit difference|, that difference relative to the
+ViTs and Swins are also compared at a second size against timm's own resampling
+of their position embeddings / relative position tables, ConvNeXts at 176 px
+(odd maps). Prints max |logit difference|, that difference relative to the
 largest logit, and top-1 agreement; writes JSON to --out-dir.
 """
 
 import argparse
+import importlib
 import os
 import sys
 import tempfile
@@ -73,6 +75,13 @@ CASES = [
     ('mobilenetv3_s timm', 'timm', 'mobilenetv3_small_100', 'mobilenetv3_s', 224, 200),
     ('mobilenetv3_s tf timm', 'timm', 'tf_mobilenetv3_small_100', 'mobilenetv3_s', 224, 200),
     ('mobilenetv3_s torchvision', 'torchvision', 'mobilenet_v3_small', 'mobilenetv3_s', 224, 200),
+    ('convnext_t timm', 'timm', 'convnext_tiny', 'convnext_t', 224, 176),
+    ('convnext_s timm', 'timm', 'convnext_small', 'convnext_s', 224, 176),
+    ('convnext_b timm', 'timm', 'convnext_base', 'convnext_b', 224, 176),
+    ('convnext_l timm', 'timm', 'convnext_large', 'convnext_l', 224, 176),
+    ('swin_t timm', 'timm', 'swin_tiny_patch4_window7_224', 'swin_t', 224, 176),
+    ('swin_s timm', 'timm', 'swin_small_patch4_window7_224', 'swin_s', 224, 176),
+    ('swin_b timm', 'timm', 'swin_base_patch4_window7_224', 'swin_b', 224, 200),
     # The deepest last: each costs what three of the others do on a CPU.
     ('resnet101 torchvision', 'torchvision', 'resnet101', 'resnet101', 224, None),
     ('resnet152 torchvision', 'torchvision', 'resnet152', 'resnet152', 224, None),
@@ -166,8 +175,9 @@ def compare(case, images: int, directory: str) -> list[dict]:
     mean = np.asarray(record['normalization']['mean'], np.float32)
     std = np.asarray(record['normalization']['std'], np.float32)
     reference_model = source
-    if side != size and hasattr(source, 'pos_embed'):  # timm's own resampling of the position embeddings
-      from timm.models.vision_transformer import checkpoint_filter_fn  # pylint: disable=g-import-not-at-top
+    if side != size and (hasattr(source, 'pos_embed') or architecture.startswith('swin')):  # timm's own
+      # resampling of the position embeddings (ViT) or relative position tables (Swin) at another size
+      checkpoint_filter_fn = importlib.import_module(type(source).__module__).checkpoint_filter_fn
       reference_model = timm.create_model(architecture, img_size=side,
                                           **({'act_layer': 'gelu_tanh'} if library == 'npz' else {}))
       reference_model.load_state_dict(checkpoint_filter_fn(dict(source.state_dict()), reference_model))

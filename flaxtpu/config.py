@@ -213,12 +213,13 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
   _one_of('model.pool', model.pool, models.POOLS)
   _one_of('model.padding', model.padding, models.PADDINGS)
   _one_of('model.gelu', model.gelu, models.GELUS)
+  _one_of('model.downsample', model.downsample, models.DOWNSAMPLES)
   for key in ('dropout', 'drop_path'):
     if not 0.0 <= model[key] < 1.0:
       raise ConfigError(f'config.model.{key}={model[key]!r} must be in [0, 1)')
   options = models.get_spec(model.name).options
   default = defaults.get_config().model
-  for key in ('patch_size', 'pool', 'dropout', 'drop_path', 'padding', 'gelu'):
+  for key in ('patch_size', 'pool', 'dropout', 'drop_path', 'padding', 'gelu', 'downsample'):
     if key not in options and model[key] != default[key]:
       takers = [name for name in models.NAMES if key in models.get_spec(name).options]
       raise ConfigError(f'config.model.{key}={model[key]!r} has no effect on model.name={model.name!r}; '

@@ -130,7 +130,7 @@ def get_config() -> ml_collections.ConfigDict:
   # --- model ------------------------------------------------------------
   config.model = ml_collections.ConfigDict()
   # cnn | fastnet_s | fastnet | fastnet_whiten | resnet20/32/44/56/110 | resnet18/34/50/101/152 |
-  # vit_ti/s/b | convnext_t | efficientnet_b0-b7 | mobilenetv3_l/s.
+  # vit_ti/s/b | convnext_t/s/b/l | swin_t/s/b | efficientnet_b0-b7 | mobilenetv3_l/s.
   config.model.name = 'cnn'
   config.model.remat = 'none'  # none | full | a jax.checkpoint_policies name (dots_saveable, ...).
   # vit/convnext: patch side (convnext: stem stride); 0 = published, 16/4 (on 32x32: 4/2).
@@ -150,6 +150,9 @@ def get_config() -> ml_collections.ConfigDict:
   # vit: exact (erf, as timm/PyTorch) | tanh (big_vision's approximation; runs saved before this
   # key).
   config.model.gelu = 'exact'
+  # convnext: floor (stride-2 downsampling drops an odd map's last row/column, as timm) | ceil (XLA's
+  # SAME pads it; runs saved before this key).
+  config.model.downsample = 'floor'
   # Compute dtype: float32 | bfloat16 (params, optimizer, BN stats stay float32).
   config.dtype = 'float32'
 

@@ -198,7 +198,7 @@ def _export_timm(config: ml_collections.ConfigDict, directory: str, final: str, 
   arrays = {f'{collection}/{name}': np.asarray(leaf) for collection in ('params', 'batch_stats')
             for name, leaf in optim.named_leaves(getattr(host_state, collection)).items()}
   options = {key: config.model[key] for key in models.get_spec(config.model.name).options
-             if key in ('patch_size', 'pool', 'gelu', 'padding')}
+             if key in ('patch_size', 'pool', 'gelu', 'padding', 'downsample')}
   try:
     architecture, _ = pretrained.timm_architecture(config.model.name, options, tuple(record['image_shape']),
                                                    record['num_classes'])

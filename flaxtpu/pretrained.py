@@ -349,7 +349,7 @@ def apply_defaults(config, workdir: str = '') -> bool:
   return True
 
 
-_MODEL_OPTIONS = ('patch_size', 'pool', 'gelu', 'padding')
+_MODEL_OPTIONS = ('patch_size', 'pool', 'gelu', 'padding', 'downsample')
 
 
 # --- and back out: timm's layout ------------------------------------------------------------------

@@ -69,7 +69,8 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
       config.model.name, num_classes=num_classes, dtype=config.dtype, remat=config.model.remat,
       bn_axis_name=parallel.PMAP_AXIS if config.parallelism == 'pmap' else None,
       patch_size=config.model.patch_size, pool=config.model.pool, dropout=config.model.dropout,
-      drop_path=config.model.drop_path, padding=config.model.padding, gelu=config.model.gelu)
+      drop_path=config.model.drop_path, padding=config.model.padding, gelu=config.model.gelu,
+      downsample=config.model.downsample)
   optimizer, schedule = optim.create_optimizer(config, length) if length else (None, None)
   standardize = config.dataset.normalize in ('standardize', 'fixed')
   return Task(model=model, num_classes=num_classes, image_shape=tuple(image_shape),

@@ -42,6 +42,7 @@ from flaxtpu import (
   parallel,
   steps,
   tracking,
+  workdir_config,
 )
 from flaxtpu.data import loaders, pipeline, sampling, workers
 from flaxtpu.data.spec import saved_config
@@ -176,6 +177,14 @@ def start_or_resume(config: ml_collections.ConfigDict, task: steps.Task, placeme
   latest, (saved, record) = checkpoints.newest_readable(
       lambda step: checkpoints.restore_train_state(step, placement.abstract_state, expected, config),
       set_aside=True)
+  legacy = {key: value for key, value in workdir_config.legacy_options(record.get('config', {})).items()
+            if config.model[key] != value}
+  if legacy:  # same arrays, another function: a run saved before an option keeps what it computed
+    raise checkpoint.CheckpointError(
+        f'checkpoint step {latest} in {checkpoints.directory} was trained before config.model.'
+        f'{", ".join(legacy)} existed, computing what {", ".join(f"{k}={v}" for k, v in legacy.items())} '
+        f'computes; resume with {" ".join(f"--config.model.{k}={v}" for k, v in legacy.items())} '
+        'or use another --workdir')
   saved_accumulation = record.get('config', {}).get('optimizer', {}).get('accumulate_steps', 1)
   if saved_accumulation != config.optimizer.accumulate_steps:
     # Same arrays, other meaning: the optimizer's update count and the schedule assume the old k.

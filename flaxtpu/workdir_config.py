@@ -46,10 +46,16 @@ def from_saved(saved: dict) -> ml_collections.ConfigDict:
         parent[leaf] = tuple(value) if isinstance(parent[leaf], tuple) else value
 
   assign(saved, '')
-  # A run saved before a model option existed computed what that option's legacy value computes.
-  if config.model.name in models.NAMES:
-    options = models.get_spec(config.model.name).options
-    for key, legacy in models.LEGACY_OPTIONS.items():
-      if key in options and key not in saved.get('model', {}):
-        config.model[key] = legacy
+  config.model.update(legacy_options(saved))
   return config
+
+
+def legacy_options(saved: dict) -> dict:
+  """{option: value} of the model options a run saved before they existed computed with: its model reads
+  them, its saved config lacks them, and what it computed is the option's legacy value."""
+  name = saved.get('model', {}).get('name')
+  if name not in models.NAMES:
+    return {}
+  options = models.get_spec(name).options
+  return {key: legacy for key, legacy in models.LEGACY_OPTIONS.items()
+          if key in options and key not in saved['model']}

@@ -136,7 +136,8 @@ def test_a_registered_family_has_no_timm_export_unless_it_declares_an_architectu
 
 def test_a_file_of_no_family_lists_the_registered_families(toy_family, tmp_path):
   readers = [family for family in models.families() if family.layouts]
-  assert readers[-1] is toy_family and [family.title for family in readers[:3]] == ['ResNet', 'ViT', 'ConvNeXt']
+  assert readers[-1] is toy_family
+  assert [family.title for family in readers[:3]] == ['ResNet', 'ViT', 'ConvNeXt']
   with pytest.raises(UserError, match=r'is not a ' + _registered(lambda family: family.title, readers)
                      + r" in timm's, torchvision's, big_vision's or toy's layout \(its tensors: x"):
     pretrained.infer_model({'x': np.zeros(1)}, 'test weights')

@@ -23,7 +23,7 @@ from PIL import Image
 
 from flaxtpu import config as config_lib
 from flaxtpu import defaults, finetune, models, pretrained, workdir_config
-from flaxtpu.errors import UserError
+from flaxtpu.errors import UserError, join_or
 from flaxtpu.models import layouts, resnet, vit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -501,7 +501,7 @@ def test_a_missing_tensor_is_named(resnet18_state, tmp_path):
 
 
 @pytest.mark.parametrize('library, architecture, named', [
-    ('timm', 'swin_tiny_patch4_window7_224', 'a Swin Transformer (its layers.0.blocks.0.attn.* tensors)'),
+    ('timm', 'seresnet18', 'an SE-ResNet or SE-ResNeXt (squeeze-excitation) (its layer1.0.se.* tensors)'),
     ('timm', 'mobilenetv2_100',
      'a timm MobileNetV2 or another EfficientNet-like net (its conv_stem.* tensors)'),
     ('torchvision', 'mobilenet_v2', 'a torchvision MobileNetV2 (its features.1.conv.* tensors)'),
@@ -511,10 +511,11 @@ def test_a_file_of_another_architecture_is_named_as_what_it_is(library, architec
   model = (timm.create_model(architecture) if library == 'timm'
            else getattr(torchvision.models, architecture)())
   tensors = {key: value.numpy() for key, value in model.state_dict().items()}
+  supported = join_or([f'{family.title} ({family.listed()})' for family in models.families()
+                       if family.layouts])
+  assert supported.startswith('ResNet (resnet18-152')
   with pytest.raises(UserError, match=_exactly(
-      f"test weights looks like {named}, which flaxtpu has no model for; supported: ResNet "
-      "(resnet18-152/18d-152d/resnext*/wide_resnet*), ViT (vit_ti/s/b), ConvNeXt (convnext_t), EfficientNet "
-      "(efficientnet_b0-b7), MobileNetV3 (mobilenetv3_l/s) or RegNet (regnetx_*/regnety_*) in timm's, "
+      f"test weights looks like {named}, which flaxtpu has no model for; supported: {supported} in timm's, "
       "torchvision's or big_vision's layout")):
     pretrained.infer_model(tensors, 'test weights')
 

@@ -15,7 +15,7 @@ import functools
 from typing import Optional
 
 from flaxtpu.errors import UserError, join_or
-from flaxtpu.models import cnn, convnext, efficientnet, fastnet, mobilenetv3, regnet, resnet, vit
+from flaxtpu.models import cnn, convnext, efficientnet, fastnet, mobilenetv3, regnet, resnet, swin, vit
 from flaxtpu.models.family import Family, Layout, Spec
 
 _FAMILIES: dict[str, Family] = {}  # family name -> plug-in
@@ -51,8 +51,10 @@ POOLS = ('gap', 'tok')
 # efficientnet, mobilenetv3: PyTorch's models | TensorFlow's ports (timm's tf_*: SAME, BatchNorm eps 1e-3)
 PADDINGS = ('torch', 'same')
 GELUS = ('exact', 'tanh')  # vit: erf as timm | tanh as big_vision (runs saved before model.gelu)
+# convnext: stride-2 convs floor odd maps as timm | XLA's SAME rounds up (runs saved before model.downsample)
+DOWNSAMPLES = ('floor', 'ceil')
 # What a run saved before a model option existed computed; config.from_saved fills these in.
-LEGACY_OPTIONS = {'padding': 'same', 'gelu': 'tanh'}
+LEGACY_OPTIONS = {'padding': 'same', 'gelu': 'tanh', 'downsample': 'ceil'}
 
 
 def get_spec(name: str) -> Spec:
@@ -129,13 +131,13 @@ def check_image_shape(name: str, image_shape: tuple[int, ...], patch_size: int =
 def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 'none',
            bn_axis_name: Optional[str] = None, patch_size: int = 0, pool: str = 'gap',
            dropout: float = 0.0, drop_path: float = 0.0, padding: str = 'torch', gelu: str = 'exact',
-           image_shape: Optional[tuple[int, ...]] = None):
+           downsample: str = 'floor',            image_shape: Optional[tuple[int, ...]] = None):
   """Builds model `name`; `remat` wraps each block (ResNet, ViT, ConvNeXt) or stage (CNN) in jax.checkpoint.
 
   `bn_axis_name` makes BatchNorm average its statistics over that pmap axis,
   so that pmap computes the same statistics as one global batch. `patch_size`
-  (0 = the published one), `pool`, `dropout`, `drop_path`, `padding` (ResNet)
-  and `gelu` (ViT) configure the families that read them (`Spec.options` says
+  (0 = the published one), `pool`, `dropout`, `drop_path`, `padding` (ResNet),
+  `gelu` (ViT) and `downsample` (ConvNeXt) configure the families that read them (`Spec.options` says
   which: `Family.options`); given `image_shape`, the patches are checked to tile it.
   """
   # pylint: disable=g-import-not-at-top
@@ -149,11 +151,11 @@ def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 
       lambda unit: nn.remat(unit, policy=remat_policy(remat)))
   family = _FAMILIES[spec.family]
   options = {'patch_size': patch_size, 'pool': pool, 'dropout': dropout, 'drop_path': drop_path,
-             'padding': padding, 'gelu': gelu}
+             'padding': padding, 'gelu': gelu, 'downsample': downsample}
   return family.build(spec, num_classes=num_classes, dtype=jnp.dtype(dtype), wrap=wrap,
                       bn_axis_name=bn_axis_name, **{key: options[key] for key in family.options})
 
 
 for _family in (cnn.FAMILY, fastnet.FAMILY, resnet.CIFAR, resnet.IMAGENET, vit.FAMILY, convnext.FAMILY,
-                efficientnet.FAMILY, mobilenetv3.FAMILY, regnet.FAMILY):
+                swin.FAMILY, efficientnet.FAMILY, mobilenetv3.FAMILY, regnet.FAMILY):
   register(_family)

@@ -1,10 +1,14 @@
-"""ConvNeXt (Liu et al. 2022): convnext_t, as in the official code and timm.
+"""ConvNeXt (Liu et al. 2022): convnext_t/s/b/l, as in the official code and timm.
 
 A patchify stem (`patch_size` x `patch_size` convolution with that stride, 4
 in the paper, + LayerNorm), four stages of blocks (7x7 depthwise convolution,
 LayerNorm, 4x MLP with GELU, layer scale, stochastic depth) joined by
 LayerNorm + 2x2 stride-2 convolutions, then global average pooling,
-LayerNorm and the head. A smaller stem stride suits small images: on 32x32,
+LayerNorm and the head. An odd map's downsampling floors as timm's unpadded
+convolution does (`downsample='floor'`: 11x11 -> 5x5), or rounds up under XLA's
+SAME padding (`'ceil'`: 11x11 -> 6x6), as flaxtpu did before `model.downsample`
+(runs saved then keep it); maps that halve evenly are the same either way.
+A smaller stem stride suits small images: on 32x32,
 `patch_size=2` gives 16/8/4/2-pixel stages (the paper's 4 gives 8/4/2/1).
 """
 
@@ -13,6 +17,7 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from flaxtpu.errors import UserError
 from flaxtpu.models.nets.vit import stochastic_depth
 
 # Convolutions and dense layers start as timm's trunc_normal_(std=.02), biases at zero.
@@ -44,6 +49,7 @@ class ConvNeXt(nn.Module):
   stage_widths: Sequence[int]
   block: Callable[..., nn.Module] = ConvNeXtBlock  # possibly wrapped in nn.remat
   patch_size: int = 4  # the stem's kernel and stride
+  downsample: str = 'floor'  # 'floor' (timm) | 'ceil' (XLA SAME: runs saved before model.downsample)
   drop_path: float = 0.0  # the last block's rate; 0 in the first, linear in between
   dtype: Any = jnp.float32
 
@@ -57,8 +63,13 @@ class ConvNeXt(nn.Module):
     num_blocks, index = sum(self.stage_sizes), 0
     for stage, (size, width) in enumerate(zip(self.stage_sizes, self.stage_widths)):
       if stage > 0:
-        # SAME padding: odd maps (28x28 / 4 = 7x7) still halve, rounding up; even maps are unpadded.
-        x = conv(width, 2, f'stage{stage + 1}_downsample', 'SAME')(norm(f'stage{stage + 1}_norm')(x))
+        if self.downsample == 'floor' and min(x.shape[1:3]) < 2:
+          need = self.patch_size * 2 ** (len(self.stage_sizes) - 1)
+          raise UserError(f'ConvNeXt with patch_size={self.patch_size} floors a {x.shape[1]}x{x.shape[2]} '
+                          f'map to nothing at stage {stage + 1}: it needs images of at least {need}x{need}; '
+                          'set --config.dataset.image_size (or a smaller --config.model.patch_size)')
+        padding = 'VALID' if self.downsample == 'floor' else 'SAME'
+        x = conv(width, 2, f'stage{stage + 1}_downsample', padding)(norm(f'stage{stage + 1}_norm')(x))
       for block in range(size):
         # Explicit names: the same parameter tree with and without remat.
         x = self.block(train, drop_path=self.drop_path * index / max(num_blocks - 1, 1), dtype=self.dtype,
