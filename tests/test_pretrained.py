@@ -88,7 +88,7 @@ def flaxtpu_logits(tensors, images, model_name=None, **overrides):
   rules = (vit.big_vision_rules(set(tensors), spec.stage_sizes[0], options['pool'] == 'tok')
            if layout == 'big_vision' else _timm_rules(spec, options, set(tensors)))
   adapt = {'params/pos_embedding': functools.partial(finetune.resample_position_embeddings,
-                                                     prefix_tokens=int(options.get('pool') == 'tok'))}
+                                                     prefix_tokens=spec.prefix_tokens(options['pool']))}
   loaded = layouts.load(rules, tensors, wanted, 'test weights', adapt)
   assert set(loaded) == set(wanted), set(loaded) ^ set(wanted)
   del published

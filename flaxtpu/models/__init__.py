@@ -46,9 +46,10 @@ def unregister(name: str) -> None:
   layer_depths.cache_clear()
 
 
-POOLS = ('gap', 'tok')
+POOLS = ('gap', 'tok', 'map', 'avg')  # vit: see flaxtpu/models/vit.py
 PADDINGS = ('torch', 'same')  # resnet: symmetric as PyTorch | XLA's SAME (runs saved before model.padding)
-GELUS = ('exact', 'tanh')  # vit: erf as timm | tanh as big_vision (runs saved before model.gelu)
+# vit: erf as timm | tanh as big_vision (runs saved before model.gelu) | OpenAI CLIP's QuickGELU
+GELUS = ('exact', 'tanh', 'quick')
 # What a run saved before a model option existed computed; config.from_saved fills these in.
 LEGACY_OPTIONS = {'padding': 'same', 'gelu': 'tanh'}
 
