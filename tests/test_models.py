@@ -249,7 +249,7 @@ def test_patches_that_do_not_tile_the_image_name_the_key(name, patch_size, shape
     (dict(name='vit_b', patch_size=4, pool='tok', dropout=0.1, drop_path=0.1), None),
     (dict(name='convnext_t', patch_size=2, drop_path=0.1), None),
     (dict(name='resnet50', drop_path=0.1), None),
-    (dict(name='vit_ti', pool='cls'), "config.model.pool='cls' is not valid; choose one of: 'gap', 'tok'"),
+    (dict(name='vit_ti', pool='cls'), "config.model.pool='cls' is not valid; choose one of: 'gap', 'tok', 'map', 'avg'"),
     (dict(name='vit_ti', patch_size=-1), 'config.model.patch_size=-1 must be >= 0'),
     (dict(name='vit_ti', dropout=1.0), r'config.model.dropout=1.0 must be in \[0, 1\)'),
     (dict(name='convnext_t', drop_path=-0.1), r'config.model.drop_path=-0.1 must be in \[0, 1\)'),

@@ -122,7 +122,7 @@ def test_a_registered_family_is_created_and_imports_its_published_weights(toy_fa
 
 def test_a_registered_family_has_no_timm_export_unless_it_declares_an_architecture(toy_family):
   with pytest.raises(UserError, match='toy_net has no timm twin; timm\'s layout exists for resnet18-152, '
-                                      'vit_ti/s/b and convnext_t'):
+                                      r'vit_\*, deit_\*, dinov2_\*, clip_\* and convnext_t'):
     pretrained.timm_architecture('toy_net', {}, (8, 8, 3), 3)
 
 

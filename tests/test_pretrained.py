@@ -87,8 +87,8 @@ def flaxtpu_logits(tensors, images, model_name=None, **overrides):
   spec = models.get_spec(name)
   rules = (vit.big_vision_rules(set(tensors), spec.stage_sizes[0], options['pool'] == 'tok')
            if layout == 'big_vision' else _timm_rules(spec, options, set(tensors)))
-  adapt = {'params/pos_embedding': functools.partial(finetune.resample_position_embeddings,
-                                                     prefix_tokens=spec.prefix_tokens(options['pool']))}
+  adapt = {'params/pos_embedding': lambda array, shape: finetune.resample_position_embeddings(
+      array, shape, spec.prefix_tokens(options['pool']))}  # ViTs alone have position embeddings
   loaded = layouts.load(rules, tensors, wanted, 'test weights', adapt)
   assert set(loaded) == set(wanted), set(loaded) ^ set(wanted)
   del published
@@ -520,7 +520,7 @@ def test_a_file_of_another_architecture_is_named_as_what_it_is(library, architec
   tensors = {key: value.numpy() for key, value in model.state_dict().items()}
   with pytest.raises(UserError, match=_exactly(
       f"test weights looks like {named}, which flaxtpu has no model for; supported: ResNet (resnet18-152), "
-      "ViT (vit_ti/s/b) or ConvNeXt (convnext_t) in timm's, torchvision's or big_vision's layout")):
+      "ViT (vit_*, deit_*, dinov2_*, clip_*) or ConvNeXt (convnext_t) in timm's, torchvision's or big_vision's layout")):
     pretrained.infer_model(tensors, 'test weights')
 
 

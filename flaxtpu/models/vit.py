@@ -307,6 +307,6 @@ FAMILY = Family('vit', {
     'clip_l': _vit('l', 14, 'vit_large_patch14_clip_224', pre_norm=True, norm_eps=1e-5,
                    mean_std=CLIP),
 }, _build, _layers, ('patch_size', 'pool', 'dropout', 'drop_path', 'gelu'), title='ViT',
-    short_names='vit_ti/s/b/l, deit_ti/s/b_distilled, dinov2_s/b/l(_reg), clip_b/l',
+    short_names='vit_*, deit_*, dinov2_*, clip_*',
     layouts=(BIG_VISION, TIMM), timm_architecture=_timm_architecture, preprocessing=_preprocessing,
     input_kernel='params/embedding/kernel', fixed_image_size=True)
