@@ -4,7 +4,6 @@ Every source model is built here with random weights (no download) and its
 logits compared with flaxtpu's on the same images after the import.
 """
 
-import functools
 import hashlib
 import json
 import os
@@ -520,7 +519,8 @@ def test_a_file_of_another_architecture_is_named_as_what_it_is(library, architec
   tensors = {key: value.numpy() for key, value in model.state_dict().items()}
   with pytest.raises(UserError, match=_exactly(
       f"test weights looks like {named}, which flaxtpu has no model for; supported: ResNet (resnet18-152), "
-      "ViT (vit_*, deit_*, dinov2_*, clip_*) or ConvNeXt (convnext_t) in timm's, torchvision's or big_vision's layout")):
+      "ViT (vit_*, deit_*, dinov2_*, clip_*) or ConvNeXt (convnext_t) in timm's, torchvision's or "
+      "big_vision's layout")):
     pretrained.infer_model(tensors, 'test weights')
 
 
