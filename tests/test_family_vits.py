@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_pretrained
 from safetensors.numpy import save_file
 from test_pretrained import _cli, assert_same_function, flaxtpu_logits, hub_cache, import_torch, torch_logits
 
@@ -39,12 +40,7 @@ def _source(variant: str, size: int, num_classes: int = 10):
   architecture, model_args, _, _ = VARIANTS[variant]
   torch.manual_seed(0)
   model = timm.create_model(architecture, img_size=size, num_classes=num_classes, **model_args)
-  generator = torch.Generator().manual_seed(1)
-  with torch.no_grad():
-    for name, parameter in model.named_parameters():
-      if parameter.ndim == 1 or name.endswith(('token', 'latent')):
-        parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
-  return model.eval()
+  return test_pretrained.randomise_transformer(torch, model).eval()
 
 
 def _tensors(model) -> dict:
