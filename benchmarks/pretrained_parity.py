@@ -79,7 +79,9 @@ def compare(case, images: int, directory: str) -> list[dict]:
   if library == 'torchvision':
     source = getattr(torchvision.models, architecture)()
   else:
-    model_args = {'act_layer': 'gelu_tanh'} if library == 'npz' else MODEL_ARGS.get(label, {})
+    # a head for every case (DINOv2's and SigLIP's published weights have none: num_classes=0)
+    model_args = {'num_classes': 1000, **({'act_layer': 'gelu_tanh'} if library == 'npz'
+                                          else MODEL_ARGS.get(label, {}))}
     source = timm.create_model(architecture, **model_args)
   built = source.patch_embed.img_size[0] if hasattr(source, 'patch_embed') else size  # DINOv2's: 518
   if any(isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in source.modules()):
