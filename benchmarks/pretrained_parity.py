@@ -5,7 +5,7 @@
 
 Each source model is built locally with random weights (no download; BatchNorm statistics measured
 on images, not drawn): timm's
-ResNets, ViTs and ConvNeXt, torchvision's ResNets, and big_vision/AugReg .npz
+ResNets, ViTs (DeiT, DINOv2, CLIP, SigLIP too) and ConvNeXt, torchvision's ResNets, and big_vision/AugReg .npz
 files written from a timm ViT built with the tanh GELU. The weights go
 through the path a user's do: a .safetensors/.npz file named by
 `init_from.checkpoint`, `finetune.published_model` (model inferred, mapped,
@@ -19,6 +19,7 @@ largest logit, and top-1 agreement; writes JSON to --out-dir.
 
 import argparse
 import importlib
+import json
 import os
 import sys
 import tempfile
@@ -127,7 +128,27 @@ CASES = [
     ('regnet_y_3_2gf torchvision', 'torchvision', 'regnet_y_3_2gf', 'regnety_032', 224, 176),
     ('regnet_y_8gf torchvision', 'torchvision', 'regnet_y_8gf', 'regnety_080_tv', 224, 176),
     ('regnet_y_16gf torchvision', 'torchvision', 'regnet_y_16gf', 'regnety_160', 224, 176),
+    # ViT variants (DINOv2 built at 518 px)
+    ('deit_ti distilled timm', 'timm', 'deit_tiny_distilled_patch16_224', 'deit_ti_distilled', 224, 176),
+    ('deit_s distilled timm', 'timm', 'deit_small_distilled_patch16_224', 'deit_s_distilled', 224, 176),
+    ('deit_b distilled timm', 'timm', 'deit_base_distilled_patch16_224', 'deit_b_distilled', 224, 176),
+    ('dinov2_s timm', 'timm', 'vit_small_patch14_dinov2', 'dinov2_s', 224, 182),  # from 518 px
+    ('dinov2_s_reg timm', 'timm', 'vit_small_patch14_reg4_dinov2', 'dinov2_s_reg', 224, 182),
+    ('dinov2_b timm', 'timm', 'vit_base_patch14_dinov2', 'dinov2_b', 224, 182),
+    ('dinov2_b_reg timm', 'timm', 'vit_base_patch14_reg4_dinov2', 'dinov2_b_reg', 224, 182),
+    ('clip_b/16 timm', 'timm', 'vit_base_patch16_clip_224', 'clip_b', 224, 176),
+    ('clip_b/16 quickgelu timm', 'timm', 'vit_base_patch16_clip_quickgelu_224', 'clip_b', 224, 176),
+    ('clip_b/32 timm', 'timm', 'vit_base_patch32_clip_224', 'clip_b', 224, 160),
+    ('siglip_b/16 (vit_b map) timm', 'timm', 'vit_base_patch16_siglip_224', 'vit_b', 224, 176),
+    ('vit_b/16 fc_norm avg timm', 'timm', 'vit_base_patch16_224', 'vit_b', 224, 176),
+    ('dinov2_l timm', 'timm', 'vit_large_patch14_dinov2', 'dinov2_l', 224, 182),
+    ('dinov2_l_reg timm', 'timm', 'vit_large_patch14_reg4_dinov2', 'dinov2_l_reg', 224, 182),
+    ('clip_l/14 timm', 'timm', 'vit_large_patch14_clip_224', 'clip_l', 224, 182),
 ]
+# The source's own arguments where the architecture's defaults are not the case's (timm keyword arguments).
+MODEL_ARGS = {'vit_b/16 fc_norm avg timm': {'global_pool': 'avg', 'fc_norm': True}}
+# timm's config.json beside the weights, where the tensors cannot say (QuickGELU).
+CONFIGS = {'clip_b/16 quickgelu timm': {'architecture': 'vit_base_patch16_clip_quickgelu_224'}}
 
 
 def compare(case, images: int, directory: str) -> list[dict]:
@@ -142,11 +163,23 @@ def compare(case, images: int, directory: str) -> list[dict]:
   if library == 'torchvision':
     source = getattr(torchvision.models, architecture)()
   else:
-    source = timm.create_model(architecture, **({'act_layer': 'gelu_tanh'} if library == 'npz' else {}))
-  # statistics measured on images of the native size (random ones collapse deep nets' outputs)
-  calibration = np.random.default_rng(1).integers(0, 256, (32, size, size, 3)).astype(np.float32)
-  source = test_pretrained.measure_batch_norm(torch, source, (calibration / 255.0 - 0.45) / 0.225)
+    # a head for every case (DINOv2's and SigLIP's published weights have none: num_classes=0)
+    model_args = {'num_classes': 1000, **({'act_layer': 'gelu_tanh'} if library == 'npz'
+                                          else MODEL_ARGS.get(label, {}))}
+    source = timm.create_model(architecture, **model_args)
+  built = source.patch_embed.img_size[0] if hasattr(source, 'patch_embed') else size  # DINOv2's: 518
+  if any(isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in source.modules()):
+    # statistics measured on images of the native size (random ones collapse deep nets' outputs)
+    calibration = np.random.default_rng(1).integers(0, 256, (32, size, size, 3)).astype(np.float32)
+    source = test_pretrained.measure_batch_norm(torch, source, (calibration / 255.0 - 0.45) / 0.225)
+  else:  # a transformer: its layer scales (1e-5), tokens and biases away from their init
+    source = test_pretrained.randomise_transformer(torch, source).eval()
   state = {key: value.numpy() for key, value in source.state_dict().items()}
+  directory = os.path.join(directory, label.replace('/', '_').replace(' ', '_'))
+  os.makedirs(directory)
+  if label in CONFIGS:
+    with open(os.path.join(directory, 'config.json'), 'w', encoding='utf-8') as f:
+      json.dump(CONFIGS[label], f)
   if library == 'npz':
     path = os.path.join(directory, f'{architecture}.npz')
     test_pretrained.augreg_npz(state, len(source.blocks), path)
@@ -175,11 +208,10 @@ def compare(case, images: int, directory: str) -> list[dict]:
     mean = np.asarray(record['normalization']['mean'], np.float32)
     std = np.asarray(record['normalization']['std'], np.float32)
     reference_model = source
-    if side != size and (hasattr(source, 'pos_embed') or architecture.startswith('swin')):  # timm's own
+    if side != built and (hasattr(source, 'pos_embed') or architecture.startswith('swin')):  # timm's own
       # resampling of the position embeddings (ViT) or relative position tables (Swin) at another size
       checkpoint_filter_fn = importlib.import_module(type(source).__module__).checkpoint_filter_fn
-      reference_model = timm.create_model(architecture, img_size=side,
-                                          **({'act_layer': 'gelu_tanh'} if library == 'npz' else {}))
+      reference_model = timm.create_model(architecture, img_size=side, **model_args)
       reference_model.load_state_dict(checkpoint_filter_fn(dict(source.state_dict()), reference_model))
       reference_model.eval()
     started = time.perf_counter()

@@ -130,12 +130,14 @@ def get_config() -> ml_collections.ConfigDict:
   # --- model ------------------------------------------------------------
   config.model = ml_collections.ConfigDict()
   # cnn | fastnet_s | fastnet | fastnet_whiten | resnet20/32/44/56/110 | resnet18/34/50/101/152 |
-  # vit_ti/s/b | convnext_t/s/b/l | swin_t/s/b | efficientnet_b0-b7 | mobilenetv3_l/s.
+  # vit_ti/s/b/l | deit_ti/s/b_distilled | dinov2_s/b/l(_reg) | clip_b/l | convnext_t/s/b/l | swin_t/s/b |
+  # efficientnet_b0-b7 | mobilenetv3_l/s | resnet18d-152d | resnext* | wide_resnet* | regnetx_* | regnety_*.
   config.model.name = 'cnn'
   config.model.remat = 'none'  # none | full | a jax.checkpoint_policies name (dots_saveable, ...).
   # vit/convnext: patch side (convnext: stem stride); 0 = published, 16/4 (on 32x32: 4/2).
   config.model.patch_size = 0
-  # vit: gap (mean of the tokens; big_vision's default) | tok (a class token, as in the paper).
+  # vit: gap (mean of the tokens; big_vision's default) | tok (a class token, as in the paper) |
+  # map (attention pooling: SigLIP's MAP head) | avg (class token unread, fc_norm on the patches' mean: MAE).
   config.model.pool = 'gap'
   # vit: dropout rate (after the embeddings, in the MLP, on each residual branch); efficientnet,
   # mobilenetv3: before the classifier.
@@ -148,7 +150,7 @@ def get_config() -> ml_collections.ConfigDict:
   # ports, timm's tf_*: SAME padding, BatchNorm eps 1e-3).
   config.model.padding = 'torch'
   # vit: exact (erf, as timm/PyTorch) | tanh (big_vision's approximation; runs saved before this
-  # key).
+  # key) | quick (OpenAI CLIP's QuickGELU, x * sigmoid(1.702 x)).
   config.model.gelu = 'exact'
   # convnext: floor (stride-2 downsampling drops an odd map's last row/column, as timm) | ceil (XLA's
   # SAME pads it; runs saved before this key).

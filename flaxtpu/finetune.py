@@ -199,7 +199,8 @@ def _merge(fresh, loaded: dict[str, Any]):
 def resample_position_embeddings(embeddings: np.ndarray, shape: tuple[int, ...],
                                  prefix_tokens: int) -> np.ndarray:
   """ViT position embeddings [1, prefix + rows * cols, width] for another grid: the grid part
-  resampled bicubically with antialiasing (timm's resample_abs_pos_embed), the class token's kept."""
+  resampled bicubically with antialiasing (timm's resample_abs_pos_embed), the prefix tokens' (class,
+  distillation) kept."""
   prefix, grid = embeddings[:, :prefix_tokens], embeddings[:, prefix_tokens:]
   old, new = round((grid.shape[1]) ** 0.5), round((shape[1] - prefix_tokens) ** 0.5)
   if old * old != grid.shape[1] or new * new != shape[1] - prefix_tokens:
@@ -224,10 +225,10 @@ def to_one_channel(kernel: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 def _published_arrays(config: ml_collections.ConfigDict, published: pretrained.Published,
                       wanted: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
   """The published arrays that `wanted` ({'params/NAME': shape}) names, converted to flaxtpu's layout."""
-  prefix_tokens = 1 if config.model.pool == 'tok' else 0
   first_kernel = models.get_family(published.model).input_kernel
-  adapt = {'params/pos_embedding': functools.partial(resample_position_embeddings,
-                                                     prefix_tokens=prefix_tokens),
+  # Only ViTs have position embeddings; their spec counts the tokens before the patches that have one.
+  adapt = {'params/pos_embedding': lambda array, shape: resample_position_embeddings(
+               array, shape, models.get_spec(config.model.name).prefix_tokens(config.model.pool)),
            **({first_kernel: to_one_channel} if first_kernel else {})}
   if published.model != config.model.name:  # read in part it would compute neither model's function
     raise UserError(f'config.init_from.checkpoint={published.spec!r} holds {published.model} but '

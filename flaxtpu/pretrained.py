@@ -252,9 +252,12 @@ def describe(spec: str) -> Published:
   layout, model, options = infer_model(tensors, path)
   metadata = metadata or {}
   pretrained_cfg = metadata.get('pretrained_cfg', {})
-  # timm's config can say more than the tensors: a model built with the tanh GELU (as flaxtpu exports one).
-  if metadata.get('model_args', {}).get('act_layer') == 'gelu_tanh' and 'gelu' in options:
-    options['gelu'] = 'tanh'
+  # timm's config can say more than the tensors: a model built with the tanh GELU (as flaxtpu exports one),
+  # or OpenAI CLIP's QuickGELU (timm's *_clip_quickgelu_* architectures).
+  activation = metadata.get('model_args', {}).get('act_layer') or (
+      'quick_gelu' if 'quickgelu' in metadata.get('architecture', '') else '')
+  if activation in _GELUS and 'gelu' in options:
+    options['gelu'] = _GELUS[activation]
   # timm's TensorFlow ports (tf_efficientnet_b0, ...) hold their PyTorch twins' tensors; the padding differs.
   if str(metadata.get('architecture', '')).startswith('tf_') and 'padding' in options:
     options['padding'] = 'same'
@@ -350,6 +353,7 @@ def apply_defaults(config, workdir: str = '') -> bool:
 
 
 _MODEL_OPTIONS = ('patch_size', 'pool', 'gelu', 'padding', 'downsample')
+_GELUS = {'gelu_tanh': 'tanh', 'quick_gelu': 'quick'}  # timm's act_layer -> model.gelu
 
 
 # --- and back out: timm's layout ------------------------------------------------------------------

@@ -4,7 +4,6 @@ Every source model is built here with random weights (no download) and its
 logits compared with flaxtpu's on the same images after the import.
 """
 
-import functools
 import hashlib
 import json
 import os
@@ -52,6 +51,25 @@ def randomise_batch_norm(torch, model):
   return model
 
 
+def randomise_transformer(torch, model):
+  """A transformer's weights away from their init, so that its logits depend on the image (at init it
+  averages noise images to nearly the same logits, and its layer scales of 1e-5 hide its blocks) and
+  reading any tensor wrongly changes them: matrices times 3 (sharper attention), layer scales ~ N(1, 0.2),
+  biases, norms and tokens plus N(0, 0.1); the heads' biases stay 0."""
+  generator = torch.Generator().manual_seed(1)
+  with torch.no_grad():
+    for name, parameter in model.named_parameters():
+      if name.startswith('head'):
+        continue
+      if name.endswith('.gamma'):
+        parameter.copy_(1 + 0.2 * torch.randn(parameter.shape, generator=generator))
+      elif parameter.ndim == 1 or name.endswith(('token', 'latent')):
+        parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.1)
+      elif parameter.ndim == 2:
+        parameter.mul_(3)
+  return model
+
+
 def measure_batch_norm(torch, model, images):
   """Affine BatchNorm parameters away from their init, and running statistics measured on `images`
   (float32 [N, H, W, C]) rather than drawn: random statistics let a deep net's activations explode or
@@ -86,8 +104,8 @@ def flaxtpu_logits(tensors, images, model_name=None, **overrides):
   published = pretrained.Published('test', 'test', layout, name, options, 0, None, (), (), 0, 0.0)
   spec = models.get_spec(name)
   rules = models.layout(name, layout).rules(spec, options, set(tensors))
-  adapt = {'params/pos_embedding': functools.partial(finetune.resample_position_embeddings,
-                                                     prefix_tokens=int(options.get('pool') == 'tok'))}
+  adapt = {'params/pos_embedding': lambda array, shape: finetune.resample_position_embeddings(
+      array, shape, spec.prefix_tokens(options['pool']))}  # ViTs alone have position embeddings
   loaded = layouts.load(rules, tensors, wanted, 'test weights', adapt)
   assert set(loaded) == set(wanted), set(loaded) ^ set(wanted)
   del published

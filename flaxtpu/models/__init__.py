@@ -46,11 +46,12 @@ def unregister(name: str) -> None:
   layer_depths.cache_clear()
 
 
-POOLS = ('gap', 'tok')
+POOLS = ('gap', 'tok', 'map', 'avg')  # vit: see flaxtpu/models/vit.py
 # resnet: symmetric as PyTorch | XLA's SAME (runs saved before model.padding);
 # efficientnet, mobilenetv3: PyTorch's models | TensorFlow's ports (timm's tf_*: SAME, BatchNorm eps 1e-3)
 PADDINGS = ('torch', 'same')
-GELUS = ('exact', 'tanh')  # vit: erf as timm | tanh as big_vision (runs saved before model.gelu)
+# vit: erf as timm | tanh as big_vision (runs saved before model.gelu) | OpenAI CLIP's QuickGELU
+GELUS = ('exact', 'tanh', 'quick')
 # convnext: stride-2 convs floor odd maps as timm | XLA's SAME rounds up (runs saved before model.downsample)
 DOWNSAMPLES = ('floor', 'ceil')
 # What a run saved before a model option existed computed; config.from_saved fills these in.

@@ -1,8 +1,15 @@
-"""The ViT family (network: nets/vit.py): vit_ti, vit_s, vit_b, with the weights of timm and of
-big_vision / `vision_transformer` (AugReg).
+"""The ViT family (network: nets/vit.py): vit_ti/s/b/l, DeiT with its distillation token
+(deit_*_distilled), DINOv2 with and without registers (dinov2_*), CLIP image towers (clip_b/l), with the
+weights of timm and of big_vision / `vision_transformer` (AugReg).
 
-- timm: patch_embed.proj, cls_token, pos_embed, blocks.N, norm, head. timm
-  fuses query/key/value into one `qkv` matrix; flax's attention keeps
+The pooling is an option (model.pool): 'tok' (a class token), 'gap', 'map'
+(SigLIP's attention pooling: vit_b with pool='map' is timm's
+vit_base_patch16_siglip_224) and 'avg' (MAE/BEiT-style fc_norm); what the
+rest of the network is, the model's name says (`ViTSpec`).
+
+- timm: patch_embed.proj, cls_token, dist_token, reg_token, pos_embed,
+  norm_pre, blocks.N (ls1/ls2), norm or fc_norm, attn_pool, head, head_dist.
+  timm fuses query/key/value into one `qkv` matrix; flax's attention keeps
   [width, heads, head_dim] each.
 - big_vision: the .npz of big_vision and of `vision_transformer` (AugReg),
   already in flax's layout: only the names differ, and big_vision may stack
@@ -13,98 +20,179 @@ Its position embeddings fix the image size it was trained at.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Callable
 
 import numpy as np
 
 from flaxtpu.errors import UserError
-from flaxtpu.models import layouts
-from flaxtpu.models.family import INCEPTION_MEAN, INCEPTION_STD, Family, Layout, Preprocessing, Spec
+from flaxtpu.models import family, layouts
+from flaxtpu.models.family import Family, Layout, Preprocessing, Spec
 from flaxtpu.models.layouts import Rule, conv, dense, layer_norm, one, vector
 
-_TIMM_SIZES = {'vit_ti': 'tiny', 'vit_s': 'small', 'vit_b': 'base'}
+INCEPTION = (family.INCEPTION_MEAN, family.INCEPTION_STD)  # pixels to [-1, 1]: AugReg, big_vision, SigLIP
+IMAGENET = (family.IMAGENET_MEAN, family.IMAGENET_STD)
+CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))  # OpenAI's
 
 
-def _build(spec: Spec, *, num_classes, dtype, wrap, bn_axis_name, patch_size, pool, dropout, drop_path, gelu):
+@dataclasses.dataclass(frozen=True)
+class ViTSpec(Spec):
+  timm: str = ''  # timm's architecture; '{patch}' where timm names one per patch size
+  distilled: bool = False  # DeiT: a distillation token (dist_token) and a second head (head_dist), averaged
+  registers: int = 0  # DINOv2: register tokens; the position embeddings then cover the patches alone
+  layer_scale: bool = False  # DINOv2: learned per-channel scales of each residual branch (ls1, ls2)
+  pre_norm: bool = False  # CLIP: a LayerNorm after the embeddings (norm_pre); no patch embedding bias
+  norm_eps: float = 1e-6  # LayerNorm's epsilon: timm's ViTs 1e-6, its CLIP towers PyTorch's 1e-5
+  mean_std: tuple[tuple[float, ...], tuple[float, ...]] = INCEPTION  # the published weights'
+  crop_fraction: float = 0.9
+
+  def prefix_tokens(self, pool: str) -> int:
+    """How many tokens before the patches have position embeddings (timm's num_prefix_tokens, or 0
+    where no_embed_class)."""
+    return 0 if self.registers else int(pool in ('tok', 'avg')) + int(self.distilled)
+
+
+def _build(spec: ViTSpec, *, num_classes, dtype, wrap, bn_axis_name, patch_size, pool, dropout, drop_path,
+           gelu):
   del bn_axis_name
+  if spec.distilled and pool != 'tok':
+    raise UserError(f'config.model.pool={pool!r}: DeiT\'s distilled models read their class and '
+                    'distillation tokens; set config.model.pool=tok')
   from flaxtpu.models.nets import vit  # pylint: disable=g-import-not-at-top
   return vit.ViT(num_classes=num_classes, patch_size=patch_size or spec.patch_size,
                  width=spec.widths[0], depth=spec.stage_sizes[0], num_heads=spec.num_heads,
                  mlp_dim=spec.mlp_dim, block=wrap(vit.EncoderBlock), pool=pool, dropout=dropout,
-                 drop_path=drop_path, gelu=gelu, dtype=dtype)
+                 drop_path=drop_path, gelu=gelu, distilled=spec.distilled, registers=spec.registers,
+                 layer_scale=spec.layer_scale, pre_norm=spec.pre_norm, norm_eps=spec.norm_eps, dtype=dtype)
 
 
 def _layers(spec: Spec) -> list[tuple[str, ...]]:
-  """The embeddings, one layer per block, the final norm, the head."""
+  """The embeddings (and the tokens, norm_pre), one layer per block, the final norm, the head (and what
+  timm's group_matcher leaves unmatched: fc_norm, the MAP head, head_dist)."""
   blocks = [(f'block{index}',) for index in range(1, spec.stage_sizes[0] + 1)]
-  return [('embedding', 'cls', 'pos_embedding'), *blocks, ('encoder_norm',), ('head',)]
+  return [('embedding', 'cls', 'dist', 'registers', 'pos_embedding', 'norm_pre'), *blocks, ('encoder_norm',),
+          ('head', 'head_dist', 'fc_norm', 'map_head')]
 
 
 # --- timm -----------------------------------------------------------------------------------------
 
 
-def _qkv(width: int, heads: int) -> tuple[Callable, Callable, Callable, Callable]:
-  """timm's fused qkv [3 * width, width] (+ bias [3 * width]) <-> flax's q, k, v [width, heads, head_dim]."""
-  head_dim = width // heads
-  load_kernel = lambda w: tuple(part.transpose(2, 0, 1) for part in w.reshape(3, heads, head_dim, width))
+def _projections(source: str, targets: list[str], width: int, heads: int) -> list[Rule]:
+  """timm's projections fused along the output (qkv [3 * width, width], kv, q; + bias) <-> flax's
+  attention `targets` (query/key/value: kernel [width, heads, head_dim], bias [heads, head_dim])."""
+  head_dim, parts = width // heads, len(targets)
+  load_kernel = lambda w: tuple(part.transpose(2, 0, 1) for part in w.reshape(parts, heads, head_dim, width))
   save_kernel = lambda *kernels: np.concatenate([k.transpose(1, 2, 0).reshape(width, width) for k in kernels])
-  load_bias = lambda b: tuple(b.reshape(3, heads, head_dim))
+  load_bias = lambda b: tuple(b.reshape(parts, heads, head_dim))
   save_bias = lambda *biases: np.concatenate([b.reshape(width) for b in biases])
-  return load_kernel, save_kernel, load_bias, save_bias
+  return [Rule(f'{source}.weight', tuple(f'params/{t}/kernel' for t in targets), load_kernel, save_kernel),
+          Rule(f'{source}.bias', tuple(f'params/{t}/bias' for t in targets), load_bias, save_bias)]
 
 
-def vit_rules(depth: int, width: int, heads: int, class_token: bool) -> list[Rule]:
-  """timm's VisionTransformer (patch_embed.proj, cls_token, pos_embed, blocks.N, norm, head)."""
+def _attention(source: str, target: str, width: int, heads: int, fused: tuple[str, ...]) -> list[Rule]:
+  """timm's attention (`fused` projections, proj) <-> flax's (query, key, value, out [heads, head_dim,
+  width]); `fused` names the projections' modules, each of some of 'query', 'key', 'value' in order."""
+  names = iter(('query', 'key', 'value'))
+  rules = []
+  for projection in fused:
+    parts = {'qkv': 3, 'kv': 2, 'q': 1}[projection]
+    rules += _projections(f'{source}.{projection}', [f'{target}/{next(names)}' for _ in range(parts)],
+                          width, heads)
   head_dim = width // heads
-  load_kernel, save_kernel, load_bias, save_bias = _qkv(width, heads)
+  return rules + [one(f'{source}.proj.weight', f'params/{target}/out/kernel',
+                      lambda w: w.T.reshape(heads, head_dim, width), lambda k: k.reshape(width, width).T),
+                  vector(f'{source}.proj.bias', f'params/{target}/out/bias')]
+
+
+def _map_head_rules(width: int, heads: int) -> list[Rule]:
+  """timm's AttentionPoolLatent (attn_pool: latent, q, kv, proj, norm, mlp) <-> map_head."""
+  return [vector('attn_pool.latent', 'params/map_head/probe'),
+          *_attention('attn_pool', 'map_head/attention', width, heads, ('q', 'kv')),
+          *layer_norm('attn_pool.norm', 'map_head/norm'),
+          *dense('attn_pool.mlp.fc1', 'map_head/mlp1'), *dense('attn_pool.mlp.fc2', 'map_head/mlp2')]
+
+
+def vit_rules(spec: ViTSpec, pool: str) -> list[Rule]:
+  """timm's VisionTransformer (patch_embed.proj, cls_token, dist_token, reg_token, pos_embed, norm_pre,
+  blocks.N, norm/fc_norm, attn_pool, head, head_dist) of `spec` pooling by `pool`."""
+  depth, width, heads = spec.stage_sizes[0], spec.widths[0], spec.num_heads
   rules = [conv('patch_embed.proj.weight', 'params/embedding/kernel'),
-           vector('patch_embed.proj.bias', 'params/embedding/bias'),
            vector('pos_embed', 'params/pos_embedding')]
-  if class_token:
-    rules.append(vector('cls_token', 'params/cls'))
+  if not spec.pre_norm:
+    rules.append(vector('patch_embed.proj.bias', 'params/embedding/bias'))
+  for token, name, present in (('cls_token', 'cls', pool in ('tok', 'avg')),
+                               ('dist_token', 'dist', spec.distilled),
+                               ('reg_token', 'registers', spec.registers)):
+    if present:
+      rules.append(vector(token, f'params/{name}'))
+  if spec.pre_norm:
+    rules += layer_norm('norm_pre', 'norm_pre')
   for index in range(depth):
     source, target = f'blocks.{index}', f'block{index + 1}'
-    attention = [f'params/{target}/attention/{name}' for name in ('query', 'key', 'value')]
     rules += [*layer_norm(f'{source}.norm1', f'{target}/norm1'),
-              Rule(f'{source}.attn.qkv.weight', tuple(f'{a}/kernel' for a in attention),
-                   load_kernel, save_kernel),
-              Rule(f'{source}.attn.qkv.bias', tuple(f'{a}/bias' for a in attention),
-                   load_bias, save_bias),
-              one(f'{source}.attn.proj.weight', f'params/{target}/attention/out/kernel',
-                  lambda w: w.T.reshape(heads, head_dim, width), lambda k: k.reshape(width, width).T),
-              vector(f'{source}.attn.proj.bias', f'params/{target}/attention/out/bias'),
+              *_attention(f'{source}.attn', f'{target}/attention', width, heads, ('qkv',)),
               *layer_norm(f'{source}.norm2', f'{target}/norm2'),
               *dense(f'{source}.mlp.fc1', f'{target}/mlp1'), *dense(f'{source}.mlp.fc2', f'{target}/mlp2')]
-  return rules + layer_norm('norm', 'encoder_norm') + dense('head', 'head')
+    if spec.layer_scale:
+      rules += [vector(f'{source}.ls{branch}.gamma', f'params/{target}/ls{branch}') for branch in (1, 2)]
+  rules += layer_norm('fc_norm', 'fc_norm') if pool == 'avg' else layer_norm('norm', 'encoder_norm')
+  if pool == 'map':
+    rules += _map_head_rules(width, heads)
+  if spec.distilled:
+    rules += dense('head_dist', 'head_dist')
+  return rules + dense('head', 'head')
+
+
+def _described(fields: dict) -> str:
+  """'a ViT of width 384 and depth 12 with layer scale and 4 registers'."""
+  extras = [what for what, present in (('a distillation token', fields['distilled']),
+                                       ('layer scale', fields['layer_scale']),
+                                       (f'{fields["registers"]} registers', fields['registers']),
+                                       ('a pre-norm', fields['pre_norm'])) if present]
+  return (f'a ViT of width {fields["widths"][0]} and depth {fields["stage_sizes"][0]}'
+          + (f' with {" and ".join(extras)}' if extras else ''))
 
 
 def _recognise_timm(tensors, where: str):
   keys = set(tensors)
   if 'patch_embed.proj.weight' not in keys or not any(key.startswith('blocks.') for key in keys):
     return None  # not a ViT (a Swin Transformer has patch_embed too)
-  for unsupported, what in (('fc_norm.weight', 'a norm after pooling (fc_norm)'),
-                            ('reg_token', 'register tokens'), ('attn_pool.latent', 'attention pooling'),
-                            ('norm_pre.weight', 'a pre-norm')):
-    if unsupported in keys:
-      raise UserError(f'{where} is a ViT with {what}, which flaxtpu\'s ViT lacks; supported: timm '
-                      'ViTs with a class token or plain average pooling (e.g. augreg)')
   kernel = tensors['patch_embed.proj.weight']
   depth = layouts.count(keys, r'blocks\.(\d+)\..+')  # by any tensor: the coverage check names one missing
-  name = FAMILY.twin(where, f'a ViT of width {kernel.shape[0]} and depth {depth}',
-                     widths=(kernel.shape[0],), stage_sizes=(depth,))
-  pool = 'tok' if 'cls_token' in keys else 'gap'
+  fields = {'widths': (kernel.shape[0],), 'stage_sizes': (depth,),
+            'distilled': 'dist_token' in keys, 'layer_scale': 'blocks.0.ls1.gamma' in keys,
+            'registers': int(tensors['reg_token'].shape[1]) if 'reg_token' in keys else 0,
+            'pre_norm': 'norm_pre.weight' in keys}
+  name = FAMILY.twin(where, _described(fields), **fields)
+  pool = ('map' if 'attn_pool.latent' in keys else 'avg' if 'fc_norm.weight' in keys
+          else 'tok' if 'cls_token' in keys else 'gap')
+  if pool in ('map', 'avg') and ('cls_token' in keys) != (pool == 'avg'):
+    raise UserError(f'{where} is a ViT with {"attention pooling" if pool == "map" else "fc_norm"} '
+                    f'{"and" if pool == "map" else "but no"} class token, which flaxtpu\'s ViT lacks; '
+                    'supported: attention pooling without a class token (SigLIP), fc_norm with one (MAE)')
+  prefix = FAMILY.specs[name].prefix_tokens(pool)
+  if round((tensors['pos_embed'].shape[1] - prefix) ** 0.5) ** 2 != tensors['pos_embed'].shape[1] - prefix:
+    raise UserError(f'{where} is a ViT whose position embeddings ({tensors["pos_embed"].shape[1]}) do not '
+                    f'cover its {prefix} prefix tokens and a square grid of patches as {name}\'s do (e.g. a '
+                    'DeiT III: no position embedding for the class token), which flaxtpu has no model for')
   return name, {'patch_size': int(kernel.shape[-1]), 'pool': pool, 'gelu': 'exact'}
 
 
-def _timm_architecture(model: str, spec: Spec, options: dict, image_shape, model_args: dict):
+def _timm_architecture(model: str, spec: ViTSpec, options: dict, image_shape, model_args: dict):
   patch = options.get('patch_size') or spec.patch_size
   model_args['img_size'] = list(image_shape[:2])
-  if options.get('pool') == 'gap':  # big_vision's gap: the final norm, then the mean of the tokens
+  if '{patch}' not in spec.timm and patch != spec.patch_size:
+    model_args['patch_size'] = patch
+  pool = options.get('pool')
+  if pool == 'gap':  # big_vision's gap: the final norm, then the mean of the tokens
     model_args.update(class_token=False, global_pool='avg', fc_norm=False)
-  if options.get('gelu') == 'tanh':
-    model_args['act_layer'] = 'gelu_tanh'
-  return f'vit_{_TIMM_SIZES[model]}_patch{patch}_224', model_args
+  elif pool == 'avg':
+    model_args.update(global_pool='avg', fc_norm=True)
+  elif pool == 'map':
+    model_args.update(class_token=False, global_pool='map')
+  if options.get('gelu') in ('tanh', 'quick'):
+    model_args['act_layer'] = {'tanh': 'gelu_tanh', 'quick': 'quick_gelu'}[options['gelu']]
+  return spec.timm.format(patch=patch), model_args
 
 
 # --- big_vision / vision_transformer .npz ---------------------------------------------------------
@@ -166,12 +254,16 @@ def _recognise_big_vision(tensors, where: str):
 
 
 def _preprocessing(tensors, layout: str, options: dict) -> Preprocessing:
-  """AugReg's: pixels to [-1, 1], crop 0.9, the size the position embeddings were trained at."""
+  """timm's for the model (AugReg's: pixels to [-1, 1], crop 0.9; DeiT's, DINOv2's and CLIP's own; MAE's
+  ImageNet mean/std with fc_norm), at the size the position embeddings were trained at."""
+  model = (_recognise_timm if layout == 'timm' else _recognise_big_vision)(tensors, 'the weights')[0]
+  spec = FAMILY.specs[model]
   positions = next(np.asarray(tensors[key]).shape for key in tensors
                    if key.endswith(('pos_embed', 'pos_embedding')))[-2] - (
-      1 if options['pool'] == 'tok' and layout == 'timm' else 0)
+      spec.prefix_tokens(options['pool']) if layout == 'timm' else 0)
   size = int(round(positions ** 0.5)) * options['patch_size']
-  return Preprocessing(INCEPTION_MEAN, INCEPTION_STD, 0.9, size)
+  mean, std = IMAGENET if options['pool'] == 'avg' else spec.mean_std
+  return Preprocessing(mean, std, spec.crop_fraction, size)
 
 
 def _big_vision_unread(keys) -> set[str]:
@@ -187,14 +279,34 @@ BIG_VISION = Layout('big_vision', ('big_vision',), _recognise_big_vision,
                     head=lambda keys: big_vision_rules(set(keys), 0, False)[-1].source,
                     unread=_big_vision_unread)
 TIMM = Layout('timm', ('timm',), _recognise_timm,
-              rules=lambda spec, options, keys: vit_rules(spec.stage_sizes[0], spec.widths[0], spec.num_heads,
-                                                          options.get('pool', 'tok') == 'tok'),
+              rules=lambda spec, options, keys: vit_rules(spec, options.get('pool', 'tok')),
               head=lambda keys: 'head.bias')
 
+_SIZES = {  # name: depth, width, heads (timm's: the MLP is 4 times as wide), timm's name of the size
+    'ti': (12, 192, 3, 'tiny'), 's': (12, 384, 6, 'small'), 'b': (12, 768, 12, 'base'),
+    'l': (24, 1024, 16, 'large')}
+
+
+def _vit(size: str, patch_size: int, timm: str, **fields) -> ViTSpec:
+  depth, width, heads, _ = _SIZES[size]
+  return ViTSpec('vit', (depth,), widths=(width,), num_heads=heads, mlp_dim=4 * width, patch_size=patch_size,
+                 timm=timm, **fields)
+
+
 FAMILY = Family('vit', {
-    'vit_ti': Spec('vit', (12,), widths=(192,), num_heads=3, mlp_dim=768, patch_size=16),
-    'vit_s': Spec('vit', (12,), widths=(384,), num_heads=6, mlp_dim=1536, patch_size=16),
-    'vit_b': Spec('vit', (12,), widths=(768,), num_heads=12, mlp_dim=3072, patch_size=16),
+    **{f'vit_{size}': _vit(size, 16, f'vit_{_SIZES[size][3]}_patch{{patch}}_224') for size in _SIZES},
+    **{f'deit_{size}_distilled': _vit(size, 16, f'deit_{_SIZES[size][3]}_distilled_patch16_224',
+                                      distilled=True, mean_std=IMAGENET, crop_fraction=0.875)
+       for size in ('ti', 's', 'b')},
+    **{f'dinov2_{size}{reg}': _vit(size, 14, f'vit_{_SIZES[size][3]}_patch14{reg and "_reg4"}_dinov2',
+                                   layer_scale=True, registers=4 if reg else 0, mean_std=IMAGENET,
+                                   crop_fraction=1.0)
+       for size in ('s', 'b', 'l') for reg in ('', '_reg')},
+    'clip_b': _vit('b', 16, 'vit_base_patch16_clip_224', pre_norm=True, norm_eps=1e-5,
+                   mean_std=CLIP),
+    'clip_l': _vit('l', 14, 'vit_large_patch14_clip_224', pre_norm=True, norm_eps=1e-5,
+                   mean_std=CLIP),
 }, _build, _layers, ('patch_size', 'pool', 'dropout', 'drop_path', 'gelu'), title='ViT',
-    short_names='vit_ti/s/b', layouts=(BIG_VISION, TIMM), timm_architecture=_timm_architecture,
-    preprocessing=_preprocessing, input_kernel='params/embedding/kernel', fixed_image_size=True)
+    short_names='vit_*, deit_*, dinov2_*, clip_*',
+    layouts=(BIG_VISION, TIMM), timm_architecture=_timm_architecture, preprocessing=_preprocessing,
+    input_kernel='params/embedding/kernel', fixed_image_size=True)

@@ -1,20 +1,28 @@
-"""Vision Transformers (Dosovitskiy et al. 2021), laid out as big_vision's `vit.py`: vit_ti, vit_s, vit_b.
+"""Vision Transformers (Dosovitskiy et al. 2021), laid out as big_vision's `vit.py`, with the variants
+timm's VisionTransformer has: DeiT's distillation token, DINOv2's layer scale and registers, CLIP's pre-norm.
 
 Non-overlapping `patch_size` patches -> learned position embeddings (sized
 from the image at init) -> pre-LayerNorm encoder blocks -> LayerNorm -> global
-average pooling (`pool='gap'`, big_vision's default) or a class token
-(`pool='tok'`, the paper's) -> a zero-initialised head. Dropout sits where
+average pooling (`pool='gap'`, big_vision's default), a class token
+(`pool='tok'`, the paper's), attention pooling with one learned query
+(`pool='map'`, SigLIP's MAP head) or, with a class token the head does not
+read, the patch tokens' mean normed by `fc_norm` instead of the final norm
+(`pool='avg'`, MAE/BEiT) -> a zero-initialised head. Prefix tokens (class,
+distillation, registers) come before the patches; the position embeddings
+cover them too, except with registers (timm's no_embed_class, DINOv2). Dropout sits where
 big_vision puts it (after the embeddings, inside the MLP, on each residual
 branch); stochastic depth drops a whole residual branch per example, at a
 rate that grows linearly from 0 in the first block to `drop_path` in the last
 (timm/DeiT). `gelu='exact'` is the erf GELU of timm and PyTorch, `'tanh'`
 big_vision's approximation (what flaxtpu used before, and what runs saved
-without `model.gelu` keep); published weights compute the same function with
-the GELU they were trained with. The position embeddings have one entry per
+without `model.gelu` keep), `'quick'` OpenAI CLIP's x * sigmoid(1.702 x);
+published weights compute the same function with the GELU they were trained
+with. The position embeddings have one entry per
 token of the image size seen at init; `resample_position_embeddings` fits
 them to another size as timm does.
 """
 
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -30,6 +38,22 @@ def stochastic_depth(x: jax.Array, rate: float, train: bool) -> jax.Array:
   return nn.Dropout(rate, broadcast_dims=tuple(range(1, x.ndim)), deterministic=not train)(x)
 
 
+def activation(gelu: str) -> Callable[[jax.Array], jax.Array]:
+  """'exact' (erf, timm) | 'tanh' (big_vision) | 'quick' (OpenAI CLIP's QuickGELU)."""
+  if gelu == 'quick':
+    return lambda x: x * nn.sigmoid(1.702 * x)
+  return functools.partial(nn.gelu, approximate=gelu == 'tanh')
+
+
+def mlp(x: jax.Array, mlp_dim: int, gelu: str, dropout: Callable, dtype: Any) -> jax.Array:
+  """The two-layer MLP of a block or a MAP head (mlp1, mlp2), built in the calling module."""
+  dense = lambda features, name: nn.Dense(
+      features, dtype=dtype, kernel_init=nn.initializers.xavier_uniform(),
+      bias_init=nn.initializers.normal(stddev=1e-6), name=name)
+  y = dropout(activation(gelu)(dense(mlp_dim, 'mlp1')(x)))
+  return dense(x.shape[-1], 'mlp2')(y)
+
+
 class EncoderBlock(nn.Module):
   """Pre-LayerNorm self-attention and GELU MLP, each a residual branch: one remat unit."""
   num_heads: int
@@ -37,24 +61,45 @@ class EncoderBlock(nn.Module):
   train: bool
   dropout: float = 0.0
   drop_path: float = 0.0
-  gelu: str = 'exact'  # 'exact' (erf, timm) | 'tanh' (big_vision)
+  gelu: str = 'exact'  # 'exact' (erf, timm) | 'tanh' (big_vision) | 'quick' (OpenAI CLIP)
+  layer_scale: bool = False  # DINOv2: each branch times a learned per-channel scale (ls1, ls2), from 1e-5
+  norm_eps: float = 1e-6
   dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x):
     dropout = nn.Dropout(self.dropout, deterministic=not self.train)
-    dense = lambda features, name: nn.Dense(
-        features, dtype=self.dtype, kernel_init=nn.initializers.xavier_uniform(),
-        bias_init=nn.initializers.normal(stddev=1e-6), name=name)
-    y = nn.LayerNorm(dtype=self.dtype, name='norm1')(x)
+    scale = lambda y, name: (y * self.param(name, nn.initializers.constant(1e-5), (y.shape[-1],)).astype(
+        self.dtype) if self.layer_scale else y)
+    y = nn.LayerNorm(self.norm_eps, dtype=self.dtype, name='norm1')(x)
     y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dtype=self.dtype,
                                         kernel_init=nn.initializers.xavier_uniform(),
                                         deterministic=True, name='attention')(y, y)
-    x = x + stochastic_depth(dropout(y), self.drop_path, self.train)
-    y = nn.LayerNorm(dtype=self.dtype, name='norm2')(x)
-    y = dropout(nn.gelu(dense(self.mlp_dim, 'mlp1')(y), approximate=self.gelu == 'tanh'))
-    y = dense(x.shape[-1], 'mlp2')(y)
-    return x + stochastic_depth(dropout(y), self.drop_path, self.train)
+    x = x + stochastic_depth(scale(dropout(y), 'ls1'), self.drop_path, self.train)
+    y = nn.LayerNorm(self.norm_eps, dtype=self.dtype, name='norm2')(x)
+    y = mlp(y, self.mlp_dim, self.gelu, dropout, self.dtype)
+    return x + stochastic_depth(scale(dropout(y), 'ls2'), self.drop_path, self.train)
+
+
+class MAPHead(nn.Module):
+  """Multihead attention pooling (big_vision's MAPHead, timm's AttentionPoolLatent): one learned query
+  (`probe`) attends over the tokens, then a residual pre-LayerNorm MLP; returns [batch, width]."""
+  num_heads: int
+  mlp_dim: int
+  gelu: str = 'exact'
+  norm_eps: float = 1e-6
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    batch, _, width = x.shape
+    probe = self.param('probe', nn.initializers.xavier_uniform(), (1, 1, width))
+    x = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dtype=self.dtype,
+                                        kernel_init=nn.initializers.xavier_uniform(), deterministic=True,
+                                        name='attention')(jnp.broadcast_to(probe.astype(self.dtype),
+                                                                           (batch, 1, width)), x)
+    y = nn.LayerNorm(self.norm_eps, dtype=self.dtype, name='norm')(x)
+    return (x + mlp(y, self.mlp_dim, self.gelu, lambda y: y, self.dtype))[:, 0]
 
 
 class ViT(nn.Module):
@@ -65,33 +110,66 @@ class ViT(nn.Module):
   num_heads: int
   mlp_dim: int
   block: Callable[..., nn.Module] = EncoderBlock  # possibly wrapped in nn.remat
-  pool: str = 'gap'  # 'gap' | 'tok'
+  pool: str = 'gap'  # 'gap' | 'tok' | 'map' | 'avg'
   dropout: float = 0.0
   drop_path: float = 0.0  # the last block's rate
   gelu: str = 'exact'
+  distilled: bool = False  # DeiT: a distillation token and its own head (head_dist), the two averaged
+  registers: int = 0  # DINOv2's register tokens, after the class token; no position embeddings for either
+  layer_scale: bool = False
+  pre_norm: bool = False  # CLIP: a LayerNorm (norm_pre) after the embeddings, which have no bias then
+  norm_eps: float = 1e-6
   dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x, train: bool = True):
     patch = (self.patch_size, self.patch_size)
-    x = nn.Conv(self.width, patch, strides=patch, padding='VALID', dtype=self.dtype,
-                name='embedding')(x.astype(self.dtype))
+    x = nn.Conv(self.width, patch, strides=patch, padding='VALID', use_bias=not self.pre_norm,
+                dtype=self.dtype, name='embedding')(x.astype(self.dtype))
     batch, rows, cols, _ = x.shape
     x = x.reshape(batch, rows * cols, self.width)
-    if self.pool == 'tok':
-      token = self.param('cls', nn.initializers.zeros, (1, 1, self.width))
-      x = jnp.concatenate([jnp.broadcast_to(token.astype(self.dtype), (batch, 1, self.width)), x], 1)
+    prefix = []  # the tokens before the patches, in timm's order
+    if self.pool in ('tok', 'avg'):
+      prefix.append(self.param('cls', nn.initializers.zeros, (1, 1, self.width)))
+    if self.distilled:
+      prefix.append(self.param('dist', nn.initializers.zeros, (1, 1, self.width)))
+    if self.registers:
+      prefix.append(self.param('registers', nn.initializers.normal(stddev=1e-6),
+                               (1, self.registers, self.width)))
+    prepend = lambda x: jnp.concatenate(
+        [jnp.broadcast_to(token.astype(self.dtype), (batch, *token.shape[1:])) for token in prefix] + [x], 1)
+    if not self.registers:
+      x = prepend(x)
     # One embedding per token of the image size seen at init: a new size needs a new model.
     position = self.param('pos_embedding', nn.initializers.normal(stddev=self.width**-0.5),
                           (1, x.shape[1], self.width))
-    x = nn.Dropout(self.dropout, deterministic=not train)(x + position.astype(self.dtype))
+    x = x + position.astype(self.dtype)
+    if self.registers:
+      x = prepend(x)
+    x = nn.Dropout(self.dropout, deterministic=not train)(x)
+    norm = lambda name: nn.LayerNorm(self.norm_eps, dtype=self.dtype, name=name)
+    if self.pre_norm:
+      x = norm('norm_pre')(x)
     for index in range(self.depth):
       # Explicit names: the same parameter tree with and without remat.
       x = self.block(self.num_heads, self.mlp_dim, train, dropout=self.dropout,
                      drop_path=self.drop_path * index / max(self.depth - 1, 1), gelu=self.gelu,
-                     dtype=self.dtype,
+                     layer_scale=self.layer_scale, norm_eps=self.norm_eps, dtype=self.dtype,
                      name=f'block{index + 1}')(x)
-    x = nn.LayerNorm(dtype=self.dtype, name='encoder_norm')(x)
-    x = jnp.mean(x, axis=1) if self.pool == 'gap' else x[:, 0]
-    return nn.Dense(self.num_classes, dtype=self.dtype, kernel_init=nn.initializers.zeros,
-                    name='head')(x).astype(jnp.float32)
+    patches = sum(token.shape[1] for token in prefix)  # where the patch tokens start
+    if self.pool == 'avg':
+      x = norm('fc_norm')(jnp.mean(x[:, patches:], axis=1))
+    else:
+      x = norm('encoder_norm')(x)
+    if self.pool == 'map':
+      x = MAPHead(self.num_heads, self.mlp_dim, self.gelu, self.norm_eps, self.dtype, name='map_head')(
+          x[:, patches:])
+    elif self.pool == 'gap':
+      x = jnp.mean(x[:, patches:], axis=1)
+    head = lambda name: nn.Dense(self.num_classes, dtype=self.dtype, kernel_init=nn.initializers.zeros,
+                                 name=name)
+    if self.distilled:  # timm's DeiT: the mean of the two heads, in training too (no teacher here)
+      return ((head('head')(x[:, 0]) + head('head_dist')(x[:, 1])) / 2).astype(jnp.float32)
+    if self.pool == 'tok':
+      x = x[:, 0]
+    return head('head')(x).astype(jnp.float32)
