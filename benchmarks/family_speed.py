@@ -30,8 +30,14 @@ BATCH = 32
 # (family, flaxtpu model, timm architecture, channels_last for PyTorch)
 CASES = [
     ('resnet', 'resnet50', 'resnet50', True),
+    ('resnext', 'resnext50_32x4d', 'resnext50_32x4d', True),
+    ('regnet', 'regnety_016', 'regnety_016', True),
+    ('efficientnet', 'efficientnet_b0', 'efficientnet_b0', True),
+    ('mobilenetv3', 'mobilenetv3_l', 'mobilenetv3_large_100', True),
     ('convnext', 'convnext_t', 'convnext_tiny', True),
+    ('swin', 'swin_t', 'swin_tiny_patch4_window7_224', False),
     ('vit', 'vit_s', 'vit_small_patch16_224', False),
+    ('deit', 'deit_ti_distilled', 'deit_tiny_distilled_patch16_224', False),
 ]
 
 
