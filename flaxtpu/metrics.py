@@ -192,7 +192,33 @@ class StagedSummaryWriter(metric_writers.SummaryWriter):
     shutil.rmtree(self._staging, ignore_errors=True)
 
 
-class WandbWriter(metric_writers.MetricWriter):
+class ScalarWriter(metric_writers.MetricWriter):
+  """A tracker's writer (W&B, MLflow): what it does not record (summaries, videos, audio, histograms;
+  images and texts unless it says otherwise) is a no-op."""
+
+  def write_images(self, step, images):
+    pass
+
+  def write_texts(self, step, texts):
+    pass
+
+  def write_summaries(self, step, values, metadata=None):
+    pass
+
+  def write_videos(self, step, videos):
+    pass
+
+  def write_audios(self, step, audios, *, sample_rate):
+    pass
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    pass
+
+  def flush(self):
+    pass
+
+
+class WandbWriter(ScalarWriter):
   """Weights & Biases as one more metric writer: scalars, images, texts and the config.
 
   One W&B run per workdir (its id is derived from the workdir), so a resumed
@@ -220,26 +246,12 @@ class WandbWriter(metric_writers.MetricWriter):
   def write_hparams(self, hparams: Mapping[str, Any]):
     self._run.config.update(dict(hparams), allow_val_change=True)
 
-  def write_summaries(self, step, values, metadata=None):
-    pass
-
-  def write_videos(self, step, videos):
-    pass
-
-  def write_audios(self, step, audios, *, sample_rate):
-    pass
-
-  def write_histograms(self, step, arrays, num_buckets=None):
-    pass
-
-  def flush(self):
-    pass
 
   def close(self):
     self._run.finish()
 
 
-class MlflowWriter(metric_writers.MetricWriter):
+class MlflowWriter(ScalarWriter):
   """MLflow as one more metric writer (flaxtpu/tracking.py): the config as parameters, scalars at their
   step. Images and texts go to TensorBoard only; the end's pictures become artifacts."""
 
@@ -258,26 +270,6 @@ class MlflowWriter(metric_writers.MetricWriter):
     if self._run_id and not self._resumed:  # MLflow refuses to log a parameter twice
       self._tracking.log_params(self._tracker, self._run_id, hparams)
 
-  def write_images(self, step, images):
-    pass
-
-  def write_texts(self, step, texts):
-    pass
-
-  def write_summaries(self, step, values, metadata=None):
-    pass
-
-  def write_videos(self, step, videos):
-    pass
-
-  def write_audios(self, step, audios, *, sample_rate):
-    pass
-
-  def write_histograms(self, step, arrays, num_buckets=None):
-    pass
-
-  def flush(self):
-    pass
 
   def close(self):
     # Stopped before its end: a resumed run sets it running again; a finished one ends it FINISHED.
