@@ -4,6 +4,7 @@ with all its tensors read, and each path (hub, timm folder, .pth, keep_head pred
 decay, remat and fsdp, export to timm and back) for the smallest of each family."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -34,7 +35,7 @@ TORCHVISION_REGNETS = {
 TORCHVISION_RESNETS = ('resnext50_32x4d', 'resnext101_32x8d', 'resnext101_64x4d', 'wide_resnet50_2',
                        'wide_resnet101_2')
 VARIANTS = [name for name in models.NAMES if models.get_spec(name).family == 'regnet'
-            or name.startswith(('resnext', 'wide_resnet')) or name.endswith('d')]
+            or name.startswith(('resnext', 'wide_resnet')) or re.fullmatch(r'resnet\d+d', name)]
 
 
 def _source(library: str, architecture: str):
