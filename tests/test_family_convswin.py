@@ -199,7 +199,8 @@ def _run_config(folder, name, **overrides):
 def test_an_old_convnext_run_evaluates_as_it_trained(tmp_path, in_process):
   """A run at 36 px (9x9 -> 5x5 under ceil, 4x4 under floor) trained as flaxtpu trained before the key,
   its config.json and records as such a run wrote them: eval restores it with ceil and reproduces its eval
-  loss (the same checkpoint under floor computes another); resuming its training under floor is refused."""
+  loss; a config at today's default (floor) gets the run's ceil back (resolution.keep_saved_function), so
+  it reproduces the loss too; resuming its training under floor is refused."""
   folder = make_image_folder(tmp_path / 'photos', size=36, train_per_class=4, test_per_class=2)
   workdir = str(tmp_path / 'run')
   main.run(_run_config(folder, 'convnext_t', **{'model.downsample': 'ceil'}), workdir, 'train', None)
@@ -218,7 +219,7 @@ def test_an_old_convnext_run_evaluates_as_it_trained(tmp_path, in_process):
     main.run(restored, workdir, 'eval', None)
     losses[downsample] = json.loads(open(os.path.join(workdir, 'eval.json')).read())['eval_loss']
   assert losses['ceil'] == pytest.approx(trained, rel=1e-5)
-  assert abs(losses['floor'] - trained) > 1e-4 * abs(trained)
+  assert losses['floor'] == pytest.approx(trained, rel=1e-5)  # the saved run's function was kept
 
   # Resuming its training under today's default would change its function mid-run: refused by name.
   for step in os.listdir(os.path.join(workdir, 'checkpoints')):
