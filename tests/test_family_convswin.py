@@ -15,8 +15,8 @@ from safetensors.numpy import save_file
 from test_pretrained import assert_same_function, flaxtpu_logits, hub_cache, import_torch, torch_logits
 
 from conftest import make_image_folder
-from flaxtpu import defaults, export, finetune, main, models, optim, pretrained, workdir_config
-from flaxtpu.errors import CheckpointError, UserError
+from flaxtpu import defaults, export, finetune, main, models, optim, pretrained, resolution, workdir_config
+from flaxtpu.errors import UserError
 from flaxtpu.models.nets import swin
 from flaxtpu.modes import predict
 
@@ -200,7 +200,7 @@ def test_an_old_convnext_run_evaluates_as_it_trained(tmp_path, in_process):
   """A run at 36 px (9x9 -> 5x5 under ceil, 4x4 under floor) trained as flaxtpu trained before the key,
   its config.json and records as such a run wrote them: eval restores it with ceil and reproduces its eval
   loss; a config at today's default (floor) gets the run's ceil back (resolution.keep_saved_function), so
-  it reproduces the loss too; resuming its training under floor is refused."""
+  it reproduces the loss too, and so does a resumed training."""
   folder = make_image_folder(tmp_path / 'photos', size=36, train_per_class=4, test_per_class=2)
   workdir = str(tmp_path / 'run')
   main.run(_run_config(folder, 'convnext_t', **{'model.downsample': 'ceil'}), workdir, 'train', None)
@@ -221,18 +221,11 @@ def test_an_old_convnext_run_evaluates_as_it_trained(tmp_path, in_process):
   assert losses['ceil'] == pytest.approx(trained, rel=1e-5)
   assert losses['floor'] == pytest.approx(trained, rel=1e-5)  # the saved run's function was kept
 
-  # Resuming its training under today's default would change its function mid-run: refused by name.
-  for step in os.listdir(os.path.join(workdir, 'checkpoints')):
-    record_path = os.path.join(workdir, 'checkpoints', step, 'record', 'metadata')
-    if os.path.isfile(record_path):
-      record = json.loads(open(record_path).read())
-      del record['config']['model']['downsample']
-      with open(record_path, 'w') as f:
-        json.dump(record, f)
-  with pytest.raises(CheckpointError, match=r'trained before config.model.downsample existed, computing what '
-                                            r'downsample=ceil computes; resume with '
-                                            r'--config.model.downsample=ceil or use another --workdir'):
-    main.run(_run_config(folder, 'convnext_t', num_train_steps=3), workdir, 'train', None)
+  # Resuming its training under today's default keeps the run's function: the saved ceil wins.
+  resumed = _run_config(folder, 'convnext_t', num_train_steps=3)
+  assert resumed.model.downsample == 'floor'
+  resolution.keep_saved_function(resumed, workdir)
+  assert resumed.model.downsample == 'ceil'
 
 
 @pytest.fixture(scope='module')
