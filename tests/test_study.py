@@ -135,9 +135,11 @@ def test_a_continued_study_draws_new_configurations(tmp_path, sampler):
   assert len(set(drawn)) == 3, drawn
 
 
-def test_a_study_that_cannot_be_reached_never_stops_training(caplog):
+def test_a_study_that_cannot_be_reached_never_stops_training(caplog, tmp_path):
+  blocker = tmp_path / 'a_file'  # a database under a regular file: no storage can be opened or created there
+  blocker.write_text('')
   config = digits.get_config()
-  config.search.storage, config.search.study, config.search.trial = 'sqlite:////nonexistent/dir/x.db', 's', 0
+  config.search.storage, config.search.study, config.search.trial = f'sqlite:///{blocker}/dir/x.db', 's', 0
   reporter = pruning.Pruning.of(config)
   progress = Progress()
   with caplog.at_level(logging.WARNING):
