@@ -55,6 +55,8 @@ SMALLEST = ('resnet18d', 'resnet50d', 'resnext50_32x4d', 'wide_resnet50_2', 'reg
 def test_output_shapes(name, shape, classes):
   if (name in ONE_SHAPE or name.startswith(('vit_l', 'deit_', 'dinov2_', 'clip_'))) and shape[1] == 28:
     pytest.skip('deep variants: one input shape is enough')
+  if name.startswith('convnext') and shape[1] == 28:
+    pytest.skip('ConvNeXt floors 28 px at patch 4 to nothing (test_family_convswin names that size)')
   if name.startswith('efficientnet_b') and name != 'efficientnet_b0':
     pytest.skip('B0 builds every block kind; the blocks of B1-B7: test_family_efficientnet')
   if name in VARIANTS and name not in SMALLEST:
