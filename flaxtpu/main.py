@@ -264,7 +264,7 @@ def _in_detectable_cluster() -> bool:
 
 def _check_workdir(workdir: str) -> None:
   if storage.is_remote(workdir):
-    if (reason := storage.check_workdir_scheme(workdir)) or (reason := files.unwritable(workdir)):
+    if reason := files.unwritable(workdir):
       raise UserError(f'--workdir={workdir} cannot be written ({reason}); check the bucket\'s name and '
                       'permissions (and STORAGE_EMULATOR_HOST for an emulator), or use a local directory')
     return
@@ -279,6 +279,8 @@ def _check_workdir(workdir: str) -> None:
 
 def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   from flaxtpu import resolution  # pylint: disable=g-import-not-at-top
+  if workdir and (reason := storage.check_workdir_scheme(workdir)):  # before anything reads the workdir
+    raise UserError(f'--workdir={workdir} cannot hold a run ({reason})')
   from_published = resolution.restores_published(workdir, mode)
   resolution.resolve(config, workdir, mode)  # every default from its source, before validation
   config_lib.validate(config, mode)  # after it, nothing edits the config

@@ -48,13 +48,13 @@ def _nodes(config):
 @pytest.fixture
 def validated(monkeypatch):
   """What `validate` saw in each main.run, as dicts; after it, writing to that config raises."""
-  seen, frozen = [], set()
+  seen, frozen = [], {}  # id -> node, held so that no new ConfigDict reuses a frozen node's id
   validate = config_lib.validate
 
   def spy(config, mode='train'):
     validate(config, mode)
     seen.append(json.loads(json.dumps(config.to_dict())))
-    frozen.update(id(node) for node in _nodes(config))
+    frozen.update((id(node), node) for node in _nodes(config))
 
   def guard(method):
     def guarded(self, key, *args):

@@ -8,6 +8,7 @@ downsample.1/2 after the pooling), fc.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from flaxtpu.errors import UserError
 from flaxtpu.models import layouts
@@ -77,6 +78,8 @@ def _recognise(tensors, where: str):
   deep = 'conv1.0.weight' in keys
   if not ((deep or 'conv1.weight' in keys) and 'layer1.0.conv1.weight' in keys):
     return None
+  if any(re.fullmatch(r'layer\d+\.\d+\.se\..+', key) for key in keys):
+    return None  # an SE-ResNet: foreign.identify names it, rather than a ResNet read without its SE
   stages = tuple(layouts.count(keys, rf'layer{stage}\.(\d+)\..+') for stage in range(1, 5))
   bottleneck = 'layer1.0.conv3.weight' in keys
   stem = tensors['conv1.0.weight' if deep else 'conv1.weight']

@@ -167,11 +167,11 @@ def _main(args: argparse.Namespace, config_args: list[str], held: contextlib.Exi
     runs = runner.make_runs(args.experiment, args.workdir, runs_overrides, extra_overrides)
     if not args.dry_run and not args.report:
       runner.check_data_folders(config, runs_overrides, extra_overrides)
+      if args.launcher == 'slurm':
+        slurm.check_commands()  # before the lock, which creates WORKDIR
       # One sweep per directory: a second one would start the same runs and record them from its view.
       held.enter_context(lock.WorkdirLock(args.workdir, file=runner.LOCK_FILE, who='sweep'))
-      if args.launcher == 'slurm':
-        slurm.check_commands()
-      else:
+      if args.launcher != 'slurm':
         runner.device_groups(args.parallel or 1)  # refuses a --parallel the accelerators cannot split
         _refuse_runs_queued_on_slurm(args.workdir, runs)
     if args.dry_run and args.launcher == 'slurm':
