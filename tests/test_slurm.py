@@ -8,6 +8,7 @@ in a temporary directory, on free ports) and stops it afterwards. It needs root 
 import dataclasses
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -241,7 +242,7 @@ def test_the_array_script_runs_the_task_s_run_into_its_log(tmp_path):
   options = slurm_launcher.Options(partition='gpu', time='4:00:00', gpus_per_run=2, cpus_per_run=16,
                                    mem='64G', parallel=3, sbatch_args=['--account=lab'])
   command = slurm_launcher.sbatch_command(options, 5, str(tmp_path / 'sweep'), 'sweep-x', str(script))
-  assert command[:3] == ['sbatch', '--parsable', '--array=0-4%3']
+  assert command[:4] == ['sbatch', '--parsable', '--requeue', '--array=0-4%3']
   assert command[-7:] == ['--partition=gpu', '--time=4:00:00', '--gres=gpu:2', '--cpus-per-task=16',
                           '--mem=64G', '--account=lab', str(script)]
 
@@ -399,6 +400,54 @@ def test_a_run_that_left_the_queue_without_results_is_submitted_again(slurm, tmp
   slurm.run('scancel', '--me')
   slurm.wait_for_empty_queue(60)
   assert '0/2 done, 0 running, 0 queued, 2 failed' in sweep(base + ['--report'])
+
+
+@pytest.mark.multiprocess
+def test_a_preempted_or_requeued_task_resumes_and_the_sweep_records_it_once(slurm, tmp_path):
+  """scancel --signal=TERM (a preemption notice) and scontrol requeue, each mid-run: the trainer saves,
+  the task goes back to the queue as itself, resumes from its checkpoint and finishes (issue 43, 7b)."""
+  experiment = tmp_path / 'experiment.py'
+  experiment.write_text(EXPERIMENT)
+  workdir = tmp_path / 'sweep'
+  command = [sys.executable, '-m', 'flaxtpu.sweep', str(experiment), f'--workdir={workdir}',
+             '--launcher=slurm', '--cpus-per-run=1', '--config.num_train_steps=3000',
+             '--config.checkpoint_every_steps=100', '--config.eval_every_steps=3000',
+             '--config.log_every_steps=10',
+             '--config.cpu_devices=1', '--config.compilation_cache_dir=none']
+
+  def sweep(*extra):
+    done = subprocess.run(command + list(extra), cwd=ROOT, env=slurm.env, capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+  sweep()
+  jobs = json.loads((workdir / 'slurm' / 'jobs.json').read_text())['runs']
+  stops = {'seed=0': ('scancel', '--signal=TERM', jobs['seed=0']),
+           'seed=1': ('scontrol', 'requeue', jobs['seed=1'])}
+  deadline = time.monotonic() + JOB_TIMEOUT_S
+  while stops:  # each one as soon as its run trains
+    assert time.monotonic() < deadline, slurm.queue()
+    for name in list(stops):
+      log = workdir / name / 'log.txt'
+      if log.exists() and re.search(r'step \d+/3000', log.read_text()):
+        done = slurm.run(*stops.pop(name))
+        assert done.returncode == 0, done.stderr
+    time.sleep(0.2)
+
+  waited = sweep('--wait')
+  assert '2/2 done' in waited, waited
+  record = json.loads((workdir / 'sweep.json').read_text())
+  assert [(run['name'], run['status'], run['slurm_job']) for run in record['runs']] == [
+      (name, runner.DONE, jobs[name]) for name in ('seed=0', 'seed=1')]
+  assert json.loads((workdir / 'slurm' / 'jobs.json').read_text())['runs'] == jobs  # no second submission
+  for name in ('seed=0', 'seed=1'):
+    log = (workdir / name / 'log.txt').read_text()
+    assert log.count(runner.LAUNCH_MARKER) == 2 and 'requeued 1 time(s)' in log, log
+    stopped = int(re.search(r'stopped by SIGTERM at step (\d+)', log).group(1))
+    resumed = int(re.search(r'resuming from step (\d+)', log).group(1))
+    assert 0 < stopped < 3000 and resumed == stopped, log
+    assert json.loads((workdir / name / 'results.json').read_text())['step'] == 3000
 
 
 # --- a study whose array tasks share one storage ----------------------------------------------

@@ -61,7 +61,8 @@ def check_commands() -> None:
 def sbatch_command(options: Options, count: int, workdir: str, job_name: str, script: str) -> list[str]:
   """The `sbatch` command line that submits `script` as an array of `count` tasks."""
   array = f'0-{count - 1}' + (f'%{options.parallel}' if options.parallel else '')
-  command = ['sbatch', '--parsable', f'--array={array}', f'--job-name={job_name}',
+  # --requeue: a preempted task goes back to the queue (where the cluster preempts by requeueing).
+  command = ['sbatch', '--parsable', '--requeue', f'--array={array}', f'--job-name={job_name}',
              f'--output={os.path.join(os.path.abspath(workdir), SLURM_DIR, "%A_%a.out")}',
              f'--chdir={os.getcwd()}']
   if options.partition:
@@ -93,10 +94,23 @@ def array_script(runs: Sequence[Run], workdir: str) -> str:
       '  *) echo "error: no run for array task $SLURM_ARRAY_TASK_ID" >&2; exit 2 ;;',
       'esac',
       'mkdir -p "$run_dir"',
-      f'echo "{runner.LAUNCH_MARKER} $(date "+%Y-%m-%d %H:%M:%S") (slurm job ${{SLURM_ARRAY_JOB_ID}}_'
-      f'${{SLURM_ARRAY_TASK_ID}} on $(hostname)): ${{command[*]}}" >> {log}',
-      # exec: the trainer itself gets SLURM's SIGTERM (time limit, scancel) and saves a checkpoint.
-      f'exec "${{command[@]}}" >> {log} 2>&1',
+      'task="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
+      f'echo "{runner.LAUNCH_MARKER} $(date "+%Y-%m-%d %H:%M:%S") (slurm job $task on $(hostname)'
+      f'${{SLURM_RESTART_COUNT:+, requeued $SLURM_RESTART_COUNT time(s)}}): ${{command[*]}}" >> {log}',
+      # A job step: SLURM's SIGTERM reaches the trainer, which saves a checkpoint and exits 0, from a
+      # preemption, a time limit, a requeue or `scancel --signal=TERM` (which signals steps, not this script).
+      'step=(); if [ -n "$SLURM_JOB_ID" ] && command -v srun >/dev/null; then step=(srun --ntasks=1); fi',
+      f'"${{step[@]}}" "${{command[@]}}" >> {log} 2>&1',
+      'status=$?',
+      # Stopped early (no results) while SLURM still runs the task: only a signal did that, not a
+      # cancel or a requeue (those leave it COMPLETING). Requeued, it resumes from the checkpoint as
+      # the same array task, so the sweep records it once.
+      f'if [ "$status" = 0 ] && [ ! -e "$run_dir/{runner.RESULTS_FILE}" ] && [ -n "$SLURM_JOB_ID" ] &&',
+      '    [ "$(squeue --noheader --jobs="$task" --format=%T 2>/dev/null)" = RUNNING ]; then',
+      f'  echo "[sweep] stopped before the end: requeueing $task to resume from its checkpoint" >> {log}',
+      '  scontrol requeue "$task" && exit 0',
+      'fi',
+      'exit "$status"',
       ''])
 
 
