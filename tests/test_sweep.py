@@ -439,3 +439,29 @@ def test_parallel_runs_split_the_gpus_or_are_refused(monkeypatch):
   monkeypatch.setattr(runner.glob, 'glob', lambda pattern: ['/dev/accel0'] if 'accel' in pattern else [])
   with pytest.raises(sweep.SweepError, match='--parallel=2 on a TPU host'):
     runner.device_groups(2)
+
+
+def test_stopping_a_sweep_lets_each_run_save_and_kills_the_ones_that_do_not_stop(tmp_path):
+  """What Ctrl-C on a grid sweep or a study does to its runs: SIGTERM, a grace period, then SIGKILL."""
+  saves = textwrap.dedent('''
+      import signal, sys, time
+      signal.signal(signal.SIGTERM, lambda *_: (print('saved', flush=True), sys.exit(0)))
+      print('training', flush=True)
+      time.sleep(60)''')
+  hangs = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+           "print('training', flush=True); time.sleep(60)")
+  processes = {}
+  for name, code in (('saves', saves), ('hangs', hangs)):
+    (tmp_path / name).mkdir()
+    log = open(tmp_path / name / runner.LOG_FILE, 'w')
+    process = subprocess.Popen([sys.executable, '-c', code], stdout=log, stderr=subprocess.STDOUT)
+    processes[name] = (process, log)
+  deadline = time.monotonic() + 60
+  while not all('training' in (tmp_path / name / runner.LOG_FILE).read_text() for name in processes):
+    assert time.monotonic() < deadline
+    time.sleep(0.05)
+  started = time.monotonic()
+  assert runner.stop_runs(str(tmp_path), '', processes, grace_s=2) == {'saves': 0, 'hangs': -9}
+  assert time.monotonic() - started < 20
+  assert (tmp_path / 'saves' / runner.LOG_FILE).read_text() == 'training\nsaved\n'
+  assert all(log.closed for _, log in processes.values())

@@ -428,19 +428,28 @@ def run_sweep(experiment_path: str, workdir: str, runs: list[Run], parallel: int
         report_progress()
   except KeyboardInterrupt:
     # Stop only the runs this sweep started; a re-run resumes them from their checkpoints.
-    for process, _ in processes.values():
-      process.terminate()
+    exits = stop_runs(workdir, log_dir, processes)
     for run in runs:
-      if run.name in processes:
-        process, log = processes[run.name]
-        try:
-          process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-          process.kill()
-          process.wait()
-        log.close()
-        copy_log(workdir, run.name, log_dir)
-        run.status, run.returncode = INTERRUPTED, process.returncode
+      if run.name in exits:
+        run.status, run.returncode = INTERRUPTED, exits[run.name]
     write_sweep_record(workdir, experiment_path, runs, extra_overrides)
     raise
   return runs
+
+
+def stop_runs(workdir: str, log_dir: str, processes: dict, grace_s: float = 30) -> dict[str, int]:
+  """SIGTERM to every run in `processes` ({name: (process, log file)}), so each saves a checkpoint; the
+  ones still alive after `grace_s` are killed. Their logs are closed and copied; returns {name: exit}."""
+  for process, _ in processes.values():
+    process.terminate()
+  exits = {}
+  for name, (process, log) in processes.items():
+    try:
+      process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+      process.kill()
+      process.wait()
+    log.close()
+    copy_log(workdir, name, log_dir)
+    exits[name] = process.returncode
+  return exits

@@ -302,16 +302,8 @@ def run_trials(study, get_search, config, experiment: str, workdir: str, storage
         print(f'[sweep] {name}: {_outcome(study, trial, run, workdir)}', flush=True)
   except BaseException:  # Ctrl-C, SIGTERM, or a trial whose draws get_search got wrong
     # The trials stay RUNNING in the study; the next command resumes them from their checkpoints.
-    for _, _, process, _, _, _ in running.values():
-      process.terminate()
-    for _, run, process, log, _, _ in running.values():
-      try:
-        process.wait(timeout=30)
-      except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-      log.close()
-      runner.copy_log(workdir, run.name, log_dir)
+    runner.stop_runs(workdir, log_dir, {run.name: (process, log)
+                                        for _, run, process, log, _, _ in running.values()})
     raise
 
 
