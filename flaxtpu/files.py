@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from typing import Any, Iterator, Mapping, Optional
 
 from flaxtpu.errors import UserError
@@ -105,9 +106,36 @@ def open_file(path: str, mode: str = 'r', **kwargs):
 def upload(local_path: str, path: str) -> None:
   """Copies the local file `local_path` to `path` (any store), whole."""
   if is_remote(path):
-    _epath(path).write_bytes(open_bytes(local_path))
+    data = open_bytes(local_path)
+    within_deadline(lambda: _epath(path).write_bytes(data), f'writing {path}')
   else:
     os.replace(local_path, path)
+
+
+def store_timeout_s() -> float:
+  """How long one write to an object store may take before it counts as failed (FLAXTPU_STORE_TIMEOUT_S)."""
+  return float(os.environ.get('FLAXTPU_STORE_TIMEOUT_S', '300'))
+
+
+def within_deadline(call, what: str):
+  """call(), or TimeoutError when it has not returned within store_timeout_s(): a store that stops
+  answering holds its connection open, and gcsfs waits on it for ever (its retries included). The
+  call goes on in a daemon thread, which the process does not wait for at exit."""
+  outcome, done = {}, threading.Event()
+
+  def run():
+    try:
+      outcome['value'] = call()
+    except BaseException as e:  # pylint: disable=broad-except  # re-raised in the caller's thread
+      outcome['error'] = e
+    done.set()
+
+  threading.Thread(target=run, name='flaxtpu-store', daemon=True).start()
+  if not done.wait(store_timeout_s()):
+    raise TimeoutError(f'{what}: the store did not answer within {store_timeout_s():.0f} s')
+  if 'error' in outcome:
+    raise outcome['error']
+  return outcome.get('value')
 
 
 class LocalStage:
@@ -132,7 +160,7 @@ class LocalStage:
     for directory, _, names in os.walk(self._local):
       for name in names:
         source = os.path.join(directory, name)
-        _epath(join(self.path, os.path.relpath(source, self._local))).write_bytes(open_bytes(source))
+        upload(source, join(self.path, os.path.relpath(source, self._local)))
     shutil.rmtree(self._local, ignore_errors=True)
     self._local = None
 

@@ -118,11 +118,13 @@ class WorkdirLease(WorkdirLock):
                     'started': time.strftime('%Y-%m-%d %H:%M:%S')}
     self._stopped = threading.Event()
     self._renewer = None
+    # A store that stops answering (a hung connection) must fail a renewal, not block it for ever.
+    self._timeout_s = max(self.seconds / 3, 1.0)
 
   def __enter__(self) -> 'WorkdirLease':
     import tensorstore as ts  # pylint: disable=g-import-not-at-top
     self._store = ts.KvStore.open(self.path).result()
-    current = self._store.read('').result()
+    current = self._store.read('').result(timeout=self._timeout_s)
     if current.state == 'value':
       holder = _lease_holder(current.value) or {'renewed': 0.0}  # unreadable: expired
       age, limit = time.time() - holder['renewed'], holder.get('seconds', self.seconds)
@@ -135,7 +137,7 @@ class WorkdirLease(WorkdirLock):
       logging.warning('taking over %s: its holder (%s) has not renewed it for %.0f s', self.path,
                       _describe(current.value), age)
     if not self._write(current.stamp.generation):
-      holder = _describe(self._store.read('').result().value)
+      holder = _describe(self._store.read('').result(timeout=self._timeout_s).value)
       raise WorkdirBusy(f'--workdir={os.path.dirname(self.path)} was leased by another {self.who} at the '
                         f'same moment ({holder}); use another --workdir')
     self._renewer = threading.Thread(target=self._renew, name='flaxtpu-lease', daemon=True)
@@ -146,7 +148,7 @@ class WorkdirLease(WorkdirLock):
     """Writes the lease where `generation` is still the stored one; whether it was written."""
     renewed = time.time()
     payload = json.dumps({**self._holder, 'renewed': renewed, 'seconds': self.seconds}).encode()
-    written = self._store.write('', payload, if_equal=generation).result()
+    written = self._store.write('', payload, if_equal=generation).result(timeout=self._timeout_s)
     if not written.generation:  # TensorStore's answer to a failed condition: no generation
       return False
     self._generation, self._written, self._renewed = written.generation, payload, renewed
@@ -156,7 +158,7 @@ class WorkdirLease(WorkdirLock):
     interval = self.seconds / 3
     while not self._stopped.wait(interval):
       try:
-        current = self._store.read('').result()
+        current = self._store.read('').result(timeout=self._timeout_s)
         if current.state != 'value' or current.value != self._written or not self._write(self._generation):
           taker = (f'another trainer ({_describe(current.value)})' if current.state == 'value'
                    else 'nobody: it was deleted')
@@ -189,9 +191,9 @@ class WorkdirLease(WorkdirLock):
       self._renewer = None
     if self._generation is not None:
       try:
-        current = self._store.read('').result()
+        current = self._store.read('').result(timeout=self._timeout_s)
         if current.state == 'value' and current.value == self._written:  # only our own lease
-          self._store.write('', None, if_equal=self._generation).result()
+          self._store.write('', None, if_equal=self._generation).result(timeout=self._timeout_s)
       except Exception as e:  # pylint: disable=broad-except
         logging.warning('could not release the lease %s (%s); it expires in %.0f s', self.path,
                         files.short_error(e, 200), self.seconds)

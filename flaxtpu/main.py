@@ -341,6 +341,7 @@ def main(argv):
     with stop if FLAGS.mode == 'train' else contextlib.nullcontext():
       run(FLAGS.config, FLAGS.workdir, FLAGS.mode, stop)
   except UserError as e:
+    stop.reported = True
     _exit_with_error(str(e))
   except KeyboardInterrupt:
     _exit_with_error('interrupted twice: stopped without saving; the latest complete checkpoint '

@@ -9,7 +9,10 @@ during the loop.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
+import threading
 
 from flaxtpu.errors import UserError
 
@@ -23,7 +26,9 @@ class StopRequest:
   def __init__(self):
     self.signal_name: str | None = None
     self.abort_reason: str | None = None  # set from another thread: stop without saving, as an error
+    self.reported = False  # the CLI printed the abort's error line
     self._previous: dict = {}
+    self._watchdog: threading.Timer | None = None
 
   def __enter__(self) -> 'StopRequest':
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -52,7 +57,24 @@ class StopRequest:
     """Asks the trainer to stop at its next step without saving, and to fail with `reason` (one line):
     what it would save no longer belongs to it (a lease lost to another trainer)."""
     self.abort_reason = self.abort_reason or reason
+    if self._watchdog is None:
+      self._watchdog = threading.Timer(abort_grace_s(), self._give_up)
+      self._watchdog.daemon = True
+      self._watchdog.start()
+
+  def _give_up(self) -> None:
+    """The trainer has not stopped within the grace period of an abort: it is blocked on a store that
+    no longer answers (a hung connection, in a save or a write). Nothing it could still write is its
+    own, so the process ends here, with the abort's error line."""
+    if not self.reported:
+      print(f'error: {self.abort_reason}', file=sys.stderr, flush=True)
+    os._exit(2)  # pylint: disable=protected-access
 
   def raise_if_aborted(self) -> None:
     if self.abort_reason is not None:
       raise UserError(self.abort_reason)
+
+
+def abort_grace_s() -> float:
+  """How long an aborted trainer may take to stop on its own (FLAXTPU_ABORT_GRACE_S)."""
+  return float(os.environ.get('FLAXTPU_ABORT_GRACE_S', '60'))

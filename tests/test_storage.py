@@ -20,6 +20,7 @@ STEPS = 120
 RUN_FLAGS = ['--config=configs/digits.py', f'--config.num_train_steps={STEPS}', '--config.batch_size=32',
              '--config.log_every_steps=8', '--config.eval_every_steps=60',
              '--config.checkpoint_every_steps=8', '--config.compilation_cache_dir=none']
+EMULATOR_PROCESS = {}  # url -> the emulator's process
 LEASE_SECONDS = 20  # the killed run's lease: outlasts a restart's start-up, short enough to wait for
 
 
@@ -63,6 +64,7 @@ def emulator(tmp_path_factory):
     storage.configure()
     from etils.epath import gpath
     gpath._is_tf_installed.cache_clear()  # epath picks its gs:// backend once; here after configure()
+    EMULATOR_PROCESS[url] = process  # for the outage test, which pauses it
     yield url
   process.kill()
   process.wait()
@@ -212,6 +214,39 @@ def test_bucket_run_killed_resumes_bitwise_then_evaluates_and_exports(emulator, 
   rows = [files.open_bytes(output).decode().splitlines() for output in (
       str(tmp_path / 'predictions.csv'), f'{workdir}/predictions.csv')]
   assert rows[0] == rows[1] and rows[0][0].startswith('path,class_1,probability_1') and len(rows[0]) == 4
+
+
+def test_a_storage_outage_mid_run_stops_in_one_line_and_the_restart_resumes(emulator):
+  """The bucket stops answering mid-run (the emulator paused): the trainer stops with one error line and
+  no traceback, nothing complete is lost, and once the bucket is back the same command resumes from the
+  newest complete step and finishes (issue 43, class 7a)."""
+  workdir = 'gs://bucket/outage'
+  env = _env(emulator, FLAXTPU_LEASE_SECONDS='3', FLAXTPU_STORE_TIMEOUT_S='5', FLAXTPU_ABORT_GRACE_S='10')
+  command = _cli(f'--workdir={workdir}', *RUN_FLAGS)
+  process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+  deadline = time.time() + 300
+  while not _complete_steps(workdir) and process.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  before = _complete_steps(workdir)
+  server = EMULATOR_PROCESS[emulator]
+  server.send_signal(signal.SIGSTOP)
+  try:
+    _, stderr = process.communicate(timeout=240)
+  finally:
+    server.send_signal(signal.SIGCONT)
+    process.kill()
+  errors = [line for line in stderr.splitlines() if line.startswith('error:')]
+  assert process.returncode not in (0, None) and len(errors) == 1, stderr[-3000:]
+  assert 'Traceback' not in stderr and 'a bug?' not in errors[0], stderr[-3000:]
+  kept = _complete_steps(workdir)
+  assert before and set(before) <= set(kept) | set(range(before[-1] + 1)) and kept[-1] < STEPS
+  time.sleep(4)  # the stopped trainer's lease expires
+  restart = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert restart.returncode == 0, restart.stderr[-3000:]
+  resumed_from = int(restart.stderr.split('resuming from step ')[1].split()[0])
+  assert resumed_from == kept[-1] and files.read_json(f'{workdir}/results.json')['step'] == STEPS
+  print(f'\noutage after complete steps {before}: {errors[0]}; resumed from step {resumed_from}')
 
 
 def test_a_lease_lost_mid_run_stops_the_trainer_unsaved_with_one_error_line(emulator):
