@@ -446,6 +446,10 @@ def _check_distill(config: ml_collections.ConfigDict) -> None:
 
 def _check_predict(config: ml_collections.ConfigDict) -> None:
   _positive('predict.top_k', config.predict.top_k)
+  if not 0 <= config.audit.near_distance <= 32:
+    raise ConfigError(f'config.audit.near_distance={config.audit.near_distance} must lie in [0, 32] bits '
+                      'of the 64-bit perceptual hash (6 finds resized and re-encoded copies)')
+  _positive('audit.workers', config.audit.workers)
 
 
 def _check_wandb(config: ml_collections.ConfigDict) -> None:
