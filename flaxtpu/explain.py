@@ -121,9 +121,8 @@ class GradCam:
       features, gradients = on_grid(features), on_grid(gradients)
     weights = jnp.mean(gradients, axis=(1, 2), keepdims=True)
     cam = jax.nn.relu(jnp.sum(weights * features, axis=-1))
-    cam = cam / jnp.maximum(jnp.max(cam, axis=(1, 2), keepdims=True), 1e-12)
-    cam = jax.image.resize(cam, (cam.shape[0], height, width), 'bilinear')
-    return jnp.clip(cam, 0.0, 1.0), target
+    cam = jax.nn.relu(jax.image.resize(cam, (cam.shape[0], height, width), 'bilinear'))
+    return cam / jnp.maximum(jnp.max(cam, axis=(1, 2), keepdims=True), 1e-12), target
 
   def __call__(self, images: np.ndarray, classes: Optional[np.ndarray] = None,
                batch_size: int = 64, variables: Optional[dict] = None) -> tuple[np.ndarray, np.ndarray]:

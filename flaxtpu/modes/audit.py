@@ -25,6 +25,7 @@ from flaxtpu.lengths import resolved_eval_batch_size
 
 AUDIT_FILE, PLOT_FILE = 'audit.json', 'audit.png'
 TOP_CLASSES = 5  # the most probable classes kept per image for confident learning
+AUDITED_KINDS = ('folder', 'labels')  # sources of image files (FileRecords), local or in a bucket
 SCHEMA = ('exact_duplicates', 'near_duplicates', 'leaks', 'unreadable', 'suspected_mislabels', 'class_counts')
 
 
@@ -33,22 +34,21 @@ def run_audit(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if config.task == 'multilabel':
     raise UserError('--mode=audit reads single-label datasets; a multilabel run\'s tags are not audited '
                     '(drop --config.task=multilabel)')
+  source = sources.get(config.dataset, config.task)
+  if source.kind not in AUDITED_KINDS:
+    raise UserError(f'--mode=audit reads image files with one class each (dataset.folder or dataset.labels), '
+                    f'not a {source.title or source.kind}; export the images to a folder first')
   files.makedirs(workdir)
-  trained = files.isdir(os.path.join(workdir, 'checkpoints'))
   restored = None
-  if trained:
+  if files.isdir(os.path.join(workdir, 'checkpoints')):
     from flaxtpu.modes.restore import restore  # pylint: disable=g-import-not-at-top
     restored = restore(config, workdir, replaces=[os.path.join(workdir, AUDIT_FILE)])
   class_names = restored[3].get('class_names') if restored else None
-  source = sources.get(config.dataset, config.task)
   train_spec, eval_spec = config.dataset.train_split, config.dataset.eval_split
   train, evaluation, class_names = source.splits(train_spec if train_spec != eval_spec else None, eval_spec,
                                                  class_names)
   listed = [split for split in (train, evaluation) if split is not None]
-  if any(not isinstance(split.records, FileRecords) or split.labels is None or split.labels.ndim != 1
-         for split in listed):
-    raise UserError(f'--mode=audit reads image files with one class each (dataset.folder or dataset.labels); '
-                    f'this dataset is a {source.kind} source; export it to a folder first')
+  assert all(isinstance(split.records, FileRecords) and split.labels.ndim == 1 for split in listed)
   names = [spec for spec, split in ((train_spec, train), (eval_spec, evaluation)) if split is not None]
   scanned = audit.scan([(name, [split.describe(i) for i in range(len(split))], split.labels)
                         for name, split in zip(names, listed)], config.audit.workers)
