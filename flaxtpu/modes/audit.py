@@ -34,10 +34,11 @@ def run_audit(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if config.task == 'multilabel':
     raise UserError('--mode=audit reads single-label datasets; a multilabel run\'s tags are not audited '
                     '(drop --config.task=multilabel)')
-  source = sources.get(config.dataset, config.task)
-  if source.kind not in AUDITED_KINDS:
+  kind = sources.kind_of(config.dataset)
+  if kind.kind not in AUDITED_KINDS:
     raise UserError(f'--mode=audit reads image files with one class each (dataset.folder or dataset.labels), '
-                    f'not a {source.title or source.kind}; export the images to a folder first')
+                    f'not a {kind.title or kind.kind}; export the images to a folder first')
+  source = sources.get(config.dataset, config.task)
   files.makedirs(workdir)
   restored = None
   if files.isdir(os.path.join(workdir, 'checkpoints')):
