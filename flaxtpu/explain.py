@@ -152,7 +152,9 @@ def for_restored(config: ml_collections.ConfigDict, record: dict, state) -> Grad
   norm = record['normalization']
   task = steps.create_task(config, num_classes=record['num_classes'],
                            image_shape=tuple(record['image_shape']), mean=norm['mean'], std=norm['std'])
-  gather = lambda x: np.asarray(jax.device_get(x))
+  # Under pmap the state holds one copy per device: the first will do.
+  first = config.parallelism == 'pmap'
+  gather = lambda x: np.asarray(jax.device_get(x[0] if first else x))
   variables = {'params': jax.tree.map(gather, state.params),
                'batch_stats': jax.tree.map(gather, state.batch_stats)}
   family = models.get_family(config.model.name)
