@@ -448,6 +448,13 @@ def _check_predict(config: ml_collections.ConfigDict) -> None:
   _positive('predict.top_k', config.predict.top_k)
 
 
+def _check_audit(config: ml_collections.ConfigDict) -> None:
+  if not 0 <= config.audit.near_distance <= 32:
+    raise ConfigError(f'config.audit.near_distance={config.audit.near_distance} must lie in [0, 32] bits '
+                      'of the 64-bit perceptual hash (6 finds resized and re-encoded copies)')
+  _positive('audit.workers', config.audit.workers)
+
+
 def _check_wandb(config: ml_collections.ConfigDict) -> None:
   _one_of('wandb.mode', config.wandb.mode, ('online', 'offline'))
   if config.wandb.project and importlib.util.find_spec('wandb') is None:
@@ -469,7 +476,7 @@ SECTION_CHECKS = (_check_dataset_source, _check_dataset, _check_input, _check_au
                   _check_training, _check_optimizer, _check_schedule, _check_ema, _check_init_from,
                   _check_distill, _check_parallelism,
                   _check_loop, _check_checkpoint, _check_early_stopping, _check_eval, _check_predict,
-                  _check_wandb, _check_mlflow)
+                  _check_audit, _check_wandb, _check_mlflow)
 
 
 def config_keys(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:

@@ -370,6 +370,17 @@ def get_config() -> ml_collections.ConfigDict:
   config.predict.input = ''  # --mode=predict: an image file or a folder of images.
   config.predict.top_k = 3  # Classes printed per image.
   config.predict.output_csv = ''  # Also write predictions here ('' = print only).
+  # Also write each image's Grad-CAM heatmap of its top class (NAME.npy, float32 at the image's own
+  # size) and an overlay (NAME.overlay.png) into predict.explain_dir (docs/audit_explain.md).
+  config.predict.explain = False
+  config.predict.explain_dir = ''  # '' = WORKDIR/explain
+
+  # --mode=audit: duplicates, leaks across splits, unreadable files and suspected wrong labels of the
+  # dataset's train and eval splits -> WORKDIR/audit.json (docs/audit_explain.md).
+  config.audit = ml_collections.ConfigDict()
+  # Two images whose 64-bit perceptual hashes (pHash) differ in at most this many bits are near copies.
+  config.audit.near_distance = 6
+  config.audit.workers = 4  # Threads that read and hash the files.
 
   config.wandb = ml_collections.ConfigDict()
   # Also log to Weights & Biases in this project ('' = off; pip install 'flaxtpu[wandb]').

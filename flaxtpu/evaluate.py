@@ -8,7 +8,7 @@ F1 thresholds) come from `report.metrics`, the report files from `report.writer`
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import ml_collections
@@ -107,26 +107,33 @@ def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str
 
 
 def write_report(predictions: Optional[Predictions], dataset: pipeline.Dataset, directory: str,
-                 suffix: str = '', threshold: float = 0.0, about: Optional[dict] = None) -> dict:
+                 suffix: str = '', threshold: float = 0.0, about: Optional[dict] = None,
+                 overlay: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> dict:
   """per_class.csv, confusion, mistakes and reliability PNGs of the eval split in `directory`;
   multilabel, also thresholds.json (`threshold` and `about` as in `report.writer.write_eval_report`).
 
   `predictions` are what `evaluate` kept. Returns the summary numbers (ECE,
-  top-5 accuracy) for eval.json. They are kept on one process only, so a run
+  top-5 accuracy) for eval.json. `overlay` (image -> image, e.g. `explain.overlaid`) draws on each
+  image the mistakes picture shows. They are kept on one process only, so a run
   of many processes leaves the report to `--mode=eval` on one.
   """
   if jax.process_count() > 1:
     logging.info('per-class report skipped: it runs on one process (--mode=eval on one host writes it)')
     return {}
   logits, labels = predictions
+  draw = overlay or _same
   with files.writing(directory, 'free disk space or choose a writable --workdir'):
     summary = writer.write_eval_report(directory, logits, labels, list(dataset.class_names),
-                                       images=lambda index: loaders.eval_image(dataset, index), suffix=suffix,
-                                       threshold=threshold, about=about)
+                                       images=lambda index: draw(loaders.eval_image(dataset, index)),
+                                       suffix=suffix, threshold=threshold, about=about)
   logging.info('eval report: ECE %.4f%s; %s in %s', summary['eval_ece'],
                f', top-5 accuracy {summary["eval_top5_accuracy"]:.4f}' if 'eval_top5_accuracy' in summary
                else '', ', '.join(summary['report_files']), directory)
   return summary
+
+
+def _same(image: np.ndarray) -> np.ndarray:
+  return image
 
 
 def report_about(config: ml_collections.ConfigDict, step: int, split: Optional[str] = None) -> dict:

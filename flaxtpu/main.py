@@ -34,11 +34,12 @@ config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py or ex
                                 lock_config=True)
 flags.DEFINE_string('workdir', None, 'Run directory: config.json, metrics.jsonl, TensorBoard '
                     'events, checkpoints/, results.json.')
-flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'export', 'plan'],
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'export', 'plan', 'audit'],
                   'train (resumes from the workdir); eval, predict or export (restore a checkpoint '
                   'of --workdir; --config defaults to the one it trained with); plan (compile the '
-                  'train step and report its memory).')
-RESTORING_MODES = ('eval', 'predict', 'export')
+                  'train step and report its memory); audit (duplicates, leaks, unreadable files and '
+                  'suspected wrong labels of the dataset -> WORKDIR/audit.json).')
+RESTORING_MODES = ('eval', 'predict', 'export', 'audit')
 flags.DEFINE_string('coordinator_address', None, 'Many hosts: HOST:PORT of process 0.')
 flags.DEFINE_integer('num_processes', None, 'Many hosts: the number of processes.')
 flags.DEFINE_integer('process_id', None, 'Many hosts: this process\'s index.')
@@ -312,6 +313,9 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   elif mode == 'predict':
     from flaxtpu.modes import predict  # pylint: disable=g-import-not-at-top
     predict.predict(config, workdir)
+  elif mode == 'audit':
+    from flaxtpu.modes import audit  # pylint: disable=g-import-not-at-top
+    audit.run_audit(config, workdir)
   else:
     from flaxtpu import export  # pylint: disable=g-import-not-at-top
     export.export_checkpoint(config, workdir)

@@ -15,6 +15,18 @@ from flaxtpu.data.sources.base import DataError, unreadable
 from flaxtpu.data.sources.folder import image_files
 
 
+def prepare(path: str, image_shape: tuple[int, int, int], transform: Transform) -> np.ndarray:
+  """One image file as the model sees it in evaluation: uint8 [H, W, C]."""
+  height, width, channels = image_shape
+  image = preprocess.open_image(path)
+  if transform.size:
+    return preprocess.eval_image(image, dataclasses.replace(transform, channels=channels))
+  # a model trained at native size: resize to it, as Keras' predict pipelines do
+  decoded = preprocess.decode(image, channels)
+  return preprocess.to_array(decoded.resize((width, height)) if decoded.size != (width, height) else decoded,
+                             channels)
+
+
 def read_images(path: str, image_shape: tuple[int, int, int], transform: Transform,
                 skip_corrupt: bool = False) -> tuple[list[str], np.ndarray]:
   """An image file, or every image under a folder (sorted), preprocessed as for evaluation.
@@ -30,17 +42,10 @@ def read_images(path: str, image_shape: tuple[int, int, int], transform: Transfo
     paths = [path]
   else:
     raise DataError(f'config.predict.input={path!r} does not exist; give an image file or a folder')
-  height, width, channels = image_shape
   kept, images = [], []
   for image_path in paths:
     try:
-      image = preprocess.open_image(image_path)
-      if transform.size:
-        array = preprocess.eval_image(image, dataclasses.replace(transform, channels=channels))
-      else:  # a model trained at native size: resize to it, as Keras' predict pipelines do
-        decoded = preprocess.decode(image, channels)
-        array = preprocess.to_array(decoded.resize((width, height)) if decoded.size != (width, height)
-                                    else decoded, channels)
+      array = prepare(image_path, image_shape, transform)
     except Exception as e:  # pylint: disable=broad-except
       reason = unreadable(image_path, e)
       if not skip_corrupt:

@@ -76,6 +76,11 @@ def _no_data_fit(spec: Spec) -> None:
   del spec
 
 
+def _last_spatial_map(spec: Spec) -> tuple[str, ...]:
+  del spec
+  return ()
+
+
 def _smallest_one(spec: Spec) -> int:
   del spec
   return 1
@@ -109,6 +114,9 @@ class Family:
   # spec -> None, or a function {parameter name: value} of normalised train images [N, H, W, C] that a
   # fresh run sets before step 1 (FastNet's whitening stem)
   data_fit: Callable[[Spec], Optional[Callable[[np.ndarray], dict]]] = _no_data_fit
+  # spec -> the module path (('block12', 'norm1')) whose output Grad-CAM explains (`flaxtpu.explain`);
+  # () = the last module that returns a [batch, H, W, C] map (every convolutional family)
+  feature_map: Callable[[Spec], tuple[str, ...]] = _last_spatial_map
 
   def layout(self, name: str) -> Optional[Layout]:
     return next((layout for layout in self.layouts if layout.name == name), None)

@@ -309,4 +309,7 @@ FAMILY = Family('vit', {
 }, _build, _layers, ('patch_size', 'pool', 'dropout', 'drop_path', 'gelu'), title='ViT',
     short_names='vit_*, deit_*, dinov2_*, clip_*',
     layouts=(BIG_VISION, TIMM), timm_architecture=_timm_architecture, preprocessing=_preprocessing,
-    input_kernel='params/embedding/kernel', fixed_image_size=True)
+    input_kernel='params/embedding/kernel', fixed_image_size=True,
+    # Grad-CAM on the patch tokens entering the last block (after the encoder's norm, a class token's
+    # logits have no gradient on the patches)
+    feature_map=lambda spec: (f'block{spec.stage_sizes[0]}', 'norm1'))

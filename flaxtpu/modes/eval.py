@@ -9,7 +9,7 @@ import re
 import jax
 import ml_collections
 
-from flaxtpu import fewshot, files, steps
+from flaxtpu import explain, fewshot, files, steps
 from flaxtpu.data import pipeline
 from flaxtpu.errors import UserError
 from flaxtpu.evaluate import evaluate, report_about, tta_name, write_report
@@ -54,8 +54,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
       ('-ema' if ema else '-raw', other_weights)) if differs)
   key = split + (f':step={step}' if other_step else '') + (f':tta={tta}' if other_tta else '') + (
       ':ema' if ema else '')
+  # The mistakes picture shows each image under the Grad-CAM heatmap of the class it was taken for.
   results.update(write_report(predictions, dataset, output, suffix, config.eval.threshold,
-                              report_about(config, step, split)))
+                              report_about(config, step, split),
+                              overlay=explain.overlaid(explain.for_restored(config, record, state))))
   results.update(step=step, split=split, tta=tta, weights='ema' if ema else 'raw',
                  source=config.dataset.folder or config.dataset.name,
                  checkpoint=os.path.join(workdir, 'checkpoints', str(step)))

@@ -4,12 +4,13 @@ folder, printed and optionally written to predict.output_csv."""
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import ml_collections
 import numpy as np
 
-from flaxtpu import files, steps
+from flaxtpu import explain, files, steps
 from flaxtpu.data import pipeline, predict_inputs
 from flaxtpu.errors import UserError, printable
 from flaxtpu.lengths import resolved_eval_batch_size
@@ -50,8 +51,8 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     raise UserError('--mode=predict needs --config.predict.input=IMAGE_OR_FOLDER')
   placement, state, step, record = restore(config, workdir, replaces=[config.predict.output_csv])
   image_shape = tuple(record['image_shape'])
-  paths, images = predict_inputs.read_images(config.predict.input, image_shape,
-                                             pipeline.image_transform(config, channels=image_shape[-1]),
+  transform = pipeline.image_transform(config, channels=image_shape[-1])
+  paths, images = predict_inputs.read_images(config.predict.input, image_shape, transform,
                                              skip_corrupt=config.dataset.skip_corrupt)
   logits = predict_logits(placement, state, images, resolved_eval_batch_size(config))
   class_names = record['class_names']
@@ -66,6 +67,14 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     rows = [_multiclass_row(path, probs, class_names, top_k)
             for path, probs in zip(paths, np.asarray(jax.nn.softmax(logits, axis=-1)))]
   logging.info('predicted %d images with checkpoint step %d', len(rows), step)
+  if config.predict.explain:
+    explainer = explain.for_restored(config, record, state)
+    heatmaps, _ = explainer(images, batch_size=resolved_eval_batch_size(config))
+    directory = config.predict.explain_dir or os.path.join(workdir, 'explain')
+    written = explain.write_explanations(paths, heatmaps, transform, image_shape[-1], directory,
+                                         config.predict.input)
+    rows = [{**row, 'heatmap': files.csv_path(npy)} for row, npy in zip(rows, written)]
+    logging.info('Grad-CAM heatmaps of the top class and their overlays in %s', directory)
   if config.predict.output_csv and jax.process_index() == 0:
     files.write_csv(config.predict.output_csv, [{**row, 'path': files.csv_path(row['path'])} for row in rows],
                     'predict.output_csv')
