@@ -34,11 +34,11 @@ config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py or ex
                                 lock_config=True)
 flags.DEFINE_string('workdir', None, 'Run directory: config.json, metrics.jsonl, TensorBoard '
                     'events, checkpoints/, results.json.')
-flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'export', 'plan'],
-                  'train (resumes from the workdir); eval, predict or export (restore a checkpoint '
-                  'of --workdir; --config defaults to the one it trained with); plan (compile the '
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'export', 'plan', 'calibrate'],
+                  'train (resumes from the workdir); eval, predict, export or calibrate (restore a '
+                  'checkpoint of --workdir; --config defaults to the one it trained with); plan (compile the '
                   'train step and report its memory).')
-RESTORING_MODES = ('eval', 'predict', 'export')
+RESTORING_MODES = ('eval', 'predict', 'export', 'calibrate')
 flags.DEFINE_string('coordinator_address', None, 'Many hosts: HOST:PORT of process 0.')
 flags.DEFINE_integer('num_processes', None, 'Many hosts: the number of processes.')
 flags.DEFINE_integer('process_id', None, 'Many hosts: this process\'s index.')
@@ -312,6 +312,9 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   elif mode == 'predict':
     from flaxtpu.modes import predict  # pylint: disable=g-import-not-at-top
     predict.predict(config, workdir)
+  elif mode == 'calibrate':
+    from flaxtpu.modes import calibrate  # pylint: disable=g-import-not-at-top
+    calibrate.calibrate(config, workdir)
   else:
     from flaxtpu import export  # pylint: disable=g-import-not-at-top
     export.export_checkpoint(config, workdir)

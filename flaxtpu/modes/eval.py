@@ -55,7 +55,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   key = split + (f':step={step}' if other_step else '') + (f':tta={tta}' if other_tta else '') + (
       ':ema' if ema else '')
   results.update(write_report(predictions, dataset, output, suffix, config.eval.threshold,
-                              report_about(config, step, split)))
+                              report_about(config, step, split), calibration=record.get('calibration')))
   results.update(step=step, split=split, tta=tta, weights='ema' if ema else 'raw',
                  source=config.dataset.folder or config.dataset.name,
                  checkpoint=os.path.join(workdir, 'checkpoints', str(step)))

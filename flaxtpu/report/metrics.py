@@ -119,6 +119,13 @@ def eval_report(logits: np.ndarray, labels: np.ndarray, class_names: Sequence[st
   return report
 
 
+def confidence_calibration(logits: np.ndarray, labels: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+  """(ECE, reliability bins) of multiclass `logits` [N, C] against int `labels` [N], as `eval_report`'s."""
+  logits = np.asarray(logits, np.float64)
+  confidence = 1.0 / np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1)
+  return _calibration(confidence, logits.argmax(axis=1) == np.asarray(labels))
+
+
 def _calibration(confidence: np.ndarray, hits: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
   """(ECE, reliability bins) of predictions made with `confidence` that came true where `hits`.
 
