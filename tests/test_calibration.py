@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flaxtpu import calibration, config as config_lib, defaults, train
+from configs import digits
+from flaxtpu import calibration, defaults, train
+from flaxtpu import config as config_lib
 from flaxtpu.errors import UserError
 from flaxtpu.modes import calibrate as calibrate_mode
 from flaxtpu.modes import eval as eval_mode
 from flaxtpu.modes import predict as predict_mode
 from flaxtpu.report import conformal
 from flaxtpu.report import metrics as report_metrics
-from configs import digits
 
 # --- the math, on generated data ------------------------------------------------------------------
 
@@ -41,7 +42,8 @@ def test_fit_temperature_recovers_the_temperature_that_made_the_labels():
   fitted = calibration.fit_temperature(logits, labels)
   assert fitted == pytest.approx(2.5, rel=0.08)
   grid = np.exp(np.linspace(np.log(1), np.log(5), 100))  # the minimum of the NLL, by brute force
-  assert fitted == pytest.approx(grid[np.argmin([calibration.nll(logits, labels, t) for t in grid])], rel=0.02)
+  best = grid[np.argmin([calibration.nll(logits, labels, t) for t in grid])]
+  assert fitted == pytest.approx(best, rel=0.02)
   ece_before, _ = report_metrics.confidence_calibration(logits, labels)
   ece_after, _ = report_metrics.confidence_calibration(logits / fitted, labels)
   assert ece_after < 0.02 < 0.1 < ece_before
@@ -53,7 +55,8 @@ def test_prediction_sets_cover_held_out_data_at_the_target(score, randomize):
   Checked on 4,000 held-out examples within a 3-sigma binomial margin; hard examples get larger sets."""
   probabilities, labels = _generated(6_000)
   n, coverage = 2_000, 0.9
-  rule = conformal.SetRule(threshold=0.0, score=score, randomize=randomize, raps_lambda=0.01, raps_k=1, seed=3)
+  rule = conformal.SetRule(threshold=0.0, score=score, randomize=randomize, raps_lambda=0.01, raps_k=1,
+                           seed=3)
   threshold = conformal.threshold(conformal.true_class_scores(probabilities[:n], labels[:n], rule), coverage)
   held_out = probabilities[n:], labels[n:]
   sets = conformal.prediction_sets(held_out[0], rule._replace(seed=4, threshold=threshold))
@@ -80,8 +83,9 @@ def test_conformal_threshold_is_the_finite_sample_quantile():
 
 # --- calibration.json, checked on read -------------------------------------------------------------
 
-GOOD = {'temperature': 1.5, 'step': 10, 'weights': 'raw', 'tta': 'none', 'num_classes': 10, 'coverage': 0.9,
-        'set_threshold': 0.95, 'set_score': 'aps', 'randomize': True, 'raps_lambda': 0.0, 'raps_k': 1, 'seed': 0}
+GOOD = {'temperature': 1.5, 'step': 10, 'weights': 'raw', 'tta': 'none', 'num_classes': 10,
+        'coverage': 0.9, 'set_threshold': 0.95, 'set_score': 'aps', 'randomize': True, 'raps_lambda': 0.0,
+        'raps_k': 1, 'seed': 0}
 
 
 @pytest.mark.parametrize('key,value,message', [
