@@ -88,7 +88,7 @@ def test_report_page_renders_in_a_headless_browser(report_page, tmp_path):
         'return Array.from(document.images).map(i => i.complete ? i.naturalWidth : -1)')
     assert len(widths) == 5 and all(width > 0 for width in widths), widths
     height = driver.execute_script('return document.body.scrollHeight')
-    driver.set_window_size(1200, height)
+    driver.set_window_size(1200, height + 300)  # the window's own bars take some of it
     screenshot = tmp_path / 'report.png'
     assert driver.save_screenshot(str(screenshot))
     from PIL import Image

@@ -173,8 +173,8 @@ def _audit_section(directory: str) -> str:
 def write_page(path: str, directory: str, suffix: str, report: Mapping[str, Any],
                summary: Mapping[str, Any]) -> None:
   """An evaluation's report{suffix}.html at `path`, from its `report` (`report.metrics`), the summary
-  for eval.json and the files around it in `directory` (its pictures, config.json, metrics.jsonl,
-  audit.json)."""
+  for eval.json (its report_files) and the files around it in `directory` (its pictures, config.json,
+  metrics.jsonl, audit.json). A picture of `plots.PICTURES` without a section here gets one of its own."""
   picture = lambda name, alt: image(os.path.join(directory, f'{name}{suffix}.png'), alt)
   multilabel = 'average_precision' in report
   numbers = [('examples', report['num_examples'])]
@@ -205,5 +205,9 @@ def write_page(path: str, directory: str, suffix: str, report: Mapping[str, Any]
       ('sets', 'Prediction sets', sets),
       ('audit', 'Data audit', _audit_section(directory)),
   ]
+  shown = {f'{name}{suffix}.png' for name in ('confusion', 'mistakes', 'reliability', 'set_sizes')}
+  sections += [(name, name, image(os.path.join(directory, name), name)) for name in summary['report_files']
+               if name.endswith('.png') and name not in shown]
   name = os.path.basename(files.absolute(directory).rstrip('/'))
-  write(path, page(f'{name}: evaluation{" " + suffix.lstrip("-") if suffix else ""}', sections))
+  view = suffix.strip('-_')  # what sets this evaluation apart from the run's own (another split, step...)
+  write(path, page(f'{name}: evaluation' + (f' ({view})' if view else ''), sections))
