@@ -63,6 +63,9 @@ def test_prediction_sets_cover_held_out_data_at_the_target(score, randomize):
   summary = conformal.set_summary(sets, held_out[1])
   margin = 3 * math.sqrt(coverage * (1 - coverage) / len(held_out[1]))
   assert summary['set_coverage'] >= coverage - margin
+  logits = np.log(np.maximum(held_out[0], 1e-300)) + 5.0  # the same sets from logits, a block of rows at a time
+  np.testing.assert_array_equal(conformal.prediction_sets(logits, rule._replace(seed=4, threshold=threshold),
+                                                          logits=True), sets)
   if randomize:
     assert summary['set_coverage'] <= coverage + 1 / (n + 1) + margin
   sizes, wrong = sets.sum(axis=1), held_out[0].argmax(axis=1) != held_out[1]

@@ -71,11 +71,19 @@ def threshold(scores: np.ndarray, coverage: float) -> float:
   return float(np.partition(np.asarray(scores, np.float64), k - 1)[k - 1])
 
 
-def prediction_sets(probabilities: np.ndarray, rule: SetRule) -> np.ndarray:
-  """bool [N, C]: the classes of each example's set (score <= threshold)."""
+def prediction_sets(probabilities: np.ndarray, rule: SetRule, logits: bool = False) -> np.ndarray:
+  """bool [N, C]: the classes of each example's set (score <= threshold). With `logits`, the first
+  argument is logits, turned into probabilities a block of rows at a time (no [N, C] float copy)."""
   u = uniforms(len(probabilities), rule)
-  return np.concatenate([class_scores(probabilities[start:start + _CHUNK], u[start:start + _CHUNK], rule)
-                         <= rule.threshold for start in range(0, len(probabilities), _CHUNK)])
+  sets = np.empty(np.shape(probabilities), bool)
+  for start in range(0, len(probabilities), _CHUNK):
+    rows = slice(start, start + _CHUNK)
+    block = np.asarray(probabilities[rows], np.float64)
+    if logits:
+      block = np.exp(block - block.max(axis=1, keepdims=True))
+      block /= block.sum(axis=1, keepdims=True)
+    sets[rows] = class_scores(block, u[rows], rule) <= rule.threshold
+  return sets
 
 
 def set_summary(sets: np.ndarray, labels: np.ndarray) -> dict[str, float]:

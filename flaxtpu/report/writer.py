@@ -85,8 +85,8 @@ def _add_calibration(report: dict[str, Any], logits: np.ndarray, calibration: Ma
   temperature = float(calibration['temperature'])
   report['temperature'] = temperature
   report['ece_uncalibrated'], report['reliability_uncalibrated'] = metrics.confidence_calibration(
-      np.asarray(logits, np.float64) * temperature, report['labels'])
-  sets = conformal.prediction_sets(metrics.softmax(logits), calibration_file.set_parameters(calibration))
+      logits, report['labels'], scale=temperature)
+  sets = conformal.prediction_sets(logits, calibration_file.set_parameters(calibration), logits=True)
   report['set_sizes'] = sets.sum(axis=1)
   report.update(conformal.set_summary(sets, report['labels']), set_target=float(calibration['coverage']))
   per_class = np.bincount(report['labels'], weights=report['set_sizes'], minlength=report['num_classes'])
