@@ -63,7 +63,7 @@ def test_prediction_sets_cover_held_out_data_at_the_target(score, randomize):
   summary = conformal.set_summary(sets, held_out[1])
   margin = 3 * math.sqrt(coverage * (1 - coverage) / len(held_out[1]))
   assert summary['set_coverage'] >= coverage - margin
-  logits = np.log(np.maximum(held_out[0], 1e-300)) + 5.0  # the same sets from logits, a block of rows at a time
+  logits = np.log(np.maximum(held_out[0], 1e-300)) + 5.0  # the same sets from logits
   np.testing.assert_array_equal(conformal.prediction_sets(logits, rule._replace(seed=4, threshold=threshold),
                                                           logits=True), sets)
   if randomize:
@@ -128,6 +128,9 @@ def test_calibration_split_is_checked_before_anything_is_read(caplog):
   assert 'calibrating on the eval split' in caplog.text and 'optimistic' in caplog.text
   config.dataset.train_split, config.calibrate.split = 'train[:80%]', 'train[80%:]'
   assert calibrate_mode.calibration_split(config) == 'train[80%:]'
+  config.calibrate.split = 'test+train[75%:]'  # 5% of train was trained on
+  with pytest.raises(UserError, match='overlaps the training split'):
+    calibrate_mode.calibration_split(config)
   config.task = 'multilabel'
   with pytest.raises(UserError, match='--mode=calibrate .* this run is task=multilabel'):
     calibrate_mode.calibrate(config, '/nonexistent')

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 
 import jax
 import ml_collections
@@ -18,6 +17,7 @@ import numpy as np
 
 from flaxtpu import calibration, files
 from flaxtpu.data import pipeline
+from flaxtpu.data.sources import base
 from flaxtpu.data.spec import DatasetSpec
 from flaxtpu.errors import UserError
 from flaxtpu.evaluate import evaluate, report_about
@@ -27,10 +27,19 @@ from flaxtpu.report import conformal
 from flaxtpu.report import metrics as report_metrics
 
 
-def _base_and_slice(split: str) -> tuple[str, str]:
-  """('test', ':50%') for 'test[:50%]'; ('test', '') for 'test'."""
-  match = re.fullmatch(r'\s*([^\[]+?)\s*(?:\[(.*)\])?\s*', split)
-  return (match[1], match[2] or '') if match else (split, '')
+def _overlaps(train: tuple[str, str, str], other: tuple[str, str, str]) -> bool:
+  """Whether two parsed split parts (`sources.base.parse_spec`) share examples: the same split, and
+  either is whole or their slices intersect (slices of different units, % and counts, pass)."""
+  if train[0] != other[0]:
+    return False
+  if not any(train[1:]) or not any(other[1:]):
+    return True
+  units = {bound.endswith('%') for bound in (*train[1:], *other[1:]) if bound}
+  if len(units) > 1:
+    return False
+  size = 10_000 if units == {True} else 10**12  # percentages to 0.01%; counts as they are
+  (a, b), (c, d) = base.slice_bounds(*train[1:], size), base.slice_bounds(*other[1:], size)
+  return max(a, c) < min(b, d)
 
 
 def calibration_split(config: ml_collections.ConfigDict) -> str:
@@ -40,8 +49,8 @@ def calibration_split(config: ml_collections.ConfigDict) -> str:
     logging.warning('calibrate.split is empty: calibrating on the eval split %r, so eval scores on it '
                     '(ECE, set coverage) become optimistic; set --config.calibrate.split=%s[:50%%] and '
                     'evaluate on %s[50%%:]', split, split, split)
-  (train, train_slice), (base, cut) = _base_and_slice(config.dataset.train_split), _base_and_slice(split)
-  if train == base and not (train_slice and cut):
+  if any(_overlaps(trained, part) for trained in base.parse_spec(config.dataset.train_split)
+         for part in base.parse_spec(split)):
     raise UserError(f'config.calibrate.split={split!r} overlaps the training split '
                     f'{config.dataset.train_split!r}, whose scores are overconfident; calibrate on a split '
                     'the run did not train on, e.g. '
