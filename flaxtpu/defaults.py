@@ -382,6 +382,20 @@ def get_config() -> ml_collections.ConfigDict:
   config.audit.near_distance = 6
   config.audit.workers = 4  # Threads that read and hash the files.
 
+  # --mode=calibrate: a temperature (NLL) and split-conformal prediction sets, fitted on `split` and saved
+  # to WORKDIR/calibration.json, which eval, predict and export then apply (docs/calibration.md).
+  config.calibrate = ml_collections.ConfigDict()
+  # A split the run did not train on; slices work ('test[:50%]'). '' = the eval split (its scores then
+  # become optimistic: calibrate on test[:50%] and evaluate on test[50%:] instead).
+  config.calibrate.split = ''
+  config.calibrate.coverage = 0.9  # Prediction sets hold the true class this often (1 - alpha).
+  config.calibrate.score = 'aps'  # aps | raps (APS plus raps_lambda per rank beyond raps_k).
+  # Randomised scores (U ~ Uniform(0, 1), seeded by `seed`): coverage close to the target, sets can
+  # be empty; False: conservative sets that always hold the top class.
+  config.calibrate.randomize = True
+  config.calibrate.raps_lambda = 0.01  # RAPS: the penalty per rank beyond raps_k.
+  config.calibrate.raps_k = 1  # RAPS: ranks free of penalty.
+
   config.wandb = ml_collections.ConfigDict()
   # Also log to Weights & Biases in this project ('' = off; pip install 'flaxtpu[wandb]').
   config.wandb.project = ''

@@ -108,9 +108,11 @@ def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str
 
 def write_report(predictions: Optional[Predictions], dataset: pipeline.Dataset, directory: str,
                  suffix: str = '', threshold: float = 0.0, about: Optional[dict] = None,
-                 overlay: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> dict:
+                 overlay: Optional[Callable[[np.ndarray], np.ndarray]] = None,
+                 calibration: Optional[dict] = None) -> dict:
   """per_class.csv, confusion, mistakes and reliability PNGs of the eval split in `directory`;
-  multilabel, also thresholds.json (`threshold` and `about` as in `report.writer.write_eval_report`).
+  multilabel, also thresholds.json (`threshold`, `about` and `calibration` as in
+  `report.writer.write_eval_report`), and report.html.
 
   `predictions` are what `evaluate` kept. Returns the summary numbers (ECE,
   top-5 accuracy) for eval.json. `overlay` (image -> image, e.g. `explain.overlaid`) draws on each
@@ -125,7 +127,8 @@ def write_report(predictions: Optional[Predictions], dataset: pipeline.Dataset, 
   with files.writing(directory, 'free disk space or choose a writable --workdir'):
     summary = writer.write_eval_report(directory, logits, labels, list(dataset.class_names),
                                        images=lambda index: draw(loaders.eval_image(dataset, index)),
-                                       suffix=suffix, threshold=threshold, about=about)
+                                       suffix=suffix, threshold=threshold, about=about,
+                                       calibration=calibration)
   logging.info('eval report: ECE %.4f%s; %s in %s', summary['eval_ece'],
                f', top-5 accuracy {summary["eval_top5_accuracy"]:.4f}' if 'eval_top5_accuracy' in summary
                else '', ', '.join(summary['report_files']), directory)

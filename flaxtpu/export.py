@@ -96,7 +96,8 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
   host_state = parallel.host_copy(placement.to_saveable(state))
   task = steps.create_task(config, num_classes=record['num_classes'],
                            image_shape=tuple(record['image_shape']), mean=record['normalization']['mean'],
-                           std=record['normalization']['std'])
+                           std=record['normalization']['std'],
+                           temperature=(record.get('calibration') or {}).get('temperature', 1.0))
   final = os.path.join(workdir, EXPORT_DIR)
   remote = storage.is_remote(workdir)  # TensorFlow writes the SavedModel locally; it is uploaded after
   staging = (tempfile.mkdtemp(prefix='flaxtpu-export-') if remote
@@ -111,6 +112,7 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
         step=step, model=record['model'], dtype=config.dtype, directory=files.absolute(final),
         weights='ema' if config.eval.ema else 'raw', flip_tta=bool(config.eval.flip_tta),
         translate_tta=int(config.eval.translate_tta),
+        temperature=(record.get('calibration') or {}).get('temperature', 1.0),
         checkpoint=os.path.join(workdir, 'checkpoints', str(step)),
         preprocessing=('uint8 images at the model input size; normalisation is inside the model' + (
             f'; resize and centre-crop photos to {task.image_shape[0]}x{task.image_shape[1]} as eval does '

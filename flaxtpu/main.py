@@ -34,12 +34,12 @@ config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py or ex
                                 lock_config=True)
 flags.DEFINE_string('workdir', None, 'Run directory: config.json, metrics.jsonl, TensorBoard '
                     'events, checkpoints/, results.json.')
-flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'export', 'plan', 'audit'],
-                  'train (resumes from the workdir); eval, predict or export (restore a checkpoint '
-                  'of --workdir; --config defaults to the one it trained with); plan (compile the '
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'export', 'plan', 'audit', 'calibrate'],
+                  'train (resumes from the workdir); eval, predict, export or calibrate (restore a '
+                  'checkpoint of --workdir; --config defaults to the one it trained with); plan (compile the '
                   'train step and report its memory); audit (duplicates, leaks, unreadable files and '
                   'suspected wrong labels of the dataset -> WORKDIR/audit.json).')
-RESTORING_MODES = ('eval', 'predict', 'export', 'audit')
+RESTORING_MODES = ('eval', 'predict', 'export', 'audit', 'calibrate')
 flags.DEFINE_string('coordinator_address', None, 'Many hosts: HOST:PORT of process 0.')
 flags.DEFINE_integer('num_processes', None, 'Many hosts: the number of processes.')
 flags.DEFINE_integer('process_id', None, 'Many hosts: this process\'s index.')
@@ -316,6 +316,9 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   elif mode == 'audit':
     from flaxtpu.modes import audit  # pylint: disable=g-import-not-at-top
     audit.run_audit(config, workdir)
+  elif mode == 'calibrate':
+    from flaxtpu.modes import calibrate  # pylint: disable=g-import-not-at-top
+    calibrate.calibrate(config, workdir)
   else:
     from flaxtpu import export  # pylint: disable=g-import-not-at-top
     export.export_checkpoint(config, workdir)

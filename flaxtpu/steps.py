@@ -53,13 +53,15 @@ class Task:
   teacher: Any = None  # distill.Teacher: a frozen teacher's predictions join the targets (None = no teacher)
   # normalised train images -> {parameter name: value} set before step 1 (the family's `data_fit`), or None
   data_fit: Optional[Callable[[np.ndarray], dict]] = None
+  temperature: float = 1.0  # inference logits are divided by it (WORKDIR/calibration.json; 1 = as trained)
 
 
 def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
                 image_shape: tuple[int, int, int], mean, std,
                 length: Optional[RunLength] = None, class_weights: Optional[np.ndarray] = None,
-                teacher=None) -> Task:
+                teacher=None, temperature: float = 1.0) -> Task:
   """The model and preprocessing a config describes; with a run `length`, also its optimizer.
+  `temperature`: calibration's (`flaxtpu.calibration`), applied by `logits_fn` for eval, predict and export.
 
   `class_weights` (the dataset's, float32 [classes]) weigh the train loss; evaluation is unweighted.
   `teacher` (a `distill.Teacher`) distils into the model.
@@ -82,7 +84,7 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
               accumulate_steps=config.optimizer.accumulate_steps, flip_tta=config.eval.flip_tta,
               translate_tta=config.eval.translate_tta, multilabel=config.task == 'multilabel',
               class_weights=None if class_weights is None else np.asarray(class_weights, np.float32),
-              teacher=teacher, data_fit=models.data_fit(config.model.name))
+              teacher=teacher, data_fit=models.data_fit(config.model.name), temperature=float(temperature))
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -309,8 +311,15 @@ def logits_fn(state: TrainState | ModelState, images, *, task: Task):
   With `eval.flip_tta` the logits are the mean of the image's and its mirror's.
   With `eval.translate_tta` = t they are half the image's, plus a quarter each
   of the image shifted t pixels down-right and up-left (edges reflected), each
-  view flip-averaged too with flip_tta: airbench's multi-crop TTA.
+  view flip-averaged too with flip_tta: airbench's multi-crop TTA. A calibrated task's temperature
+  divides them here, the one place eval, predict and export share (argmax unchanged).
   """
+  logits = _tta_logits(state, images, task)
+  return logits if task.temperature == 1.0 else logits / task.temperature
+
+
+def _tta_logits(state: TrainState | ModelState, images, task: Task):
+  """The model's logits of `images`, averaged over the test-time augmentation's views."""
   images = augment.normalize(images, task.mean, task.std)
   apply = lambda x: task.model.apply({'params': state.params, 'batch_stats': state.batch_stats}, x,
                                      train=False)

@@ -153,3 +153,23 @@ def test_export_gathers_pmap_copies_and_fsdp_shards(layout, exported, tmp_path):
   for name in ('saved_model', 'tflite'):
     assert summary['check'][name]['max_abs_diff'] <= summary['check'][name]['allowed_abs_diff']
   assert os.path.isfile(os.path.join(run, 'export', 'saved_model', 'saved_model.pb'))
+
+
+def test_export_of_a_calibrated_run_serves_the_calibrated_logits(exported, tmp_path):
+  """calibration.json's temperature divides the served logits, in the one function predict shares."""
+  config, workdir, _ = exported
+  run = _copy_of_run(workdir, tmp_path / 'run')
+  with open(os.path.join(run, 'calibration.json'), 'w') as f:
+    json.dump({'temperature': 4.0, 'step': 3, 'weights': 'raw', 'tta': 'none', 'num_classes': 3,
+               'coverage': 0.9, 'set_threshold': 0.9, 'set_score': 'aps', 'randomize': False,
+               'raps_lambda': 0.0, 'raps_k': 0, 'seed': 0}, f)
+  summary = export.export_checkpoint(config, run)
+  assert summary['temperature'] == 4.0
+  images = np.random.default_rng(1).integers(0, 256, (5, 8, 8, 3), dtype=np.uint8)
+  placement, state, _, record = restore.restore(config, run, calibrated=False)
+  raw = predict.predict_logits(placement, state, images, config.batch_size)
+  assert record['calibration'] is None
+  import tensorflow as tf
+  served = tf.saved_model.load(os.path.join(run, 'export', 'saved_model')).signatures['serving_default']
+  np.testing.assert_allclose(served(images=tf.constant(images))['logits'].numpy(), raw / 4.0, rtol=0,
+                             atol=1e-4 * max(1.0, np.abs(raw).max()))

@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
 COMMAND_START = re.compile(r'(\w+=\S+\s+)*(python -m (flaxtpu|benchmarks)\b|make\b|pip install\b)')
 REPO_PATH = re.compile(r'^(configs|experiments|benchmarks|flaxtpu|tests|docs)/[\w./-]*$')
-RESTORING_MODES = ('eval', 'predict', 'export')
+RESTORING_MODES = ('eval', 'predict', 'export', 'calibrate')
 
 
 def commands_in(text: str) -> list[str]:

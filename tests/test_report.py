@@ -102,7 +102,8 @@ def test_write_eval_report_files(tmp_path):
   summary = writer.write_eval_report(str(tmp_path), LOGITS, LABELS, NAMES, images=images)
   assert summary['eval_ece'] == pytest.approx(ECE)
   assert 'eval_top5_accuracy' not in summary
-  assert summary['report_files'] == ['per_class.csv', 'confusion.png', 'mistakes.png', 'reliability.png']
+  assert summary['report_files'] == ['per_class.csv', 'confusion.png', 'mistakes.png', 'reliability.png',
+                                     'report.html']
   assert sorted(os.listdir(tmp_path)) == sorted(summary['report_files'])  # No temporary files left behind.
   json.dumps(summary)  # Goes into eval.json as is.
   with open(tmp_path / 'per_class.csv', newline='') as f:
@@ -136,7 +137,7 @@ def test_class_names_with_dollar_signs_are_drawn_as_written(tmp_path, monkeypatc
 
   monkeypatch.setattr(plots, '_save_figure', save_and_record)
   summary = writer.write_eval_report(str(tmp_path), LOGITS, LABELS, names)
-  assert summary['report_files'] == ['per_class.csv', 'confusion.png', 'reliability.png']
+  assert summary['report_files'] == ['per_class.csv', 'confusion.png', 'reliability.png', 'report.html']
   assert ('$^$', False) in drawn and ('$5 - $10', False) in drawn
   assert not any(parse_math for _, parse_math in drawn)
   assert matplotlib.rcParams['text.parse_math']  # The caller's own setting is left as it was.
@@ -151,7 +152,7 @@ def test_write_eval_report_grayscale_callable_images_and_suffix(tmp_path):
   summary = writer.write_eval_report(str(tmp_path), LOGITS, LABELS, NAMES,
                                      images=lambda i: seen.append(i) or gray[i], suffix='_ema')
   assert summary['report_files'] == ['per_class_ema.csv', 'confusion_ema.png', 'mistakes_ema.png',
-                                     'reliability_ema.png']
+                                     'reliability_ema.png', 'report_ema.html']
   assert seen == [4, 2, 5]  # The 3 mistakes, most confident first (0.85, 0.70, 0.50).
   _check_png(tmp_path / 'mistakes_ema.png', min_side=100)
   no_images = writer.write_eval_report(str(tmp_path / 'plain'), LOGITS, LABELS, NAMES)
@@ -171,13 +172,14 @@ def test_a_new_picture_is_a_function_and_one_line_in_the_list(tmp_path, monkeypa
   monkeypatch.setattr(plots, 'PICTURES', [*plots.PICTURES, picture])
   summary = writer.write_eval_report(str(tmp_path), LOGITS, LABELS, NAMES, suffix='_raw')
   assert summary['report_files'] == ['per_class_raw.csv', 'confusion_raw.png', 'reliability_raw.png',
-                                     'accuracy_raw.png']
+                                     'accuracy_raw.png', 'report_raw.html']
+  assert 'accuracy_raw.png' in (tmp_path / 'report_raw.html').read_text()  # the page shows it too
   assert drawn == [('accuracy_raw.png', 5 / 8, [3, 3, 2])]  # 3 mistakes of 8; 3 cats, 3 dogs, 2 frogs
   assert sorted(os.listdir(tmp_path)) == sorted(summary['report_files'])
   tags = np.array([[1, 0, 0], [0, 1, 1]])
   multilabel = writer.write_eval_report(str(tmp_path / 'tags'), LOGITS[:2], tags, NAMES)
   assert multilabel['report_files'] == ['per_class.csv', 'confusion.png', 'reliability.png',
-                                        'thresholds.json']
+                                        'thresholds.json', 'report.html']
   assert len(drawn) == 1  # a picture of the classification task only
 
 

@@ -263,6 +263,12 @@ def test_report_tables_and_plots_hold_each_runs_numbers(tmp_path, in_repo_root):
       # 6 x 4 inches at 80 dpi; the ranking of the 3 finished runs 8 x (1.2 + 3 x 0.25).
       assert image.size == ((640, 156) if plot == 'final_eval_accuracy.png' else (480, 320)), plot
 
+  # report.html: the same table and every plot on one self-contained page.
+  page = (workdir / 'report.html').read_text()
+  assert all(f'<section id="{ident}">' in page for ident in ('results', 'plots', 'errors'))
+  assert page.count('<img src="data:image/png;base64,') == len(plots) and 'http' not in page
+  assert '<td>0.8123</td><td>0.8346</td>' in page and "model.name=&#x27;x&#x27; is unknown" in page
+
 
 def test_ranking_puts_the_best_run_on_top_and_keeps_long_names_apart():
   long_name = 'a' * 100 + '-12345678'  # as runner.run_name shortens a long name: its start and a hash

@@ -2,6 +2,7 @@
 
 - `eval`: score a checkpoint on a split -> eval.json, per_class.csv and the pictures.
 - `predict`: classes or tags of images -> stdout and predict.output_csv.
+- `calibrate`: a temperature and a prediction-set threshold -> WORKDIR/calibration.json (restore applies it).
 - `thresholds`: the per-tag thresholds predict and the export apply, from an evaluation's thresholds*.json.
 - `restore`: the checkpoint's model on these devices, parameters only (every mode starts here).
 

@@ -56,7 +56,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
       ':ema' if ema else '')
   # The mistakes picture shows each image under the Grad-CAM heatmap of the class it was taken for.
   results.update(write_report(predictions, dataset, output, suffix, config.eval.threshold,
-                              report_about(config, step, split),
+                              report_about(config, step, split), calibration=record.get('calibration'),
                               overlay=explain.overlaid(explain.for_restored(config, record, state))))
   results.update(step=step, split=split, tta=tta, weights='ema' if ema else 'raw',
                  source=config.dataset.folder or config.dataset.name,

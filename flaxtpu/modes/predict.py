@@ -10,12 +10,13 @@ import jax
 import ml_collections
 import numpy as np
 
-from flaxtpu import explain, files, steps
+from flaxtpu import calibration, explain, files, steps
 from flaxtpu.data import pipeline, predict_inputs
 from flaxtpu.errors import UserError, printable
 from flaxtpu.lengths import resolved_eval_batch_size
 from flaxtpu.modes.restore import restore
 from flaxtpu.modes.thresholds import tag_thresholds
+from flaxtpu.report import conformal
 from flaxtpu.report import metrics as report_metrics
 
 
@@ -64,8 +65,10 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     rows = [_multilabel_row(path, probs, thresholds, class_names, top_k)
             for path, probs in zip(paths, report_metrics.sigmoid(logits))]
   else:
-    rows = [_multiclass_row(path, probs, class_names, top_k)
-            for path, probs in zip(paths, np.asarray(jax.nn.softmax(logits, axis=-1)))]
+    probabilities = np.asarray(jax.nn.softmax(logits, axis=-1))
+    rows = [_multiclass_row(path, probs, class_names, top_k) for path, probs in zip(paths, probabilities)]
+    if record.get('calibration'):  # calibrated: each image's prediction set, most probable class first
+      _add_sets(rows, probabilities, class_names, record['calibration'])
   logging.info('predicted %d images with checkpoint step %d', len(rows), step)
   if config.predict.explain:
     explainer = explain.for_restored(config, record, state)
@@ -79,6 +82,18 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     files.write_csv(config.predict.output_csv, [{**row, 'path': files.csv_path(row['path'])} for row in rows],
                     'predict.output_csv')
   return rows
+
+
+def _add_sets(rows: list[dict], probabilities: np.ndarray, class_names: list[str], fitted: dict) -> None:
+  """Each row's `set` column: the classes of its conformal prediction set (`report.conformal`, with the
+  threshold of calibration.json), ';'-separated like multilabel's tags, most probable first."""
+  sets = conformal.prediction_sets(probabilities, calibration.set_parameters(fitted))
+  for row, members, probs in zip(rows, sets, probabilities):
+    row['set'] = ';'.join(class_names[c] for c in np.argsort(-probs, kind='stable') if members[c])
+  print(f'prediction sets hold the true class {fitted["coverage"]:.0%} of the time '
+        f'({fitted["set_score"].upper()}, calibrated on {fitted["split"]}): '
+        + ', '.join(f'{printable(row["path"])}: {{{printable(row["set"])}}}' for row in rows[:5])
+        + (' ...' if len(rows) > 5 else ''))
 
 
 def predict_logits(placement: steps.Placement, state, images: np.ndarray,

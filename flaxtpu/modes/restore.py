@@ -13,11 +13,13 @@ from typing import Optional, Sequence
 
 import ml_collections
 
-from flaxtpu import checkpoint, files, finetune, parallel, pretrained, steps
+from flaxtpu import calibration, checkpoint, files, finetune, parallel, pretrained, steps
 from flaxtpu.errors import UserError
+from flaxtpu.evaluate import tta_name
 
 
-def restore(config: ml_collections.ConfigDict, workdir: str, replaces: Sequence[str] = ()):
+def restore(config: ml_collections.ConfigDict, workdir: str, replaces: Sequence[str] = (),
+            calibrated: bool = True):
   """The model of `config.eval.checkpoint` (latest | best | STEP), laid out for these devices.
 
   Returns (placement, model state, step, record). Only parameters and
@@ -28,6 +30,8 @@ def restore(config: ml_collections.ConfigDict, workdir: str, replaces: Sequence[
   the published model, its head and classes kept.
 
   `replaces`: the results the mode writes (files or directories); see `keep_newer`.
+  `calibrated`: WORKDIR/calibration.json of this checkpoint (`calibration.for_checkpoint`), when there
+  is one, divides the logits by its temperature; the record's 'calibration' holds it (else None).
   """
   if (config.init_from.checkpoint and pretrained.is_published(config.init_from.checkpoint)
       and not files.isdir(os.path.join(workdir, 'checkpoints'))):
@@ -40,21 +44,25 @@ def restore(config: ml_collections.ConfigDict, workdir: str, replaces: Sequence[
   def read(step: int):
     """The placement its record describes, and the model state of `step` laid out by it."""
     record = checkpoints.read_record(step)
+    about = {'step': step, 'weights': 'ema' if config.eval.ema else 'raw', 'tta': tta_name(config.eval)}
+    fitted = calibration.for_checkpoint(workdir, about, record['num_classes']) if calibrated else None
     if config.eval.ema and not record.get('config', {}).get('ema', {}).get('decay'):
       raise checkpoint.CheckpointError(
           f'config.eval.ema=True but the run in {workdir} was trained without an EMA of its weights '
           '(ema.decay=0); drop --config.eval.ema or train with --config.ema.decay=0.999')
     task = steps.create_task(config, num_classes=record['num_classes'],
                              image_shape=tuple(record['image_shape']),
-                             mean=record['normalization']['mean'], std=record['normalization']['std'])
+                             mean=record['normalization']['mean'], std=record['normalization']['std'],
+                             temperature=fitted['temperature'] if fitted else 1.0)
     placement = steps.place(task, mesh, config)
     model = placement.abstract_state
     if not config.eval.ema:
-      return placement, *checkpoints.restore(step, model, expected, config=config, subset=True)
+      saved, record = checkpoints.restore(step, model, expected, config=config, subset=True)
+      return placement, saved, {**record, 'calibration': fitted}
     # The saved state's `ema` subtree, read into a ModelState's layout.
     ema = {'ema': {'params': model.params, 'batch_stats': model.batch_stats}}
     saved, record = checkpoints.restore(step, ema, expected, config=config, subset=True)
-    return placement, steps.ModelState(**saved['ema']), record
+    return placement, steps.ModelState(**saved['ema']), {**record, 'calibration': fitted}
 
   # An unreadable latest checkpoint falls back to the newest readable one; one that a live run
   # rotates away while it is read is listed again.

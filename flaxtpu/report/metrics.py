@@ -119,6 +119,19 @@ def eval_report(logits: np.ndarray, labels: np.ndarray, class_names: Sequence[st
   return report
 
 
+def confidence_calibration(logits: np.ndarray, labels: np.ndarray,
+                           scale: float = 1.0) -> tuple[float, dict[str, np.ndarray]]:
+  """(ECE, reliability bins) of multiclass `logits` [N, C] times `scale` against int `labels` [N], as
+  `eval_report`'s (a block of rows at a time)."""
+  confidence, hits = np.empty(len(labels)), np.empty(len(labels), bool)
+  for start in range(0, len(labels), _CHUNK):
+    rows = slice(start, start + _CHUNK)
+    chunk = np.asarray(logits[rows], np.float64) * scale
+    confidence[rows] = 1.0 / np.exp(chunk - chunk.max(axis=1, keepdims=True)).sum(axis=1)
+    hits[rows] = chunk.argmax(axis=1) == np.asarray(labels[rows])
+  return _calibration(confidence, hits)
+
+
 def _calibration(confidence: np.ndarray, hits: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
   """(ECE, reliability bins) of predictions made with `confidence` that came true where `hits`.
 

@@ -251,16 +251,42 @@ def plot_reliability(path: str, report: Mapping[str, Any]) -> None:
           color='tab:red', alpha=0.35, edgecolor='tab:red', hatch='//', linewidth=0.5,
           label='gap to confidence')
   top.plot([0, 1], [0, 1], '--', color='gray', label='perfect calibration')
+  title = f'reliability (ECE {report["ece"]:.4f}, {NUM_CALIBRATION_BINS} bins)'
+  if (before := report.get('reliability_uncalibrated')) is not None:  # a calibrated evaluation
+    seen = before['count'] > 0
+    top.plot(((before['bin_lower'] + before['bin_upper']) / 2)[seen], before['accuracy'][seen], 'o-',
+             color='tab:orange', label=f'before calibration (ECE {report["ece_uncalibrated"]:.4f})')
+    title = (f'reliability: ECE {report["ece_uncalibrated"]:.4f} -> {report["ece"]:.4f} '
+             f'(T = {report["temperature"]:.3f})')
   top.set_xlim(0, 1)
   top.set_ylim(0, 1)
   top.set_ylabel(observed)
   top.legend(loc='upper left', fontsize=8)
-  top.set_title(f'reliability (ECE {report["ece"]:.4f}, {NUM_CALIBRATION_BINS} bins)')
+  top.set_title(title)
   top.grid(alpha=0.3)
   bottom.bar(centre, count, width, color='gray', edgecolor='black', linewidth=0.5)
   bottom.set_xlabel('probability of each tag of each example (sigmoid)' if multilabel
                     else 'confidence (max softmax probability)')
   bottom.set_ylabel('(example, class) pairs' if multilabel else 'examples')
+  figure.tight_layout()
+  _save_figure(figure, path)
+
+
+@plain_text
+def plot_set_sizes(path: str, report: Mapping[str, Any]) -> None:
+  """How many classes each example's prediction set holds: correct and misclassified examples apart."""
+  pyplot = _pyplot()
+  sizes, hits = report['set_sizes'], report['predictions'] == report['labels']
+  edges = np.arange(-0.5, report['num_classes'] + 1.5)
+  figure, axis = pyplot.subplots(figsize=(6, 3.5))
+  axis.hist([sizes[hits], sizes[~hits]], bins=edges, stacked=True, color=['tab:blue', 'tab:red'],
+            label=[f'correct (mean {sizes[hits].mean() if hits.any() else 0:.2f})',
+                   f'misclassified (mean {sizes[~hits].mean() if (~hits).any() else 0:.2f})'])
+  axis.set_xlabel('classes in the prediction set')
+  axis.set_ylabel('examples')
+  axis.set_title(f'prediction sets: coverage {report["set_coverage"]:.3f} (target '
+                 f'{report["set_target"]:.2f}), mean size {sizes.mean():.2f}')
+  axis.legend(fontsize=8)
   figure.tight_layout()
   _save_figure(figure, path)
 
@@ -356,8 +382,9 @@ def _curve_panels(keys: Sequence[str]) -> list[tuple[str, list[str]]]:
 
 
 @plain_text
-def write_curves(workdir: str) -> str:
-  """Writes WORKDIR/curves.png from WORKDIR/metrics.jsonl (live or finished run) and returns its path.
+def write_curves(workdir: str, path: str = '') -> str:
+  """Writes WORKDIR/curves.png (or `path`) from WORKDIR/metrics.jsonl (live or finished run); returns
+  its path.
 
   One panel each for loss (train, eval), accuracy (train, eval and every other eval_*accuracy* series, e.g.
   eval_top5_accuracy), mAP and F1 (multilabel), learning rate and images/s, for those present. A line
@@ -402,7 +429,7 @@ def write_curves(workdir: str) -> str:
   figure.suptitle(f'{_legible(os.path.basename(files.absolute(workdir).rstrip("/")))}: step {last_step}',
                   fontsize=11)
   figure.tight_layout()
-  path = os.path.join(workdir, CURVES_FILE)
+  path = path or os.path.join(workdir, CURVES_FILE)
   _save_figure(figure, path)
   return path
 
@@ -416,6 +443,7 @@ class Picture(NamedTuple):
   tasks: tuple[str, ...]
   draw: Callable[..., None]
   images: bool = False
+  needs: str = ''  # a report key the picture draws (left out without it), e.g. a calibrated evaluation's
 
 
 # An evaluation report's pictures, in the order written. A new picture: its function above and a line here.
@@ -425,4 +453,5 @@ PICTURES = [
     Picture('mistakes', ('classification',), plot_mistakes, images=True),
     Picture('mistakes', ('multilabel',), plot_tag_mistakes, images=True),
     Picture('reliability', ('classification', 'multilabel'), plot_reliability),
+    Picture('set_sizes', ('classification',), plot_set_sizes, needs='set_sizes'),
 ]

@@ -24,7 +24,8 @@ def _csv_number(value: float) -> str:
 
 
 def write_per_class_csv(path: str, report: Mapping[str, Any]) -> None:
-  """One row per class: class, support, correct, precision, recall, accuracy, most_confused_with (+ count).
+  """One row per class: class, support, correct, precision, recall, accuracy, most_confused_with (+ count),
+  and with prediction sets (a calibrated evaluation) set_size, the mean set size of the class's examples.
 
   Undefined precision (never predicted) or recall (no examples) is an empty cell, not 0.
   """
@@ -34,13 +35,14 @@ def write_per_class_csv(path: str, report: Mapping[str, Any]) -> None:
   def write(temporary: str) -> None:
     with open(temporary, 'w', newline='', encoding='utf-8') as f:
       writer = csv.writer(f)
+      sets = 'class_set_size' in report  # a calibrated evaluation: each class's mean prediction-set size
       writer.writerow(['class', 'support', 'correct', 'precision', 'recall', 'accuracy',
-                       'most_confused_with', 'most_confused_count'])
+                       'most_confused_with', 'most_confused_count'] + (['set_size'] if sets else []))
       for c, name in enumerate(names):
         writer.writerow([name, int(report['support'][c]), int(report['correct'][c]),
                          _csv_number(report['precision'][c]), _csv_number(report['recall'][c]),
                          _csv_number(report['accuracy'][c]), names[other[c]] if other[c] >= 0 else '',
-                         int(other_count[c])])
+                         int(other_count[c])] + ([_csv_number(report['class_set_size'][c])] if sets else []))
 
   files.atomic_write(path, write)
 

@@ -14,6 +14,7 @@ from typing import Any
 import ml_collections
 
 from flaxtpu import files
+from flaxtpu.report import html
 from flaxtpu.report import plots as run_plots
 from flaxtpu.sweep.runner import DONE, PENDING, RESULTS_FILE, RUNNING, Run, format_value, read_sweep_record
 
@@ -103,6 +104,34 @@ def _markdown_cell(column: str, value: Any) -> str:
   return format_value(value).replace('|', '\\|')
 
 
+HEADERS = {'eval_accuracy': 'eval acc', 'best_eval_accuracy': 'best eval acc', 'eval_loss': 'eval loss',
+           'train_loss': 'train loss', 'step': 'steps', 'train_images_per_sec': 'images/s',
+           'wall_time_s': 'wall s', 'status': 'status', 'eval_accuracy_ema': 'eval acc (EMA)',
+           'eval_top5_accuracy': 'eval top-5', 'eval_balanced_accuracy': 'eval balanced acc.',
+           'eval_map': 'eval mAP', 'eval_f1': 'eval F1'}
+
+
+def table_columns_of(runs: Sequence[Run], rows: Sequence[Mapping[str, Any]]) -> list[str]:
+  """The columns results.md and report.html show: swept keys, metrics some run has, status."""
+  optional = [column for column in OPTIONAL_COLUMNS if any(row.get(column) is not None for row in rows)]
+  return _swept_keys(runs) + [REPORT_COLUMNS[0], *optional, *REPORT_COLUMNS[1:]] + ['status']
+
+
+def write_page(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, Any]], title: str,
+               plots: Sequence[str], notes: Sequence[str] = ()) -> None:
+  """DIR/report.html: the results table and the plots on one self-contained page (`report.html`)."""
+  columns = table_columns_of(runs, rows)
+  errors = [(row['run'], row['error']) for row in rows if row['error']]
+  cells = [[row['run']] + [row.get(c) for c in columns] for row in rows]
+  sections = [('results', 'Results', html.table(['run'] + [HEADERS.get(c, c) for c in columns], cells)
+               + ''.join(html.note(line) for line in notes)),
+              ('plots', 'Plots', ''.join(html.image(path, os.path.basename(path)) for path in plots)
+               or html.note('no run has logged metrics yet'))]
+  if errors:
+    sections.append(('errors', 'Errors', html.table(('run', 'error'), errors)))
+  html.write(os.path.join(workdir, 'report.html'), html.page(title, sections))
+
+
 def write_tables(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, Any]], title: str,
                  notes: Sequence[str] = ()) -> None:
   """DIR/results.csv (exact numbers) and DIR/results.md (rounded; failed runs' errors below the table,
@@ -121,12 +150,8 @@ def write_tables(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, 
                          for column in columns])
 
   files.atomic_write(os.path.join(workdir, 'results.csv'), write_csv)
-  headers = {'eval_accuracy': 'eval acc', 'best_eval_accuracy': 'best eval acc', 'eval_loss': 'eval loss',
-             'train_loss': 'train loss', 'step': 'steps', 'train_images_per_sec': 'images/s',
-             'wall_time_s': 'wall s', 'status': 'status', 'eval_accuracy_ema': 'eval acc (EMA)',
-             'eval_top5_accuracy': 'eval top-5', 'eval_balanced_accuracy': 'eval balanced acc.',
-             'eval_map': 'eval mAP', 'eval_f1': 'eval F1'}
-  table_columns = keys + metrics + ['status']
+  table_columns = table_columns_of(runs, rows)
+  headers = HEADERS
   lines = [f'# {title}', '', '| ' + ' | '.join(headers.get(c, c) for c in table_columns) + ' |',
            '|' + '|'.join('---' for _ in table_columns) + '|']
   for row in rows:
@@ -252,10 +277,12 @@ def write_plots(workdir: str, runs: Sequence[Run], rows: Sequence[Mapping[str, A
 def write_report(experiment_path: str, workdir: str, runs: Sequence[Run],
                  config: ml_collections.ConfigDict | None = None, statuses: Mapping[str, str] | None = None,
                  notes: Sequence[str] = (), title: str = '') -> list[dict[str, Any]]:
-  """Write DIR/results.md, DIR/results.csv and DIR/plots/*.png; returns the table rows, best first."""
+  """Write DIR/results.md, DIR/results.csv, DIR/plots/*.png and DIR/report.html (all on one page);
+  returns the table rows, best first."""
   rows = collect_results(workdir, runs, config, statuses)
   files.makedirs(workdir)
   write_tables(workdir, runs, rows, title=title or f'{experiment_path} ({len(runs)} runs)', notes=notes)
-  write_plots(workdir, runs, rows)
+  plots = write_plots(workdir, runs, rows)
+  write_page(workdir, runs, rows, title or f'{experiment_path} ({len(runs)} runs)', plots, notes)
   return rows
 
