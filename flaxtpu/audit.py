@@ -229,3 +229,13 @@ def summary(report: dict) -> str:
     shown = ', '.join(f'{name} {count}' for name, count in list(counts.items())[:8])
     lines.append(f'  {split}: {shown}{", ..." if len(counts) > 8 else ""}')
   return '\n'.join(lines)
+
+
+def check_config(config) -> None:
+  """config.audit's keys, for config.validate."""
+  from flaxtpu.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  if not 0 <= config.audit.near_distance <= 32:
+    raise ConfigError(f'config.audit.near_distance={config.audit.near_distance} must lie in [0, 32] bits '
+                      'of the 64-bit perceptual hash (6 finds resized and re-encoded copies)')
+  if not config.audit.workers > 0:
+    raise ConfigError(f'config.audit.workers={config.audit.workers!r} must be > 0')

@@ -8,13 +8,12 @@ JAX starts, so that a typo never costs a compile).
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import math
 from typing import Sequence
 
 import ml_collections
 
-from flaxtpu import calibration, models  # the registry's names; no JAX at import
+from flaxtpu import audit, calibration, models, tracking  # no JAX at import
 from flaxtpu.errors import ConfigError
 from flaxtpu.metric_names import check_eval_split_names, early_stopping_metric
 from flaxtpu.param_patterns import check_patterns, parse_freeze_after, parse_lr_multipliers
@@ -448,36 +447,12 @@ def _check_predict(config: ml_collections.ConfigDict) -> None:
   _positive('predict.top_k', config.predict.top_k)
 
 
-def _check_audit(config: ml_collections.ConfigDict) -> None:
-  if not 0 <= config.audit.near_distance <= 32:
-    raise ConfigError(f'config.audit.near_distance={config.audit.near_distance} must lie in [0, 32] bits '
-                      'of the 64-bit perceptual hash (6 finds resized and re-encoded copies)')
-  _positive('audit.workers', config.audit.workers)
-
-
-def _check_wandb(config: ml_collections.ConfigDict) -> None:
-  _one_of('wandb.mode', config.wandb.mode, ('online', 'offline'))
-  if config.wandb.project and importlib.util.find_spec('wandb') is None:
-    raise ConfigError(f'config.wandb.project={config.wandb.project!r} needs Weights & Biases: '
-                      "pip install 'flaxtpu[wandb]' (or leave wandb.project empty)")
-
-
-def _check_mlflow(config: ml_collections.ConfigDict) -> None:
-  if config.mlflow.tracking_uri and importlib.util.find_spec('mlflow') is None:
-    raise ConfigError(f'config.mlflow.tracking_uri={config.mlflow.tracking_uri!r} needs MLflow: '
-                      "pip install 'flaxtpu[mlflow]' (or leave mlflow.tracking_uri empty)")
-  if config.search.storage and importlib.util.find_spec('optuna') is None:
-    raise ConfigError(f'config.search.storage={config.search.storage!r} needs Optuna: '
-                      "pip install 'flaxtpu[search]' (or leave search.storage empty)")
-
-
 # The sections of defaults.py, in its order.
 SECTION_CHECKS = (_check_dataset_source, _check_dataset, _check_input, _check_augment, _check_model,
                   _check_training, _check_optimizer, _check_schedule, _check_ema, _check_init_from,
                   _check_distill, _check_parallelism,
                   _check_loop, _check_checkpoint, _check_early_stopping, _check_eval, _check_predict,
-                  _check_audit, calibration.check_config,
-                  _check_wandb, _check_mlflow)
+                  audit.check_config, calibration.check_config, tracking.check_config)
 
 
 def config_keys(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:

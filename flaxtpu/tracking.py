@@ -19,12 +19,15 @@ failure is one warning line, then nothing more is sent and the run logs locally
 from __future__ import annotations
 
 import glob
+import importlib.util
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from flaxtpu import files
+
+TRACKER_NAMES = {'wandb': 'Weights & Biases', 'mlflow': 'MLflow', 'optuna': 'Optuna'}
 
 RUN_FILE = 'mlflow_run.json'
 PARENT_ENV = 'FLAXTPU_MLFLOW_PARENT'
@@ -177,3 +180,17 @@ def end_parent(config, extra_overrides: Sequence[str], workdir: str, summary: Ma
     tracking.call('logging the summary', lambda client, key=key, value=value: client.set_tag(
         run_id, key, str(value)))
   end_run(tracking, run_id, 'FINISHED')
+
+
+def check_config(config) -> None:
+  """config.wandb, config.mlflow and config.search: a tracker or a study asked for is installed."""
+  from flaxtpu.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  if config.wandb.mode not in ('online', 'offline'):
+    raise ConfigError(f'config.wandb.mode={config.wandb.mode!r} is not valid; choose one of: \'online\', '
+                      "'offline'")
+  for key, value, module, extra in (('wandb.project', config.wandb.project, 'wandb', 'wandb'),
+                                    ('mlflow.tracking_uri', config.mlflow.tracking_uri, 'mlflow', 'mlflow'),
+                                    ('search.storage', config.search.storage, 'optuna', 'search')):
+    if value and importlib.util.find_spec(module) is None:
+      raise ConfigError(f'config.{key}={value!r} needs {TRACKER_NAMES[module]}: '
+                        f"pip install 'flaxtpu[{extra}]' (or leave {key} empty)")
