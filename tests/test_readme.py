@@ -20,11 +20,12 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
+from flaxtpu.main import RESTORING_MODES  # modes whose --config defaults to the run's
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
 COMMAND_START = re.compile(r'(\w+=\S+\s+)*(python -m (flaxtpu|benchmarks)\b|make\b|pip install\b)')
 REPO_PATH = re.compile(r'^(configs|experiments|benchmarks|flaxtpu|tests|docs)/[\w./-]*$')
-RESTORING_MODES = ('eval', 'predict', 'export', 'calibrate')
 
 
 def commands_in(text: str) -> list[str]:
