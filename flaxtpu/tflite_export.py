@@ -125,7 +125,14 @@ def write_quantized(tf, saved_model_dir: str, directory: str, representative: np
       logging.warning('export: no %s TFLite model: %s', kind, error)
       models[kind] = {'file': None, 'error': error}
       continue
-    logits = _logits(path, images)
+    try:
+      logits = _logits(path, images)
+    except Exception as e:  # pylint: disable=broad-except  # a kernel the interpreter lacks, ...
+      error = f'TFLite cannot run the {kind} model: {type(e).__name__}: {str(e).strip()[:300]}'
+      logging.warning('export: no %s TFLite model: %s', kind, error)
+      os.remove(path)
+      models[kind] = {'file': None, 'error': error}
+      continue
     accuracy = _accuracy(logits, labels, multilabel)
     models[kind] = {'file': name, 'bytes': os.path.getsize(path), 'eval_accuracy': accuracy,
                     'top1_agreement_with_float': _agreement(logits, float_logits, multilabel),
