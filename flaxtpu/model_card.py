@@ -27,6 +27,10 @@ def _percent(value: Optional[float]) -> str:
   return '-' if value is None else f'{100 * value:.2f}%'
 
 
+def _numbers(values) -> str:
+  return '[' + ', '.join(f'{value:.4g}' for value in values) + ']'
+
+
 def _read_json(path: str) -> dict:
   return files.read_json(path) or {}
 
@@ -146,18 +150,20 @@ def render(summary: dict, config: ml_collections.ConfigDict, workdir: str, data:
            f'{summary["step"]}, exported by `--mode=export`.', '',
            f'## Classes ({len(class_names)})', '', ', '.join(f'`{name}`' for name in class_names), '',
            '## Preprocessing', '',
-           f'- input: uint8 RGB-order images `[N, {height}, {width}, {channels}]`; '
+           f'- input: uint8 {"RGB " if channels == 3 else ""}images `[N, {height}, {width}, {channels}]`; '
            + (f'photos resized and centre-cropped to {height}x{width} as eval does (crop fraction '
               f'{dataset.crop_fraction or 0.875:g})' if dataset.image_size else 'no resizing: images are '
               f'{height}x{width} as trained'),
-           f'- normalisation inside the model: (x / 255 - mean) / std with mean {normalization["mean"]} '
-           f'and std {normalization["std"]} (the timm folder expects it done outside)',
+           '- normalisation inside the model: (x / 255 - mean) / std with mean '
+           f'{_numbers(normalization["mean"])} and std {_numbers(normalization["std"])}'
+           + (' (the timm folder expects it done outside, as its config.json says)'
+              if (summary.get('timm') or {}).get('directory') else ''),
            f'- outputs: `logits` and `probabilities` ({summary["probabilities"]})', '',
            '## Training data', '',
            f'- {source}: train split `{dataset.train_split}`'
-           + (f' ({data["train_images"]:,} images)' if 'train_images' in data else '')
+           + (f' ({data["train_images"]:,} images)' if data.get('train_images') is not None else '')
            + f', eval split `{dataset.eval_split}`'
-           + (f' ({data["eval_images"]:,} images)' if 'eval_images' in data else ''), '',
+           + (f' ({data["eval_images"]:,} images)' if data.get('eval_images') is not None else ''), '',
            '## Recipe', '', *_recipe(config, summary['step']), '']
   evaluated = _read_json(os.path.join(workdir, 'eval.json'))
   results = evaluated or _read_json(os.path.join(workdir, 'results.json'))

@@ -100,7 +100,8 @@ def _agreement(logits: np.ndarray, reference: np.ndarray, multilabel: bool) -> f
 
 def write_quantized(tf, saved_model_dir: str, directory: str, representative: np.ndarray,
                     images: np.ndarray, labels: np.ndarray, *, multilabel: bool, int8_max_drop: float,
-                    split: str) -> tuple[dict[str, Any], Optional[np.ndarray]]:
+                    split: str, calibration_split: Optional[str] = None
+                    ) -> tuple[dict[str, Any], Optional[np.ndarray]]:
   """Writes model_fp16.tflite and model_int8.tflite next to `directory`'s model.tflite and measures all
   three on the eval split (`images`, `labels`) -> (export.json's `tflite_models`, the float model's
   logits on the eval split).
@@ -109,7 +110,7 @@ def write_quantized(tf, saved_model_dir: str, directory: str, representative: np
   """
   float_logits = _logits(os.path.join(directory, FLOAT), images)
   models: dict[str, Any] = {'split': split, 'num_images': len(images),
-                            'calibration_images': len(representative),
+                            'calibration_images': len(representative), 'calibration_split': calibration_split,
                             'accuracy': 'tag decisions at probability 0.5 that are right' if multilabel
                                         else 'top-1 accuracy',
                             'agreement': 'share of eval images whose top class equals the float model\'s'
@@ -160,8 +161,19 @@ def eval_data(config, class_names: list[str]) -> dict[str, Any]:
   """What the quantized models need from the run's data, through its own pipeline: calibration images
   (train), eval images with their labels, and the split sizes the model card gives."""
   from flaxtpu.data import loaders, pipeline  # pylint: disable=g-import-not-at-top
-  dataset = pipeline.load(config, need_train=True, class_names=class_names)
-  representative = np.stack(loaders.train_sample(dataset, config.export.calibration_images))
+  from flaxtpu.errors import UserError  # pylint: disable=g-import-not-at-top
+  try:
+    dataset = pipeline.load(config, need_train=True, class_names=class_names)
+    representative = np.stack(loaders.train_sample(dataset, config.export.calibration_images))
+    calibration_split = config.dataset.train_split
+  except UserError as e:  # a run exported where only its eval data is: calibrate on that
+    logging.warning('export: the int8 TFLite model is calibrated on eval images: the train split %r cannot '
+                    'be read (%s)', config.dataset.train_split, str(e).splitlines()[0][:200])
+    dataset = pipeline.load(config, need_train=False, class_names=class_names)
+    count = min(len(dataset.eval), config.export.calibration_images)
+    representative = np.stack(loaders.split_images(
+        dataset, dataset.eval, np.linspace(0, len(dataset.eval) - 1, count).astype(int)))
+    calibration_split = config.dataset.eval_split
   images, labels, count = [], [], 0
   for batch in loaders.eval_batches(dataset, batch_size=RUN_BATCH):
     images.append(batch.images[batch.mask])
@@ -171,4 +183,5 @@ def eval_data(config, class_names: list[str]) -> dict[str, Any]:
       break
   return {'representative': representative, 'images': np.concatenate(images)[:MAX_EVAL_IMAGES],
           'labels': np.concatenate(labels)[:MAX_EVAL_IMAGES], 'multilabel': dataset.multilabel,
-          'train_images': len(dataset.train), 'eval_images': len(dataset.eval)}
+          'train_images': None if dataset.train is None else len(dataset.train),
+          'eval_images': len(dataset.eval), 'calibration_split': calibration_split}
