@@ -55,10 +55,10 @@ def _config(model: str, data: str, steps: int, train_images: int):
   return config
 
 
-def _trained(model: str, args, root: str):
+def _trained(model: str, args, steps: int, root: str):
   """(config, workdir) of a trained and exported run, reused when `root` holds one."""
   from flaxtpu import export, train  # pylint: disable=g-import-not-at-top
-  config = _config(model, args.data, args.steps, args.train_images)
+  config = _config(model, args.data, steps, args.train_images)
   workdir = os.path.join(root, model)
   if not os.path.isfile(os.path.join(workdir, 'results.json')):
     train.train_and_evaluate(config, workdir)
@@ -170,7 +170,8 @@ def main() -> None:
   parser.add_argument('--data', default=os.environ.get('FLAXTPU_CIFAR10', ''),
                       help='CIFAR-10 image folder (default: $FLAXTPU_CIFAR10; empty: the embedded digits)')
   parser.add_argument('--models', nargs='+', default=list(MODELS), choices=list(MODELS))
-  parser.add_argument('--steps', type=int, default=300, help='training steps of each model (batch 128)')
+  parser.add_argument('--steps', type=int, nargs='+', default=[300],
+                      help='training steps (batch 128): one for all models, or one per model in order')
   parser.add_argument('--train-images', type=int, default=20_000,
                       help='with --data: the first N train images')
   parser.add_argument('--batch-sizes', type=int, nargs='+', default=[1, 64])
@@ -190,8 +191,8 @@ def main() -> None:
   results = []
   with tempfile.TemporaryDirectory() as tmp:
     root = args.workdir_root or tmp
-    for model in args.models:
-      config, workdir = _trained(model, args, root)
+    for index, model in enumerate(args.models):
+      config, workdir = _trained(model, args, args.steps[min(index, len(args.steps) - 1)], root)
       dataset = pipeline.load(config, need_train=False)
       eval_images = next(loaders.eval_batches(dataset, batch_size=max(args.batch_sizes))).images
       result: dict[str, Any] = {'model': model, 'workdir': workdir, 'timings': {}, 'missing': {}}
@@ -203,6 +204,7 @@ def main() -> None:
         result['timings'][str(batch_size)] = measure(found['runners'], args.rounds, calls)
         result['export'] = {k: found['summary'].get(k) for k in ('step', 'tflite_models', 'check', 'data')}
       results.append(result)
+      harness.write_results(args.out, {'results': results, 'partial': True})  # a model's numbers kept early
   payload = {'results': results, 'rounds': args.rounds, 'data': args.data or 'digits', 'steps': args.steps,
              'jax': jax.__version__, 'tensorflow': tf.__version__, 'devices': str(jax.devices()),
              'cpu_count': os.cpu_count()}
