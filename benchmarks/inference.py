@@ -179,6 +179,9 @@ def main() -> None:
   parser.add_argument('--calls', type=int, default=0,
                       help='calls per round (default: 50 at batch 1, 10 at 64)')
   parser.add_argument('--workdir-root', default='', help='keep the trained runs here (reused when present)')
+  parser.add_argument('--quantized-eval-images', type=int, default=0,
+                      help='score the TFLite models of the export on the first N eval images (default: '
+                           "the export's own limit)")
   harness.out_argument(parser, 'inference.json')
   args = parser.parse_args()
   harness.cpu_devices(1)  # as --mode=predict uses on CPU (latency-bound)
@@ -187,7 +190,10 @@ def main() -> None:
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
+  from flaxtpu import tflite_export  # pylint: disable=g-import-not-at-top
   from flaxtpu.data import loaders, pipeline  # pylint: disable=g-import-not-at-top
+  if args.quantized_eval_images:
+    tflite_export.MAX_EVAL_IMAGES = args.quantized_eval_images
   results = []
   with tempfile.TemporaryDirectory() as tmp:
     root = args.workdir_root or tmp
