@@ -15,6 +15,7 @@ import ml_collections
 
 from flaxtpu import audit, calibration, models, tracking  # no JAX at import
 from flaxtpu.errors import ConfigError
+from flaxtpu.export_options import check_export as _check_export
 from flaxtpu.metric_names import check_eval_split_names, early_stopping_metric
 from flaxtpu.param_patterns import check_patterns, parse_freeze_after, parse_lr_multipliers
 
@@ -452,7 +453,7 @@ SECTION_CHECKS = (_check_dataset_source, _check_dataset, _check_input, _check_au
                   _check_training, _check_optimizer, _check_schedule, _check_ema, _check_init_from,
                   _check_distill, _check_parallelism,
                   _check_loop, _check_checkpoint, _check_early_stopping, _check_eval, _check_predict,
-                  audit.check_config, calibration.check_config, tracking.check_config)
+                  _check_export, audit.check_config, calibration.check_config, tracking.check_config)
 
 
 def config_keys(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:

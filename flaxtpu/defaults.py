@@ -396,6 +396,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.calibrate.raps_lambda = 0.01  # RAPS: the penalty per rank beyond raps_k.
   config.calibrate.raps_k = 1  # RAPS: ranks free of penalty.
 
+  # --mode=export (besides the SavedModel, TFLite and timm folder; docs/evaluate.md#export).
+  config.export = ml_collections.ConfigDict()
+  # model_int8.tflite is kept with a warning when its eval accuracy is more than this below the
+  # float TFLite model's (0.02 = 2 points).
+  config.export.int8_max_drop = 0.02
+  config.export.calibration_images = 300  # Train images the int8 model is calibrated on.
+  config.export.hub_repo = ''  # ORG/NAME: upload export/timm and its card to the Hugging Face hub.
+  config.export.license = ''  # The card's license (an SPDX id such as apache-2.0; '' = none stated).
+
   config.wandb = ml_collections.ConfigDict()
   # Also log to Weights & Biases in this project ('' = off; pip install 'flaxtpu[wandb]').
   config.wandb.project = ''

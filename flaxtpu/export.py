@@ -45,15 +45,14 @@ import re
 import shutil
 import tempfile
 import time
-import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from flaxtpu import files, models, optim, parallel, pretrained, steps, storage
+from flaxtpu import files, hub, model_card, models, optim, parallel, pretrained, steps, storage, tflite_export
 from flaxtpu.data import loaders, pipeline
 from flaxtpu.errors import UserError
 from flaxtpu.lengths import resolved_eval_batch_size
@@ -61,6 +60,8 @@ from flaxtpu.models import layouts
 from flaxtpu.modes.predict import predict_logits
 from flaxtpu.modes.restore import restore
 from flaxtpu.modes.thresholds import tag_thresholds
+from flaxtpu.tflite_export import tflite_runner as _tflite_runner
+from flaxtpu.tflite_export import write_tflite as _write_tflite
 
 EXPORT_DIR = 'export'
 # What a killed export leaves next to EXPORT_DIR; earlier versions staged in '.export-<12 hex>'.
@@ -88,6 +89,10 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
     raise UserError(f'--mode=export writes {os.path.join(workdir, EXPORT_DIR)}, but {workdir} refuses '
                     f'files ({reason}); copy the run to a writable directory and export there')
   recover(workdir)
+  final = os.path.join(workdir, EXPORT_DIR)
+  if (reason := _unreplaceable(final)) is not None:
+    raise UserError(f'--mode=export replaces {final}, but it cannot be replaced ({reason}); make it writable '
+                    'or move it away, and run the same command')
   tf = _import_tensorflow()
   placement, state, step, record = restore(config, workdir, replaces=[os.path.join(workdir, EXPORT_DIR)])
   images = _check_images(config, record)
@@ -98,14 +103,22 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
                            image_shape=tuple(record['image_shape']), mean=record['normalization']['mean'],
                            std=record['normalization']['std'],
                            temperature=(record.get('calibration') or {}).get('temperature', 1.0))
-  final = os.path.join(workdir, EXPORT_DIR)
   remote = storage.is_remote(workdir)  # TensorFlow writes the SavedModel locally; it is uploaded after
   staging = (tempfile.mkdtemp(prefix='flaxtpu-export-') if remote
              else os.path.join(workdir, f'{EXPORT_DIR}.staging-{os.getpid()}'))  # not mkdtemp: mode 0700
   os.makedirs(staging, exist_ok=remote)
+  data, measured = tflite_export.eval_data(config, list(record['class_names'])), {}
+
+  def quantize(source: str) -> dict:
+    measured['models'], measured['float_logits'] = tflite_export.write_quantized(
+        tf, source, staging, data['representative'], data['images'], data['labels'],
+        multilabel=data['multilabel'], int8_max_drop=config.export.int8_max_drop,
+        split=config.dataset.eval_split, calibration_split=data['calibration_split'])
+    return measured['models']
+
   try:
     summary = _export_into(tf, staging, task, host_state, record['class_names'], images, expected,
-                           TOLERANCES[config.dtype])
+                           TOLERANCES[config.dtype], quantize)
     summary['timm'] = _export_timm(config, os.path.join(staging, 'timm'),
                                    os.path.join(files.absolute(final), 'timm'), host_state, record)
     summary.update(
@@ -120,6 +133,10 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
         normalization=record['normalization'], class_names=list(record['class_names']),
         **_task_metadata(config, workdir, step, list(record['class_names'])))
     summary['check'].update(num_images=len(images), split=config.dataset.eval_split)
+    summary['data'] = {'source': config.dataset.folder or config.dataset.name,
+                       'train_split': config.dataset.train_split, 'train_images': data['train_images'],
+                       'eval_split': config.dataset.eval_split, 'eval_images': data['eval_images']}
+    summary['card'] = model_card.write(staging, summary, config, workdir, data, measured.get('float_logits'))
     files.write_json(os.path.join(staging, COMPLETE_MARKER), summary)  # last: the staging is complete
   except BaseException as e:
     shutil.rmtree(staging, ignore_errors=True)  # nothing half-written stays behind
@@ -127,18 +144,38 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
       raise UserError(f'exporting step {step} into {workdir} failed ({reason}); the previous export in '
                       f'{final} is unchanged; free disk space and run the same command') from e
     raise
-  (_upload_into_place if remote else _move_into_place)(staging, final)
+  try:
+    (_upload_into_place if remote else _move_into_place)(staging, final)
+  except OSError as e:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise UserError(f'--mode=export could not replace {final} ({files.short_error(e)}); the previous export '
+                    'there is unchanged; make it writable or move it away, and run the same command') from e
   checks = summary['check']
   logging.info('exported step %d to %s: SavedModel max |logit diff| %.2g; %s', step, final,
                checks['saved_model']['max_abs_diff'],
                f'TFLite {checks["tflite"]["max_abs_diff"]:.2g}' if summary['tflite'] else
                f'no TFLite: {summary["tflite_error"]}')
+  if config.export.hub_repo:
+    logging.info('export: uploaded to %s', hub.upload(config.export.hub_repo, files.absolute(final)))
   return summary
 
 
+def _unreplaceable(final: str) -> str | None:
+  """Why an existing WORKDIR/export cannot be swapped for a new one (a mount point, read-only), or None."""
+  if storage.is_remote(final) or not os.path.lexists(final):
+    return None
+  if not os.path.isdir(final) or os.path.islink(final):
+    return 'it is not a directory'
+  if os.path.ismount(final):
+    return 'it is a mount point'
+  return files.unwritable(final)
+
+
 def _export_into(tf, directory: str, task: steps.Task, host_state: steps.ModelState, class_names: list[str],
-                 images: np.ndarray, expected: np.ndarray, tolerances: dict[str, float]) -> dict[str, Any]:
-  """Writes and checks the SavedModel, then the TFLite model, in `directory`."""
+                 images: np.ndarray, expected: np.ndarray, tolerances: dict[str, float],
+                 quantize: Optional[Callable[[str], dict]] = None) -> dict[str, Any]:
+  """Writes and checks the SavedModel, then the TFLite model (and `quantize(float32 SavedModel)`'s
+  quantized ones), in `directory`."""
   started = time.perf_counter()
   class_names_file = os.path.join(directory, 'class_names.txt')
   with open(class_names_file, 'w', encoding='utf-8') as f:
@@ -149,24 +186,27 @@ def _export_into(tf, directory: str, task: steps.Task, host_state: steps.ModelSt
   checks = {'saved_model': _check('SavedModel', lambda x: serve(images=tf.constant(x))['logits'].numpy(),
                                   images, expected, tolerances['saved_model'])}
   tflite_path = os.path.join(directory, 'model.tflite')
-  if task.model.dtype == jnp.float32:
-    tflite_error, tflite_flex = _write_tflite(tf, saved_model_dir, tflite_path)
-  else:  # TFLite has no bfloat16 convolutions: the same weights, computing in float32
+  source = saved_model_dir
+  if task.model.dtype != jnp.float32:  # TFLite has no bfloat16 convolutions: the same weights, in float32
     source = os.path.join(directory, 'float32_saved_model')
     _save(tf, source, dataclasses.replace(task, model=task.model.clone(dtype=jnp.float32)), host_state,
           class_names, class_names_file)
-    tflite_error, tflite_flex = _write_tflite(tf, source, tflite_path)
-    shutil.rmtree(source)
+  tflite_error, tflite_flex = _write_tflite(tf, source, tflite_path)
+  quantized = None
   if tflite_error is None:
     checks['tflite'] = _check('TFLite', _tflite_runner(tflite_path), images, expected, tolerances['tflite'])
+    quantized = quantize(source) if quantize else None  # model_fp16.tflite, model_int8.tflite
   else:
     logging.warning('export: no TFLite model: %s', tflite_error)
+  if source != saved_model_dir:
+    shutil.rmtree(source)
   height, width, channels = task.image_shape
   tensor = lambda dtype, shape: {'dtype': dtype, 'shape': shape}
   return {
       'saved_model': 'saved_model', 'tflite': None if tflite_error else 'model.tflite',
       'tflite_error': tflite_error, 'tflite_needs_flex_ops': tflite_flex,
       'tflite_compute_dtype': None if tflite_error else 'float32',  # bfloat16 models too: see above
+      'tflite_models': quantized,
       'class_names_file': 'class_names.txt', 'platforms': list(PLATFORMS),
       'signature': {'name': 'serving_default',
                     'inputs': {'images': tensor('uint8', [None, height, width, channels])},
@@ -278,42 +318,6 @@ def _save(tf, path: str, task: steps.Task, host_state: steps.ModelState, class_n
 
   module.serve = serve
   tf.saved_model.save(module, path, signatures={'serving_default': serve})
-
-
-def _write_tflite(tf, saved_model_dir: str, path: str) -> tuple[str | None, bool]:
-  """Converts the SavedModel to TFLite -> (None or why it could not, in one line; needs Flex ops).
-
-  TFLite builtins alone first (they run on every TFLite runtime); only if they cannot express the
-  model, builtins plus TensorFlow kernels (Flex), which a runtime must link in.
-  """
-  errors = []
-  for flex in (False, True):
-    converter = tf.lite.TFLiteConverter.from_saved_model(saved_model_dir)
-    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS] + (
-        [tf.lite.OpsSet.SELECT_TF_OPS] if flex else [])
-    try:
-      model = converter.convert()
-    except Exception as e:  # pylint: disable=broad-except  # the converter raises many types
-      lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-      errors.append(f'{type(e).__name__}: {lines[0][:300] if lines else ""}')
-      continue
-    with open(path, 'wb') as f:
-      f.write(model)
-    return None, flex
-  return f'the TFLite converter of TensorFlow {tf.__version__} failed: {errors[-1]}', False
-
-
-def _tflite_runner(path: str) -> Callable[[np.ndarray], np.ndarray]:
-  """The TFLite model's serving_default as images -> logits, on LiteRT when installed, else tf.lite."""
-  try:
-    from ai_edge_litert.interpreter import Interpreter  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    Interpreter = tf.lite.Interpreter  # noqa: N806  # deprecated in favour of LiteRT, still in TF 2.21
-  with warnings.catch_warnings():
-    warnings.simplefilter('ignore')
-    runner = Interpreter(model_path=path).get_signature_runner('serving_default')
-  return lambda images: runner(images=images)['logits']
 
 
 def _check(what: str, run: Callable[[np.ndarray], np.ndarray], images: np.ndarray,

@@ -76,7 +76,8 @@ def exported(tmp_path_factory):
 def test_export_writes_checked_models_and_report(exported):
   config, workdir, summary = exported
   directory = os.path.join(workdir, 'export')
-  assert sorted(os.listdir(directory)) == ['class_names.txt', 'export.json', 'model.tflite', 'saved_model']
+  assert sorted(os.listdir(directory)) == ['README.md', 'class_names.txt', 'export.json', 'model.tflite',
+                                          'model_fp16.tflite', 'model_int8.tflite', 'saved_model']
   assert os.path.isfile(os.path.join(directory, 'saved_model', 'saved_model.pb'))
   assert not [name for name in os.listdir(workdir) if name.startswith('.export')]  # no staging left
   with open(os.path.join(directory, 'export.json')) as f:
