@@ -249,7 +249,11 @@ def test_offline_hub_is_refused_within_seconds(how, exported, monkeypatch):
     reason = '127.0.0.1:9 cannot be reached'
   else:  # a connection that never answers (a firewall dropping packets): the probe gives up
     monkeypatch.setenv('HF_ENDPOINT', 'https://hub.example')
-    monkeypatch.setattr(hub.socket, 'create_connection', lambda *args, **kwargs: time.sleep(30))
+    def never_answers(*args, **kwargs):
+      time.sleep(30)
+      raise TimeoutError('timed out')
+
+    monkeypatch.setattr(hub.socket, 'create_connection', never_answers)
     reason = 'no answer from hub.example:443 within 3 s'
   directory = os.path.join(workdir, 'export')
   started = time.perf_counter()
