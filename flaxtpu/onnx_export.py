@@ -63,8 +63,8 @@ def export(directory: str, task: steps.Task, host_state: steps.ModelState,
 
   `logits_function(task)` is the SavedModel's (variables, uint8 images) -> logits. When jax2onnx or
   onnxruntime is missing, or jax2onnx cannot convert the model, nothing is written and `onnx_error`
-  says why in one line (the export goes on, as without TFLite). Checking the file against predict is
-  export.py's (`runner`).
+  says why in one line (the export goes on, as without TFLite); a failed write (a full disk) raises.
+  Checking the file against predict is export.py's (`runner`).
   """
   try:
     jax2onnx = _converter()
@@ -87,21 +87,22 @@ def export(directory: str, task: steps.Task, host_state: steps.ModelState,
       model = jax2onnx.to_onnx(serve, [jax.ShapeDtypeStruct(('batch', height, width, channels), jnp.uint8)],
                                model_name='flaxtpu', opset=OPSET, return_mode='ir', input_names=['images'],
                                output_names=['logits', 'probabilities'])
-      seconds = time.perf_counter() - started
-      weight_bytes = sum(value.const_value.nbytes for value in model.graph.initializers.values()
-                         if value.const_value is not None)
-      external = weight_bytes > _SINGLE_FILE_BYTES
-      _save(model, path, EXTERNAL_DATA if external else None)
-    import onnx  # pylint: disable=g-import-not-at-top
-    onnx.checker.check_model(path)  # the graph is well-formed ONNX, not only what onnxruntime accepts
   except Exception as e:  # pylint: disable=broad-except  # a primitive without a plugin, a plugin's bug
+    return _failed('could not convert the model', e)
+  seconds = time.perf_counter() - started
+  weight_bytes = sum(value.const_value.nbytes for value in model.graph.initializers.values()
+                     if value.const_value is not None)
+  external = weight_bytes > _SINGLE_FILE_BYTES
+  with _quiet():
+    _save(model, path, EXTERNAL_DATA if external else None)  # a full disk fails the export (export.py)
+  import onnx  # pylint: disable=g-import-not-at-top
+  try:
+    onnx.checker.check_model(path)  # well-formed ONNX, not only what onnxruntime accepts
+  except onnx.checker.ValidationError as e:
     for name in (FILE, EXTERNAL_DATA):
       with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(directory, name))
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return {'onnx': None, 'onnx_model': None,
-            'onnx_error': f'jax2onnx {CONVERTER_VERSION} could not convert the model: '
-                          f'{type(e).__name__}: {lines[0][:300] if lines else ""}'}
+    return _failed('wrote a graph that onnx.checker refuses', e)
   import onnxruntime  # pylint: disable=g-import-not-at-top
   return {'onnx': FILE, 'onnx_error': None, 'onnx_model': {
       'opset': model.opset_imports.get('', OPSET), 'ir_version': int(model.ir_version),
@@ -114,6 +115,13 @@ def export(directory: str, task: steps.Task, host_state: steps.ModelState,
                   for name in ('logits', 'probabilities')},
       'load': f"onnxruntime.InferenceSession('{FILE}').run(['logits', 'probabilities'], "
               "{'images': images})"}}
+
+
+def _failed(what: str, error: Exception) -> dict[str, Any]:
+  """export()'s answer when jax2onnx fails: no ONNX model, and why in one line."""
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  reason = f'{type(error).__name__}: {lines[0][:300] if lines else ""}'
+  return {'onnx': None, 'onnx_model': None, 'onnx_error': f'jax2onnx {CONVERTER_VERSION} {what}: {reason}'}
 
 
 def runner(path: str) -> Callable[[np.ndarray], np.ndarray]:

@@ -134,6 +134,21 @@ def test_tta_multilabel_remat_and_bfloat16_flow_through(tmp_path):
   assert _relative(float32, np.asarray(exact)) <= 1e-5  # the float32 clone's function, not bfloat16's
 
 
+def test_a_model_jax2onnx_cannot_convert_gives_no_onnx_and_says_why(tmp_path, monkeypatch):
+  task, state = _random_task('cnn', 16)
+  jax2onnx = onnx_export._converter()
+
+  def unsupported(*args, **kwargs):
+    raise NotImplementedError('No plugin registered for primitive: some_new_primitive\n(details)')
+
+  monkeypatch.setattr(jax2onnx, 'to_onnx', unsupported)
+  error = ('jax2onnx 0.17.1 could not convert the model: NotImplementedError: No plugin registered for '
+           'primitive: some_new_primitive')
+  assert onnx_export.export(str(tmp_path), task, state, export._logits_function) == {
+      'onnx': None, 'onnx_model': None, 'onnx_error': error}
+  assert os.listdir(tmp_path) == []
+
+
 def _config(folder, name):
   config = cifar10.get_config()
   config.update_from_flattened_dict({
@@ -241,9 +256,9 @@ SWEEP = [
     ('vit_ti', 32, {'patch_size': 8}),
     ('vit_ti', 32, {'patch_size': 8, 'gelu': 'tanh', 'pool': 'tok'}),
     ('vit_ti', 32, {'patch_size': 8, 'pool': 'map'}),
-    ('deit_ti_distilled', 32, {'patch_size': 8}),
+    ('deit_ti_distilled', 32, {'patch_size': 8, 'pool': 'tok'}),
     ('dinov2_s_reg', 28, {}),
-    ('clip_b', 32, {'patch_size': 16}),
+    ('clip_b', 32, {'patch_size': 16, 'gelu': 'quick', 'pool': 'tok'}),
     ('convnext_t', 32, {}),
     ('swin_t', 32, {}),
     ('efficientnet_b0', 32, {}),
