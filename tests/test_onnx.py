@@ -134,6 +134,17 @@ def test_tta_multilabel_remat_and_bfloat16_flow_through(tmp_path):
   assert _relative(float32, np.asarray(exact)) <= 1e-5  # the float32 clone's function, not bfloat16's
 
 
+def test_weights_beyond_protobufs_cap_go_beside_the_graph(tmp_path, monkeypatch):
+  # Over ~1.8 GB of weights (a ViT-L in float32 is 1.2 GB) would pass the 2 GiB protobuf cap: they go to
+  # model.onnx.data, which onnxruntime reads from beside model.onnx. Here with the threshold at 0 bytes.
+  monkeypatch.setattr(onnx_export, '_SINGLE_FILE_BYTES', 0)
+  task, state = _random_task('cnn', 16)
+  details, diff, _ = _convert_and_compare(tmp_path, task, state)
+  assert details['external_data'] == 'model.onnx.data' and diff <= 1e-5
+  assert sorted(os.listdir(tmp_path)) == ['model.onnx', 'model.onnx.data']
+  assert os.path.getsize(tmp_path / 'model.onnx.data') > os.path.getsize(tmp_path / 'model.onnx')
+
+
 def test_a_model_jax2onnx_cannot_convert_gives_no_onnx_and_says_why(tmp_path, monkeypatch):
   task, state = _random_task('cnn', 16)
   jax2onnx = onnx_export._converter()
