@@ -143,15 +143,22 @@ def _version(package: str) -> str | None:
     return None
 
 
+def _not_jax2onnx_info(record: logging.LogRecord) -> bool:
+  """jax2onnx also logs to the root logger (a line with every to_onnx argument): below warnings, dropped."""
+  return record.levelno >= logging.WARNING or f'{os.sep}jax2onnx{os.sep}' not in record.pathname
+
+
 @contextlib.contextmanager
 def _quiet():
   loggers = [logging.getLogger(name) for name in _QUIET]
   levels = [logger.level for logger in loggers]
   for logger in loggers:
     logger.setLevel(logging.ERROR)
+  logging.getLogger().addFilter(_not_jax2onnx_info)
   try:
     yield
   finally:
+    logging.getLogger().removeFilter(_not_jax2onnx_info)
     for logger, level in zip(loggers, levels):
       logger.setLevel(level)
 
