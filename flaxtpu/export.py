@@ -5,6 +5,8 @@
     WORKDIR/export/
       saved_model/      saved_model.pb + variables/ + assets/class_names.txt
       model.tflite      the same model for TFLite / LiteRT (when the converter can produce it)
+      model.onnx        the same function for onnxruntime & co. (flaxtpu/onnx_export.py; when jax2onnx is
+                        installed), the same `images` -> `logits`, `probabilities` signature
       class_names.txt   one class name a line, in logit order (also next to a deployed model.tflite)
       timm/             ResNets, ViTs, ConvNeXt: model.safetensors in timm's keys + timm's config.json;
                         timm.create_model('local-dir:WORKDIR/export/timm', pretrained=True) gives the
@@ -52,7 +54,19 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from flaxtpu import files, hub, model_card, models, optim, parallel, pretrained, steps, storage, tflite_export
+from flaxtpu import (
+  files,
+  hub,
+  model_card,
+  models,
+  onnx_export,
+  optim,
+  parallel,
+  pretrained,
+  steps,
+  storage,
+  tflite_export,
+)
 from flaxtpu.data import loaders, pipeline
 from flaxtpu.errors import UserError
 from flaxtpu.lengths import resolved_eval_batch_size
@@ -73,8 +87,8 @@ CHECK_IMAGES = 256
 # Allowed max |exported - predict| logits, relative to max(1, max |predict logits|). The SavedModel runs
 # the same StableHLO through XLA (only the device count and fusion differ); TFLite re-lowers it to its
 # own kernels (XNNPACK), whose sums run in another order; bfloat16 models round every activation.
-TOLERANCES = {'float32': {'saved_model': 1e-4, 'tflite': 1e-3},
-              'bfloat16': {'saved_model': 3e-2, 'tflite': 5e-2}}
+TOLERANCES = {'float32': {'saved_model': 1e-4, 'tflite': 1e-3, 'onnx': 1e-4},
+              'bfloat16': {'saved_model': 3e-2, 'tflite': 5e-2, 'onnx': 5e-2}}
 
 
 def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -119,6 +133,12 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
   try:
     summary = _export_into(tf, staging, task, host_state, record['class_names'], images, expected,
                            TOLERANCES[config.dtype], quantize)
+    summary.update(onnx_export.export(staging, task, host_state, _logits_function))
+    if summary['onnx']:
+      summary['check']['onnx'] = _check('ONNX', onnx_export.runner(os.path.join(staging, summary['onnx'])),
+                                        images, expected, TOLERANCES[config.dtype]['onnx'])
+    else:
+      logging.warning('export: no ONNX model: %s', summary['onnx_error'])
     summary['timm'] = _export_timm(config, os.path.join(staging, 'timm'),
                                    os.path.join(files.absolute(final), 'timm'), host_state, record)
     summary.update(
@@ -151,10 +171,12 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
     raise UserError(f'--mode=export could not replace {final} ({files.short_error(e)}); the previous export '
                     'there is unchanged; make it writable or move it away, and run the same command') from e
   checks = summary['check']
-  logging.info('exported step %d to %s: SavedModel max |logit diff| %.2g; %s', step, final,
+  logging.info('exported step %d to %s: SavedModel max |logit diff| %.2g; %s; %s', step, final,
                checks['saved_model']['max_abs_diff'],
                f'TFLite {checks["tflite"]["max_abs_diff"]:.2g}' if summary['tflite'] else
-               f'no TFLite: {summary["tflite_error"]}')
+               f'no TFLite: {summary["tflite_error"]}',
+               f'ONNX {checks["onnx"]["max_abs_diff"]:.2g}' if summary['onnx'] else
+               f'no ONNX: {summary["onnx_error"]}')
   if config.export.hub_repo:
     logging.info('export: uploaded to %s', hub.upload(config.export.hub_repo, files.absolute(final)))
   return summary

@@ -15,6 +15,8 @@ from flaxtpu import export, train
 from flaxtpu.errors import UserError
 from flaxtpu.modes import predict, restore
 
+ONNX = sys.version_info >= (3, 11)  # jax2onnx, the ONNX converter, needs Python 3.11+
+
 # Loads both exported models with TensorFlow alone and prints their logits for batches of 1 and 5. JAX is
 # installed here and TensorFlow's TFLite module imports it when it can, so the script makes it unimportable
 # first, as on a server without it.
@@ -28,6 +30,7 @@ class NoJax(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, NoJax())
 import numpy as np
+import onnxruntime
 import tensorflow as tf
 export_dir, images_path = sys.argv[1:]
 images = np.load(images_path)
@@ -36,16 +39,20 @@ serve = model.signatures['serving_default']
 result = {'inputs': {k: [v.dtype.name, v.shape.as_list()]
                      for k, v in serve.structured_input_signature[1].items()},
           'outputs': sorted(serve.structured_outputs), 'saved_model': [], 'probabilities': [], 'tflite': [],
+          'onnx': [],
           'class_names': [name.decode() for name in model.class_names.numpy()]}
 with warnings.catch_warnings():
   warnings.simplefilter('ignore')
   interpreter = tf.lite.Interpreter(model_path=f'{export_dir}/model.tflite')
   tflite = interpreter.get_signature_runner('serving_default')
+onnx = onnxruntime.InferenceSession(f'{export_dir}/model.onnx', providers=['CPUExecutionProvider']) if (
+    sys.version_info >= (3, 11)) else None  # jax2onnx needs Python 3.11+
 for batch in (images[:1], images[1:6]):
   outputs = serve(images=tf.constant(batch))
   result['saved_model'].append(outputs['logits'].numpy().tolist())
   result['probabilities'].append(outputs['probabilities'].numpy().tolist())
   result['tflite'].append(tflite(images=batch)['logits'].tolist())
+  result['onnx'].append(onnx.run(['logits'], {'images': batch})[0].tolist() if onnx else [])
 result['modules'] = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'flaxtpu'))
 print(json.dumps(result))
 '''
@@ -76,8 +83,9 @@ def exported(tmp_path_factory):
 def test_export_writes_checked_models_and_report(exported):
   config, workdir, summary = exported
   directory = os.path.join(workdir, 'export')
-  assert sorted(os.listdir(directory)) == ['README.md', 'class_names.txt', 'export.json', 'model.tflite',
-                                          'model_fp16.tflite', 'model_int8.tflite', 'saved_model']
+  assert sorted(os.listdir(directory)) == ['README.md', 'class_names.txt', 'export.json',
+                                           *(['model.onnx'] if ONNX else []), 'model.tflite',
+                                           'model_fp16.tflite', 'model_int8.tflite', 'saved_model']
   assert os.path.isfile(os.path.join(directory, 'saved_model', 'saved_model.pb'))
   assert not [name for name in os.listdir(workdir) if name.startswith('.export')]  # no staging left
   with open(os.path.join(directory, 'export.json')) as f:
@@ -88,7 +96,7 @@ def test_export_writes_checked_models_and_report(exported):
   assert not summary['tflite_needs_flex_ops']
   check = summary['check']
   assert check['num_images'] == 9
-  for name in ('saved_model', 'tflite'):
+  for name in ('saved_model', 'tflite', *(['onnx'] if ONNX else [])):
     assert check[name]['max_abs_diff'] <= check[name]['allowed_abs_diff']
     assert check[name]['tolerance'] == export.TOLERANCES['float32'][name]
   with open(os.path.join(directory, 'class_names.txt')) as f:
@@ -117,6 +125,9 @@ def test_exported_models_run_without_jax_and_match_predict(exported, tmp_path):
                                atol=export.TOLERANCES['float32']['saved_model'] * scale)
     np.testing.assert_allclose(served['tflite'][batch], expected[rows], rtol=0,
                                atol=export.TOLERANCES['float32']['tflite'] * scale)
+    if ONNX:
+      np.testing.assert_allclose(served['onnx'][batch], expected[rows], rtol=0,
+                                 atol=export.TOLERANCES['float32']['onnx'] * scale)
     probabilities = np.asarray(served['probabilities'][batch])
     np.testing.assert_allclose(probabilities.sum(-1), 1.0, atol=1e-5)
     np.testing.assert_array_equal(probabilities.argmax(-1), expected[rows].argmax(-1))

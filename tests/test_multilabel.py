@@ -4,6 +4,7 @@ predict, report, export and fine-tuning work; multiclass balanced accuracy."""
 import csv
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -389,6 +390,14 @@ def test_multilabel_export_says_its_task_and_serves_sigmoids(scenes_run):
   outputs = model.signatures['serving_default'](images=tf.constant(images))
   np.testing.assert_allclose(outputs['probabilities'].numpy(),
                              report_metrics.sigmoid(outputs['logits'].numpy()), rtol=1e-5, atol=1e-6)
+  if sys.version_info < (3, 11):
+    return  # no model.onnx: jax2onnx needs Python 3.11+
+  import onnxruntime  # model.onnx: the same logits, the same sigmoids
+  session = onnxruntime.InferenceSession(os.path.join(workdir, 'export', 'model.onnx'))
+  logits, probabilities = session.run(['logits', 'probabilities'], {'images': images})
+  assert summary['check']['onnx']['max_abs_diff'] <= summary['check']['onnx']['allowed_abs_diff']
+  np.testing.assert_allclose(logits, outputs['logits'].numpy(), rtol=0, atol=1e-4)
+  np.testing.assert_allclose(probabilities, report_metrics.sigmoid(logits), rtol=1e-5, atol=1e-6)
 
 
 def test_best_checkpoint_by_default_metric_of_the_task():
