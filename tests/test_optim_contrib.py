@@ -9,7 +9,18 @@ import pytest
 from test_train import _assert_trees_close, _config, _mesh, run_steps
 
 from flaxtpu import config as config_lib
-from flaxtpu import defaults, gradients, lengths, loss_scale, models, optim, optim_contrib, parallel, sam, steps
+from flaxtpu import (
+  defaults,
+  gradients,
+  lengths,
+  loss_scale,
+  models,
+  optim,
+  optim_contrib,
+  parallel,
+  sam,
+  steps,
+)
 from flaxtpu.config import ConfigError
 from flaxtpu.data import loaders
 
