@@ -108,6 +108,7 @@ def lr_find(config: ml_collections.ConfigDict, workdir: str) -> dict:
             'batch_size': config.batch_size, 'min_lr': settings.min_lr, 'max_lr': settings.max_lr,
             'steps': settings.steps, 'smoothing': settings.smoothing}
   if jax.process_index() == 0:
+    files.makedirs(workdir)
     files.write_json(os.path.join(workdir, RESULT), result)
     _plot(result, os.path.join(workdir, PICTURE))
   suggested = f'{result["suggested_lr"]:.3g}' if result['suggested_lr'] else 'none'
