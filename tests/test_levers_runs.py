@@ -64,7 +64,7 @@ def test_new_optimizer_states_resume_bit_for_bit(uninterrupted, image_folder, tm
   if 'float16' in name:  # the loss scale is in the checkpoint, and the first window skipped steps
     rows = [row for row in metric_rows(reference_dir) if 'train_loss' in row]
     assert rows[0]['train_skipped_steps'] >= 1 and rows[0]['train_loss'] > 0
-    assert rows[-1]['train_skipped_steps'] == 0 and rows[-1]['train_loss_scale'] <= 2.0 ** 16
+    assert rows[-1]['train_skipped_steps'] == 0 and rows[-1]['train_loss_scale'] < 2.0 ** 19
     saved = {optim.path_name(path): leaf for path, leaf in
              jax.tree_util.tree_leaves_with_path(restore_checkpoint(reference_dir, 12))}
     assert float(saved['opt_state/dynamic_scale/scale']) == rows[-1]['train_loss_scale']
