@@ -13,7 +13,7 @@ from typing import Sequence
 
 import ml_collections
 
-from flaxtpu import audit, calibration, models, tracking  # no JAX at import
+from flaxtpu import audit, calibration, models, optim_checks, tracking  # no JAX at import
 from flaxtpu.errors import ConfigError
 from flaxtpu.export_options import check_export as _check_export
 from flaxtpu.metric_names import check_eval_split_names, early_stopping_metric
@@ -31,6 +31,8 @@ OPTIMIZER_KEYS = {
     'adafactor': ('decay_rate', 'factored', 'min_dim_size_to_factor', 'clipping_threshold',
                   'multiply_by_parameter_scale'),
     'rmsprop': ('decay', 'centered', 'eps', 'momentum', 'nesterov'),
+    'muon': ('momentum', 'nesterov', 'b1', 'b2', 'eps', 'muon_adam_lr'),  # b1, b2: its AdamW's
+    'schedule_free_adamw': ('b1', 'b2', 'eps'), 'schedule_free_sgd': ('b1',),
 }
 OPTIMIZERS = tuple(OPTIMIZER_KEYS)
 # The schedule.* keys each schedule reads besides warmup_epochs.
@@ -49,7 +51,7 @@ POLICIES = ('', 'randaugment', 'trivialaugment', 'autoaugment')  # augment.polic
 ERASE_MODES = ('pixel', 'rand', 'const')  # augment.erase_mode, timm's --remode
 REMAT_POLICIES = ('none', 'full', 'nothing_saveable', 'everything_saveable',
                   'dots_saveable', 'dots_with_no_batch_dims_saveable')
-DTYPES = ('float32', 'bfloat16')
+DTYPES = ('float32', 'bfloat16', 'float16')
 PARALLELISMS = ('jit', 'pmap')
 PLATFORMS = ('', 'cpu', 'gpu', 'tpu')
 # config.cpu_convolutions -> the XLA flag that selects it (set by main before JAX starts). XLA:CPU (jaxlib
@@ -453,7 +455,8 @@ SECTION_CHECKS = (_check_dataset_source, _check_dataset, _check_input, _check_au
                   _check_training, _check_optimizer, _check_schedule, _check_ema, _check_init_from,
                   _check_distill, _check_parallelism,
                   _check_loop, _check_checkpoint, _check_early_stopping, _check_eval, _check_predict,
-                  _check_export, audit.check_config, calibration.check_config, tracking.check_config)
+                  optim_checks.check, _check_export, audit.check_config, calibration.check_config,
+                  tracking.check_config)
 
 
 def config_keys(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:

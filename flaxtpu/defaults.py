@@ -155,7 +155,8 @@ def get_config() -> ml_collections.ConfigDict:
   # convnext: floor (stride-2 downsampling drops an odd map's last row/column, as timm) | ceil (XLA's
   # SAME pads it; runs saved before this key).
   config.model.downsample = 'floor'
-  # Compute dtype: float32 | bfloat16 (params, optimizer, BN stats stay float32).
+  # Compute dtype: float32 | bfloat16 | float16 (params, optimizer, BN stats stay float32; float16 trains
+  # with a dynamic loss scale: an overflowing step is skipped and the scale halves, see docs/training.md).
   config.dtype = 'float32'
 
   # --- optimization -----------------------------------------------------
@@ -163,9 +164,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_batch_size = -1  # Global eval batch size (-1 = batch_size).
   config.num_epochs = 5.0  # Training length in epochs (used when num_train_steps = -1).
   config.num_train_steps = -1  # Training length in steps (-1 = from num_epochs).
+  # A wall-clock budget for the whole run ('90s', '30m', '2h'; '' = off): the step time is measured
+  # after compilation and the number of steps set so that the run, its evaluations and checkpoints
+  # included, ends on time with its schedule complete. Replaces num_epochs/num_train_steps; a resumed
+  # run keeps its plan (WORKDIR/time_budget.json).
+  config.time_budget = ''
 
   config.optimizer = ml_collections.ConfigDict()
-  # sgd | adam | adamw | lamb | lars | lion | adafactor | rmsprop (optax's). A key below that the
+  # sgd | adam | adamw | lamb | lars | lion | adafactor | rmsprop (optax's) | muon |
+  # schedule_free_adamw | schedule_free_sgd (optax.contrib's). A key below that the
   # chosen optimizer does not read must keep its default.
   config.optimizer.name = 'adam'
   config.optimizer.learning_rate = 1e-3  # Peak learning rate.
@@ -229,6 +236,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.lookahead_every = 0  # 0 = off; e.g. 5.
   config.optimizer.lookahead_decay = 0.5
   config.optimizer.lookahead_decay_power = 0.0
+  # Sharpness-aware minimisation over any optimizer (Foret et al. 2021): the gradient at the worst point
+  # within this radius of the weights, two gradient passes per step (0 = off; 0.05 is the paper's).
+  config.optimizer.sam_rho = 0.0
+  config.optimizer.sam_adaptive = False  # ASAM (Kwon et al. 2021): the radius scaled per weight (rho ~0.5-2).
+  # muon: the peak rate of the AdamW that trains what Muon does not (biases, norm scales, the head);
+  # 0 = optimizer.learning_rate.
+  config.optimizer.muon_adam_lr = 0.0
 
   config.schedule = ml_collections.ConfigDict()
   # constant | cosine | linear | onecycle | step | exponential | rsqrt (big_vision's), over updates;
@@ -424,6 +438,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.search.storage = ''  # Optuna storage URL ('' = not a trial).
   config.search.study = ''  # Study name in that storage.
   config.search.trial = -1  # Trial number in the study.
+
+  # --mode=lr_find: an exponential learning-rate range test (WORKDIR/lr_find.json, lr_find.png).
+  config.lr_find = ml_collections.ConfigDict()
+  config.lr_find.min_lr = 1e-6  # The first step's rate.
+  config.lr_find.max_lr = 10.0  # The last step's rate (the test stops earlier where the loss diverges).
+  config.lr_find.steps = 100  # Steps from min_lr to max_lr.
+  config.lr_find.smoothing = 0.98  # The loss's exponential smoothing (bias-corrected, as fastai's).
+  config.lr_find.diverge_factor = 4.0  # Stop once the smoothed loss exceeds this x its minimum.
 
   # JAX persistent compile cache ('' = ~/.cache/flaxtpu/jax; 'none' = off).
   config.compilation_cache_dir = ''

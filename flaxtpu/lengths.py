@@ -28,13 +28,17 @@ class RunLength:
     return self.total_steps // self.accumulate_steps
 
 
-def run_length(config: ml_collections.ConfigDict, num_train_examples: int) -> RunLength:
-  """Turns epochs into steps (training drops each epoch's last partial batch)."""
+def run_length(config: ml_collections.ConfigDict, num_train_examples: int,
+               total_steps: int | None = None) -> RunLength:
+  """Turns epochs into steps (training drops each epoch's last partial batch); `total_steps` (a time
+  budget's plan) replaces num_train_steps and num_epochs."""
   steps_per_epoch = num_train_examples // config.batch_size
   if steps_per_epoch == 0:
     raise ConfigError(f'config.batch_size={config.batch_size} is larger than the train split '
                       f'({num_train_examples} examples); lower the batch size')
-  if config.num_train_steps > 0:
+  if total_steps is not None:
+    pass
+  elif config.num_train_steps > 0:
     total_steps = config.num_train_steps
   else:
     total_steps = max(1, math.ceil(config.num_epochs * steps_per_epoch))

@@ -34,11 +34,13 @@ config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py or ex
                                 lock_config=True)
 flags.DEFINE_string('workdir', None, 'Run directory: config.json, metrics.jsonl, TensorBoard '
                     'events, checkpoints/, results.json.')
-flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'predict', 'export', 'plan', 'audit', 'calibrate'],
+flags.DEFINE_enum('mode', 'train',
+                  ['train', 'eval', 'predict', 'export', 'plan', 'audit', 'calibrate', 'lr_find'],
                   'train (resumes from the workdir); eval, predict, export or calibrate (restore a '
                   'checkpoint of --workdir; --config defaults to the one it trained with); plan (compile the '
                   'train step and report its memory); audit (duplicates, leaks, unreadable files and '
-                  'suspected wrong labels of the dataset -> WORKDIR/audit.json).')
+                  'suspected wrong labels of the dataset -> WORKDIR/audit.json); lr_find (a learning-rate '
+                  'range test: lr_find.json, lr_find.png).')
 RESTORING_MODES = ('eval', 'predict', 'export', 'audit', 'calibrate')
 flags.DEFINE_string('coordinator_address', None, 'Many hosts: HOST:PORT of process 0.')
 flags.DEFINE_integer('num_processes', None, 'Many hosts: the number of processes.')
@@ -307,6 +309,9 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
     if jax.process_index() == 0:
       files.write_json(os.path.join(workdir, 'plan.json'), plan)
     print(json.dumps(plan, indent=2))
+  elif mode == 'lr_find':  # a range test: lr_find.json + lr_find.png, no checkpoint touched
+    from flaxtpu.modes import lr_find  # pylint: disable=g-import-not-at-top
+    lr_find.lr_find(config, workdir)
   elif mode == 'eval':
     from flaxtpu.modes import eval as eval_mode  # pylint: disable=g-import-not-at-top
     eval_mode.evaluate_checkpoint(config, workdir)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +12,17 @@ import ml_collections
 import numpy as np
 import optax
 
-from flaxtpu import models
+from flaxtpu import loss_scale, models, optim_contrib
 from flaxtpu.errors import UserError
 from flaxtpu.lengths import RunLength
+from flaxtpu.optim_wrappers import (  # noqa: F401  (re-exported: optim is where callers look)
+  FreezeAfterState,
+  LookaheadState,
+  freeze_after,
+  lookahead,
+  path_name,
+  updated,
+)
 from flaxtpu.param_patterns import parse_freeze_after, parse_lr_multipliers
 
 FROZEN = 'frozen'  # the label of parameters that get no update and no optimizer state
@@ -87,11 +95,6 @@ def decay_mask(params):
 def bias_decay_mask(params):
   """`optimizer.bias_weight_decay` applies to biases and normalisation scales (ndim <= 1)."""
   return jax.tree.map(lambda p: p.ndim <= 1, params)
-
-
-def path_name(path) -> str:
-  """A key path of a parameter tree as the '/'-joined name patterns match: 'stage1_block1/Conv_0/kernel'."""
-  return '/'.join(str(getattr(key, 'key', getattr(key, 'name', getattr(key, 'idx', key)))) for key in path)
 
 
 def named_leaves(tree) -> dict[str, Any]:
@@ -225,8 +228,9 @@ def describe_groups(groups: dict[str, list[str]]) -> str:
   return '; '.join(parts)
 
 
-def create_optimizer(config: ml_collections.ConfigDict,
-                     length: RunLength) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def create_optimizer(config: ml_collections.ConfigDict, length: RunLength,
+                     schedule: Optional[optax.Schedule] = None
+                     ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """The optax chain, one composition for every optimizer: a gradient goes
 
       frozen arrays out -> [accumulate] -> [clip] -> [L2 decay] -> the optimizer (with its
@@ -241,9 +245,11 @@ def create_optimizer(config: ml_collections.ConfigDict,
   gradient of that many batches (`optax.MultiSteps`; clipping applies to the
   mean). With `optimizer.freeze` / `lr_multipliers` / `layer_decay`, see
   `with_param_groups`. Returns the optimizer and the learning rate as a
-  function of the train step.
+  function of the train step. `schedule` replaces the config's (the LR finder's
+  sweep). With dtype=float16 the whole chain carries a dynamic loss scale
+  (loss_scale.py) in its state.
   """
-  chain, schedule = _base_chain(config, length)
+  chain, schedule = _base_chain(config, length, schedule)
   accumulate = length.accumulate_steps
   if accumulate > 1:
     chain = optax.MultiSteps(chain, every_k_schedule=accumulate).gradient_transformation()
@@ -258,84 +264,9 @@ def create_optimizer(config: ml_collections.ConfigDict,
     total = length.total_updates
     decay = lambda update: opt.lookahead_decay * (update / total) ** opt.lookahead_decay_power
     chain = lookahead(chain, every=opt.lookahead_every, decay=decay, total_updates=total)
+  if config.dtype == 'float16':
+    chain = loss_scale.wrap(chain)
   return chain, lr_at_step
-
-
-def updated(optimizer_state) -> jax.Array:
-  """Whether the step that produced `optimizer_state` changed the parameters (False while accumulating)."""
-  for node in jax.tree.leaves(optimizer_state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState)):
-    if isinstance(node, optax.MultiStepsState):
-      return node.mini_step == 0
-  return jax.numpy.bool_(True)
-
-
-class FreezeAfterState(NamedTuple):
-  inner: Any  # the wrapped optimizer's state
-  updates: jax.Array  # optimizer updates so far (accumulating batches do not count)
-
-
-def freeze_after(inner: optax.GradientTransformation,
-                 stops: list[tuple[str, int]]) -> optax.GradientTransformation:
-  """`inner`, but a parameter matching a (pattern, n) of `stops` (the first that matches) keeps its
-  first n updates and then stops changing (airbench trains its whitening bias for 3 epochs only).
-
-  Its optimizer state keeps running, unused: the parameter only stops moving.
-  Under Lookahead (which wraps this) the first sync after the stop still
-  moves it once, to its slow weight, as in airbench.
-  """
-  def limit(path) -> int | None:
-    name = path_name(path)
-    return next((updates for pattern, updates in stops if re.search(pattern, name)), None)
-
-  def init(params):
-    return FreezeAfterState(inner.init(params), jnp.zeros((), jnp.int32))
-
-  def update(grads, state, params=None):
-    updates, inner_state = inner.update(grads, state.inner, params)
-    count = state.updates + updated(inner_state).astype(jnp.int32)  # this update's number, from 1
-
-    def stop(path, update):
-      last = limit(path)
-      return update if last is None else jnp.where(count <= last, update, jnp.zeros_like(update))
-
-    return jax.tree_util.tree_map_with_path(stop, updates), FreezeAfterState(inner_state, count)
-
-  return optax.GradientTransformation(init, update)
-
-
-class LookaheadState(NamedTuple):
-  inner: Any  # the wrapped optimizer's state
-  slow: Any  # the slow weights (taken from the parameters at the first update)
-  updates: jax.Array  # optimizer updates so far (accumulating batches do not count)
-
-
-def lookahead(inner: optax.GradientTransformation, *, every: int, decay: Callable[[jax.Array], jax.Array],
-              total_updates: int) -> optax.GradientTransformation:
-  """Lookahead around `inner`: every `every` updates, and at the last, slow += (1 - decay(n)) (fast - slow)
-  and the parameters become the slow weights; between syncs `inner`'s updates pass unchanged.
-
-  It wraps the whole optimizer (learning-rate multipliers and freezing
-  included), so the sync sees the weights each update produced. The slow
-  weights start from the parameters at the first update, not at `init`: a
-  fine-tuning run loads its weights after the optimizer state is built.
-  """
-  def init(params):
-    return LookaheadState(inner.init(params), jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.int32))
-
-  def update(grads, state, params):
-    updates, inner_state = inner.update(grads, state.inner, params)
-    did_update = updated(inner_state)
-    count = state.updates + did_update.astype(jnp.int32)
-    slow = jax.tree.map(lambda s, p: jnp.where(state.updates == 0, p, s), state.slow, params)
-    sync = did_update & ((count % every == 0) | (count == total_updates))
-    keep = decay(count)
-    fast = optax.apply_updates(params, updates)
-    synced = jax.tree.map(lambda s, f: s + (1.0 - keep) * (f - s), slow, fast)
-    updates = jax.tree.map(lambda u, new, p: jnp.where(sync, new - p, u), updates, synced, params)
-    slow = jax.tree.map(lambda new, s: jnp.where(sync, new, s), synced, slow)
-    return updates, LookaheadState(inner_state, slow, count)
-
-  return optax.GradientTransformation(init, update)
 
 
 def with_param_groups(inner: optax.GradientTransformation,
@@ -367,13 +298,18 @@ L2_DECAY = ('sgd', 'adam', 'rmsprop', 'lars')
 DEFAULT_B2 = {'lion': 0.99}  # optimizer.b2 = -1: the optimizer's own; 0.999 where not listed
 
 
-def _base_chain(config: ml_collections.ConfigDict,
-                length: RunLength) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def _base_chain(config: ml_collections.ConfigDict, length: RunLength,
+                schedule: Optional[optax.Schedule] = None
+                ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """[clip] -> [L2 decay] -> the optimizer (with its decoupled decay), and the schedule."""
   opt = config.optimizer
-  schedule = learning_rate_schedule(config, length)
+  schedule = schedule or learning_rate_schedule(config, length)
   clip = [optax.clip_by_global_norm(opt.grad_clip_norm)] if opt.grad_clip_norm else []
   plateau = [plateau_scale()] if config.schedule.name == 'plateau' else []
+  if opt.name in optim_contrib.CONTRIB:  # muon, schedule-free: their own decay (kernels only)
+    b2 = opt.b2 if opt.b2 >= 0 else 0.999
+    contrib = optim_contrib.contrib_optimizer(opt, schedule, config.model.name, decay_mask, b2)
+    return optax.chain(*clip, contrib, *plateau), schedule
   if opt.name in L2_DECAY:
     return optax.chain(*clip, *_weight_decay(opt), _optimizer(opt, schedule, decay=[]), *plateau), schedule
   # adamw's chain keeps its kernel decay at 0 too: the state of optax.adamw (and older checkpoints).

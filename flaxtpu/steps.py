@@ -22,10 +22,11 @@ import ml_collections
 import numpy as np
 import optax
 
-from flaxtpu import augment, metrics, models, optim, parallel
+from flaxtpu import augment, gradients, loss_scale, metrics, models, optim, optim_contrib, parallel
 from flaxtpu.config import check_against_data
 from flaxtpu.errors import UserError
 from flaxtpu.lengths import RunLength, resolved_eval_batch_size
+from flaxtpu.losses import batch_accuracy, label_targets, loss_per_example  # noqa: F401  (re-exported)
 
 # --- the task and its state ---------------------------------------------------
 
@@ -54,17 +55,20 @@ class Task:
   # normalised train images -> {parameter name: value} set before step 1 (the family's `data_fit`), or None
   data_fit: Optional[Callable[[np.ndarray], dict]] = None
   temperature: float = 1.0  # inference logits are divided by it (WORKDIR/calibration.json; 1 = as trained)
+  sam_rho: float = 0.0  # > 0: SAM's gradient (sam.py), two passes per step
+  sam_adaptive: bool = False  # ASAM
+  loss_scaled: bool = False  # float16: a dynamic loss scale in the optimizer state (loss_scale.py)
 
 
 def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
                 image_shape: tuple[int, int, int], mean, std,
                 length: Optional[RunLength] = None, class_weights: Optional[np.ndarray] = None,
-                teacher=None, temperature: float = 1.0) -> Task:
+                teacher=None, temperature: float = 1.0, schedule: Optional[optax.Schedule] = None) -> Task:
   """The model and preprocessing a config describes; with a run `length`, also its optimizer.
   `temperature`: calibration's (`flaxtpu.calibration`), applied by `logits_fn` for eval, predict and export.
 
   `class_weights` (the dataset's, float32 [classes]) weigh the train loss; evaluation is unweighted.
-  `teacher` (a `distill.Teacher`) distils into the model.
+  `teacher` (a `distill.Teacher`) distils into the model. `schedule` replaces the config's (lr_find).
   """
   check_against_data(config, image_shape, num_classes)
   model = models.create(
@@ -73,7 +77,7 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
       patch_size=config.model.patch_size, pool=config.model.pool, dropout=config.model.dropout,
       drop_path=config.model.drop_path, padding=config.model.padding, gelu=config.model.gelu,
       downsample=config.model.downsample)
-  optimizer, schedule = optim.create_optimizer(config, length) if length else (None, None)
+  optimizer, schedule = optim.create_optimizer(config, length, schedule) if length else (None, None)
   standardize = config.dataset.normalize in ('standardize', 'fixed')
   return Task(model=model, num_classes=num_classes, image_shape=tuple(image_shape),
               augment=config.augment, label_smoothing=config.label_smoothing,
@@ -84,7 +88,9 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
               accumulate_steps=config.optimizer.accumulate_steps, flip_tta=config.eval.flip_tta,
               translate_tta=config.eval.translate_tta, multilabel=config.task == 'multilabel',
               class_weights=None if class_weights is None else np.asarray(class_weights, np.float32),
-              teacher=teacher, data_fit=models.data_fit(config.model.name), temperature=float(temperature))
+              teacher=teacher, data_fit=models.data_fit(config.model.name), temperature=float(temperature),
+              sam_rho=config.optimizer.sam_rho, sam_adaptive=config.optimizer.sam_adaptive,
+              loss_scaled=config.dtype == 'float16' and optimizer is not None)
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -194,47 +200,10 @@ def _dropout_key(step_key: jax.Array, axis_name: Optional[str]) -> jax.Array:
   return key if axis_name is None else jax.random.fold_in(key, jax.lax.axis_index(axis_name))
 
 
-def label_targets(labels: jax.Array, task: Task) -> jax.Array:
-  """float32 [batch, classes] targets of a batch's labels: one-hot of int [batch] class indices
-  (multiclass), or the uint8 [batch, classes] multi-hot rows themselves (multilabel)."""
-  if task.multilabel:
-    return labels.astype(jnp.float32)
-  return jax.nn.one_hot(labels, task.num_classes)
-
-
-def loss_per_example(logits: jax.Array, targets: jax.Array, hard_targets: jax.Array, *,
-                     multilabel: bool, class_weights: Optional[np.ndarray] = None) -> jax.Array:
-  """float32 [batch]: each example's cross-entropy, weighted by class as Keras' `class_weight`.
-
-  Multiclass: softmax cross-entropy with the (smoothed, mixed) `targets`, times the weight of the
-  example's class: `hard_targets` (one-hot, mixed by mixup/CutMix) @ class_weights, which is
-  weight[label] for an unmixed example. Multilabel: a sigmoid cross-entropy per class, each class's
-  term times its weight, summed over the classes (big_vision's sigmoid_xent), so an example's loss
-  and its gradients are on the scale of the softmax loss and its learning rates carry over (timm's
-  BCE averages over the classes: C times smaller).
-  """
-  logits = logits.astype(jnp.float32)
-  if multilabel:
-    terms = optax.sigmoid_binary_cross_entropy(logits, targets)
-    if class_weights is not None:
-      terms = terms * jnp.asarray(class_weights)
-    return terms.sum(-1)
-  losses = optax.softmax_cross_entropy(logits, targets)
-  if class_weights is not None:
-    losses = losses * (hard_targets @ jnp.asarray(class_weights))
-  return losses
-
-
-def batch_accuracy(logits: jax.Array, labels: jax.Array, multilabel: bool) -> jax.Array:
-  """float32 [batch]: 1 where the prediction is right. Multilabel: exact match, every tag's sigmoid
-  on the right side of 0.5 (logit 0), so an image counts only with its whole tag set right."""
-  if multilabel:
-    return jnp.all((logits >= 0) == (labels > 0), axis=-1).astype(jnp.float32)
-  return (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
-
-
 def train_metrics_collection(task: Task):
   """The clu collection a train step returns: loss and accuracy (and the teacher's term when distilling)."""
+  if task.loss_scaled:
+    return loss_scale.Metrics
   return task.teacher.metric_collection if task.teacher else metrics.Metrics
 
 
@@ -278,10 +247,14 @@ def train_step(state: TrainState, batch, teacher_variables: Optional[ModelState]
       losses = teacher.combine(losses, kl)
     return losses.mean(), (logits, updates.get('batch_stats', state.batch_stats), kl.mean())
 
-  (loss, (logits, batch_stats, kl)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-  grads = _mean(grads, axis_name)
-  updates, opt_state = task.optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  # Schedule-free keeps its averaged weights in params; its gradient is taken at another point.
+  point = optim_contrib.gradient_point(state.opt_state, state.params)
+  gradient = gradients.compute(loss_fn, point, state.opt_state, sam_rho=task.sam_rho,
+                               sam_adaptive=task.sam_adaptive, param_groups=task.param_groups,
+                               axis_name=axis_name)
+  loss, (logits, batch_stats, kl) = gradient.loss, gradient.aux
+  updates, opt_state = task.optimizer.update(gradient.grads, gradient.opt_state, point)
+  params = optim_contrib.averaged(opt_state, optax.apply_updates(point, updates), state.params)
   if task.param_groups:  # frozen arrays and their modules' BatchNorm statistics carried over as they are
     params, batch_stats = task.param_groups.keep_frozen(state.params, params, state.batch_stats,
                                                         batch_stats)
@@ -290,9 +263,18 @@ def train_step(state: TrainState, batch, teacher_variables: Optional[ModelState]
   if task.ema_decay:
     new_state = new_state.replace(ema=update_ema(
         task, state, {'params': params, 'batch_stats': batch_stats}, optim.updated(opt_state)))
-  accuracy = jnp.mean(batch_accuracy(logits, labels, task.multilabel))
-  step_metrics = train_metrics_collection(task).single_from_model_output(
-      loss=_mean(loss, axis_name), accuracy=_mean(accuracy, axis_name), distill_kl=_mean(kl, axis_name))
+  accuracy = _mean(jnp.mean(batch_accuracy(logits, labels, task.multilabel)), axis_name)
+  loss, kl = _mean(loss, axis_name), _mean(kl, axis_name)
+  if gradient.loss_scale is None:
+    return new_state, train_metrics_collection(task).single_from_model_output(
+        loss=loss, accuracy=accuracy, distill_kl=kl)
+  # float16: an overflow keeps everything but the step count and the (halved) loss scale.
+  kept = loss_scale.keep_if_finite(gradient.finite, new_state.replace(opt_state=opt_state),
+                                   state.replace(step=state.step + 1, opt_state=gradient.opt_state))
+  new_state = kept.replace(opt_state=loss_scale.put(kept.opt_state, loss_scale.get(gradient.opt_state)))
+  step_metrics = loss_scale.Metrics.single_from_model_output(
+      loss=loss, accuracy=accuracy, reported=gradient.reported, loss_scale=gradient.loss_scale,
+      skipped=~gradient.finite)
   return new_state, step_metrics
 
 

@@ -24,7 +24,6 @@ from typing import Any, NamedTuple, Optional
 import jax
 import ml_collections
 import numpy as np
-from clu import parameter_overview
 from jax.experimental import multihost_utils
 
 from flaxtpu import (
@@ -41,6 +40,7 @@ from flaxtpu import (
   optim,
   parallel,
   steps,
+  time_budget,
   tracking,
   workdir_config,
 )
@@ -56,6 +56,7 @@ from flaxtpu.profiling import StepProfiler
 from flaxtpu.progress import Progress, TrainClock
 from flaxtpu.pruning import Pruning, log_pruned
 from flaxtpu.report import plots
+from flaxtpu.run_log import log_plan, log_run_overview
 from flaxtpu.signals import StopRequest
 
 
@@ -74,44 +75,6 @@ def stop_requested(stop: StopRequest, check_all_processes: bool) -> bool:
     stop.abort(stop.abort_reason or 'process 0 lost the workdir\'s lease; see its error line')
     stop.raise_if_aborted()
   return bool(np.any(flags[..., 0]))
-
-
-def log_run_overview(writer, config: ml_collections.ConfigDict, task: steps.Task, placement,
-                     state, dataset: pipeline.Dataset, first_step: int) -> None:
-  """TensorBoard (and W&B) extras at the start: the config as HParams, the parameter
-  table, and the first training images as the train step augments them."""
-  writer.write_hparams(metrics.flat_hparams(saved_config(config, dataset.image_shape[-1])))
-  overview = parameter_overview.get_parameter_overview(placement.to_saveable(state).params,
-                                                       include_stats=False)
-  logging.info('parameters:\n%s', overview)
-  writer.write_texts(first_step, {'parameters': f'<pre>{overview}</pre>'})
-  if jax.process_count() == 1:  # the first local batch is the whole global batch only on one process
-    first = next(iter(loaders.train_batches(dataset, seed=config.seed, batch_size=config.batch_size,
-                                            first_step=first_step, last_step=first_step + 1,
-                                            alternate_flip=config.augment.alternate_flip)))
-    sample = steps.augmented_sample(task, config.seed, first_step, first.images[:16])
-    writer.write_images(first_step, {'train_images': sample})
-
-
-def log_plan(config: ml_collections.ConfigDict, dataset: pipeline.Dataset, length: RunLength,
-             task: steps.Task, placement: steps.Placement) -> None:
-  """What the run will do: its data and steps, accumulation, and the optimizer's parameter groups."""
-  logging.info('data: %d train / %d eval examples of %s, %d classes%s; %d steps (%d per epoch)',
-               len(dataset.train), len(dataset.eval), dataset.image_shape, dataset.num_classes,
-               ' (multilabel: a sigmoid per class; accuracy = exact match)' if task.multilabel else '',
-               length.total_steps, length.steps_per_epoch)
-  if task.class_weights is not None:
-    logging.info('class weights of the train loss: %s', ', '.join(
-        f'{name} {weight:.3g}' for name, weight in zip(dataset.class_names, task.class_weights)))
-  if length.accumulate_steps > 1:
-    logging.info('gradient accumulation: %d batches of %d per update (an effective batch of %d); '
-                 '%d updates', length.accumulate_steps, config.batch_size,
-                 length.accumulate_steps * config.batch_size, length.total_updates)
-  if task.param_groups:  # a pattern that matches nothing is a typo: stop before any work
-    logging.info('optimizer: %s', optim.describe_groups(task.param_groups.check(
-        placement.abstract_state.params)))
-    for pattern, epochs in task.param_groups.freeze_after:
-      logging.info('optimizer: parameters matching %r stop changing after %g epochs', pattern, epochs)
 
 
 def checkpoint_record(config: ml_collections.ConfigDict, task: steps.Task, step: int,
@@ -399,12 +362,17 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
 
   dataset = pipeline.load(config)
   # A run's epoch is its sampler's: sampling=shards takes the smallest process's share.
-  length = run_length(config, sampling.examples_per_epoch(dataset, config.batch_size, jax.process_count()))
+  examples = sampling.examples_per_epoch(dataset, config.batch_size, jax.process_count())
+  length = run_length(config, examples)
   check_host(config, dataset.image_shape, streamed=not (dataset.train.cached and dataset.eval.cached))
   eval_sets = [(config.dataset.eval_split, dataset)] + pipeline.load_eval_splits(config, dataset)
 
   checkpoints = checkpoint.Checkpoints(workdir, config)
   teacher, teacher_variables = load_teacher(config, dataset, mesh, checkpoints)
+  length = time_budget.planned_length(  # time_budget: the steps that fit, measured once and kept
+      config, workdir, examples, resuming=checkpoints.latest_step() is not None,
+      probe=lambda: time_budget.probe(config, dataset, mesh, eval_sets, started, teacher,
+                                      teacher_variables)) or length
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std, length=length,
                            class_weights=dataset.class_weights, teacher=teacher)
@@ -445,6 +413,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
                  step, saved)
     return {'stopped_at_step': step}
   results = loop.clock.record().results(length.total_steps, config.batch_size)
+  results.update(time_budget.report(config, workdir, time.time() - started, step - start.step))
   if is_main:
     files.write_json(os.path.join(workdir, 'results.json'), results)
     write_pictures(config, loop.predictions, dataset, workdir, step)

@@ -46,7 +46,7 @@ def test_imagenet_recipe_is_the_standard_one():
      "config.optimizer.name='lbfgs' is not valid; choose one of: 'sgd', 'adam', 'adamw', 'lamb'"),
     ('schedule.name', 'sawtooth', "config.schedule.name='sawtooth' is not valid"),
     ('model.remat', 'some', "config.model.remat='some' is not valid"),
-    ('dtype', 'float16', "config.dtype='float16' is not valid; choose one of: 'float32', 'bfloat16'"),
+    ('dtype', 'float64', "config.dtype='float64' is not valid; choose one of: 'float32', 'bfloat16'"),
     ('parallelism', 'pjit', "config.parallelism='pjit' is not valid; choose one of: 'jit', 'pmap'"),
     ('num_epochs', 0.0, 'config.num_epochs=0.0 must be > 0'),
     ('batch_size', -8, 'config.batch_size=-8 must be > 0'),
