@@ -68,6 +68,29 @@ def test_import_computes_timms_function(variant, size):
   assert_same_function(torch_logits(torch, model, images), flaxtpu_logits(tensors, images, name, **options))
 
 
+def test_a_big_vision_siglip_npz_imports_its_map_head(tmp_path):
+  """big_vision's SigLIP image tower (params/img/, stacked blocks, MAPHead_0, tanh GELU) computes timm's
+  function of the same tensors; timm's own .npz reader reads the file back to them."""
+  torch, _, timm = import_torch()
+  architecture, model_args, _, _ = VARIANTS['siglip_map']
+  torch.manual_seed(0)
+  source = timm.create_model(architecture, img_size=48, num_classes=10, act_layer='gelu_tanh', **model_args)
+  source = test_pretrained.randomise_transformer(torch, source).eval()
+  path = str(tmp_path / 'siglip.npz')
+  test_pretrained.siglip_npz(_tensors(source), 12, path)
+  check = timm.create_model(architecture, img_size=48, num_classes=10, act_layer='gelu_tanh', **model_args)
+  check.load_pretrained(path)  # timm's big_vision reader agrees with the writer
+  assert all(torch.equal(check.state_dict()[key], value) for key, value in source.state_dict().items())
+  tensors = pretrained.read_tensors(path)
+  assert pretrained.infer_model(tensors, path) == ('big_vision', 'vit_ti',
+                                                   {'patch_size': 16, 'pool': 'map', 'gelu': 'tanh'})
+  images = _images(4, 48)
+  assert_same_function(torch_logits(torch, source, images), flaxtpu_logits(tensors, images, 'vit_ti'))
+  del tensors['params/img/MAPHead_0/MlpBlock_0/Dense_1/bias']
+  with pytest.raises(UserError, match='MAPHead_0/MlpBlock_0/Dense_1/bias'):
+    flaxtpu_logits(tensors, images, 'vit_ti')
+
+
 @pytest.mark.parametrize('variant, source_size, size', [('deit', 32, 48), ('dinov2_reg', 28, 42),
                                                          ('mae_fc_norm', 48, 32)])
 def test_another_size_resamples_the_grids_embeddings_and_keeps_the_prefix_tokens(variant, source_size, size):

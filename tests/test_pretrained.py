@@ -207,6 +207,57 @@ def augreg_npz(state: dict, depth: int, path: str) -> None:
   np.savez(path, **arrays)
 
 
+def siglip_npz(state: dict, depth: int, path: str) -> None:
+  """A timm ViT with attention pooling (global_pool='map', no class token) written as big_vision writes a
+  SigLIP: the image tower under params/img/ (pos_embedding at its top, the blocks stacked along axis 0 as
+  its scan does, MlpBlock_0, LayerNorm_1, MAPHead_0), beside a text tower and the loss's t and b, which
+  no ViT reads. The inverse of timm's own reader, which the tests run to check it."""
+  width = state['patch_embed.proj.weight'].shape[0]
+  heads = {192: 3, 384: 6, 768: 12, 1024: 16}[width]
+  split = lambda w: w.reshape(-1, heads, width // heads, width).transpose(0, 3, 1, 2)  # [parts, width, h, d]
+  out_kernel = lambda w: w.T.reshape(heads, width // heads, width)
+  arrays = {'embedding/kernel': state['patch_embed.proj.weight'].transpose(2, 3, 1, 0),
+            'embedding/bias': state['patch_embed.proj.bias'], 'pos_embedding': state['pos_embed'],
+            'Transformer/encoder_norm/scale': state['norm.weight'],
+            'Transformer/encoder_norm/bias': state['norm.bias'],
+            'head/kernel': state['head.weight'].T, 'head/bias': state['head.bias'],
+            'MAPHead_0/probe': state['attn_pool.latent'],
+            'MAPHead_0/LayerNorm_0/scale': state['attn_pool.norm.weight'],
+            'MAPHead_0/LayerNorm_0/bias': state['attn_pool.norm.bias'],
+            'MAPHead_0/MultiHeadDotProductAttention_0/out/kernel': out_kernel(state['attn_pool.proj.weight']),
+            'MAPHead_0/MultiHeadDotProductAttention_0/out/bias': state['attn_pool.proj.bias']}
+  for source, names in (('q', ('query',)), ('kv', ('key', 'value'))):
+    kernels = split(state[f'attn_pool.{source}.weight'])
+    biases = state[f'attn_pool.{source}.bias'].reshape(len(names), heads, width // heads)
+    for part, name in enumerate(names):
+      arrays[f'MAPHead_0/MultiHeadDotProductAttention_0/{name}/kernel'] = kernels[part]
+      arrays[f'MAPHead_0/MultiHeadDotProductAttention_0/{name}/bias'] = biases[part]
+  for fc, dense in (('fc1', 'Dense_0'), ('fc2', 'Dense_1')):
+    arrays[f'MAPHead_0/MlpBlock_0/{dense}/kernel'] = state[f'attn_pool.mlp.{fc}.weight'].T
+    arrays[f'MAPHead_0/MlpBlock_0/{dense}/bias'] = state[f'attn_pool.mlp.{fc}.bias']
+  blocks = {}
+  for index in range(depth):
+    block = lambda name, i=index: state[f'blocks.{i}.{name}']
+    qkv = split(block('attn.qkv.weight'))
+    qkv_b = block('attn.qkv.bias').reshape(3, heads, width // heads)
+    layer = {'LayerNorm_0/scale': block('norm1.weight'), 'LayerNorm_0/bias': block('norm1.bias'),
+             'LayerNorm_1/scale': block('norm2.weight'), 'LayerNorm_1/bias': block('norm2.bias'),
+             'MultiHeadDotProductAttention_0/out/kernel': out_kernel(block('attn.proj.weight')),
+             'MultiHeadDotProductAttention_0/out/bias': block('attn.proj.bias')}
+    for part, name in enumerate(('query', 'key', 'value')):
+      layer[f'MultiHeadDotProductAttention_0/{name}/kernel'] = qkv[part]
+      layer[f'MultiHeadDotProductAttention_0/{name}/bias'] = qkv_b[part]
+    for fc, dense in (('fc1', 'Dense_0'), ('fc2', 'Dense_1')):
+      layer[f'MlpBlock_0/{dense}/kernel'] = block(f'mlp.{fc}.weight').T
+      layer[f'MlpBlock_0/{dense}/bias'] = block(f'mlp.{fc}.bias')
+    for name, value in layer.items():
+      blocks.setdefault(name, []).append(value)
+  arrays.update({f'Transformer/encoderblock/{name}': np.stack(values) for name, values in blocks.items()})
+  np.savez(path, **{f'params/img/{name}': value for name, value in arrays.items()},
+           **{'params/txt/Embed_0/embedding': np.zeros((8, 4), np.float32), 'params/t': np.ones(1, np.float32),
+              'params/b': np.zeros(1, np.float32)})
+
+
 def test_big_vision_npz_imports_with_tanh_gelu(tmp_path):
   torch, _, timm = import_torch()
   torch.manual_seed(0)
