@@ -258,11 +258,4 @@ def test_finetune_a_distilled_deit_from_the_hub_with_fsdp_and_layer_decay_and_ex
   assert result.returncode == 0, result.stderr[-3000:]
   assert json.loads((workdir / 'export' / 'export.json').read_text())['timm']['architecture'] == (
       'deit_tiny_distilled_patch16_224')
-  model = timm.create_model(f'local-dir:{workdir}/export/timm', pretrained=True).eval()
-  images = np.random.default_rng(1).integers(0, 256, (2, 48, 48, 3)).astype(np.uint8)
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  serve = tf.saved_model.load(str(workdir / 'export' / 'saved_model')).signatures['serving_default']
-  expected = serve(images=tf.constant(images))['logits'].numpy()
-  mean, std = np.array(model.pretrained_cfg['mean']), np.array(model.pretrained_cfg['std'])
-  actual = torch_logits(torch, model, ((images / 255.0 - mean) / std).astype(np.float32))
-  assert np.abs(actual - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+  test_pretrained.timm_export_computes_the_saved_model(torch, timm, workdir, 2, 48)

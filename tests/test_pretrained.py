@@ -254,8 +254,8 @@ def siglip_npz(state: dict, depth: int, path: str) -> None:
       blocks.setdefault(name, []).append(value)
   arrays.update({f'Transformer/encoderblock/{name}': np.stack(values) for name, values in blocks.items()})
   np.savez(path, **{f'params/img/{name}': value for name, value in arrays.items()},
-           **{'params/txt/Embed_0/embedding': np.zeros((8, 4), np.float32), 'params/t': np.ones(1, np.float32),
-              'params/b': np.zeros(1, np.float32)})
+           **{'params/txt/Embed_0/embedding': np.zeros((8, 4), np.float32),
+              'params/t': np.ones(1, np.float32), 'params/b': np.zeros(1, np.float32)})
 
 
 def test_big_vision_npz_imports_with_tanh_gelu(tmp_path):
@@ -297,6 +297,22 @@ def test_a_file_of_another_model_names_the_first_tensor_and_both_shapes(tmp_path
   broken.write_bytes(b'not a safetensors file')
   with pytest.raises(UserError, match='cannot be read as .safetensors'):
     pretrained.read_tensors(str(broken))
+
+
+def timm_export_computes_the_saved_model(torch, timm, workdir, count: int, size: int):
+  """timm's model from WORKDIR/export/timm (`timm.create_model('local-dir:...')`), asserted to compute the
+  exported SavedModel's logits on `count` random uint8 images of `size` px (normalised by its config.json's
+  mean/std) to 1e-4 relative; returned for further checks."""
+  model = timm.create_model(f'local-dir:{workdir}/export/timm', pretrained=True).eval()
+  images = np.random.default_rng(1).integers(0, 256, (count, size, size, 3)).astype(np.uint8)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  saved_model = tf.saved_model.load(os.path.join(str(workdir), 'export', 'saved_model'))
+  serve = saved_model.signatures['serving_default']
+  expected = serve(images=tf.constant(images))['logits'].numpy()
+  mean, std = np.array(model.pretrained_cfg['mean']), np.array(model.pretrained_cfg['std'])
+  actual = torch_logits(torch, model, ((images / 255.0 - mean) / std).astype(np.float32))
+  assert np.abs(actual - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+  return model
 
 
 def hub_cache(home, repo: str, files: dict) -> None:
@@ -438,15 +454,8 @@ def test_finetune_from_the_hub_records_preprocessing_and_exports_to_timm(resnet1
   assert exported['timm']['architecture'] == 'resnet18'
   assert exported['normalization']['mean'] == pytest.approx([0.485, 0.456, 0.406])
 
-  model = timm.create_model(f'local-dir:{workdir}/export/timm', pretrained=True).eval()
+  model = timm_export_computes_the_saved_model(torch, timm, workdir, 4, 32)
   assert model.num_classes == 3 and model.pretrained_cfg['mean'] == pytest.approx((0.485, 0.456, 0.406))
-  images = np.random.default_rng(1).integers(0, 256, (4, 32, 32, 3)).astype(np.uint8)
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  serve = tf.saved_model.load(str(workdir / 'export' / 'saved_model')).signatures['serving_default']
-  expected = serve(images=tf.constant(images))['logits'].numpy()
-  mean, std = np.array(model.pretrained_cfg['mean']), np.array(model.pretrained_cfg['std'])
-  actual = torch_logits(torch, model, ((images / 255.0 - mean) / std).astype(np.float32))
-  assert np.abs(actual - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
 
   published = pretrained.describe(str(workdir / 'export' / 'timm'))
   assert ((published.model, published.num_classes, published.class_names)
