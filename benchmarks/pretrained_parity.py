@@ -6,7 +6,7 @@
 Each source model is built locally with random weights (no download; BatchNorm statistics measured
 on images, not drawn): timm's
 ResNets, ViTs (DeiT, DINOv2, CLIP, SigLIP too) and ConvNeXt, torchvision's ResNets, and big_vision/AugReg .npz
-files written from a timm ViT built with the tanh GELU. The weights go
+files (SigLIP's too) written from a timm ViT built with the tanh GELU. The weights go
 through the path a user's do: a .safetensors/.npz file named by
 `init_from.checkpoint`, `finetune.published_model` (model inferred, mapped,
 normalisation from the source) and `modes.predict.predict_logits` on uint8 images;
@@ -140,6 +140,8 @@ CASES = [
     ('clip_b/16 quickgelu timm', 'timm', 'vit_base_patch16_clip_quickgelu_224', 'clip_b', 224, 176),
     ('clip_b/32 timm', 'timm', 'vit_base_patch32_clip_224', 'clip_b', 224, 160),
     ('siglip_b/16 (vit_b map) timm', 'timm', 'vit_base_patch16_siglip_224', 'vit_b', 224, 176),
+    # big_vision's SigLIP .npz: the image tower under params/img/, stacked blocks, MAPHead_0, tanh GELU
+    ('siglip_b/16 big_vision npz', 'siglip_npz', 'vit_base_patch16_siglip_224', 'vit_b', 224, 176),
     ('vit_b/16 fc_norm avg timm', 'timm', 'vit_base_patch16_224', 'vit_b', 224, 176),
     ('dinov2_l timm', 'timm', 'vit_large_patch14_dinov2', 'dinov2_l', 224, 182),
     ('dinov2_l_reg timm', 'timm', 'vit_large_patch14_reg4_dinov2', 'dinov2_l_reg', 224, 182),
@@ -164,7 +166,7 @@ def compare(case, images: int, directory: str) -> list[dict]:
     source = getattr(torchvision.models, architecture)()
   else:
     # a head for every case (DINOv2's and SigLIP's published weights have none: num_classes=0)
-    model_args = {'num_classes': 1000, **({'act_layer': 'gelu_tanh'} if library == 'npz'
+    model_args = {'num_classes': 1000, **({'act_layer': 'gelu_tanh'} if library in ('npz', 'siglip_npz')
                                           else MODEL_ARGS.get(label, {}))}
     source = timm.create_model(architecture, **model_args)
   built = source.patch_embed.img_size[0] if hasattr(source, 'patch_embed') else size  # DINOv2's: 518
@@ -183,6 +185,9 @@ def compare(case, images: int, directory: str) -> list[dict]:
   if library == 'npz':
     path = os.path.join(directory, f'{architecture}.npz')
     test_pretrained.augreg_npz(state, len(source.blocks), path)
+  elif library == 'siglip_npz':
+    path = os.path.join(directory, f'{architecture}.npz')
+    test_pretrained.siglip_npz(state, len(source.blocks), path)
   else:
     from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
     path = os.path.join(directory, f'{library}_{architecture}.safetensors')

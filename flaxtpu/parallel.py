@@ -88,9 +88,17 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def fsdp_spec(shape: tuple[int, ...], fsdp_size: int, min_size: int) -> P:
-  """Splits the largest dimension that `fsdp_size` divides; small arrays stay replicated."""
+  """Splits the largest dimension that `fsdp_size` divides; small arrays stay replicated.
+
+  A grouped convolution's kernel ([h, w, in / groups, out], spatial, fewer inputs than outputs but more than
+  one: RegNet's, ResNeXt's) splits its inputs or nothing: split over its outputs, while the convolution
+  before it splits its own outputs, XLA:CPU's SPMD partitioner aborts on the kernel's gradient (jax 0.10.2,
+  convolution_handler.cc `new_input_batch_size % new_output_batch_size == 0`; repro in docs/design.md).
+  """
   if fsdp_size == 1 or int(np.prod(shape)) < min_size:
     return P()
+  if len(shape) == 4 and shape[0] * shape[1] > 1 and 1 < shape[2] < shape[3]:
+    return P(None, None, 'fsdp', None) if shape[2] % fsdp_size == 0 else P()
   for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
     if shape[dim] % fsdp_size == 0:
       spec = [None] * len(shape)

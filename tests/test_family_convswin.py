@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import test_pretrained
 from safetensors.numpy import save_file
 from test_pretrained import assert_same_function, flaxtpu_logits, hub_cache, import_torch, torch_logits
 
@@ -284,7 +285,6 @@ def test_swin_finetune_from_a_timm_folder_exports_back_to_timm(swin_published, t
   """configs/finetune.py from a local timm folder at 36 px (9/5/3/2 tokens: padded, shifted, shrunk windows)
   with layer decay and fsdp -> export: timm.create_model loads export/timm with the SavedModel's logits."""
   torch, _, timm = import_torch()
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   from configs import finetune as finetune_recipe  # pylint: disable=g-import-not-at-top
   root, _ = swin_published
@@ -302,10 +302,4 @@ def test_swin_finetune_from_a_timm_folder_exports_back_to_timm(swin_published, t
   summary = export.export_checkpoint(restored, workdir)
   assert summary['timm']['architecture'] == 'swin_tiny_patch4_window7_224'
   assert summary['timm']['model_args']['img_size'] == [36, 36]
-  model = timm.create_model(f'local-dir:{workdir}/export/timm', pretrained=True).eval()
-  images = np.random.default_rng(1).integers(0, 256, (4, 36, 36, 3)).astype(np.uint8)
-  serve = tf.saved_model.load(os.path.join(workdir, 'export', 'saved_model')).signatures['serving_default']
-  expected = serve(images=tf.constant(images))['logits'].numpy()
-  mean, std = np.array(model.pretrained_cfg['mean']), np.array(model.pretrained_cfg['std'])
-  actual = torch_logits(torch, model, ((images / 255.0 - mean) / std).astype(np.float32))
-  assert np.abs(actual - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+  test_pretrained.timm_export_computes_the_saved_model(torch, timm, workdir, 4, 36)

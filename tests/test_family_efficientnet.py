@@ -12,6 +12,7 @@ import json
 import jax
 import numpy as np
 import pytest
+import test_pretrained
 from PIL import Image
 from test_pretrained import (
   _cli,
@@ -221,14 +222,7 @@ def test_finetune_with_layer_decay_remat_and_fsdp_exports_to_timm(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   assert json.loads((workdir / 'export' / 'export.json').read_text())['timm']['architecture'] == (
       'mobilenetv3_small_100')
-  model = timm.create_model(f'local-dir:{workdir}/export/timm', pretrained=True).eval()
-  images = np.random.default_rng(1).integers(0, 256, (4, 32, 32, 3)).astype(np.uint8)
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  serve = tf.saved_model.load(str(workdir / 'export' / 'saved_model')).signatures['serving_default']
-  expected = serve(images=tf.constant(images))['logits'].numpy()
-  mean, std = np.array(model.pretrained_cfg['mean']), np.array(model.pretrained_cfg['std'])
-  actual = torch_logits(torch, model, ((images / 255.0 - mean) / std).astype(np.float32))
-  assert np.abs(actual - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+  test_pretrained.timm_export_computes_the_saved_model(torch, timm, workdir, 4, 32)
 
 
 def test_the_tf_padding_exports_as_timms_tf_port():

@@ -9,6 +9,7 @@ import re
 import jax
 import numpy as np
 import pytest
+import test_pretrained
 from test_pretrained import (
   _cli,
   _images,
@@ -22,7 +23,7 @@ from test_pretrained import (
 from test_remat import _grad_fn
 
 from conftest import make_image_folder
-from flaxtpu import models, pretrained
+from flaxtpu import models, parallel, pretrained
 from flaxtpu.models import regnet
 
 # torchvision's RegNets -> flaxtpu's (timm's names; *_tv where torchvision rounds widths otherwise)
@@ -155,13 +156,10 @@ def test_keep_head_predict_from_the_hub_gives_timms_top5(published, tmp_path):
   assert [row[f'class_{rank}'] for rank in range(1, 6)] == [names[index] for index in top5]
 
 
-def test_finetune_from_a_timm_folder_with_layer_decay_remat_and_fsdp_exports_to_timm(published, tmp_path,
-                                                                                     request):
+def test_finetune_from_a_timm_folder_with_layer_decay_remat_and_fsdp_exports_to_timm(published, tmp_path):
   """A 2-step fine-tune (layer-wise lr decay, remat, parameters split over 2 devices) from the local timm
-  folder; its timm export loads in timm with the SavedModel's logits and init_from reads it back."""
-  if published[0] == 'regnety_002':  # open (issue 38): the CLI aborts in XLA (SIGABRT), not diagnosed yet
-    request.applymarker(pytest.mark.xfail(reason='regnety_002 under remat + fsdp aborts XLA:CPU',
-                                          strict=False))
+  folder; its timm export loads in timm with the SavedModel's logits and init_from reads it back. (RegNet's
+  grouped convolutions split their kernels' inputs under fsdp: parallel.fsdp_spec.)"""
   torch, _, timm = import_torch()
   name, _, folder, _, _ = published
   photos = make_image_folder(tmp_path / 'photos', size=40)
@@ -177,12 +175,16 @@ def test_finetune_from_a_timm_folder_with_layer_decay_remat_and_fsdp_exports_to_
   assert result.returncode == 0, result.stderr[-3000:]
   assert json.loads((workdir / 'export' / 'export.json').read_text())['timm']['architecture'] == name
 
-  model = timm.create_model(f'local-dir:{workdir}/export/timm', pretrained=True).eval()
-  images = np.random.default_rng(1).integers(0, 256, (4, 32, 32, 3)).astype(np.uint8)
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  serve = tf.saved_model.load(str(workdir / 'export' / 'saved_model')).signatures['serving_default']
-  expected = serve(images=tf.constant(images))['logits'].numpy()
-  mean, std = np.array(model.pretrained_cfg['mean']), np.array(model.pretrained_cfg['std'])
-  actual = torch_logits(torch, model, ((images / 255.0 - mean) / std).astype(np.float32))
-  assert np.abs(actual - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+  test_pretrained.timm_export_computes_the_saved_model(torch, timm, workdir, 4, 32)
   assert pretrained.describe(str(workdir / 'export' / 'timm')).model == name
+
+
+def test_fsdp_splits_a_grouped_kernel_over_its_inputs_or_not_at_all():
+  """Split over its outputs, a grouped convolution's kernel aborts XLA:CPU's partitioner on its gradient
+  (docs/performance.md); other kernels keep the largest divisible dimension, depthwise ones too."""
+  P = jax.sharding.PartitionSpec
+  assert parallel.fsdp_spec((3, 3, 8, 152), 2, 1024) == P(None, None, 'fsdp', None)  # regnetx_002's
+  assert parallel.fsdp_spec((3, 3, 8, 152), 16, 1024) == P()
+  assert parallel.fsdp_spec((1, 1, 56, 152), 2, 1024) == P(None, None, None, 'fsdp')
+  assert parallel.fsdp_spec((3, 3, 1, 960), 2, 1024) == P(None, None, None, 'fsdp')  # depthwise
+  assert parallel.fsdp_spec((3, 3, 256, 256), 2, 1024) == P(None, None, 'fsdp', None)

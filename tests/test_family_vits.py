@@ -68,6 +68,29 @@ def test_import_computes_timms_function(variant, size):
   assert_same_function(torch_logits(torch, model, images), flaxtpu_logits(tensors, images, name, **options))
 
 
+def test_a_big_vision_siglip_npz_imports_its_map_head(tmp_path):
+  """big_vision's SigLIP image tower (params/img/, stacked blocks, MAPHead_0, tanh GELU) computes timm's
+  function of the same tensors; timm's own .npz reader reads the file back to them."""
+  torch, _, timm = import_torch()
+  architecture, model_args, _, _ = VARIANTS['siglip_map']
+  torch.manual_seed(0)
+  source = timm.create_model(architecture, img_size=48, num_classes=10, act_layer='gelu_tanh', **model_args)
+  source = test_pretrained.randomise_transformer(torch, source).eval()
+  path = str(tmp_path / 'siglip.npz')
+  test_pretrained.siglip_npz(_tensors(source), 12, path)
+  check = timm.create_model(architecture, img_size=48, num_classes=10, act_layer='gelu_tanh', **model_args)
+  check.load_pretrained(path)  # timm's big_vision reader agrees with the writer
+  assert all(torch.equal(check.state_dict()[key], value) for key, value in source.state_dict().items())
+  tensors = pretrained.read_tensors(path)
+  assert pretrained.infer_model(tensors, path) == ('big_vision', 'vit_ti',
+                                                   {'patch_size': 16, 'pool': 'map', 'gelu': 'tanh'})
+  images = _images(4, 48)
+  assert_same_function(torch_logits(torch, source, images), flaxtpu_logits(tensors, images, 'vit_ti'))
+  del tensors['params/img/MAPHead_0/MlpBlock_0/Dense_1/bias']
+  with pytest.raises(UserError, match='MAPHead_0/MlpBlock_0/Dense_1/bias'):
+    flaxtpu_logits(tensors, images, 'vit_ti')
+
+
 @pytest.mark.parametrize('variant, source_size, size', [('deit', 32, 48), ('dinov2_reg', 28, 42),
                                                          ('mae_fc_norm', 48, 32)])
 def test_another_size_resamples_the_grids_embeddings_and_keeps_the_prefix_tokens(variant, source_size, size):
@@ -235,11 +258,4 @@ def test_finetune_a_distilled_deit_from_the_hub_with_fsdp_and_layer_decay_and_ex
   assert result.returncode == 0, result.stderr[-3000:]
   assert json.loads((workdir / 'export' / 'export.json').read_text())['timm']['architecture'] == (
       'deit_tiny_distilled_patch16_224')
-  model = timm.create_model(f'local-dir:{workdir}/export/timm', pretrained=True).eval()
-  images = np.random.default_rng(1).integers(0, 256, (2, 48, 48, 3)).astype(np.uint8)
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  serve = tf.saved_model.load(str(workdir / 'export' / 'saved_model')).signatures['serving_default']
-  expected = serve(images=tf.constant(images))['logits'].numpy()
-  mean, std = np.array(model.pretrained_cfg['mean']), np.array(model.pretrained_cfg['std'])
-  actual = torch_logits(torch, model, ((images / 255.0 - mean) / std).astype(np.float32))
-  assert np.abs(actual - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+  test_pretrained.timm_export_computes_the_saved_model(torch, timm, workdir, 2, 48)

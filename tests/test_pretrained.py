@@ -207,6 +207,57 @@ def augreg_npz(state: dict, depth: int, path: str) -> None:
   np.savez(path, **arrays)
 
 
+def siglip_npz(state: dict, depth: int, path: str) -> None:
+  """A timm ViT with attention pooling (global_pool='map', no class token) written as big_vision writes a
+  SigLIP: the image tower under params/img/ (pos_embedding at its top, the blocks stacked along axis 0 as
+  its scan does, MlpBlock_0, LayerNorm_1, MAPHead_0), beside a text tower and the loss's t and b, which
+  no ViT reads. The inverse of timm's own reader, which the tests run to check it."""
+  width = state['patch_embed.proj.weight'].shape[0]
+  heads = {192: 3, 384: 6, 768: 12, 1024: 16}[width]
+  split = lambda w: w.reshape(-1, heads, width // heads, width).transpose(0, 3, 1, 2)  # [parts, width, h, d]
+  out_kernel = lambda w: w.T.reshape(heads, width // heads, width)
+  arrays = {'embedding/kernel': state['patch_embed.proj.weight'].transpose(2, 3, 1, 0),
+            'embedding/bias': state['patch_embed.proj.bias'], 'pos_embedding': state['pos_embed'],
+            'Transformer/encoder_norm/scale': state['norm.weight'],
+            'Transformer/encoder_norm/bias': state['norm.bias'],
+            'head/kernel': state['head.weight'].T, 'head/bias': state['head.bias'],
+            'MAPHead_0/probe': state['attn_pool.latent'],
+            'MAPHead_0/LayerNorm_0/scale': state['attn_pool.norm.weight'],
+            'MAPHead_0/LayerNorm_0/bias': state['attn_pool.norm.bias'],
+            'MAPHead_0/MultiHeadDotProductAttention_0/out/kernel': out_kernel(state['attn_pool.proj.weight']),
+            'MAPHead_0/MultiHeadDotProductAttention_0/out/bias': state['attn_pool.proj.bias']}
+  for source, names in (('q', ('query',)), ('kv', ('key', 'value'))):
+    kernels = split(state[f'attn_pool.{source}.weight'])
+    biases = state[f'attn_pool.{source}.bias'].reshape(len(names), heads, width // heads)
+    for part, name in enumerate(names):
+      arrays[f'MAPHead_0/MultiHeadDotProductAttention_0/{name}/kernel'] = kernels[part]
+      arrays[f'MAPHead_0/MultiHeadDotProductAttention_0/{name}/bias'] = biases[part]
+  for fc, dense in (('fc1', 'Dense_0'), ('fc2', 'Dense_1')):
+    arrays[f'MAPHead_0/MlpBlock_0/{dense}/kernel'] = state[f'attn_pool.mlp.{fc}.weight'].T
+    arrays[f'MAPHead_0/MlpBlock_0/{dense}/bias'] = state[f'attn_pool.mlp.{fc}.bias']
+  blocks = {}
+  for index in range(depth):
+    block = lambda name, i=index: state[f'blocks.{i}.{name}']
+    qkv = split(block('attn.qkv.weight'))
+    qkv_b = block('attn.qkv.bias').reshape(3, heads, width // heads)
+    layer = {'LayerNorm_0/scale': block('norm1.weight'), 'LayerNorm_0/bias': block('norm1.bias'),
+             'LayerNorm_1/scale': block('norm2.weight'), 'LayerNorm_1/bias': block('norm2.bias'),
+             'MultiHeadDotProductAttention_0/out/kernel': out_kernel(block('attn.proj.weight')),
+             'MultiHeadDotProductAttention_0/out/bias': block('attn.proj.bias')}
+    for part, name in enumerate(('query', 'key', 'value')):
+      layer[f'MultiHeadDotProductAttention_0/{name}/kernel'] = qkv[part]
+      layer[f'MultiHeadDotProductAttention_0/{name}/bias'] = qkv_b[part]
+    for fc, dense in (('fc1', 'Dense_0'), ('fc2', 'Dense_1')):
+      layer[f'MlpBlock_0/{dense}/kernel'] = block(f'mlp.{fc}.weight').T
+      layer[f'MlpBlock_0/{dense}/bias'] = block(f'mlp.{fc}.bias')
+    for name, value in layer.items():
+      blocks.setdefault(name, []).append(value)
+  arrays.update({f'Transformer/encoderblock/{name}': np.stack(values) for name, values in blocks.items()})
+  np.savez(path, **{f'params/img/{name}': value for name, value in arrays.items()},
+           **{'params/txt/Embed_0/embedding': np.zeros((8, 4), np.float32),
+              'params/t': np.ones(1, np.float32), 'params/b': np.zeros(1, np.float32)})
+
+
 def test_big_vision_npz_imports_with_tanh_gelu(tmp_path):
   torch, _, timm = import_torch()
   torch.manual_seed(0)
@@ -246,6 +297,22 @@ def test_a_file_of_another_model_names_the_first_tensor_and_both_shapes(tmp_path
   broken.write_bytes(b'not a safetensors file')
   with pytest.raises(UserError, match='cannot be read as .safetensors'):
     pretrained.read_tensors(str(broken))
+
+
+def timm_export_computes_the_saved_model(torch, timm, workdir, count: int, size: int):
+  """timm's model from WORKDIR/export/timm (`timm.create_model('local-dir:...')`), asserted to compute the
+  exported SavedModel's logits on `count` random uint8 images of `size` px (normalised by its config.json's
+  mean/std) to 1e-4 relative; returned for further checks."""
+  model = timm.create_model(f'local-dir:{workdir}/export/timm', pretrained=True).eval()
+  images = np.random.default_rng(1).integers(0, 256, (count, size, size, 3)).astype(np.uint8)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  saved_model = tf.saved_model.load(os.path.join(str(workdir), 'export', 'saved_model'))
+  serve = saved_model.signatures['serving_default']
+  expected = serve(images=tf.constant(images))['logits'].numpy()
+  mean, std = np.array(model.pretrained_cfg['mean']), np.array(model.pretrained_cfg['std'])
+  actual = torch_logits(torch, model, ((images / 255.0 - mean) / std).astype(np.float32))
+  assert np.abs(actual - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+  return model
 
 
 def hub_cache(home, repo: str, files: dict) -> None:
@@ -387,15 +454,8 @@ def test_finetune_from_the_hub_records_preprocessing_and_exports_to_timm(resnet1
   assert exported['timm']['architecture'] == 'resnet18'
   assert exported['normalization']['mean'] == pytest.approx([0.485, 0.456, 0.406])
 
-  model = timm.create_model(f'local-dir:{workdir}/export/timm', pretrained=True).eval()
+  model = timm_export_computes_the_saved_model(torch, timm, workdir, 4, 32)
   assert model.num_classes == 3 and model.pretrained_cfg['mean'] == pytest.approx((0.485, 0.456, 0.406))
-  images = np.random.default_rng(1).integers(0, 256, (4, 32, 32, 3)).astype(np.uint8)
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  serve = tf.saved_model.load(str(workdir / 'export' / 'saved_model')).signatures['serving_default']
-  expected = serve(images=tf.constant(images))['logits'].numpy()
-  mean, std = np.array(model.pretrained_cfg['mean']), np.array(model.pretrained_cfg['std'])
-  actual = torch_logits(torch, model, ((images / 255.0 - mean) / std).astype(np.float32))
-  assert np.abs(actual - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
 
   published = pretrained.describe(str(workdir / 'export' / 'timm'))
   assert ((published.model, published.num_classes, published.class_names)

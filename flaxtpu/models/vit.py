@@ -13,7 +13,8 @@ rest of the network is, the model's name says (`ViTSpec`).
   [width, heads, head_dim] each.
 - big_vision: the .npz of big_vision and of `vision_transformer` (AugReg),
   already in flax's layout: only the names differ, and big_vision may stack
-  the blocks along a leading axis (`encoderblock/...`, scan).
+  the blocks along a leading axis (`encoderblock/...`, scan). SigLIP's image
+  tower (params/img/...) pools with big_vision's MAPHead (MAPHead_0).
 
 Its position embeddings fix the image size it was trained at.
 """
@@ -198,14 +199,34 @@ def _timm_architecture(model: str, spec: ViTSpec, options: dict, image_shape, mo
 # --- big_vision / vision_transformer .npz ---------------------------------------------------------
 
 
-def big_vision_rules(keys, depth: int, class_token: bool) -> list[Rule]:
-  """The ViT of a big_vision (params/[img/]..., pos_embedding at the top, MlpBlock_0) or AugReg
-  (`vision_transformer`: Transformer/posembed_input, MlpBlock_3) .npz, blocks stacked (scan) or not."""
+def _big_vision_prefix(keys) -> str:
+  """Where the ViT's arrays lie in a big_vision/AugReg .npz: '', 'params/', 'params/img/' (a SigLIP or
+  LiT image tower), 'opt/target/'."""
   prefix = next((p for p in ('params/img/', 'params/', 'opt/target/', '')
                  if f'{p}embedding/kernel' in keys), None)
   if prefix is None:
     raise UserError('the .npz holds no ViT: no embedding/kernel (nor params/embedding/kernel, '
                     'params/img/embedding/kernel); give a big_vision or vision_transformer ViT checkpoint')
+  return prefix
+
+
+def _big_vision_map_head(prefix: str) -> list[Rule]:
+  """big_vision's MAPHead (SigLIP's attention pooling), auto-named MAPHead_0 in its ViT: probe,
+  MultiHeadDotProductAttention_0, LayerNorm_0, MlpBlock_0/Dense_0-1; flax's names, so one to one."""
+  head = f'{prefix}MAPHead_0/'
+  names = {'LayerNorm_0': 'norm', 'MlpBlock_0/Dense_0': 'mlp1', 'MlpBlock_0/Dense_1': 'mlp2',
+           **{f'MultiHeadDotProductAttention_0/{part}': f'attention/{part}'
+              for part in ('query', 'key', 'value', 'out')}}
+  return [vector(f'{head}probe', 'params/map_head/probe')] + [
+      vector(f'{head}{there}/{leaf}', f'params/map_head/{here}/{leaf}') for there, here in names.items()
+      for leaf in (('scale', 'bias') if here == 'norm' else ('kernel', 'bias'))]
+
+
+def big_vision_rules(keys, depth: int, pool: str) -> list[Rule]:
+  """The ViT of a big_vision (params/[img/]..., pos_embedding at the top, MlpBlock_0, a MAPHead_0 with
+  pool='map') or AugReg (`vision_transformer`: Transformer/posembed_input, MlpBlock_3) .npz, blocks
+  stacked (scan) or not."""
+  prefix = _big_vision_prefix(keys)
   big_vision = (f'{prefix}pos_embedding' in keys
                 or f'{prefix}Transformer/encoderblock/LayerNorm_0/scale' in keys)
   attention, mlp, norm2 = ('MultiHeadDotProductAttention_0', 'MlpBlock_0', 'LayerNorm_1') if big_vision else (
@@ -217,8 +238,10 @@ def big_vision_rules(keys, depth: int, class_token: bool) -> list[Rule]:
            same('Transformer/encoder_norm/scale', 'encoder_norm/scale'),
            same('Transformer/encoder_norm/bias', 'encoder_norm/bias'),
            same('head/kernel', 'head/kernel'), same('head/bias', 'head/bias')]
-  if class_token:
+  if pool == 'tok':
     rules.append(same('cls', 'cls'))
+  if pool == 'map':
+    rules += _big_vision_map_head(prefix)
   stacked = f'{prefix}Transformer/encoderblock/LayerNorm_0/scale' in keys
   for index in range(depth):
     names = {'LayerNorm_0': 'norm1', norm2: 'norm2', f'{mlp}/Dense_0': 'mlp1', f'{mlp}/Dense_1': 'mlp2',
@@ -239,17 +262,17 @@ def _recognise_big_vision(tensors, where: str):
   keys = set(tensors)
   if not any(key.endswith('embedding/kernel') for key in keys):  # flax names: a big_vision / AugReg ViT
     return None
-  rules = big_vision_rules(keys, 0, False)  # finds the prefix (or says there is none)
-  prefix = rules[0].source[:-len('embedding/kernel')]
+  prefix = _big_vision_prefix(keys)  # (or says there is none)
   kernel = tensors[f'{prefix}embedding/kernel']
   stacked = f'{prefix}Transformer/encoderblock/LayerNorm_0/scale'
   depth = (tensors[stacked].shape[0] if stacked in keys
            else layouts.count(keys, re.escape(prefix) + r'Transformer/encoderblock_(\d+)/.+'))
   name = FAMILY.twin(where, f'a ViT of width {kernel.shape[-1]} and depth {depth}',
                      widths=(kernel.shape[-1],), stage_sizes=(depth,))
-  pool = 'tok' if f'{prefix}cls' in keys else 'gap'
-  if f'{prefix}MAPHead_0/probe' in keys:
-    raise UserError(f'{where} is a ViT with a MAP head (attention pooling), which flaxtpu\'s ViT lacks')
+  pool = 'map' if f'{prefix}MAPHead_0/probe' in keys else 'tok' if f'{prefix}cls' in keys else 'gap'
+  if pool == 'map' and f'{prefix}cls' in keys:
+    raise UserError(f'{where} is a ViT with attention pooling and a class token, which flaxtpu\'s ViT '
+                    'lacks; supported: attention pooling without a class token (SigLIP)')
   return name, {'patch_size': int(kernel.shape[0]), 'pool': pool, 'gelu': 'tanh'}
 
 
@@ -268,15 +291,15 @@ def _preprocessing(tensors, layout: str, options: dict) -> Preprocessing:
 
 def _big_vision_unread(keys) -> set[str]:
   """What a big_vision checkpoint holds besides the ViT: the optimizer's state, a text tower (params/txt)."""
-  prefix = big_vision_rules(set(keys), 0, False)[0].source[:-len('embedding/kernel')]
+  prefix = _big_vision_prefix(set(keys))
   return {key for key in keys if not key.startswith(prefix)}
 
 
 # Recognised before timm's layout: flax names.
 BIG_VISION = Layout('big_vision', ('big_vision',), _recognise_big_vision,
                     rules=lambda spec, options, keys: big_vision_rules(set(keys), spec.stage_sizes[0],
-                                                                       options['pool'] == 'tok'),
-                    head=lambda keys: big_vision_rules(set(keys), 0, False)[-1].source,
+                                                                       options['pool']),
+                    head=lambda keys: f'{_big_vision_prefix(set(keys))}head/bias',
                     unread=_big_vision_unread)
 TIMM = Layout('timm', ('timm',), _recognise_timm,
               rules=lambda spec, options, keys: vit_rules(spec, options.get('pool', 'tok')),
