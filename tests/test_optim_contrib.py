@@ -146,7 +146,7 @@ def sam_reference():
   return run_steps(_config(**SAM_PARTS), _mesh(1), num_steps=4)
 
 
-@pytest.mark.parametrize('layout', ['jit', 'pmap', 'fsdp'])
+@pytest.mark.parametrize('layout', ['jit', pytest.param('pmap', marks=pytest.mark.slow), 'fsdp'])
 def test_sam_with_accumulation_is_the_same_on_8_devices_under_jit_pmap_and_fsdp(sam_reference, layout):
   overrides = {'jit': {}, 'pmap': {'parallelism': 'pmap'},
                'fsdp': {'mesh.data': 2, 'mesh.fsdp': 4, 'mesh.fsdp_min_size': 512}}[layout]
