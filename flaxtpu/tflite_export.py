@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
+import sys
+import tempfile
 import warnings
 from typing import Any, Callable, Optional
 
@@ -85,6 +89,28 @@ def _logits(path: str, images: np.ndarray) -> np.ndarray:
   return np.concatenate([run(images[start:start + RUN_BATCH]) for start in range(0, len(images), RUN_BATCH)])
 
 
+def _logits_in_a_child(path: str, images: np.ndarray) -> np.ndarray:
+  """_logits in another process: TFLite's interpreter aborts its process on some quantized graphs (seen
+  on an int8 ResNet-18 at 32 px), which must cost that model, not the export."""
+  with tempfile.TemporaryDirectory(prefix='flaxtpu-tflite-') as directory:
+    given, returned = os.path.join(directory, 'images.npy'), os.path.join(directory, 'logits.npy')
+    np.save(given, images)
+    code = ('import sys, numpy as np; from flaxtpu.tflite_export import _logits; '
+            'np.save(sys.argv[3], _logits(sys.argv[1], np.load(sys.argv[2])))')
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [root, os.environ.get('PYTHONPATH')]))}
+    done = subprocess.run([sys.executable, '-c', code, path, given, returned], env=env, capture_output=True,
+                          text=True, timeout=3600, check=False)
+    if done.returncode != 0:
+      how = (f'signal {signal.Signals(-done.returncode).name}' if done.returncode < 0
+             else f'exit status {done.returncode}')
+      said = [line for line in done.stderr.splitlines() if any(word in line.lower() for word in (
+          'error', 'fail', 'abort'))]
+      last = said[-1].strip()[:200] if said else ''
+      raise RuntimeError(f'the interpreter stopped with {how}' + (f' ({last})' if last else ''))
+    return np.load(returned)
+
+
 def _accuracy(logits: np.ndarray, labels: np.ndarray, multilabel: bool) -> float:
   """Top-1 accuracy; multilabel: the share of (image, tag) decisions at probability 0.5 that are right."""
   if multilabel:
@@ -127,7 +153,7 @@ def write_quantized(tf, saved_model_dir: str, directory: str, representative: np
       models[kind] = {'file': None, 'error': error}
       continue
     try:
-      logits = _logits(path, images)
+      logits = _logits_in_a_child(path, images)
     except Exception as e:  # pylint: disable=broad-except  # a kernel the interpreter lacks, ...
       error = f'TFLite cannot run the {kind} model: {type(e).__name__}: {str(e).strip()[:300]}'
       logging.warning('export: no %s TFLite model: %s', kind, error)
