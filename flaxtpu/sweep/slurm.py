@@ -270,23 +270,32 @@ def submit(experiment_path: str, workdir: str, runs: Sequence[Run], options: Opt
       print('[sweep] nothing to submit', flush=True)
       return ''
     record = files.read_json(_jobs_path(workdir)) or {}
-    arrays = record.setdefault('arrays', [])
-    script_path = os.path.join(workdir, SLURM_DIR, f'array-{len(arrays) + 1}.sh')
-    with open(script_path, 'w') as f:
-      f.write(array_script(todo, workdir))
-    command = sbatch_command(options, len(todo), workdir, _job_name(workdir), script_path)
-    array_job = _slurm(command).strip().split(';')[0]  # --parsable prints JOBID or JOBID;CLUSTER
+    array_job, script_path = _submit_array(workdir, record, 'array', array_script(todo, workdir), options,
+                                           len(todo), runs=[run.name for run in todo])
     for index, run in enumerate(todo):
       jobs[run.name] = f'{array_job}_{index}'
       run.status, run.error, run.returncode = QUEUED, '', None
-    arrays.append({'job': array_job, 'script': script_path, 'command': command,
-                   'runs': [run.name for run in todo], 'submitted': time.strftime('%Y-%m-%d %H:%M:%S')})
     record['runs'] = dict(jobs)
     files.write_json(_jobs_path(workdir), record)
     write_record(workdir, experiment_path, runs, extra_overrides, jobs)
   print(f'[sweep] submitted {len(todo)} run(s) as SLURM job array {array_job} ({script_path}); follow it '
         f'with squeue -j {array_job}, or --report for the results so far', flush=True)
   return array_job
+
+
+def _submit_array(workdir: str, record: dict, kind: str, script: str, options: Options, count: int,
+                  **about) -> tuple[str, str]:
+  """Writes `script` as DIR/slurm/<kind>-<n>.sh, submits it as an array of `count` tasks and appends it
+  (with `about`) to `record['arrays']`; returns (the array's job id, the script's path)."""
+  arrays = record.setdefault('arrays', [])
+  script_path = os.path.join(workdir, SLURM_DIR, f'{kind}-{len(arrays) + 1}.sh')
+  with open(script_path, 'w') as f:
+    f.write(script)
+  command = sbatch_command(options, count, workdir, _job_name(workdir), script_path)
+  array_job = _slurm(command).strip().split(';')[0]  # --parsable prints JOBID or JOBID;CLUSTER
+  arrays.append({'job': array_job, 'script': script_path, 'command': command, **about,
+                 'submitted': time.strftime('%Y-%m-%d %H:%M:%S')})
+  return array_job, script_path
 
 
 def wait(experiment_path: str, workdir: str, runs: Sequence[Run], extra_overrides: Sequence[str],
@@ -347,15 +356,8 @@ def submit_study(workdir: str, worker_command: Sequence[str], tasks: int, option
       print('[sweep] the study holds all its trials: nothing to submit', flush=True)
       return ''
     record = files.read_json(_jobs_path(workdir)) or {}
-    arrays = record.setdefault('arrays', [])
-    script_path = os.path.join(workdir, SLURM_DIR, f'study-{len(arrays) + 1}.sh')
-    with open(script_path, 'w') as f:
-      f.write(study_script(worker_command))
-    command = sbatch_command(dataclasses.replace(options, parallel=0), tasks, workdir, _job_name(workdir),
-                             script_path)
-    array_job = _slurm(command).strip().split(';')[0]
-    arrays.append({'job': array_job, 'script': script_path, 'command': command, 'study': True,
-                   'submitted': time.strftime('%Y-%m-%d %H:%M:%S')})
+    array_job, script_path = _submit_array(workdir, record, 'study', study_script(worker_command),
+                                           dataclasses.replace(options, parallel=0), tasks, study=True)
     files.write_json(_jobs_path(workdir), record)
   print(f'[sweep] submitted {tasks} study worker(s) as SLURM job array {array_job} ({script_path}); follow '
         f'it with squeue -j {array_job}, or --report for the trials so far', flush=True)
