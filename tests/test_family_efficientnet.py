@@ -6,7 +6,6 @@ Source models are built here with random weights; the big variants are compared 
 benchmarks/pretrained_parity.py.
 """
 
-import csv
 import json
 
 import jax
@@ -189,15 +188,8 @@ def test_hub_tf_port_predicts_the_published_head(tmp_path):
   mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
   logits = torch_logits(torch, model, ((pixels / 255.0 - mean) / std)[None].astype(np.float32))[0]
   top5 = np.argsort(-logits)[:5]
-  output = tmp_path / 'predictions.csv'
-  result = _cli('--mode=predict', '--config.init_from.checkpoint=hf-hub:timm/tf_efficientnet_b0.test',
-                f'--config.predict.input={tmp_path / "photo.png"}', '--config.predict.top_k=5',
-                f'--config.predict.output_csv={output}', env={'HF_HOME': home, 'HF_HUB_OFFLINE': '1'})
-  assert result.returncode == 0, result.stderr[-2000:]
-  names = pretrained.imagenet_class_names()
-  with open(output, newline='') as f:
-    (row,) = list(csv.DictReader(f))
-  assert [row[f'class_{rank}'] for rank in range(1, 6)] == [names[index] for index in top5]
+  test_pretrained.predict_top5_from_the_hub(tmp_path, home, 'hf-hub:timm/tf_efficientnet_b0.test',
+                                            tmp_path / 'photo.png', top5)
 
 
 def test_finetune_with_layer_decay_remat_and_fsdp_exports_to_timm(tmp_path):

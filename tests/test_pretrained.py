@@ -361,10 +361,11 @@ def _cli(*args, env=None, timeout=900):
                         cwd=ROOT, env=environment, timeout=timeout)
 
 
-def test_hub_cache_offline_predicts_the_published_head(resnet18_hub, tmp_path):
-  home, photo, top5, probabilities = resnet18_hub
+def predict_top5_from_the_hub(tmp_path, home: str, checkpoint: str, photo, top5):
+  """--mode=predict of `photo` with the published head of `checkpoint` from the offline hub cache `home`:
+  asserts its five classes are ImageNet's `top5` -> (the CSV row, the finished process)."""
   output = tmp_path / 'predictions.csv'
-  result = _cli('--mode=predict', '--config.init_from.checkpoint=hf-hub:timm/resnet18.test',
+  result = _cli('--mode=predict', f'--config.init_from.checkpoint={checkpoint}',
                 f'--config.predict.input={photo}', '--config.predict.top_k=5',
                 f'--config.predict.output_csv={output}', env={'HF_HOME': home, 'HF_HUB_OFFLINE': '1'})
   assert result.returncode == 0, result.stderr[-2000:]
@@ -373,6 +374,13 @@ def test_hub_cache_offline_predicts_the_published_head(resnet18_hub, tmp_path):
   with open(output, newline='') as f:
     (row,) = list(csv.DictReader(f))
   assert [row[f'class_{rank}'] for rank in range(1, 6)] == [names[index] for index in top5]
+  return row, result
+
+
+def test_hub_cache_offline_predicts_the_published_head(resnet18_hub, tmp_path):
+  home, photo, top5, probabilities = resnet18_hub
+  row, result = predict_top5_from_the_hub(tmp_path, home, 'hf-hub:timm/resnet18.test', photo, top5)
+  names = pretrained.imagenet_class_names()
   assert float(row['probability_1']) == pytest.approx(probabilities[top5[0]], rel=1e-3)
   assert f'{names[top5[0]]} {probabilities[top5[0]]:.3f}' in result.stdout
 
