@@ -412,6 +412,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --mode=export (besides the SavedModel, TFLite and timm folder; docs/evaluate.md#export).
   config.export = ml_collections.ConfigDict()
+  config.export.onnx = True  # Also write model.onnx, checked with onnxruntime (False = skip it).
+  # Quantized TFLite models written beside model.tflite, each scored on the eval split: fp16, int8
+  # (() = none, e.g. for a quick export while iterating).
+  config.export.quantize = ('fp16', 'int8')
   # model_int8.tflite is kept with a warning when its eval accuracy is more than this below the
   # float TFLite model's (0.02 = 2 points).
   config.export.int8_max_drop = 0.02

@@ -128,17 +128,19 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
     measured['models'], measured['float_logits'] = tflite_export.write_quantized(
         tf, source, staging, data['representative'], data['images'], data['labels'],
         multilabel=data['multilabel'], int8_max_drop=config.export.int8_max_drop,
-        split=config.dataset.eval_split, calibration_split=data['calibration_split'])
+        split=config.dataset.eval_split, calibration_split=data['calibration_split'],
+        kinds=tuple(config.export.quantize))
     return measured['models']
 
   try:
     summary = _export_into(tf, staging, task, host_state, record['class_names'], images, expected,
-                           TOLERANCES[config.dtype], quantize)
-    summary.update(onnx_export.export(staging, task, host_state, _logits_function))
+                           TOLERANCES[config.dtype], quantize if config.export.quantize else None)
+    summary.update(onnx_export.export(staging, task, host_state, _logits_function) if config.export.onnx
+                   else {'onnx': None, 'onnx_error': 'not asked for (export.onnx=false)', 'onnx_model': None})
     if summary['onnx']:
       summary['check']['onnx'] = _check('ONNX', onnx_export.runner(os.path.join(staging, summary['onnx'])),
                                         images, expected, TOLERANCES[config.dtype]['onnx'])
-    else:
+    elif config.export.onnx:
       logging.warning('export: no ONNX model: %s', summary['onnx_error'])
     summary['timm'] = _export_timm(config, os.path.join(staging, 'timm'),
                                    os.path.join(files.absolute(final), 'timm'), host_state, record)

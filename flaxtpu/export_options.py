@@ -10,11 +10,19 @@ import ml_collections
 
 from flaxtpu.errors import ConfigError
 
+QUANTIZED = ('fp16', 'int8')  # tflite_export's quantized models
 HUB_REPO = re.compile(r'[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*')
 
 
 def check_export(config: ml_collections.ConfigDict) -> None:
   export = config.export
+  if not isinstance(export.onnx, bool):
+    raise ConfigError(f'config.export.onnx={export.onnx!r} must be true or false (write model.onnx or not)')
+  kinds = tuple(export.quantize)
+  if (unknown := [kind for kind in kinds if kind not in QUANTIZED]) or len(set(kinds)) < len(kinds):
+    reason = f'{unknown[0]!r} is not one' if unknown else 'one is repeated'
+    raise ConfigError(f'config.export.quantize={export.quantize!r} names quantized TFLite models from '
+                      f'{QUANTIZED}, each once ({reason}); () writes none')
   if not 0.0 <= export.int8_max_drop <= 1.0:
     raise ConfigError(f'config.export.int8_max_drop={export.int8_max_drop!r} is an accuracy drop in [0, 1] '
                       '(0.02 = 2 points)')

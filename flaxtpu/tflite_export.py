@@ -126,10 +126,10 @@ def _agreement(logits: np.ndarray, reference: np.ndarray, multilabel: bool) -> f
 
 def write_quantized(tf, saved_model_dir: str, directory: str, representative: np.ndarray,
                     images: np.ndarray, labels: np.ndarray, *, multilabel: bool, int8_max_drop: float,
-                    split: str, calibration_split: Optional[str] = None
-                    ) -> tuple[dict[str, Any], Optional[np.ndarray]]:
-  """Writes model_fp16.tflite and model_int8.tflite next to `directory`'s model.tflite and measures all
-  three on the eval split (`images`, `labels`) -> (export.json's `tflite_models`, the float model's
+                    split: str, calibration_split: Optional[str] = None,
+                    kinds: tuple[str, ...] = ('fp16', 'int8')) -> tuple[dict[str, Any], Optional[np.ndarray]]:
+  """Writes model_fp16.tflite and model_int8.tflite (those of `kinds`) next to `directory`'s model.tflite and
+  measures them on the eval split (`images`, `labels`) -> (export.json's `tflite_models`, the float model's
   logits on the eval split).
 
   A model the converter cannot make is recorded with its error, not raised: the float exports stand.
@@ -146,6 +146,8 @@ def write_quantized(tf, saved_model_dir: str, directory: str, representative: np
   models['float32'] = {'file': FLOAT, 'bytes': os.path.getsize(os.path.join(directory, FLOAT)),
                        'eval_accuracy': float_accuracy, 'top1_agreement_with_float': 1.0}
   for kind, name in (('fp16', FP16), ('int8', INT8)):
+    if kind not in kinds:
+      continue
     path = os.path.join(directory, name)
     error, _ = write_tflite(tf, saved_model_dir, path, quantize=kind, representative=representative)
     if error is not None:

@@ -87,6 +87,35 @@ def test_quantized_models_sizes_agreement_and_accuracy(exported):
   assert kernels and all(d['dtype'] == np.int8 for d in kernels)  # the first convolution's weights
 
 
+def test_export_writes_only_the_quantized_models_and_onnx_asked_for(exported, tmp_path):
+  """export.quantize=('int8',) and export.onnx=false: model_int8.tflite alone beside the float exports, with the
+  same int8 numbers as the full export's (same calibration images, same converter)."""
+  config, workdir, summary = exported
+  run = str(tmp_path / 'run')
+  shutil.copytree(workdir, run, ignore=shutil.ignore_patterns('export'))
+  only = export.export_checkpoint(_config(config.dataset.folder, **{'export.quantize': ('int8',),
+                                                                    'export.onnx': False}), run)
+  names = set(os.listdir(os.path.join(run, 'export')))
+  assert {'model.tflite', 'model_int8.tflite', 'saved_model'} <= names
+  assert not names & {'model_fp16.tflite', 'model.onnx'}
+  assert set(only['tflite_models']) - {'float32', 'int8'} == set(summary['tflite_models']) - {
+      'float32', 'int8', 'fp16'}  # the same bookkeeping, fp16 left out
+  assert only['tflite_models']['int8']['bytes'] == summary['tflite_models']['int8']['bytes']
+  assert only['tflite_models']['int8']['eval_accuracy'] == summary['tflite_models']['int8']['eval_accuracy']
+  assert (only['onnx'], only['onnx_error']) == (None, 'not asked for (export.onnx=false)')
+  card = open(os.path.join(run, 'export', 'README.md'), encoding='utf-8').read()
+  assert '| TFLite int8 |' in card and 'TFLite fp16' not in card and 'onnxruntime' not in card
+
+
+@pytest.mark.parametrize('quantize, message', [
+    (('int4',), r"'int4' is not one"), (('int8', 'int8'), 'one is repeated')])
+def test_a_wrong_quantize_list_is_one_line(quantize, message):
+  from flaxtpu import config as config_lib  # pylint: disable=g-import-not-at-top
+  with pytest.raises(UserError, match=r"^config.export.quantize=\(.*\) names quantized TFLite models from "
+                                      rf"\('fp16', 'int8'\), each once \({message}\); \(\) writes none$"):
+    config_lib.validate(_config('/nowhere', **{'export.quantize': quantize}), 'export')
+
+
 def test_int8_drop_beyond_the_margin_is_kept_with_one_warning(exported, tmp_path, caplog):
   config, workdir, _ = exported
   directory = os.path.join(workdir, 'export')

@@ -293,7 +293,8 @@ def test_swin_finetune_from_a_timm_folder_exports_back_to_timm(swin_published, t
   config.update_from_flattened_dict({
       'dataset.folder': str(folder), 'init_from.checkpoint': str(root / 'folder'), 'dataset.image_size': 36,
       'num_train_steps': 2, 'batch_size': 8, 'compilation_cache_dir': 'none',
-      'optimizer.layer_decay': 0.75, 'mesh.fsdp': 2, 'mesh.fsdp_min_size': 1024})
+      'optimizer.layer_decay': 0.75, 'mesh.fsdp': 2, 'mesh.fsdp_min_size': 1024,
+      'export.onnx': False, 'export.quantize': ()})  # test_onnx and test_deploy test those
   workdir = str(tmp_path / 'run')
   pretrained.describe.cache_clear()
   main.run(config, workdir, 'train', None)

@@ -14,6 +14,7 @@ import pytest
 import test_pretrained
 from PIL import Image
 from test_pretrained import (
+  NO_EXTRA_EXPORTS,
   _cli,
   _images,
   assert_same_function,
@@ -210,7 +211,7 @@ def test_finetune_with_layer_decay_remat_and_fsdp_exports_to_timm(tmp_path):
                 '--config.compilation_cache_dir=none', env=env)
   assert result.returncode == 0, result.stderr[-3000:]
   assert json.loads((workdir / 'config.json').read_text())['model']['name'] == 'mobilenetv3_s'
-  result = _cli('--mode=export', f'--workdir={workdir}', env=env)
+  result = _cli('--mode=export', f'--workdir={workdir}', *NO_EXTRA_EXPORTS, env=env)
   assert result.returncode == 0, result.stderr[-3000:]
   assert json.loads((workdir / 'export' / 'export.json').read_text())['timm']['architecture'] == (
       'mobilenetv3_small_100')

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import test_pretrained
 from test_pretrained import (
+  NO_EXTRA_EXPORTS,
   _cli,
   _images,
   assert_same_function,
@@ -171,7 +172,7 @@ def test_finetune_from_a_timm_folder_with_layer_decay_remat_and_fsdp_exports_to_
                 '--config.optimizer.layer_decay=0.75', '--config.compilation_cache_dir=none')
   assert result.returncode == 0, result.stderr[-3000:]
   assert json.loads((workdir / 'config.json').read_text())['model']['name'] == name
-  result = _cli('--mode=export', f'--workdir={workdir}')
+  result = _cli('--mode=export', f'--workdir={workdir}', *NO_EXTRA_EXPORTS)
   assert result.returncode == 0, result.stderr[-3000:]
   assert json.loads((workdir / 'export' / 'export.json').read_text())['timm']['architecture'] == name
 

@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 import test_pretrained
 from safetensors.numpy import save_file
-from test_pretrained import _cli, assert_same_function, flaxtpu_logits, hub_cache, import_torch, torch_logits
+from test_pretrained import (
+  NO_EXTRA_EXPORTS,
+  _cli,
+  assert_same_function,
+  flaxtpu_logits,
+  hub_cache,
+  import_torch,
+  torch_logits,
+)
 
 from flaxtpu import models, optim, pretrained
 from flaxtpu.errors import UserError
@@ -254,7 +262,7 @@ def test_finetune_a_distilled_deit_from_the_hub_with_fsdp_and_layer_decay_and_ex
   config = json.loads((workdir / 'config.json').read_text())
   assert (config['model']['name'], config['model']['pool']) == ('deit_ti_distilled', 'tok')
   assert config['dataset']['mean'] == pytest.approx([0.485, 0.456, 0.406])
-  result = _cli('--mode=export', f'--workdir={workdir}', env=env)
+  result = _cli('--mode=export', f'--workdir={workdir}', *NO_EXTRA_EXPORTS, env=env)
   assert result.returncode == 0, result.stderr[-3000:]
   assert json.loads((workdir / 'export' / 'export.json').read_text())['timm']['architecture'] == (
       'deit_tiny_distilled_patch16_224')

@@ -355,6 +355,11 @@ def resnet18_hub(tmp_path_factory):
   return home, photo, np.argsort(-probabilities)[:5], probabilities
 
 
+# An export test about the timm folder or the SavedModel skips ONNX and the quantized TFLite models
+# (test_onnx and test_deploy test those): each adds 10-30 s per export.
+NO_EXTRA_EXPORTS = ('--config.export.onnx=false', '--config.export.quantize=()')
+
+
 def _cli(*args, env=None, timeout=900):
   environment = {**os.environ, **(env or {})}
   return subprocess.run([sys.executable, '-m', 'flaxtpu.main', *args], capture_output=True, text=True,
@@ -456,7 +461,7 @@ def test_finetune_from_the_hub_records_preprocessing_and_exports_to_timm(resnet1
   evaluation = json.loads((workdir / 'eval.json').read_text())
   assert evaluation['eval_accuracy'] == pytest.approx(results['eval_accuracy'])
 
-  result = _cli('--mode=export', f'--workdir={workdir}', env=env)
+  result = _cli('--mode=export', f'--workdir={workdir}', *NO_EXTRA_EXPORTS, env=env)
   assert result.returncode == 0, result.stderr[-3000:]
   exported = json.loads((workdir / 'export' / 'export.json').read_text())
   assert exported['timm']['architecture'] == 'resnet18'
