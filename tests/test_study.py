@@ -88,6 +88,11 @@ def test_a_study_s_mistakes_are_one_error_line(tmp_path, in_repo_root, capsys):
   assert capsys.readouterr().err == 'error: experiments/cifar10_lr.py: must define get_search()\n'
   assert cli.main([EXPERIMENT, f'--workdir={tmp_path / "s"}', '--pruner=median']) == 2
   assert '--trials=N' in capsys.readouterr().err
+  assert cli.main([EXPERIMENT, f'--workdir={tmp_path / "new"}', '--trials=2', '--report']) == 2
+  assert capsys.readouterr().err == (f'error: --report: {tmp_path / "new"} holds no study yet '
+                                     f'(sqlite:///{tmp_path / "new"}/study.db does not exist); run it first: '
+                                     'the same command without --report\n')
+  assert not (tmp_path / 'new').exists()  # nothing created
   workdir = tmp_path / 'kept'
   studies.open_study(studies.default_storage(str(workdir), 'local'), 'kept', digits.get_config(), 'tpe',
                      'halving')

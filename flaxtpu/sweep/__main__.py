@@ -260,6 +260,9 @@ def study_main(args: argparse.Namespace, config_args: list[str]) -> int:
     name = studies.study_name(args.workdir)
     if args.dry_run:
       return _preview_study(args, storage_url, name, config, get_search, extra_overrides)
+    if args.report and _not_created(storage_url):
+      raise sweep.SweepError(f'--report: {args.workdir} holds no study yet ({storage_url} does not exist); '
+                             'run it first: the same command without --report')
     if not args.report:
       runner.check_data_folders(config, [{}], extra_overrides)
     study = studies.open_study(storage_url, name, config, args.sampler, args.pruner,
@@ -284,11 +287,15 @@ def study_main(args: argparse.Namespace, config_args: list[str]) -> int:
     return 2
 
 
+def _not_created(storage_url: str) -> bool:
+  """Whether a study's SQLite file or journal does not exist yet (opening it would create it)."""
+  return any(storage_url.startswith(prefix) and not os.path.exists(storage_url[len(prefix):])
+             for prefix in ('sqlite:///', studies.JOURNAL_PREFIX))
+
+
 def _preview_study(args, storage_url: str, name: str, config, get_search, extra_overrides) -> int:
   """--dry-run: the study's state and the commands of its next trials; nothing is created or run."""
-  fresh = any(storage_url.startswith(prefix) and not os.path.exists(storage_url[len(prefix):])
-              for prefix in ('sqlite:///', studies.JOURNAL_PREFIX))
-  study = studies.open_study('' if fresh else storage_url, name, config, args.sampler, args.pruner,
+  study = studies.open_study('' if _not_created(storage_url) else storage_url, name, config, args.sampler, args.pruner,
                              seed=args.seed)
   done = len(studies.latest_trials(study))
   print(f'# study {name!r} in {storage_url}: {done} trial(s) so far, --sampler={args.sampler} '
