@@ -88,8 +88,8 @@ def test_quantized_models_sizes_agreement_and_accuracy(exported):
 
 
 def test_export_writes_only_the_quantized_models_and_onnx_asked_for(exported, tmp_path):
-  """export.quantize=('int8',) and export.onnx=false: model_int8.tflite alone beside the float exports, with the
-  same int8 numbers as the full export's (same calibration images, same converter)."""
+  """export.quantize=('int8',) and export.onnx=false: model_int8.tflite alone beside the float exports, with
+  the same int8 numbers as the full export's (same calibration images, same converter)."""
   config, workdir, summary = exported
   run = str(tmp_path / 'run')
   shutil.copytree(workdir, run, ignore=shutil.ignore_patterns('export'))

@@ -295,8 +295,8 @@ def _not_created(storage_url: str) -> bool:
 
 def _preview_study(args, storage_url: str, name: str, config, get_search, extra_overrides) -> int:
   """--dry-run: the study's state and the commands of its next trials; nothing is created or run."""
-  study = studies.open_study('' if _not_created(storage_url) else storage_url, name, config, args.sampler, args.pruner,
-                             seed=args.seed)
+  study = studies.open_study('' if _not_created(storage_url) else storage_url, name, config, args.sampler,
+                             args.pruner, seed=args.seed)
   done = len(studies.latest_trials(study))
   print(f'# study {name!r} in {storage_url}: {done} trial(s) so far, --sampler={args.sampler} '
         f'--pruner={args.pruner}; the next {max(args.trials - done, 0)} would run:')
