@@ -126,7 +126,7 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   def quantize(source: str) -> dict:
     measured['models'], measured['float_logits'] = tflite_export.write_quantized(
-        tf, source, staging, data['representative'], data['images'], data['labels'],
+        source, staging, data['representative'], data['images'], data['labels'],
         multilabel=data['multilabel'], int8_max_drop=config.export.int8_max_drop,
         split=config.dataset.eval_split, calibration_split=data['calibration_split'],
         kinds=tuple(config.export.quantize))

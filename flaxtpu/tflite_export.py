@@ -89,26 +89,54 @@ def _logits(path: str, images: np.ndarray) -> np.ndarray:
   return np.concatenate([run(images[start:start + RUN_BATCH]) for start in range(0, len(images), RUN_BATCH)])
 
 
-def _logits_in_a_child(path: str, images: np.ndarray) -> np.ndarray:
-  """_logits in another process: TFLite's interpreter aborts its process on some quantized graphs (seen
-  on an int8 ResNet-18 at 32 px), which must cost that model, not the export."""
+CHILD_CODE = ('import sys; from flaxtpu.tflite_export import quantize_and_score; '
+              'quantize_and_score(*sys.argv[1:])')
+
+
+def quantize_and_score(saved_model_dir: str, path: str, kind: str, representative_file: str,
+                       images_file: str, logits_file: str, error_file: str) -> None:
+  """In a child process: the `kind` TFLite model converted to `path`, then run on the images; its logits to
+  `logits_file`, or the converter's one-line refusal to `error_file`."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  error, _ = write_tflite(tf, saved_model_dir, path, quantize=kind,
+                          representative=np.load(representative_file))
+  if error is not None:
+    with open(error_file, 'w', encoding='utf-8') as f:
+      f.write(error)
+    return
+  np.save(logits_file, _logits(path, np.load(images_file)))
+
+
+def _quantized_in_a_child(saved_model_dir: str, path: str, kind: str, representative: np.ndarray,
+                          images: np.ndarray) -> tuple[Optional[str], Optional[np.ndarray]]:
+  """quantize_and_score in another process -> (None, logits) or (why not, None). TensorFlow's quantizer and
+  TFLite's interpreter kill their process on some graphs (a segfault in the int8 quantizer on an
+  EfficientNet-B0 with "scale out of expressed type range"; an abort running an int8 ResNet-18 at 32 px):
+  that must cost the one model, not the export."""
   with tempfile.TemporaryDirectory(prefix='flaxtpu-tflite-') as directory:
-    given, returned = os.path.join(directory, 'images.npy'), os.path.join(directory, 'logits.npy')
-    np.save(given, images)
-    code = ('import sys, numpy as np; from flaxtpu.tflite_export import _logits; '
-            'np.save(sys.argv[3], _logits(sys.argv[1], np.load(sys.argv[2])))')
+    given = {name: os.path.join(directory, f'{name}.npy') for name in ('representative', 'images')}
+    np.save(given['representative'], representative)
+    np.save(given['images'], images)
+    returned, refused = os.path.join(directory, 'logits.npy'), os.path.join(directory, 'error.txt')
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [root, os.environ.get('PYTHONPATH')]))}
-    done = subprocess.run([sys.executable, '-c', code, path, given, returned], env=env, capture_output=True,
-                          text=True, timeout=3600, check=False)
+    done = subprocess.run([sys.executable, '-c', CHILD_CODE, saved_model_dir, path, kind,
+                           given['representative'], given['images'], returned, refused], env=env,
+                          capture_output=True, text=True, timeout=3600, check=False)
     if done.returncode != 0:
       how = (f'signal {signal.Signals(-done.returncode).name}' if done.returncode < 0
              else f'exit status {done.returncode}')
       said = [line for line in done.stderr.splitlines() if any(word in line.lower() for word in (
-          'error', 'fail', 'abort'))]
+          'error', 'fail', 'abort')) and 'oneDNN' not in line]
       last = said[-1].strip()[:200] if said else ''
-      raise RuntimeError(f'the interpreter stopped with {how}' + (f' ({last})' if last else ''))
-    return np.load(returned)
+      doing = 'running' if os.path.exists(path) else 'converting'
+      if os.path.exists(path):
+        os.remove(path)
+      return f'TensorFlow stopped with {how} {doing} the {kind} model' + (f' ({last})' if last else ''), None
+    if os.path.exists(refused):
+      with open(refused, encoding='utf-8') as f:
+        return f.read(), None
+    return None, np.load(returned)
 
 
 def _accuracy(logits: np.ndarray, labels: np.ndarray, multilabel: bool) -> float:
@@ -124,7 +152,7 @@ def _agreement(logits: np.ndarray, reference: np.ndarray, multilabel: bool) -> f
   return float(np.mean(logits.argmax(-1) == reference.argmax(-1)))
 
 
-def write_quantized(tf, saved_model_dir: str, directory: str, representative: np.ndarray,
+def write_quantized(saved_model_dir: str, directory: str, representative: np.ndarray,
                     images: np.ndarray, labels: np.ndarray, *, multilabel: bool, int8_max_drop: float,
                     split: str, calibration_split: Optional[str] = None,
                     kinds: tuple[str, ...] = ('fp16', 'int8')) -> tuple[dict[str, Any], Optional[np.ndarray]]:
@@ -149,17 +177,9 @@ def write_quantized(tf, saved_model_dir: str, directory: str, representative: np
     if kind not in kinds:
       continue
     path = os.path.join(directory, name)
-    error, _ = write_tflite(tf, saved_model_dir, path, quantize=kind, representative=representative)
+    error, logits = _quantized_in_a_child(saved_model_dir, path, kind, representative, images)
     if error is not None:
       logging.warning('export: no %s TFLite model: %s', kind, error)
-      models[kind] = {'file': None, 'error': error}
-      continue
-    try:
-      logits = _logits_in_a_child(path, images)
-    except Exception as e:  # pylint: disable=broad-except  # a kernel the interpreter lacks, ...
-      error = f'TFLite cannot run the {kind} model: {type(e).__name__}: {str(e).strip()[:300]}'
-      logging.warning('export: no %s TFLite model: %s', kind, error)
-      os.remove(path)
       models[kind] = {'file': None, 'error': error}
       continue
     accuracy = _accuracy(logits, labels, multilabel)

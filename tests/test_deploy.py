@@ -122,12 +122,11 @@ def test_int8_drop_beyond_the_margin_is_kept_with_one_warning(exported, tmp_path
   shutil.copy(os.path.join(directory, 'model.tflite'), tmp_path)
   images, _ = _eval_split(config)
   float_top = tflite_export.tflite_runner(os.path.join(directory, 'model.tflite'))(images).argmax(-1)
-  import tensorflow as tf
   # Calibrated on black images, the int8 ranges miss every real activation: the model breaks.
   black = np.zeros((8, 8, 8, 3), np.uint8)
   with caplog.at_level(logging.WARNING):
     models, _ = tflite_export.write_quantized(
-        tf, os.path.join(directory, 'saved_model'), str(tmp_path), black, images, float_top,
+        os.path.join(directory, 'saved_model'), str(tmp_path), black, images, float_top,
         multilabel=False, int8_max_drop=0.01, split='test')
   int8 = models['int8']
   assert models['float32']['eval_accuracy'] == 1.0  # the labels are the float model's own classes
@@ -139,6 +138,28 @@ def test_int8_drop_beyond_the_margin_is_kept_with_one_warning(exported, tmp_path
                       f'points below the float model\'s (100.00% -> {100 * int8["eval_accuracy"]:.2f}% on 21 '
                       'test images), more than export.int8_max_drop=0.01; model_int8.tflite is kept: '
                       'check it before deploying it, or deploy model_fp16.tflite']
+
+
+def test_a_quantizer_that_kills_its_process_costs_that_model_only(exported, tmp_path, monkeypatch, caplog):
+  """TensorFlow's int8 quantizer segfaults on some graphs (an EfficientNet-B0: "scale out of expressed type
+  range"): each quantized model is made in a child process, so the crash is recorded and fp16 still lands."""
+  config, workdir, summary = exported
+  directory = os.path.join(workdir, 'export')
+  shutil.copy(os.path.join(directory, 'model.tflite'), tmp_path)
+  images, labels = _eval_split(config)
+  monkeypatch.setattr(tflite_export, 'CHILD_CODE', 'import os, signal, sys\nif sys.argv[3] == "int8": '
+                      'os.kill(os.getpid(), signal.SIGSEGV)\n' + tflite_export.CHILD_CODE)
+  with caplog.at_level(logging.WARNING):
+    models, _ = tflite_export.write_quantized(
+        os.path.join(directory, 'saved_model'), str(tmp_path), images[:8], images, labels,
+        multilabel=False, int8_max_drop=0.02, split='test')
+  assert models['int8'] == {'file': None,
+                            'error': 'TensorFlow stopped with signal SIGSEGV converting the int8 model'}
+  assert [r.getMessage() for r in caplog.records if 'int8' in r.getMessage()] == [
+      'export: no int8 TFLite model: TensorFlow stopped with signal SIGSEGV converting the int8 model']
+  assert models['fp16']['bytes'] == summary['tflite_models']['fp16']['bytes']  # the same converter output
+  assert models['fp16']['eval_accuracy'] == summary['tflite_models']['fp16']['eval_accuracy']
+  assert sorted(os.listdir(tmp_path)) == ['model.tflite', 'model_fp16.tflite']
 
 
 def test_model_card_lists_classes_metrics_and_checks(exported, tmp_path):
