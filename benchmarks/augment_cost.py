@@ -1,14 +1,15 @@
 """Cost of the on-device augmentations per batch: none, crop + flip, RandAugment, AugMix, colour
 jitter + blur; the augmentation alone and the whole CIFAR-10 train step (configs/cifar10.py's CNN).
 
-    python -m benchmarks.augment_cost [--steps 10] [--rounds 3]
+    python -m benchmarks.augment_cost [--steps 10] [--rounds 3] [--settings crop+flip,augmix]
     # -> benchmarks/results/local/augment_cost.json
 
 Batch 128 of 32x32x3 images on one CPU device. Each setting is compiled once
 (its compile seconds reported), then `--rounds` rounds in which every setting
 runs `--steps` times (the order rotates each round), so machine noise hits all
 alike: the median ms per batch of `augment.augment_batch` on random pixels and
-of the jitted train step (on zeros), and the train step's ratio to crop + flip.
+of the jitted train step (on zeros), and the train step's ratio to crop + flip
+(or to the first setting, without it).
 """
 
 import argparse
@@ -32,6 +33,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--steps', type=int, default=10)
   parser.add_argument('--rounds', type=int, default=3)
+  parser.add_argument('--settings', default=','.join(SETTINGS), help='comma-separated names of SETTINGS')
   harness.out_argument(parser, 'augment_cost.json')
   args = parser.parse_args()
   # pylint: disable=g-import-not-at-top
@@ -43,7 +45,8 @@ def main():
   images = jnp.asarray(np.random.default_rng(0).integers(0, 256, (128, 32, 32, 3), np.uint8))
   positions = jnp.arange(128)
   entries = []
-  for name, overrides in SETTINGS.items():
+  for name in args.settings.split(','):
+    overrides = SETTINGS[name]
     config = cifar10.get_config()
     config.update_from_flattened_dict({'compilation_cache_dir': 'none', **overrides})
     started = time.perf_counter()
@@ -53,6 +56,8 @@ def main():
     started = time.perf_counter()
     _, state, batch, step, _ = compile_plan.compile_on_zeros(config, image_shape=(32, 32, 3), num_classes=10)
     step_compile = time.perf_counter() - started
+    print(f'{name}: compiled in {augment_compile:.0f} s (augmentation) and {step_compile:.0f} s (train step)',
+          flush=True)
     entries.append(dict(name=name, augment_fn=augment_fn, state=state, batch=batch, step=step,
                         augment_compile_s=augment_compile, step_compile_s=step_compile, augment_ms=[],
                         step_ms=[]))
@@ -71,7 +76,7 @@ def main():
         jax.block_until_ready(state)
         entry['step_ms'].append(1000 * (time.perf_counter() - started) / args.steps)
         entry['state'] = state
-  reference = harness.median(entries[1]['step_ms'])
+  reference = harness.median(next((e for e in entries if e['name'] == 'crop+flip'), entries[0])['step_ms'])
   rows = [{'augmentation': e['name'], 'augment_ms_per_batch': round(harness.median(e['augment_ms']), 1),
            'train_step_ms': round(harness.median(e['step_ms']), 1),
            'step_ratio_to_crop_flip': round(harness.median(e['step_ms']) / reference, 3),
