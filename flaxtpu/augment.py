@@ -15,12 +15,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from flaxtpu import randaugment
+from flaxtpu import augmix, photometric, randaugment
 
 # Streams apart from the crop/flip/cutout draws, so that turning one of these on leaves the
 # others' draws (and earlier runs' augmentation) unchanged: the policy's is folded into an
 # example's key, the mix's and the erasing's into the step key (then each example's position).
 _POLICY_STREAM = 1
+_PHOTOMETRIC_STREAM = 2  # colour jitter and blur (photometric.py), folded into an example's key
 _MIX_STREAM = 2**31 - 1
 _ERASE_STREAM = 2**31 - 2
 ERASE_ATTEMPTS = 10  # timm's: draws of a box's size before giving that box up
@@ -67,16 +68,22 @@ def cutout(key: jax.Array, image: jax.Array, size: int) -> jax.Array:
 
 
 def augment_image(key: jax.Array, image: jax.Array, config: ml_collections.ConfigDict) -> jax.Array:
-  """Crop, flip, RandAugment/TrivialAugment, cutout: each when the config turns it on."""
+  """Crop, flip, RandAugment/TrivialAugment/AutoAugment/AugMix, colour jitter, blur, cutout: each when
+  the config turns it on."""
   crop_key, flip_key, cutout_key = jax.random.split(key, 3)
   if config.crop_padding:
     image = random_crop(crop_key, image, config.crop_padding, config.get('crop_pad_mode', 'zeros'))
   if config.flip and not config.get('alternate_flip'):  # alternate_flip: the host mirrors (data/loaders.py)
     image = random_flip(flip_key, image)
-  if config.get('policy'):
+  if config.get('policy') == 'augmix':
+    image = augmix.apply(jax.random.fold_in(key, _POLICY_STREAM), image, severity=config.augmix_severity,
+                         width=config.augmix_width, depth=config.augmix_depth, alpha=config.augmix_alpha)
+  elif config.get('policy'):
     image = randaugment.apply(jax.random.fold_in(key, _POLICY_STREAM), image, policy=config.policy,
                               num_layers=config.randaugment_layers,
                               magnitude=config.randaugment_magnitude)
+  if photometric.active(config):
+    image = photometric.apply(jax.random.fold_in(key, _PHOTOMETRIC_STREAM), image, config)
   if config.cutout:
     image = cutout(cutout_key, image, config.cutout)
   return image
@@ -86,7 +93,7 @@ def augment_batch(key: jax.Array, images: jax.Array, positions: jax.Array,
                   config: ml_collections.ConfigDict) -> jax.Array:
   """Augments each image with a key from `key` and its global batch position."""
   if not (config.crop_padding or (config.flip and not config.get('alternate_flip')) or config.cutout
-          or config.get('policy')):
+          or config.get('policy') or photometric.active(config)):
     return images
   keys = jax.vmap(lambda position: jax.random.fold_in(key, position))(positions)
   return jax.vmap(lambda k, image: augment_image(k, image, config))(keys, images)

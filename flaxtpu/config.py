@@ -13,7 +13,7 @@ from typing import Sequence
 
 import ml_collections
 
-from flaxtpu import audit, calibration, models, optim_checks, tracking  # no JAX at import
+from flaxtpu import audit, aug_checks, calibration, models, optim_checks, tracking  # no JAX at import
 from flaxtpu.errors import ConfigError
 from flaxtpu.export_options import check_export as _check_export
 from flaxtpu.metric_names import check_eval_split_names, early_stopping_metric
@@ -47,7 +47,7 @@ SCHEDULE_KEYS = {
     'plateau': ('factor', 'final_lr_fraction', 'plateau_patience', 'plateau_metric', 'plateau_cooldown'),
 }
 SCHEDULES = tuple(SCHEDULE_KEYS)
-POLICIES = ('', 'randaugment', 'trivialaugment', 'autoaugment')  # augment.policy ('' = none)
+POLICIES = ('', 'randaugment', 'trivialaugment', 'autoaugment', 'augmix')  # augment.policy ('' = none)
 ERASE_MODES = ('pixel', 'rand', 'const')  # augment.erase_mode, timm's --remode
 REMAT_POLICIES = ('none', 'full', 'nothing_saveable', 'everything_saveable',
                   'dots_saveable', 'dots_with_no_batch_dims_saveable')
@@ -456,7 +456,7 @@ SECTION_CHECKS = (_check_dataset_source, _check_dataset, _check_input, _check_au
                   _check_distill, _check_parallelism,
                   _check_loop, _check_checkpoint, _check_early_stopping, _check_eval, _check_predict,
                   optim_checks.check, _check_export, audit.check_config, calibration.check_config,
-                  tracking.check_config)
+                  tracking.check_config, aug_checks.check)
 
 
 def config_keys(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:

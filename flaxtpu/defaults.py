@@ -102,8 +102,8 @@ def get_config() -> ml_collections.ConfigDict:
   # With flip: a seeded half of the train images is mirrored in even epochs, the other half in odd
   # ones (airbench), not a coin per view.
   config.augment.alternate_flip = False
-  # '' | randaugment | trivialaugment (TrivialAugment-Wide) | autoaugment (its ImageNet policy),
-  # after crop and flip.
+  # '' | randaugment | trivialaugment (TrivialAugment-Wide) | autoaugment (its ImageNet policy) |
+  # augmix (augmix_* below), after crop and flip.
   config.augment.policy = ''
   config.augment.randaugment_layers = 2  # randaugment: ops applied per image (N).
   # randaugment: strength M on the 0..30 scale of torchvision/timm.
@@ -126,6 +126,35 @@ def get_config() -> ml_collections.ConfigDict:
   config.augment.mix_prob = 1.0  # Probability that an example is mixed at all.
   # With both alphas set: probability of CutMix instead of mixup.
   config.augment.mix_switch_prob = 0.5
+
+  # --- repeated augmentation, AugMix, colour jitter, blur; the BCE loss (flaxtpu/aug_checks.py) ---
+  # Copies of each sampled image per batch, each augmented on its own (DeiT/timm's RASampler; 1 = off,
+  # DeiT: 3). An epoch keeps its number of steps, so it shows 1/repeats of the split (data/repeated.py).
+  config.augment.repeats = 1
+  # policy=augmix (flaxtpu/augmix.py, timm's augmix-m3-w3-d-1): op strength severity/10 at most,
+  # `width` chains of `depth` ops (-1 = 1..3 at random) mixed with Dirichlet(alpha), blended by
+  # Beta(alpha, alpha).
+  config.augment.augmix_severity = 3
+  config.augment.augmix_width = 3
+  config.augment.augmix_depth = -1
+  config.augment.augmix_alpha = 1.0
+  # torchvision's ColorJitter after the policy (flaxtpu/photometric.py): brightness, contrast and
+  # saturation factors in [1 - s, 1 + s] (0 = off; timm: 0.4), hue shift in [-h, h] (<= 0.5), in a
+  # random order per image, the whole jitter with probability color_jitter_prob.
+  config.augment.color_jitter = 0.0
+  config.augment.color_jitter_hue = 0.0
+  config.augment.color_jitter_prob = 1.0
+  # Gaussian blur after the jitter with this probability (0 = off; timm's gaussian_blur_prob), sigma
+  # uniform in blur_sigma, blur_kernel taps (odd; capped to the image).
+  config.augment.blur = 0.0
+  config.augment.blur_sigma = (0.1, 2.0)
+  config.augment.blur_kernel = 23
+  # softmax (cross-entropy) | bce (a sigmoid per class for single-label training, timm's
+  # BinaryCrossEntropy; eval accuracy from the argmax, eval_loss stays the softmax's; flaxtpu/bce.py).
+  config.loss = 'softmax'
+  # bce: targets above this become 1, the rest 0 (0 = off; timm's recipes 0.2).
+  config.bce_target_threshold = 0.0
+  config.bce_sum = False  # bce: sum over the classes instead of timm's mean (C times larger).
 
   # --- model ------------------------------------------------------------
   config.model = ml_collections.ConfigDict()

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from flaxtpu import bce as bce_loss
+
 
 def label_targets(labels: jax.Array, task) -> jax.Array:
   """float32 [batch, classes] targets of a batch's labels: one-hot of int [batch] class indices
@@ -20,7 +22,8 @@ def label_targets(labels: jax.Array, task) -> jax.Array:
 
 
 def loss_per_example(logits: jax.Array, targets: jax.Array, hard_targets: jax.Array, *,
-                     multilabel: bool, class_weights: Optional[np.ndarray] = None) -> jax.Array:
+                     multilabel: bool, class_weights: Optional[np.ndarray] = None,
+                     bce: Optional[bce_loss.Bce] = None) -> jax.Array:
   """float32 [batch]: each example's cross-entropy, weighted by class as Keras' `class_weight`.
 
   Multiclass: softmax cross-entropy with the (smoothed, mixed) `targets`, times the weight of the
@@ -28,9 +31,12 @@ def loss_per_example(logits: jax.Array, targets: jax.Array, hard_targets: jax.Ar
   weight[label] for an unmixed example. Multilabel: a sigmoid cross-entropy per class, each class's
   term times its weight, summed over the classes (big_vision's sigmoid_xent), so an example's loss
   and its gradients are on the scale of the softmax loss and its learning rates carry over (timm's
-  BCE averages over the classes: C times smaller).
+  BCE averages over the classes: C times smaller). `bce` (loss=bce): single-label sigmoid
+  cross-entropy, `bce.loss_per_example`.
   """
   logits = logits.astype(jnp.float32)
+  if bce is not None and not multilabel:  # loss=bce: timm's BinaryCrossEntropy (flaxtpu/bce.py)
+    return bce_loss.loss_per_example(logits, targets, bce, class_weights)
   if multilabel:
     terms = optax.sigmoid_binary_cross_entropy(logits, targets)
     if class_weights is not None:

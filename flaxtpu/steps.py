@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from flaxtpu import augment, gradients, loss_scale, metrics, models, optim, optim_contrib, parallel
+from flaxtpu import augment, bce, gradients, loss_scale, metrics, models, optim, optim_contrib, parallel
 from flaxtpu.config import check_against_data
 from flaxtpu.errors import UserError
 from flaxtpu.lengths import RunLength, resolved_eval_batch_size
@@ -58,6 +58,7 @@ class Task:
   sam_rho: float = 0.0  # > 0: SAM's gradient (sam.py), two passes per step
   sam_adaptive: bool = False  # ASAM
   loss_scaled: bool = False  # float16: a dynamic loss scale in the optimizer state (loss_scale.py)
+  bce: Any = None  # loss=bce: a bce.Bce, the train loss a sigmoid per class (None = softmax)
 
 
 def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
@@ -90,7 +91,7 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
               class_weights=None if class_weights is None else np.asarray(class_weights, np.float32),
               teacher=teacher, data_fit=models.data_fit(config.model.name), temperature=float(temperature),
               sam_rho=config.optimizer.sam_rho, sam_adaptive=config.optimizer.sam_adaptive,
-              loss_scaled=config.dtype == 'float16' and optimizer is not None)
+              loss_scaled=config.dtype == 'float16' and optimizer is not None, bce=bce.from_config(config))
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -241,7 +242,7 @@ def train_step(state: TrainState, batch, teacher_variables: Optional[ModelState]
     logits, updates = task.model.apply({'params': params, 'batch_stats': state.batch_stats},
                                        images, train=True, mutable=['batch_stats'], rngs=rngs)
     losses = loss_per_example(logits, targets, hard_targets, multilabel=task.multilabel,
-                              class_weights=task.class_weights)
+                              class_weights=task.class_weights, bce=task.bce)
     kl = teacher.kl(logits, teacher_targets) if teacher else jnp.zeros_like(losses)
     if teacher:
       losses = teacher.combine(losses, kl)

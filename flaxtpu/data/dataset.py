@@ -61,6 +61,7 @@ class Dataset:
   multilabel: bool = False  # task=multilabel: labels are uint8 multi-hot rows
   class_weights: Optional[np.ndarray] = None  # float32 [num_classes] loss weights; None = unweighted
   sampling: str = 'shuffle'  # dataset.sampling: which `Sampler` orders the training examples
+  repeats: int = 1  # augment.repeats: copies of each example in a batch (data/repeated.py)
 
   @property
   def num_classes(self) -> int:

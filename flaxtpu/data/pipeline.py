@@ -67,7 +67,7 @@ def load(config: ml_collections.ConfigDict | DatasetSpec, *, need_train: bool = 
       skip_corrupt=spec.skip_corrupt, multilabel=spec.task == 'multilabel',
       class_weights=None if train is None else class_weights.class_weights(spec.class_weights, train,
                                                                              class_names),
-      sampling=spec.sampling)
+      sampling=spec.sampling, repeats=spec.repeats)
   return _normalized(dataset, spec)
 
 

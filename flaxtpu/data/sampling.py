@@ -200,8 +200,10 @@ def _balanced(train, seed: int, batch_size: int, **layout) -> Sampler:
 def sampler(dataset: Dataset, *, seed: int, batch_size: int, process_index: int = 0,
             process_count: int = 1) -> Sampler:
   """The `Sampler` that `dataset.sampling` names, over the train split."""
-  return SAMPLERS[dataset.sampling if dataset.sampling in names() else 'shuffle'](
+  from flaxtpu.data import repeated  # pylint: disable=g-import-not-at-top  # it subclasses Sampler
+  chosen = SAMPLERS[dataset.sampling if dataset.sampling in names() else 'shuffle'](
       dataset.train, seed, batch_size, process_index=process_index, process_count=process_count)
+  return repeated.repeated(chosen, dataset.repeats)  # augment.repeats
 
 
 def examples_per_epoch(dataset: Dataset, batch_size: int, process_count: int = 1) -> int:

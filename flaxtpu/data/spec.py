@@ -40,6 +40,7 @@ class DatasetSpec:
   threads: bool = False
   crop_area: tuple = (0.08, 1.0)
   crop_aspect: tuple = (0.75, 4 / 3)
+  repeats: int = 1  # augment.repeats
 
   @classmethod
   def of(cls, config: ml_collections.ConfigDict | DatasetSpec) -> DatasetSpec:
@@ -49,7 +50,7 @@ class DatasetSpec:
     return cls(settings=ml_collections.FrozenConfigDict(config.dataset), task=config.task,
                workers=input_workers(config.input.workers), prefetch=config.input.prefetch,
                threads=config.input.threads, crop_area=tuple(config.augment.crop_area),
-               crop_aspect=tuple(config.augment.crop_aspect))
+               crop_aspect=tuple(config.augment.crop_aspect), repeats=config.augment.get('repeats', 1))
 
   def __getattr__(self, key: str) -> Any:
     # spec.train_split, spec.cache, ...: the dataset keys read as on config.dataset.
