@@ -206,3 +206,21 @@ def test_eval_and_predict_agree_at_the_eval_size(scheduled_run, folder16):
   probabilities = np.asarray(jax.nn.softmax(logits, axis=-1))[0]
   assert rows[0]['class_1'] == ('cat', 'dog', 'frog')[int(probabilities.argmax())]
   np.testing.assert_allclose(rows[0]['probability_1'], probabilities.max(), rtol=1e-5)
+
+
+@pytest.mark.slow  # TensorFlow's SavedModel, TFLite and ONNX conversions: ~1 min
+def test_export_serves_at_the_eval_size_and_agrees_with_predict(scheduled_run, folder16):
+  import tensorflow as tf
+
+  from flaxtpu import export
+  workdir, _, _ = scheduled_run
+  config = _config(folder16, **RUN)
+  summary = export.export_checkpoint(config, workdir)  # its own check: SavedModel/TFLite vs predict
+  assert summary['image_size'] == 20
+  assert summary['signature']['inputs']['images']['shape'] == [None, 20, 20, 3]
+  assert '20x20' in summary['preprocessing']
+  images = next(loaders.eval_batches(pipeline.load(config), batch_size=8)).images
+  serve = tf.saved_model.load(os.path.join(workdir, 'export', 'saved_model')).signatures['serving_default']
+  placement, state, _, _ = predict_mode.restore(config, workdir)
+  np.testing.assert_allclose(serve(images=tf.constant(images))['logits'].numpy(),
+                             predict_mode.predict_logits(placement, state, images, 8), rtol=1e-4, atol=1e-4)
