@@ -7,7 +7,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from flaxtpu import parallel, steps
+from flaxtpu import image_sizes, parallel, steps
 from flaxtpu.lengths import run_length
 
 
@@ -22,6 +22,8 @@ def compile_on_zeros(config: ml_collections.ConfigDict, *, image_shape: tuple[in
   zeros = np.zeros(len(image_shape), np.float32)
   task = steps.create_task(config, num_classes=num_classes, image_shape=image_shape, mean=zeros,
                            std=zeros + 1, length=length)
+  # augment.train_sizes: the largest size the step resizes to is the one that needs the most memory.
+  task = image_sizes.sized_task(task, image_sizes.largest(config, image_shape))
   placement = steps.place(task, parallel.make_mesh(config), config)
   local_batch_size = config.batch_size // jax.process_count()
   images = np.zeros((local_batch_size, *image_shape), np.uint8)
@@ -40,7 +42,9 @@ def plan_memory(config: ml_collections.ConfigDict, *, image_shape: tuple[int, in
                                               num_classes=num_classes)
   return {'model': config.model.name, 'remat': config.model.remat, 'dtype': config.dtype,
           'batch_size': config.batch_size, 'parallelism': config.parallelism,
-          'mesh': dict(placement.mesh.shape), 'image_shape': list(image_shape), **plan}
+          'mesh': dict(placement.mesh.shape), 'image_shape': list(image_shape),
+          **({'train_image_size': max(image_sizes.sizes_of(config))} if config.augment.train_sizes else {}),
+          **plan}
 
 
 def format_plan(plan: dict) -> str:

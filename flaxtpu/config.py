@@ -13,7 +13,15 @@ from typing import Sequence
 
 import ml_collections
 
-from flaxtpu import audit, aug_checks, calibration, models, optim_checks, tracking  # no JAX at import
+from flaxtpu import (  # no JAX at import
+  audit,
+  aug_checks,
+  calibration,
+  image_sizes,
+  models,
+  optim_checks,
+  tracking,
+)
 from flaxtpu.errors import ConfigError
 from flaxtpu.export_options import check_export as _check_export
 from flaxtpu.metric_names import check_eval_split_names, early_stopping_metric
@@ -97,6 +105,7 @@ def check_against_data(config: ml_collections.ConfigDict, image_shape: tuple[int
   """Raises ConfigError for a key that cannot work with these images (H, W, C) and classes."""
   del num_classes  # no key depends on the class count yet; the label-file sources will check theirs here
   models.check_image_shape(config.model.name, image_shape, config.model.patch_size)
+  image_sizes.check_against_data(config, image_shape)
   if config.eval.translate_tta >= min(image_shape[:2]):
     raise ConfigError(f'config.eval.translate_tta={config.eval.translate_tta} must be smaller than the '
                       f'{image_shape[0]}x{image_shape[1]} images (airbench uses 1)')
@@ -456,7 +465,7 @@ SECTION_CHECKS = (_check_dataset_source, _check_dataset, _check_input, _check_au
                   _check_distill, _check_parallelism,
                   _check_loop, _check_checkpoint, _check_early_stopping, _check_eval, _check_predict,
                   optim_checks.check, _check_export, audit.check_config, calibration.check_config,
-                  tracking.check_config, aug_checks.check)
+                  tracking.check_config, aug_checks.check, image_sizes.check)
 
 
 def config_keys(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:

@@ -480,6 +480,19 @@ def get_config() -> ml_collections.ConfigDict:
   config.lr_find.smoothing = 0.98  # The loss's exponential smoothing (bias-corrected, as fastai's).
   config.lr_find.diverge_factor = 4.0  # Stop once the smoothed loss exceeds this x its minimum.
 
+  # --- resolution (issue 41; flaxtpu/image_sizes.py, docs/recipes.md#resolution) ---------------
+  # Progressive resizing: (fraction of the training steps where it starts, size) pairs, the first at
+  # 0, e.g. ((0.0, 24), (0.5, 28), (0.75, 32)): the train step resizes each augmented batch on the
+  # device (antialiased) to its step's size, one compiled step per size; () = the pipeline's size
+  # always. Sizes must not exceed the images the pipeline makes (dataset.image_size, or native).
+  config.augment.train_sizes = ()
+  # Evaluate (in training, --mode=eval, calibrate, predict, export's serving size) at this square
+  # side (0 = the train size): the shorter side resized to image_size / crop_fraction, the centre
+  # taken; native-size data is resized whole. FixRes: train 176, eval 224 at crop 224/232.
+  config.eval.image_size = 0
+  # The eval crop at eval.image_size (0 = dataset.crop_fraction's, or 1.0 for native-size data).
+  config.eval.crop_fraction = 0.0
+
   # JAX persistent compile cache ('' = ~/.cache/flaxtpu/jax; 'none' = off).
   config.compilation_cache_dir = ''
   config.lock()

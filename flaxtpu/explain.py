@@ -25,7 +25,7 @@ import ml_collections
 import numpy as np
 from PIL import Image
 
-from flaxtpu import augment, files, models, steps
+from flaxtpu import augment, files, image_sizes, models, steps
 from flaxtpu.data import preprocess
 from flaxtpu.data.preprocess import Transform
 from flaxtpu.errors import UserError
@@ -158,7 +158,8 @@ def for_restored(config: ml_collections.ConfigDict, record: dict, state) -> Grad
   variables = {'params': jax.tree.map(gather, state.params),
                'batch_stats': jax.tree.map(gather, state.batch_stats)}
   family = models.get_family(config.model.name)
-  return GradCam(task.model, variables, task.image_shape, task.mean, task.std,
+  # Heatmaps of the images eval and predict read: at eval.image_size when it is set.
+  return GradCam(task.model, variables, image_sizes.eval_shape(config, task.image_shape), task.mean, task.std,
                  declared=family.feature_map(models.get_spec(config.model.name)))
 
 

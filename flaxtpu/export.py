@@ -57,6 +57,7 @@ import numpy as np
 from flaxtpu import (
   files,
   hub,
+  image_sizes,
   model_card,
   models,
   onnx_export,
@@ -118,6 +119,8 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
                            image_shape=tuple(record['image_shape']), mean=record['normalization']['mean'],
                            std=record['normalization']['std'],
                            temperature=(record.get('calibration') or {}).get('temperature', 1.0))
+  # Served at the eval size (eval.image_size), as eval and predict read images.
+  task = dataclasses.replace(task, image_shape=image_sizes.eval_shape(config, record['image_shape']))
   remote = storage.is_remote(workdir)  # TensorFlow writes the SavedModel locally; it is uploaded after
   staging = (tempfile.mkdtemp(prefix='flaxtpu-export-') if remote
              else os.path.join(workdir, f'{EXPORT_DIR}.staging-{os.getpid()}'))  # not mkdtemp: mode 0700
@@ -147,12 +150,12 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
     summary.update(
         step=step, model=record['model'], dtype=config.dtype, directory=files.absolute(final),
         weights='ema' if config.eval.ema else 'raw', flip_tta=bool(config.eval.flip_tta),
-        translate_tta=int(config.eval.translate_tta),
+        translate_tta=int(config.eval.translate_tta), image_size=task.image_shape[0],
         temperature=(record.get('calibration') or {}).get('temperature', 1.0),
         checkpoint=os.path.join(workdir, 'checkpoints', str(step)),
         preprocessing=('uint8 images at the model input size; normalisation is inside the model' + (
             f'; resize and centre-crop photos to {task.image_shape[0]}x{task.image_shape[1]} as eval does '
-            '(flaxtpu/data/preprocess.py)' if config.dataset.image_size else '')),
+            '(flaxtpu/data/preprocess.py)' if config.dataset.image_size or config.eval.image_size else '')),
         normalization=record['normalization'], class_names=list(record['class_names']),
         **_task_metadata(config, workdir, step, list(record['class_names'])))
     summary['check'].update(num_images=len(images), split=config.dataset.eval_split)

@@ -186,7 +186,7 @@ def _other_dataset(config: ml_collections.ConfigDict, entry: str,
                     'folder laid out as split/class/image, or a TFDS name')
   other = DatasetSpec.of(config).with_source(**{key: source}).replace(
       train_split=train_split, eval_split=eval_split, eval_splits=(), image_size=dataset.image_shape[0],
-      class_weights='none', sampling='shuffle')
+      class_weights='none', sampling='shuffle', eval_image_size=0)
   loaded = pipeline.load(other)
   if loaded.image_shape != dataset.image_shape:
     raise UserError(f'config.eval.fewshot.datasets entry {entry!r} gives {loaded.image_shape} images and the '

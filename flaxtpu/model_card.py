@@ -133,6 +133,13 @@ def _loading(summary: dict, directory: str) -> list[str]:
   return lines
 
 
+def _eval_crop_fraction(config: ml_collections.ConfigDict) -> float:
+  """The centre crop eval (and so the export) reads images with: eval.image_size's, else the train size's."""
+  if config.eval.image_size and config.eval.crop_fraction:
+    return config.eval.crop_fraction
+  return (config.dataset.crop_fraction or 0.875) if config.dataset.image_size else 1.0
+
+
 def render(summary: dict, config: ml_collections.ConfigDict, workdir: str, data: Optional[dict] = None,
            float_logits: Optional[np.ndarray] = None) -> str:
   """The card's Markdown (no metadata block) for an export whose export.json holds `summary`."""
@@ -152,8 +159,8 @@ def render(summary: dict, config: ml_collections.ConfigDict, workdir: str, data:
            '## Preprocessing', '',
            f'- input: uint8 {"RGB " if channels == 3 else ""}images `[N, {height}, {width}, {channels}]`; '
            + (f'photos resized and centre-cropped to {height}x{width} as eval does (crop fraction '
-              f'{dataset.crop_fraction or 0.875:g})' if dataset.image_size else 'no resizing: images are '
-              f'{height}x{width} as trained'),
+              f'{_eval_crop_fraction(config):g})' if dataset.image_size or config.eval.image_size
+              else f'no resizing: images are {height}x{width} as trained'),
            '- normalisation inside the model: (x / 255 - mean) / std with mean '
            f'{_numbers(normalization["mean"])} and std {_numbers(normalization["std"])}'
            + (' (the timm folder expects it done outside, as its config.json says)'

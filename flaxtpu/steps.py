@@ -25,6 +25,7 @@ import optax
 from flaxtpu import augment, bce, gradients, loss_scale, metrics, models, optim, optim_contrib, parallel
 from flaxtpu.config import check_against_data
 from flaxtpu.errors import UserError
+from flaxtpu.image_sizes import resize_batch
 from flaxtpu.lengths import RunLength, resolved_eval_batch_size
 from flaxtpu.losses import batch_accuracy, label_targets, loss_per_example  # noqa: F401  (re-exported)
 
@@ -59,6 +60,7 @@ class Task:
   sam_adaptive: bool = False  # ASAM
   loss_scaled: bool = False  # float16: a dynamic loss scale in the optimizer state (loss_scale.py)
   bce: Any = None  # loss=bce: a bce.Bce, the train loss a sigmoid per class (None = softmax)
+  train_size: int = 0  # augment.train_sizes: the train step resizes batches to this side (0 = as given)
 
 
 def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
@@ -221,6 +223,7 @@ def train_step(state: TrainState, batch, teacher_variables: Optional[ModelState]
   key = jax.random.fold_in(state.rng, state.step)
   positions = _batch_positions(len(images), axis_name)
   images = augment.augment_batch(key, images, positions, task.augment)
+  images = resize_batch(images, task.train_size)  # progressive resizing (image_sizes.py)
   images = augment.normalize(images, task.mean, task.std)
   images = augment.erase_batch(key, images, positions, task.augment)  # timm: on normalised pixels
   # Smoothing is linear, so mixing first gives the same targets and keeps the mixed hard labels

@@ -35,6 +35,7 @@ from flaxtpu import (
   fewshot,
   files,
   finetune,
+  image_sizes,
   lock,
   metrics,
   optim,
@@ -242,10 +243,13 @@ class _Loop:
     return self.due(step, self.config.log_every_steps) or bool(
         every_secs and time.time() - self.last_log_time >= every_secs)
 
-  def compile(self, state, batch):
-    """The train step compiled ahead of time for `batch`; its memory plan logged, checked and kept."""
-    with self.clock.paused('compile'):
-      train_step, self.clock.progress.memory_plan = self.placement.compile_train_step(state, batch)
+  def compile(self, state, batch, size: int = 0):
+    """The train step compiled ahead of time for `batch` (resized to `size`: augment.train_sizes); its
+    memory plan logged, checked and kept."""
+    placement = self.placement if not size else steps.place(
+        image_sizes.sized_task(self.task, size), self.placement.mesh, self.config, *self.placement.frozen)
+    with self.clock.paused('compile', state):
+      train_step, self.clock.progress.memory_plan = placement.compile_train_step(state, batch)
     plan = self.clock.progress.memory_plan
     logging.info('compiled train step in %.1fs; per-device memory plan: %s', plan['compile_seconds'],
                  compile_plan.format_plan(plan))
@@ -261,7 +265,9 @@ class _Loop:
     plateau_scale = (self.clock.progress.plateau or {}).get('scale', 1.0)
     train.update(images_per_sec=images_per_sec,
                  learning_rate=float(self.task.schedule(step - 1)) * plateau_scale,
-                 input_wait_fraction=shares['input'])
+                 input_wait_fraction=shares['input'],
+                 **image_sizes.logged(self.config, self.length.total_steps, step,
+                                      self.dataset.image_shape[0]))
     self.clock.progress.train = train
     logging.info('step %d/%d (epoch %.2f)  loss %.4f  accuracy %.4f  %.0f img/s  lr %.3g  '
                  '[input %.0f%% step %.0f%% other %.0f%%]  ETA %s', step, self.length.total_steps,
@@ -414,6 +420,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
     return {'stopped_at_step': step}
   results = loop.clock.record().results(length.total_steps, config.batch_size)
   results.update(time_budget.report(config, workdir, time.time() - started, step - start.step))
+  results.update(image_sizes.report(config, length.total_steps))
   if is_main:
     files.write_json(os.path.join(workdir, 'results.json'), results)
     write_pictures(config, loop.predictions, dataset, workdir, step)
@@ -433,13 +440,16 @@ def _train(loop: _Loop, batches, profiler: StepProfiler, stop: StopRequest) -> i
     return loop.start.step
   with clock.timing('input'):
     first_batch = next(batches)
-  train_step = loop.compile(state, first_batch)  # once, ahead of time, on the first batch
+  # Once per image size (augment.train_sizes; one size without), ahead of time, when first reached.
+  sized = image_sizes.TrainSteps(loop.config, length.total_steps, loop.dataset.image_shape, loop.compile)
+  train_step = sized.at(loop.start.step + 1, state, first_batch)
   batches, one_step_in_flight = itertools.chain([first_batch], batches), parallel.one_step_in_flight()
 
   for step in range(loop.start.step + 1, length.total_steps + 1):
     with clock.timing('input'):
       batch = next(batches)
     profiler.before_step(step)
+    train_step = sized.at(step, state, batch)
     with clock.timing('step'):
       state, step_metrics = train_step(state, batch)
       clock.step_done(step_metrics, wait=one_step_in_flight)

@@ -62,6 +62,18 @@ class Dataset:
   class_weights: Optional[np.ndarray] = None  # float32 [num_classes] loss weights; None = unweighted
   sampling: str = 'shuffle'  # dataset.sampling: which `Sampler` orders the training examples
   repeats: int = 1  # augment.repeats: copies of each example in a batch (data/repeated.py)
+  eval_transform: Optional[Transform] = None  # the eval split's at eval.image_size (None = `transform`)
+
+  @property
+  def eval_preprocessing(self) -> Transform:
+    """How the eval split's images are made: at eval.image_size, else as `transform` makes them."""
+    return self.eval_transform or self.transform
+
+  @property
+  def eval_image_shape(self) -> tuple[int, int, int]:
+    """What the model sees in evaluation (eval.image_size; else `image_shape`)."""
+    size = self.eval_preprocessing.size
+    return (size, size, self.image_shape[-1]) if self.eval_transform and size else self.image_shape
 
   @property
   def num_classes(self) -> int:

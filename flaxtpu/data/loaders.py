@@ -41,7 +41,7 @@ def train_batches(dataset: Dataset, *, seed: int, batch_size: int, first_step: i
                             process_count=process_count)
   steps = range(first_step, last_step)
   train = dataset.train
-  if _sliceable(dataset, train):  # CIFAR-size: slicing is all there is
+  if _sliceable(train, dataset.transform):  # CIFAR-size: slicing is all there is
     return _sliced_train_batches(train, chosen, steps, alternate_flip)
   loader = _TrainLoader(train, dataset.transform, chosen, dataset.skip_corrupt, alternate_flip)
   return _loaded_train_batches(loader, steps, 0 if train.cached else dataset.workers, dataset.prefetch,
@@ -73,27 +73,28 @@ def eval_batches(dataset: Dataset, *, batch_size: int, process_index: int = 0,
   rows = process_slice(batch_size, process_index, process_count)
   examples = dataset.eval
   starts = range(0, len(examples), batch_size)
-  if _sliceable(dataset, examples):
+  transform = dataset.eval_preprocessing  # eval.image_size's, else the train size's
+  if _sliceable(examples, transform):
     for start in starts:
       indices, mask = _eval_rows(start, batch_size, rows, len(examples))
       yield Batch(examples.images[indices], examples.labels[indices], mask)
     return
-  loader = _EvalLoader(examples, dataset.transform, dataset.skip_corrupt, batch_size, rows)
+  loader = _EvalLoader(examples, transform, dataset.skip_corrupt, batch_size, rows)
   yield from _checked(workers.run(loader, starts, 0 if examples.cached else dataset.workers,
                                   dataset.prefetch, threads=dataset.worker_threads))
 
 
 def eval_image(dataset: Dataset, index: int) -> np.ndarray:
   """Eval example `index` as the model sees it (uint8 HxWxC), e.g. to picture a mistake."""
-  if _sliceable(dataset, dataset.eval):
+  if _sliceable(dataset.eval, dataset.eval_preprocessing):
     return dataset.eval.images[index]
-  image, _ = _EvalLoader(dataset.eval, dataset.transform, skip_corrupt=True).example(index)
-  return np.zeros(dataset.image_shape, np.uint8) if isinstance(image, _Failure) else image
+  image, _ = _EvalLoader(dataset.eval, dataset.eval_preprocessing, skip_corrupt=True).example(index)
+  return np.zeros(dataset.eval_image_shape, np.uint8) if isinstance(image, _Failure) else image
 
 
-def _sliceable(dataset: Dataset, examples: Examples) -> bool:
+def _sliceable(examples: Examples, transform: Transform) -> bool:
   """Cached at the size the model sees: a batch is a slice of the array, nothing to decode."""
-  return examples.cached and isinstance(examples.images, np.ndarray) and not dataset.transform.size
+  return examples.cached and isinstance(examples.images, np.ndarray) and not transform.size
 
 
 def _eval_rows(start: int, batch_size: int, rows: slice, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -124,8 +125,9 @@ def train_sample(dataset: Dataset, count: int) -> list[np.ndarray]:
 
 
 def split_images(dataset: Dataset, examples: Examples, positions: np.ndarray) -> list[np.ndarray]:
-  """The examples of a split at `positions`, as evaluation shows them (uint8 [H, W, C] each)."""
-  if _sliceable(dataset, examples):
+  """The examples of a split at `positions`, as evaluation shows them at the train size (uint8 [H, W, C]
+  each)."""
+  if _sliceable(examples, dataset.transform):
     return list(examples.images[positions])
   loader = _EvalLoader(examples, dataset.transform, dataset.skip_corrupt)
   images = [image for image, _ in workers.run(loader.example, positions, dataset.workers, buffer=64,

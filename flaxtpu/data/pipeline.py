@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import ml_collections
 import numpy as np
 
+from flaxtpu import image_sizes
 from flaxtpu.data import cache, class_weights, loaders, sources
 from flaxtpu.data.dataset import Dataset, Examples, image_shape
 from flaxtpu.data.preprocess import Transform
@@ -57,8 +58,9 @@ def load(config: ml_collections.ConfigDict | DatasetSpec, *, need_train: bool = 
   train_split, eval_split, class_names = source.splits(spec.train_split if need_train else None,
                                                        spec.eval_split, class_names)
   transform = image_transform(spec, source.channels)
+  eval_transform = image_sizes.eval_transform(transform, spec.eval_image_size, spec.eval_crop_fraction)
   examples, shape = _read(source, [split for split in (train_split, eval_split) if split is not None],
-                          spec, transform)
+                          spec, transform, eval_transform)
   train = examples[0] if need_train else None
   dataset = Dataset(
       train=train, eval=examples[-1], class_names=tuple(class_names), image_shape=shape,
@@ -67,14 +69,15 @@ def load(config: ml_collections.ConfigDict | DatasetSpec, *, need_train: bool = 
       skip_corrupt=spec.skip_corrupt, multilabel=spec.task == 'multilabel',
       class_weights=None if train is None else class_weights.class_weights(spec.class_weights, train,
                                                                              class_names),
-      sampling=spec.sampling, repeats=spec.repeats)
+      sampling=spec.sampling, repeats=spec.repeats,
+      eval_transform=None if eval_transform is transform else eval_transform)
   return _normalized(dataset, spec)
 
 
-def _read(source: Source, splits: list[Split], spec: DatasetSpec,
-          transform: Transform) -> tuple[list[Examples], tuple[int, int, int]]:
-  """Each split decoded into memory or ready to stream (`dataset.cache`), and the shape the model
-  sees."""
+def _read(source: Source, splits: list[Split], spec: DatasetSpec, transform: Transform,
+          eval_transform: Transform) -> tuple[list[Examples], tuple[int, int, int]]:
+  """Each split decoded into memory or ready to stream (`dataset.cache`; the eval split, the last,
+  cached for `eval_transform`), and the shape the model sees in training."""
   channels = source.channels
   native = source.native_sizes(splits)
   if source.in_memory:
@@ -87,8 +90,9 @@ def _read(source: Source, splits: list[Split], spec: DatasetSpec,
     checked = [source.checked(split, spec.workers, spec.skip_corrupt) for split in splits]
     splits, native = [split for split, _ in checked], set().union(*(sizes for _, sizes in checked))
   shape = image_shape(native, transform, channels)
-  return [cache.examples(split, cache=use, transform=transform, num_workers=spec.workers,
-                         skip_corrupt=spec.skip_corrupt) for split in splits], shape
+  transforms = [transform] * (len(splits) - 1) + [eval_transform if transform.size else transform]
+  return [cache.examples(split, cache=use, transform=each, num_workers=spec.workers,
+                         skip_corrupt=spec.skip_corrupt) for split, each in zip(splits, transforms)], shape
 
 
 def _normalized(dataset: Dataset, spec: DatasetSpec) -> Dataset:

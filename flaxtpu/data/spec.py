@@ -41,6 +41,8 @@ class DatasetSpec:
   crop_area: tuple = (0.08, 1.0)
   crop_aspect: tuple = (0.75, 4 / 3)
   repeats: int = 1  # augment.repeats
+  eval_image_size: int = 0  # eval.image_size: the eval split read at this size (0 = image_size's)
+  eval_crop_fraction: float = 0.0  # eval.crop_fraction
 
   @classmethod
   def of(cls, config: ml_collections.ConfigDict | DatasetSpec) -> DatasetSpec:
@@ -50,7 +52,8 @@ class DatasetSpec:
     return cls(settings=ml_collections.FrozenConfigDict(config.dataset), task=config.task,
                workers=input_workers(config.input.workers), prefetch=config.input.prefetch,
                threads=config.input.threads, crop_area=tuple(config.augment.crop_area),
-               crop_aspect=tuple(config.augment.crop_aspect), repeats=config.augment.get('repeats', 1))
+               crop_aspect=tuple(config.augment.crop_aspect), repeats=config.augment.get('repeats', 1),
+               eval_image_size=config.eval.image_size, eval_crop_fraction=config.eval.crop_fraction)
 
   def __getattr__(self, key: str) -> Any:
     # spec.train_split, spec.cache, ...: the dataset keys read as on config.dataset.

@@ -48,17 +48,20 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   other_step = final_step is not None and step != final_step
   other_tta = tta != tta_name(trained.get('eval', {}))
   other_weights = ema != bool(trained.get('eval', {}).get('ema', False))
+  size = config.eval.image_size  # eval.image_size apart from the run's: its own entry
+  other_size = size != trained.get('eval', {}).get('image_size', 0)
   suffix = ''.join(part for part, differs in (
       (f'-{split_file_name(split)}', split != trained.get('dataset', {}).get('eval_split')),
       (f'-step{step}', other_step), (f'-tta_{tta}', other_tta),
-      ('-ema' if ema else '-raw', other_weights)) if differs)
+      ('-ema' if ema else '-raw', other_weights), (f'-size{size}', other_size)) if differs)
   key = split + (f':step={step}' if other_step else '') + (f':tta={tta}' if other_tta else '') + (
-      ':ema' if ema else '')
+      ':ema' if ema else '') + (f':size={size}' if other_size else '')
   # The mistakes picture shows each image under the Grad-CAM heatmap of the class it was taken for.
   results.update(write_report(predictions, dataset, output, suffix, config.eval.threshold,
                               report_about(config, step, split), calibration=record.get('calibration'),
                               overlay=explain.overlaid(explain.for_restored(config, record, state))))
   results.update(step=step, split=split, tta=tta, weights='ema' if ema else 'raw',
+                 image_size=dataset.eval_image_shape[0],
                  source=config.dataset.folder or config.dataset.name,
                  checkpoint=os.path.join(workdir, 'checkpoints', str(step)))
   logging.info('eval of step %d: %s  (%d examples)', step, eval_summary(results), results['num_examples'])

@@ -10,7 +10,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from flaxtpu import calibration, explain, files, steps
+from flaxtpu import calibration, explain, files, image_sizes, steps
 from flaxtpu.data import pipeline, predict_inputs
 from flaxtpu.errors import UserError, printable
 from flaxtpu.lengths import resolved_eval_batch_size
@@ -51,8 +51,9 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
   if not config.predict.input:
     raise UserError('--mode=predict needs --config.predict.input=IMAGE_OR_FOLDER')
   placement, state, step, record = restore(config, workdir, replaces=[config.predict.output_csv])
-  image_shape = tuple(record['image_shape'])
-  transform = pipeline.image_transform(config, channels=image_shape[-1])
+  image_shape = image_sizes.eval_shape(config, record['image_shape'])  # eval.image_size's, if set
+  transform = image_sizes.eval_transform(pipeline.image_transform(config, channels=image_shape[-1]),
+                                         config.eval.image_size, config.eval.crop_fraction)
   paths, images = predict_inputs.read_images(config.predict.input, image_shape, transform,
                                              skip_corrupt=config.dataset.skip_corrupt)
   logits = predict_logits(placement, state, images, resolved_eval_batch_size(config))
