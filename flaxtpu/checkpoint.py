@@ -210,7 +210,7 @@ class Checkpoints:
     except Exception as e:  # pylint: disable=broad-except
       self._raise_if_vanished(step, e)  # before blaming the config: a half-deleted step fits nothing
       # Only model and optimizer keys shape the saved arrays (an inference restore reads no optimizer).
-      shaping = ('model.', 'ema.decay') if subset else ('model.', 'optimizer.', 'ema.decay')
+      shaping = ('model.', 'ema.decay', 'swa.every', *(() if subset else ('optimizer.',)))
       changed = [change for change in changed_keys(record.get('config', {}), config.to_dict())
                  if change.startswith(shaping)] if config else []
       if changed:

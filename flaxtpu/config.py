@@ -13,7 +13,7 @@ from typing import Sequence
 
 import ml_collections
 
-from flaxtpu import audit, calibration, models, optim_checks, tracking  # no JAX at import
+from flaxtpu import audit, calibration, models, optim_checks, swa, tracking  # no JAX at import
 from flaxtpu.errors import ConfigError
 from flaxtpu.export_options import check_export as _check_export
 from flaxtpu.metric_names import check_eval_split_names, early_stopping_metric
@@ -363,16 +363,17 @@ def _check_checkpoint(config: ml_collections.ConfigDict) -> None:
   _positive('checkpoint.keep', checkpoint.keep)
   metrics = ('eval_accuracy', 'eval_loss', 'eval_balanced_accuracy', 'eval_map', 'eval_map_micro', 'eval_f1')
   _one_of('checkpoint.best_metric', checkpoint.best_metric,
-          ('auto', '', *metrics, *(f'{metric}_ema' for metric in metrics)))
+          ('auto', '', *metrics, *(f'{metric}{suffix}' for metric in metrics for suffix in ('_ema', '_swa'))))
   _one_of('checkpoint.best_mode', checkpoint.best_mode, ('max', 'min'))
   if checkpoint.best_metric == 'auto' and checkpoint.best_mode != 'max':
     raise ConfigError("config.checkpoint.best_metric='auto' picks eval_accuracy or eval_map, both kept at "
                       'their maximum; set best_mode=max or name the metric')
   multilabel_only = ('eval_map', 'eval_map_micro', 'eval_f1')
-  if checkpoint.best_metric.removesuffix('_ema') in multilabel_only and config.task != 'multilabel':
+  plain_metric = checkpoint.best_metric.removesuffix('_ema').removesuffix('_swa')
+  if plain_metric in multilabel_only and config.task != 'multilabel':
     raise ConfigError(f'config.checkpoint.best_metric={checkpoint.best_metric!r} is a multilabel metric; '
                       'pick eval_accuracy (or auto) for task=multiclass')
-  if checkpoint.best_metric.removesuffix('_ema') == 'eval_balanced_accuracy' and config.task == 'multilabel':
+  if plain_metric == 'eval_balanced_accuracy' and config.task == 'multilabel':
     raise ConfigError('config.checkpoint.best_metric=eval_balanced_accuracy is a multiclass metric; pick '
                       'eval_map (or auto) for task=multilabel')
   if checkpoint.best_metric.endswith('_ema') and not config.ema.decay:
@@ -456,7 +457,7 @@ SECTION_CHECKS = (_check_dataset_source, _check_dataset, _check_input, _check_au
                   _check_distill, _check_parallelism,
                   _check_loop, _check_checkpoint, _check_early_stopping, _check_eval, _check_predict,
                   optim_checks.check, _check_export, audit.check_config, calibration.check_config,
-                  tracking.check_config)
+                  tracking.check_config, swa.check)
 
 
 def config_keys(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:
