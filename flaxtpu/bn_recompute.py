@@ -72,7 +72,7 @@ def recompute(task, placement, params: Any, batch_stats: Any, batches: Iterable)
     accumulate = jax.jit(step, donate_argnums=0)
   totals, count = zeros, 0
   for batch in batches:
-    images = placement.put_train_batch((batch[0], batch[1]))[0]
+    images = placement.put_train_batch(tuple(batch)[:2])[0]
     totals = accumulate(totals, params, images)
     count += 1
   if not count:

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from flaxtpu import bn_recompute, steps
+from flaxtpu import bn_recompute, optim, steps
 from flaxtpu.data import pipeline
+from flaxtpu.errors import UserError
 from flaxtpu.evaluate import evaluate
 from flaxtpu.lengths import resolved_eval_batch_size
 from flaxtpu.modes.restore import restore
@@ -25,6 +26,17 @@ def mean_state(states: Sequence[steps.ModelState]) -> steps.ModelState:
   """The elementwise mean of `states` (parameters and BatchNorm statistics), in float32."""
   return jax.tree.map(lambda *leaves: (sum(leaf.astype(jnp.float32) for leaf in leaves) / len(leaves))
                       .astype(leaves[0].dtype), *states)
+
+
+def check_same_tree(first_run: str, first, run: str, state) -> None:
+  """UserError naming the first array that `run`'s weights lack or shape otherwise than `first_run`'s."""
+  shapes = [{optim.path_name(path): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(
+      {'params': s.params, 'batch_stats': s.batch_stats})} for s in (first, state)]
+  for name in sorted(set(shapes[0]) | set(shapes[1])):
+    if shapes[0].get(name) != shapes[1].get(name):
+      raise UserError(f'{run} has another parameter tree than {first_run} ({name}: {shapes[1].get(name)} vs '
+                      f'{shapes[0].get(name)}); average runs of one model with the same options, fine-tuned '
+                      'from one initialisation')
 
 
 class Kitchen:
@@ -41,6 +53,8 @@ class Kitchen:
       placements.append(placement)
       self.states.append(state)
     self.placement = placements[0]
+    for run, state in zip(runs[1:], self.states[1:]):
+      check_same_tree(runs[0], self.states[0], run, state)
     first = records[0]
     norm = first['normalization']
     self.task = steps.create_task(config, num_classes=first['num_classes'],
