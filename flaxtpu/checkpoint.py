@@ -226,25 +226,23 @@ class Checkpoints:
                           config: ml_collections.ConfigDict) -> tuple[Any, dict]:
     """The whole train state at `step`: (state, record), read as `restore` reads.
 
-    A run without an EMA also resumes a checkpoint that differs from it in the
-    EMA only: one written before flaxtpu had an EMA (no `ema` field), or one
-    of a run that turned its EMA off (read and dropped). Every other field is
-    restored strictly: any other difference still fails.
+    A run without an EMA (or SWA) also resumes a checkpoint that differs from
+    it in the EMA (SWA) only: one written before flaxtpu had it (no `ema` or
+    `swa` field), or one of a run that turned it off (not read). Every other
+    field is restored: any other difference still fails.
     """
+    unused = [name for name in ('ema', 'swa') if getattr(abstract_state, name) == {}]
     try:
       return self.restore(step, abstract_state, expected, config=config)
     except CheckpointError as e:
-      if (abstract_state.ema != {} or isinstance(e, VanishedCheckpoint)
-          or not isinstance(e.__cause__, ValueError)):
+      if not unused or isinstance(e, VanishedCheckpoint) or not isinstance(e.__cause__, ValueError):
         raise
-    fields = {field.name: getattr(abstract_state, field.name) for field in dataclasses.fields(abstract_state)}
-    if 'ema' in self._metadata(step):
-      fields['ema'] = {'params': abstract_state.params, 'batch_stats': abstract_state.batch_stats}
-    else:
-      del fields['ema']
-    arrays, record = self.restore(step, fields, expected, config=config)
-    logging.info('checkpoint %s: its EMA (or its lack of one) is not used by this run', self._path(step))
-    return abstract_state.replace(**{**arrays, 'ema': {}}), record
+    fields = {field.name: getattr(abstract_state, field.name) for field in dataclasses.fields(abstract_state)
+              if field.name not in unused}
+    arrays, record = self.restore(step, fields, expected, config=config, subset=True)
+    logging.info('checkpoint %s: its %s (or its lack of one) is not used by this run', self._path(step),
+                 ' and '.join(name.upper() for name in unused))
+    return abstract_state.replace(**arrays), record
 
   def restore_newest_readable(self, target: Any, expected: dict, **options) -> tuple[int, Any, dict]:
     """`restore` of the newest readable step: (step, arrays, record); `options` as `newest_readable`."""
