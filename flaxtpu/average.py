@@ -31,6 +31,8 @@ from flaxtpu.errors import UserError
 flags.DEFINE_string('workdir', None, 'Where the soup is written: a new directory (never overwritten).')
 flags.DEFINE_bool('greedy', False, 'Greedy soup: add a run only if the held-out accuracy does not drop.')
 flags.DEFINE_string('checkpoint', 'latest', 'Which checkpoint of each run: latest | best | a step number.')
+flags.DEFINE_enum('weights', 'raw', ('raw', 'ema', 'swa'), "Each run's weights: raw, or its EMA or SWA "
+                  '(the run must have trained one).')
 flags.DEFINE_string('held_out', '', 'The split the greedy soup is chosen on (default: the eval split of the '
                     'first run; e.g. "train[90%:]" when the eval split is the final test).')
 flags.DEFINE_integer('bn_batches', 0, 'Train batches BatchNorm statistics are recomputed over (0: the first '
@@ -91,11 +93,11 @@ def check_output(workdir: Optional[str]) -> None:
                     'overwritten)')
 
 
-def _resolved_config(run: str, which: str, eval_split: Optional[str] = None):
-  """The config `run` trained with, resolved and validated for reading its `which` checkpoint."""
+def _resolved_config(run: str, which: str, eval_split: Optional[str] = None, weights: str = 'raw'):
+  """The config `run` trained with, resolved and validated for reading `weights` of its `which` checkpoint."""
   config = workdir_config.get_config(run)
   config.eval.checkpoint = which
-  config.eval.ema = config.eval.swa = False  # each ingredient's raw weights
+  config.eval.ema, config.eval.swa = weights == 'ema', weights == 'swa'
   if eval_split:
     config.dataset.eval_split = eval_split
   resolution.resolve(config, run, 'eval')
@@ -104,16 +106,22 @@ def _resolved_config(run: str, which: str, eval_split: Optional[str] = None):
 
 
 def make_soup(runs: Sequence[str], workdir: str, *, greedy: bool = False, which: str = 'latest',
-              held_out: str = '', bn_batches: int = 0) -> dict:
+              held_out: str = '', bn_batches: int = 0, weights: str = 'raw') -> dict:
   """Writes the soup of `runs` to `workdir` (see the module docstring); returns its results.json."""
   check_output(workdir)
   records = check_runs(runs, which)
+  switch = {'raw': None, 'ema': ('ema', 'decay'), 'swa': ('swa', 'every')}[weights]
+  for run in runs if switch else ():
+    if not workdir_config.get_config(run)[switch[0]][switch[1]]:
+      raise UserError(f'--weights={weights} but {run} trained without an {weights.upper()} of its weights; '
+                      'use --weights=raw or leave that run out')
   started = time.time()
   # pylint: disable=g-import-not-at-top
   import jax
 
   from flaxtpu import soup
-  configs = [_resolved_config(run, str(record['step'])) for run, record in zip(runs, records)]
+  configs = [_resolved_config(run, str(record['step']), weights=weights)
+             for run, record in zip(runs, records)]
   eval_split = configs[0].dataset.eval_split
   held_out = held_out or eval_split
   kitchen = soup.Kitchen(configs, runs, records, bn_batches or configs[0].swa.bn_batches,
@@ -121,19 +129,19 @@ def make_soup(runs: Sequence[str], workdir: str, *, greedy: bool = False, which:
   chosen, state, held_out_accuracy, tried = kitchen.greedy() if greedy else kitchen.uniform()
   final = kitchen.score(state, kitchen.eval_set) if held_out != eval_split else held_out_accuracy
   results = {'step': max(record['step'] for record in records), **final,
-             'method': 'greedy' if greedy else 'uniform',
+             'method': 'greedy' if greedy else 'uniform', 'weights': weights,
              'held_out_split': held_out, 'held_out_accuracy': held_out_accuracy['eval_accuracy'],
              'bn_batches': kitchen.bn_batches, 'ingredients': tried,
              'kept': [runs[index] for index in chosen], 'wall_time_s': time.time() - started}
   results.pop('num_examples', None)
   if jax.process_index() == 0:
-    _write(workdir, configs[0], records[0], runs[0], state, kitchen, results)
+    _write(workdir, configs[0], records[0], runs[0], state, results)
   logging.info('soup of %d of %d runs (%s): eval accuracy %.4f; written to %s', len(chosen), len(runs),
                results['method'], results['eval_accuracy'], workdir)
   return results
 
 
-def _write(workdir: str, config, first_record: dict, first_run: str, state, kitchen, results: dict) -> None:
+def _write(workdir: str, config, first_record: dict, first_run: str, state, results: dict) -> None:
   """OUT written beside itself and renamed into place: config.json, the checkpoint, results.json, and
   --mode=eval's files of that checkpoint."""
   # pylint: disable=g-import-not-at-top
@@ -144,11 +152,14 @@ def _write(workdir: str, config, first_record: dict, first_run: str, state, kitc
   shutil.rmtree(building, ignore_errors=True)
   os.makedirs(building)
   try:
-    files.write_json(os.path.join(building, workdir_config.CONFIG_FILE),
-                     files.read_json(os.path.join(first_run, workdir_config.CONFIG_FILE)))
+    saved_config = files.read_json(os.path.join(first_run, workdir_config.CONFIG_FILE))
+    # The soup is stored as plain weights: eval/predict/export of OUT read them, not an EMA or SWA.
+    saved_config.setdefault('eval', {}).update(ema=False, swa=False)
+    files.write_json(os.path.join(building, workdir_config.CONFIG_FILE), saved_config)
     record = {key: value for key, value in first_record.items()
               if key not in ('run', 'step', 'progress', 'train_metrics_window', 'data_position')}
-    record['soup'] = {key: results[key] for key in ('method', 'held_out_split', 'ingredients', 'kept')}
+    record['soup'] = {key: results[key]
+                      for key in ('method', 'weights', 'held_out_split', 'ingredients', 'kept')}
     saver = checkpoint.Checkpoints(building, config)
     saver.save(results['step'], {'params': state.params, 'batch_stats': state.batch_stats}, record,
                metrics={key: value for key, value in results.items() if key.startswith('eval_')})
@@ -179,7 +190,7 @@ def main(argv: Sequence[str]) -> None:
     sys.exit(2)
   try:
     make_soup(runs, FLAGS.workdir, greedy=FLAGS.greedy, which=FLAGS.checkpoint, held_out=FLAGS.held_out,
-              bn_batches=FLAGS.bn_batches)
+              bn_batches=FLAGS.bn_batches, weights=FLAGS.weights)
   except UserError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)

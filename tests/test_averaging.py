@@ -235,6 +235,8 @@ def test_soup_errors_are_one_line_and_touch_nothing(ingredients, tmp_path):
   with pytest.raises(UserError, match='already holds files; choose a new directory'):
     average.make_soup([other], good)
   assert _tree_digest(good) == before
+  with pytest.raises(UserError, match=f'--weights=ema but {other} trained without an EMA'):
+    average.make_soup([good, other], str(tmp_path / 'out'), weights='ema')
   for field, value, what in (('model', 'resnet20', 'another architecture'),
                              ('class_names', ['a', 'b', 'c'], 'another class list')):
     changed = str(tmp_path / field)
