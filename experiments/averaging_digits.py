@@ -30,14 +30,16 @@ FINE_TUNES = {  # name -> overrides of a 4-epoch fine-tune from the base run
 }
 
 
-def _run(args: list[str]) -> None:
+def _run(args: list[str], log: str) -> None:
   print('$', ' '.join(args), flush=True)
-  subprocess.run(args, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  with open(log, 'w') as f:  # the command's log beside its workdir
+    subprocess.run(args, check=True, stdout=f, stderr=subprocess.STDOUT)
 
 
 def _train(workdir: str, overrides: list[str]) -> dict:
   if not os.path.exists(os.path.join(workdir, 'results.json')):
-    _run([sys.executable, '-m', 'flaxtpu.main', f'--workdir={workdir}', *RECIPE, *overrides])
+    _run([sys.executable, '-m', 'flaxtpu.main', f'--workdir={workdir}', *RECIPE, *overrides],
+         f'{workdir}.log')
   with open(os.path.join(workdir, 'results.json')) as f:
     return json.load(f)
 
@@ -45,7 +47,7 @@ def _train(workdir: str, overrides: list[str]) -> dict:
 def _soup(workdir: str, runs: list[str], greedy: bool) -> dict:
   if not os.path.exists(os.path.join(workdir, 'results.json')):
     _run([sys.executable, '-m', 'flaxtpu.average', f'--workdir={workdir}', *runs,
-          f'--held_out={HELD_OUT}', *(['--greedy'] if greedy else [])])
+          f'--held_out={HELD_OUT}', *(['--greedy'] if greedy else [])], f'{workdir}.log')
   with open(os.path.join(workdir, 'results.json')) as f:
     return json.load(f)
 
@@ -61,12 +63,18 @@ def soups(out: str) -> dict:
                                '--config.schedule.warmup_epochs=0', *overrides])
     table[name] = results['eval_accuracy']
     runs.append(workdir)
-  for greedy in (False, True):
-    results = _soup(os.path.join(out, 'greedy_soup' if greedy else 'uniform_soup'), runs, greedy)
-    table['greedy_soup' if greedy else 'uniform_soup'] = results['eval_accuracy']
-    table[('greedy' if greedy else 'uniform') + '_kept'] = [os.path.basename(run) for run in results['kept']]
-    table[('greedy' if greedy else 'uniform') + '_held_out'] = {
-        os.path.basename(i['run']): i['held_out_accuracy'] for i in results['ingredients']}
+  # Every fine-tune; then only the three at the base's learning rate (seed, crop: the nearest ones).
+  close = [run for run in runs if os.path.basename(run).startswith('ft_lr1e-3')]
+  for group, members in (('', runs), ('close_', close)):
+    for greedy in (False, True):
+      name = f'{group}{"greedy" if greedy else "uniform"}'
+      results = _soup(os.path.join(out, f'{name}_soup'), members, greedy)
+      table[f'{name}_soup'] = results['eval_accuracy']
+      table[f'{name}_kept'] = [os.path.basename(run) for run in results['kept']]
+      table[f'{name}_held_out'] = results['held_out_accuracy']
+      if not group:
+        table['ingredients_held_out'] = {os.path.basename(i['run']): i['held_out_accuracy']
+                                         for i in results['ingredients']}
   return table
 
 

@@ -156,8 +156,10 @@ def test_swa_statistics_are_recomputed_saved_and_read_by_eval_swa(image_folder, 
   from flaxtpu.evaluate import evaluate
   from flaxtpu.modes.restore import restore
   workdir = str(tmp_path / 'run')
+  # Evaluated at step 3 (recomputed statistics, then training goes on) and at step 6.
   config = _config(image_folder, **{**SWA, 'model.name': 'fastnet_s', 'num_train_steps': 6,
-                                    'checkpoint_every_steps': 6, 'swa.every': 3, 'swa.start': 3.0})
+                                    'eval_every_steps': 3, 'checkpoint_every_steps': 6, 'swa.every': 3,
+                                    'swa.start': 3.0})
   results = train.train_and_evaluate(config, workdir)
   saved = restore_checkpoint(workdir, 6)
   assert int(saved['swa']['count']) == 2
