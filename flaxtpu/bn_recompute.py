@@ -70,15 +70,17 @@ def recompute(task, placement, params: Any, batch_stats: Any, batches: Iterable)
     accumulate = jax.pmap(step, axis_name=parallel.PMAP_AXIS)
   else:
     accumulate = jax.jit(step, donate_argnums=0)
-  totals, count = zeros, 0
+  totals, count, one_in_flight = zeros, 0, parallel.one_step_in_flight()
   for batch in batches:
     images = placement.put_train_batch(tuple(batch)[:2])[0]
     totals = accumulate(totals, params, images)
+    if one_in_flight:  # XLA:CPU's virtual devices deadlock with two collective programs in flight
+      jax.block_until_ready(totals)
     count += 1
   if not count:
     raise ValueError('recompute needs at least one train batch')
   logging.info('BatchNorm statistics recomputed over %d train batches', count)
-  return jax.tree.map(lambda total: total / count, totals)
+  return jax.block_until_ready(jax.tree.map(lambda total: total / count, totals))
 
 
 def train_batches(config, dataset, count: int, seed_offset: int = 0) -> Iterable:
