@@ -28,16 +28,21 @@ from flaxtpu import config as config_lib
 from flaxtpu import files, resolution, saved, storage, workdir_config
 from flaxtpu.errors import UserError
 
-flags.DEFINE_string('workdir', None, 'Where the soup is written: a new directory (never overwritten).')
-flags.DEFINE_bool('greedy', False, 'Greedy soup: add a run only if the held-out accuracy does not drop.')
-flags.DEFINE_string('checkpoint', 'latest', 'Which checkpoint of each run: latest | best | a step number.')
+# Its own flag set: flaxtpu.main defines --workdir on absl's global one, and both may live in one process.
+FLAGS = flags.FlagValues()
+flags.DEFINE_string('workdir', None, 'Where the soup is written: a new directory (never overwritten).',
+                    flag_values=FLAGS)
+flags.DEFINE_bool('greedy', False, 'Greedy soup: add a run only if the held-out accuracy does not drop.',
+                  flag_values=FLAGS)
+flags.DEFINE_string('checkpoint', 'latest', 'Which checkpoint of each run: latest | best | a step number.',
+                    flag_values=FLAGS)
 flags.DEFINE_enum('weights', 'raw', ('raw', 'ema', 'swa'), "Each run's weights: raw, or its EMA or SWA "
-                  '(the run must have trained one).')
+                  '(the run must have trained one).', flag_values=FLAGS)
 flags.DEFINE_string('held_out', '', 'The split the greedy soup is chosen on (default: the eval split of the '
-                    'first run; e.g. "train[90%:]" when the eval split is the final test).')
+                    'first run; e.g. "train[90%:]" when the eval split is the final test).',
+                    flag_values=FLAGS)
 flags.DEFINE_integer('bn_batches', 0, 'Train batches BatchNorm statistics are recomputed over (0: the first '
-                     "run's swa.bn_batches).")
-FLAGS = flags.FLAGS
+                     "run's swa.bn_batches).", flag_values=FLAGS)
 
 # What every ingredient's checkpoint record must share with the first's: (field, what differs, the fix).
 SHARED_FIELDS = (('model', 'architecture', 'average runs of one model'),
@@ -196,5 +201,14 @@ def main(argv: Sequence[str]) -> None:
     sys.exit(2)
 
 
+def parse_flags(argv: Sequence[str]) -> list[str]:
+  """This module's flags, then absl's own (logging): the program name and the runs are left."""
+  try:
+    return flags.FLAGS(FLAGS(list(argv), known_only=True))
+  except flags.Error as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+
+
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)
