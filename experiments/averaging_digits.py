@@ -54,8 +54,7 @@ def _soup(workdir: str, runs: list[str], greedy: bool) -> dict:
 
 def soups(out: str) -> dict:
   base = os.path.join(out, 'base')
-  _train(base, ['--config.num_epochs=8'])
-  table = {}
+  table = {'base': _train(base, ['--config.num_epochs=8'])['eval_accuracy']}
   runs = []
   for name, overrides in FINE_TUNES.items():
     workdir = os.path.join(out, name)
