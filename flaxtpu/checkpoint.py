@@ -228,8 +228,8 @@ class Checkpoints:
 
     A run without an EMA (or SWA) also resumes a checkpoint that differs from
     it in the EMA (SWA) only: one written before flaxtpu had it (no `ema` or
-    `swa` field), or one of a run that turned it off (not read). Every other
-    field is restored: any other difference still fails.
+    `swa` field), or one of a run that turned it off (read and dropped).
+    Every other field is restored strictly: any other difference still fails.
     """
     unused = [name for name in ('ema', 'swa') if getattr(abstract_state, name) == {}]
     try:
@@ -237,12 +237,19 @@ class Checkpoints:
     except CheckpointError as e:
       if not unused or isinstance(e, VanishedCheckpoint) or not isinstance(e.__cause__, ValueError):
         raise
-    fields = {field.name: getattr(abstract_state, field.name) for field in dataclasses.fields(abstract_state)
-              if field.name not in unused}
-    arrays, record = self.restore(step, fields, expected, config=config, subset=True)
+    fields = {field.name: getattr(abstract_state, field.name) for field in dataclasses.fields(abstract_state)}
+    metadata, model = self._metadata(step), {'params': abstract_state.params,
+                                             'batch_stats': abstract_state.batch_stats}
+    saved_as = {'ema': model, 'swa': {**model, 'count': abstract_state.step}}  # (count: an int32 scalar)
+    for name in unused:
+      if name not in metadata:
+        del fields[name]
+      elif metadata[name]:
+        fields[name] = saved_as[name]
+    arrays, record = self.restore(step, fields, expected, config=config)
     logging.info('checkpoint %s: its %s (or its lack of one) is not used by this run', self._path(step),
                  ' and '.join(name.upper() for name in unused))
-    return abstract_state.replace(**arrays), record
+    return abstract_state.replace(**{**arrays, **{name: {} for name in unused}}), record
 
   def restore_newest_readable(self, target: Any, expected: dict, **options) -> tuple[int, Any, dict]:
     """`restore` of the newest readable step: (step, arrays, record); `options` as `newest_readable`."""

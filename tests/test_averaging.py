@@ -134,6 +134,11 @@ def test_swa_run_resumes_bit_for_bit_and_logs_the_average(swa_run, image_folder,
   assert_same_state(restore_checkpoint(str(tmp_path), 12), saved)
   assert metric_rows(str(tmp_path)) == metric_rows(reference_dir)
   assert results['eval_accuracy_swa'] == reference['eval_accuracy_swa']
+  # Turned off, the run resumes the same checkpoint (its mean read and dropped) and goes on without one.
+  results = train.train_and_evaluate(_config(image_folder, **{**SWA, 'swa.every': 0, 'num_train_steps': 14}),
+                                     str(tmp_path))
+  assert results['step'] == 14 and 'eval_accuracy_swa' not in results
+  assert restore_checkpoint(str(tmp_path), 14)['swa'] == {}
 
 
 def test_eval_swa_restores_the_average_that_the_run_scored(swa_run, image_folder):
