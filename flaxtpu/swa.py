@@ -92,8 +92,13 @@ def view(state):
 def has_average(state) -> bool:
   """Whether `state` carries an SWA that has averaged at least one step (host read of the count)."""
   import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
   swa = getattr(state, 'swa', None)
-  return bool(swa) and int(jax.device_get(jax.tree.leaves(swa['count'])[0]).reshape(-1)[0]) > 0
+  if not swa:
+    return False
+  count = swa['count']  # replicated: this process's first copy (with many processes none holds them all)
+  local = count.addressable_data(0) if isinstance(count, jax.Array) else count
+  return int(np.asarray(local).reshape(-1)[0]) > 0
 
 
 def with_recomputed_statistics(state, task, placement, batches) -> Any:
