@@ -72,7 +72,7 @@ def _whole(value: Any) -> bool:
 _KEYS = {
     'temperature': (lambda v: _number(v) and v > 0, 'a positive finite number'),
     'step': (_whole, 'a checkpoint step (a whole number >= 0)'),
-    'weights': (lambda v: v in ('raw', 'ema'), '"raw" or "ema"'),
+    'weights': (lambda v: v in ('raw', 'ema', 'swa'), '"raw", "ema" or "swa"'),
     'tta': (lambda v: isinstance(v, str) and bool(v), 'the test-time augmentation\'s name, e.g. "none"'),
     'num_classes': (lambda v: _whole(v) and v >= 2, 'the model\'s class count'),
     'coverage': (lambda v: _number(v) and 0 < v < 1, 'a number between 0 and 1, e.g. 0.9'),

@@ -210,7 +210,7 @@ class Checkpoints:
     except Exception as e:  # pylint: disable=broad-except
       self._raise_if_vanished(step, e)  # before blaming the config: a half-deleted step fits nothing
       # Only model and optimizer keys shape the saved arrays (an inference restore reads no optimizer).
-      shaping = ('model.', 'ema.decay') if subset else ('model.', 'optimizer.', 'ema.decay')
+      shaping = ('model.', 'ema.decay', 'swa.every', *(() if subset else ('optimizer.',)))
       changed = [change for change in changed_keys(record.get('config', {}), config.to_dict())
                  if change.startswith(shaping)] if config else []
       if changed:
@@ -226,25 +226,30 @@ class Checkpoints:
                           config: ml_collections.ConfigDict) -> tuple[Any, dict]:
     """The whole train state at `step`: (state, record), read as `restore` reads.
 
-    A run without an EMA also resumes a checkpoint that differs from it in the
-    EMA only: one written before flaxtpu had an EMA (no `ema` field), or one
-    of a run that turned its EMA off (read and dropped). Every other field is
-    restored strictly: any other difference still fails.
+    A run without an EMA (or SWA) also resumes a checkpoint that differs from
+    it in the EMA (SWA) only: one written before flaxtpu had it (no `ema` or
+    `swa` field), or one of a run that turned it off (read and dropped).
+    Every other field is restored strictly: any other difference still fails.
     """
+    unused = [name for name in ('ema', 'swa') if getattr(abstract_state, name) == {}]
     try:
       return self.restore(step, abstract_state, expected, config=config)
     except CheckpointError as e:
-      if (abstract_state.ema != {} or isinstance(e, VanishedCheckpoint)
-          or not isinstance(e.__cause__, ValueError)):
+      if not unused or isinstance(e, VanishedCheckpoint) or not isinstance(e.__cause__, ValueError):
         raise
     fields = {field.name: getattr(abstract_state, field.name) for field in dataclasses.fields(abstract_state)}
-    if 'ema' in self._metadata(step):
-      fields['ema'] = {'params': abstract_state.params, 'batch_stats': abstract_state.batch_stats}
-    else:
-      del fields['ema']
+    metadata, model = self._metadata(step), {'params': abstract_state.params,
+                                             'batch_stats': abstract_state.batch_stats}
+    saved_as = {'ema': model, 'swa': {**model, 'count': abstract_state.step}}  # (count: an int32 scalar)
+    for name in unused:
+      if name not in metadata:
+        del fields[name]
+      elif metadata[name]:
+        fields[name] = saved_as[name]
     arrays, record = self.restore(step, fields, expected, config=config)
-    logging.info('checkpoint %s: its EMA (or its lack of one) is not used by this run', self._path(step))
-    return abstract_state.replace(**{**arrays, 'ema': {}}), record
+    logging.info('checkpoint %s: its %s (or its lack of one) is not used by this run', self._path(step),
+                 ' and '.join(name.upper() for name in unused))
+    return abstract_state.replace(**{**arrays, **{name: {} for name in unused}}), record
 
   def restore_newest_readable(self, target: Any, expected: dict, **options) -> tuple[int, Any, dict]:
     """`restore` of the newest readable step: (step, arrays, record); `options` as `newest_readable`."""

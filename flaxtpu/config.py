@@ -20,6 +20,7 @@ from flaxtpu import (  # no JAX at import
   image_sizes,
   models,
   optim_checks,
+  swa,
   tracking,
 )
 from flaxtpu.errors import ConfigError
@@ -372,16 +373,17 @@ def _check_checkpoint(config: ml_collections.ConfigDict) -> None:
   _positive('checkpoint.keep', checkpoint.keep)
   metrics = ('eval_accuracy', 'eval_loss', 'eval_balanced_accuracy', 'eval_map', 'eval_map_micro', 'eval_f1')
   _one_of('checkpoint.best_metric', checkpoint.best_metric,
-          ('auto', '', *metrics, *(f'{metric}_ema' for metric in metrics)))
+          ('auto', '', *metrics, *(f'{metric}{suffix}' for metric in metrics for suffix in ('_ema', '_swa'))))
   _one_of('checkpoint.best_mode', checkpoint.best_mode, ('max', 'min'))
   if checkpoint.best_metric == 'auto' and checkpoint.best_mode != 'max':
     raise ConfigError("config.checkpoint.best_metric='auto' picks eval_accuracy or eval_map, both kept at "
                       'their maximum; set best_mode=max or name the metric')
   multilabel_only = ('eval_map', 'eval_map_micro', 'eval_f1')
-  if checkpoint.best_metric.removesuffix('_ema') in multilabel_only and config.task != 'multilabel':
+  plain_metric = checkpoint.best_metric.removesuffix('_ema').removesuffix('_swa')
+  if plain_metric in multilabel_only and config.task != 'multilabel':
     raise ConfigError(f'config.checkpoint.best_metric={checkpoint.best_metric!r} is a multilabel metric; '
                       'pick eval_accuracy (or auto) for task=multiclass')
-  if checkpoint.best_metric.removesuffix('_ema') == 'eval_balanced_accuracy' and config.task == 'multilabel':
+  if plain_metric == 'eval_balanced_accuracy' and config.task == 'multilabel':
     raise ConfigError('config.checkpoint.best_metric=eval_balanced_accuracy is a multiclass metric; pick '
                       'eval_map (or auto) for task=multilabel')
   if checkpoint.best_metric.endswith('_ema') and not config.ema.decay:
@@ -465,7 +467,7 @@ SECTION_CHECKS = (_check_dataset_source, _check_dataset, _check_input, _check_au
                   _check_distill, _check_parallelism,
                   _check_loop, _check_checkpoint, _check_early_stopping, _check_eval, _check_predict,
                   optim_checks.check, _check_export, audit.check_config, calibration.check_config,
-                  tracking.check_config, aug_checks.check, image_sizes.check)
+                  tracking.check_config, aug_checks.check, image_sizes.check, swa.check)
 
 
 def config_keys(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:

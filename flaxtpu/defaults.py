@@ -493,6 +493,18 @@ def get_config() -> ml_collections.ConfigDict:
   # The eval crop at eval.image_size (0 = dataset.crop_fraction's, or 1.0 for native-size data).
   config.eval.crop_fraction = 0.0
 
+  # Stochastic weight averaging (flaxtpu/swa.py): from swa.start on, every swa.every steps the
+  # weights join a running mean, saved in checkpoints and scored at each evaluation as
+  # eval_accuracy_swa, ... after its BatchNorm statistics are recomputed over train batches.
+  config.swa = ml_collections.ConfigDict()
+  config.swa.every = 0  # Steps between averaged weights; 0 = off (e.g. one epoch's steps).
+  config.swa.start = 0.75  # The first averaged step: a fraction of the run in [0, 1), or a step number.
+  # Train batches (the seed's first ones) whose statistics, averaged with equal weight (torch's
+  # update_bn), become the BatchNorm statistics of averaged weights (SWA, flaxtpu.average's soups).
+  config.swa.bn_batches = 32
+  # eval/predict/export and the end-of-run report use the SWA weights (as eval.ema the EMA's).
+  config.eval.swa = False
+
   # JAX persistent compile cache ('' = ~/.cache/flaxtpu/jax; 'none' = off).
   config.compilation_cache_dir = ''
   config.lock()

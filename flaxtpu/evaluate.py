@@ -15,7 +15,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flaxtpu import files, parallel, steps
+from flaxtpu import files, parallel, steps, swa
 from flaxtpu.data import loaders, pipeline
 from flaxtpu.metric_names import eval_metric_prefix
 from flaxtpu.report import metrics as report_metrics
@@ -83,13 +83,15 @@ def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str
 
   The first split's metrics are `eval_loss`, `eval_accuracy`, ... (they pick
   the best checkpoint); another split's carry its name (`eval_train_5000_accuracy`);
-  the EMA weights' end in `_ema`. `num_examples` counts the first split.
-  With `report_weights` ('raw' or 'ema') the first split's predictions under
+  the EMA weights' end in `_ema`, the SWA's in `_swa`. `num_examples` counts the first split.
+  With `report_weights` ('raw', 'ema' or 'swa') the first split's predictions under
   those weights come back too (see `evaluate`). `threshold`: multilabel, as in `evaluate`.
   """
   views = [('raw', '', state)]
   if getattr(state, 'ema', None):
     views.append(('ema', '_ema', steps.ema_view(state)))
+  if swa.has_average(state):  # its BatchNorm statistics recomputed (swa.before_evaluation)
+    views.append(('swa', '_swa', swa.view(state)))
   results, predictions = {}, None
   for index, (split, dataset) in enumerate(eval_sets):
     prefix = eval_metric_prefix(split, first=index == 0)
@@ -143,7 +145,7 @@ def report_about(config: ml_collections.ConfigDict, step: int, split: Optional[s
   """What an evaluation report was made of: the step, the split, the weights and the TTA (kept in
   thresholds.json, whose thresholds predict matches to the checkpoint it restores)."""
   return {'step': step, 'split': split or config.dataset.eval_split,
-          'weights': 'ema' if config.eval.ema else 'raw', 'tta': tta_name(config.eval)}
+          'weights': swa.weights_name(config), 'tta': tta_name(config.eval)}
 
 
 def tta_name(eval_config) -> str:

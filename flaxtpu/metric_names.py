@@ -35,7 +35,7 @@ def check_eval_split_names(first: str, others) -> None:
 
 def metric_mode(metric: str, mode: str = 'auto') -> str:
   """'min' or 'max' for a watched eval metric: `mode`, or where 'auto', min for a *loss and max otherwise."""
-  return mode if mode != 'auto' else ('min' if metric.removesuffix('_ema').endswith('loss') else 'max')
+  return mode if mode != 'auto' else ('min' if re.sub('_(ema|swa)$', '', metric).endswith('loss') else 'max')
 
 
 def early_stopping_metric(config: ml_collections.ConfigDict) -> str:

@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from flaxtpu import augment, bce, gradients, loss_scale, metrics, models, optim, optim_contrib, parallel
+from flaxtpu import augment, bce, gradients, loss_scale, metrics, models, optim, optim_contrib, parallel, swa
 from flaxtpu.config import check_against_data
 from flaxtpu.errors import UserError
 from flaxtpu.image_sizes import resize_batch
@@ -61,6 +61,8 @@ class Task:
   loss_scaled: bool = False  # float16: a dynamic loss scale in the optimizer state (loss_scale.py)
   bce: Any = None  # loss=bce: a bce.Bce, the train loss a sigmoid per class (None = softmax)
   train_size: int = 0  # augment.train_sizes: the train step resizes batches to this side (0 = as given)
+  swa_every: int = 0  # > 0: every this many steps from swa_start the weights join a running mean (swa.py)
+  swa_start: int = 0
 
 
 def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
@@ -93,7 +95,9 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
               class_weights=None if class_weights is None else np.asarray(class_weights, np.float32),
               teacher=teacher, data_fit=models.data_fit(config.model.name), temperature=float(temperature),
               sam_rho=config.optimizer.sam_rho, sam_adaptive=config.optimizer.sam_adaptive,
-              loss_scaled=config.dtype == 'float16' and optimizer is not None, bce=bce.from_config(config))
+              loss_scaled=config.dtype == 'float16' and optimizer is not None, bce=bce.from_config(config),
+              swa_every=config.swa.every if optimizer else 0,
+              swa_start=swa.start_step(config, length.total_steps) if optimizer and config.swa.every else 0)
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -104,6 +108,7 @@ class TrainState(flax.struct.PyTreeNode):
   opt_state: Any
   rng: jax.Array  # base key: step `s` augments with fold_in(rng, s), so resuming replays it
   ema: Any  # {'params', 'batch_stats'}: exponential moving averages of both ({} without ema.decay)
+  swa: Any = flax.struct.field(default_factory=dict)  # swa.py's running mean ({} without swa.every)
 
 
 class ModelState(flax.struct.PyTreeNode):
@@ -148,7 +153,8 @@ def init_state(task: Task, seed: int, fitted: Optional[dict] = None) -> TrainSta
   ema = {'params': model.params, 'batch_stats': model.batch_stats} if task.ema_decay else {}
   return TrainState(step=jnp.zeros((), jnp.int32), params=model.params,
                     batch_stats=model.batch_stats, opt_state=task.optimizer.init(model.params),
-                    rng=data_key, ema=ema)
+                    rng=data_key, ema=ema,
+                    swa=swa.init(model.params, model.batch_stats) if task.swa_every else {})
 
 
 def ema_view(state: TrainState) -> TrainState:
@@ -267,6 +273,9 @@ def train_step(state: TrainState, batch, teacher_variables: Optional[ModelState]
   if task.ema_decay:
     new_state = new_state.replace(ema=update_ema(
         task, state, {'params': params, 'batch_stats': batch_stats}, optim.updated(opt_state)))
+  if task.swa_every:
+    new_state = new_state.replace(swa=swa.update(task, state.swa, state.step + 1, params,
+                                                 optim.updated(opt_state)))
   accuracy = _mean(jnp.mean(batch_accuracy(logits, labels, task.multilabel)), axis_name)
   loss, kl = _mean(loss, axis_name), _mean(kl, axis_name)
   if gradient.loss_scale is None:

@@ -41,6 +41,7 @@ from flaxtpu import (
   optim,
   parallel,
   steps,
+  swa,
   time_budget,
   tracking,
   workdir_config,
@@ -184,8 +185,8 @@ def finish_trained_run(config: ml_collections.ConfigDict, placement: steps.Place
 
 
 def report_weights(config: ml_collections.ConfigDict) -> str:
-  """The weights the per-class report of a finished run shows: 'ema' or 'raw'."""
-  return 'ema' if config.eval.ema else 'raw'
+  """The weights the per-class report of a finished run shows: 'swa', 'ema' or 'raw'."""
+  return swa.weights_name(config)
 
 
 def write_pictures(config: ml_collections.ConfigDict, predictions, dataset: pipeline.Dataset, workdir: str,
@@ -278,12 +279,14 @@ class _Loop:
     self.writer.flush()
     self.window, self.last_log_time = [], time.time()
 
-  def evaluate(self, step: int, state) -> None:
-    """Every eval split: to the log, TensorBoard and metrics.jsonl."""
+  def evaluate(self, step: int, state):
+    """Every eval split: to the log, TensorBoard and metrics.jsonl. Returns `state` (its SWA's BatchNorm
+    statistics recomputed)."""
     # Where early stopping or a study's pruner may end the run, any evaluation may be its last.
     is_last = (step == self.length.total_steps or bool(self.config.early_stopping.metric)
                or self.pruning is not None)
     with self.clock.paused('eval', state):
+      state = swa.before_evaluation(self.config, self.task, self.placement, self.dataset, state)
       # The last evaluation also keeps the logits that the per-class report is made of.
       results, self.predictions = evaluate_splits(self.placement, state, self.eval_sets,
                                                   resolved_eval_batch_size(self.config),
@@ -299,6 +302,7 @@ class _Loop:
                          if name not in ('eval_loss', 'eval_accuracy')))
     self.writer.write_scalars(step, results)
     self.writer.flush()
+    return state
 
   def after_evaluation(self, step: int, state):
     """The plateau schedule's scale (set in `state`), early stopping and a study's pruner, updated with the
@@ -460,7 +464,7 @@ def _train(loop: _Loop, batches, profiler: StepProfiler, stop: StopRequest) -> i
       loop.log(step)
     evaluated = loop.due(step, length.eval_every_steps)
     if evaluated:
-      loop.evaluate(step, state)
+      state = loop.evaluate(step, state)
       state = loop.after_evaluation(step, state)  # the plateau schedule's scale; early stopping
     stopping = stop_requested(stop, check_all_processes=loop.due(step, loop.config.log_every_steps))
     stopping_early = bool(clock.progress.stopped_early)

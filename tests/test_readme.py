@@ -141,6 +141,13 @@ def check_pip(words: list[str]) -> None:
         assert name in extras, f'{word}: pyproject.toml has no extra {name!r}'
 
 
+def check_average(words: list[str]) -> None:
+  """flaxtpu.average's own flags parse, and at least one run is named."""
+  from flaxtpu import average
+  runs = copy.deepcopy(average.FLAGS)(['average', *words[3:]])[1:]
+  assert runs and not any(run.startswith('-') for run in runs), f'{words}: name the runs to average'
+
+
 @pytest.mark.parametrize('command', page_commands())
 def test_command_works_as_written(command):
   words = tokens_of(command)
@@ -157,6 +164,8 @@ def test_command_works_as_written(command):
     check_sweep(words)
   elif words[:2] == ['python', '-m'] and words[2].startswith('benchmarks.'):
     check_benchmark(words)
+  elif words[:3] == ['python', '-m', 'flaxtpu.average']:
+    check_average(words)
   elif words[:3] == ['python', '-m', 'flaxtpu.report']:
     assert len(words) == 4 and not words[3].startswith('-'), f'{command}: flaxtpu.report takes one workdir'
   elif words[0] == 'make':

@@ -524,9 +524,9 @@ def test_a_checkpoint_written_before_the_ema_existed_resumes(tmp_path):
                       'eval_every_steps': 100, 'num_train_steps': 2})
   new = str(tmp_path / 'new')
   train.train_and_evaluate(config, new)
-  # The same state as the code before the EMA saved it: no `ema` field at all.
+  # The same state as the code before the EMA saved it: no `ema` field at all (nor `swa`, added later).
   state = restore_checkpoint(new, 2)
-  del state['ema']
+  del state['ema'], state['swa']
   record = checkpoint.Checkpoints(new, config, read_only=True).read_record(2)
   old = str(tmp_path / 'old')
   writer = checkpoint.Checkpoints(old, config)

@@ -9,7 +9,7 @@ import re
 import jax
 import ml_collections
 
-from flaxtpu import explain, fewshot, files, steps
+from flaxtpu import explain, fewshot, files, steps, swa
 from flaxtpu.data import pipeline
 from flaxtpu.errors import UserError
 from flaxtpu.evaluate import evaluate, report_about, tta_name, write_report
@@ -21,7 +21,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   """--mode=eval: accuracy and loss over every example of the eval split -> WORKDIR/eval.json.
 
   eval.json holds this evaluation at its top level (`split` names what it
-  scored, `weights` raw or ema, `tta` the test-time augmentation) and, under
+  scored, `weights` raw, ema or swa, `tta` the test-time augmentation) and, under
   `splits`, the latest result of every split, weights, TTA and step evaluated
   ('test', 'test:ema', 'test:tta=none' when training used TTA, 'test:step=48'
   for a checkpoint before the last), so scoring another never loses one.
@@ -43,24 +43,26 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   # names its end-of-run report has; any other view of the checkpoints a suffix naming how it differs,
   # so no result replaces another's.
   trained = record.get('config', {})
-  split, tta, ema = config.dataset.eval_split, tta_name(config.eval), bool(config.eval.ema)
+  split, tta, weights = config.dataset.eval_split, tta_name(config.eval), swa.weights_name(config)
   final_step = (files.read_json(os.path.join(workdir, 'results.json')) or {}).get('step')
   other_step = final_step is not None and step != final_step
   other_tta = tta != tta_name(trained.get('eval', {}))
-  other_weights = ema != bool(trained.get('eval', {}).get('ema', False))
+  trained_eval = trained.get('eval', {})
+  trained_weights = 'swa' if trained_eval.get('swa') else 'ema' if trained_eval.get('ema') else 'raw'
+  other_weights = weights != trained_weights
   size = config.eval.image_size  # eval.image_size apart from the run's: its own entry
-  other_size = size != trained.get('eval', {}).get('image_size', 0)
+  other_size = size != trained_eval.get('image_size', 0)
   suffix = ''.join(part for part, differs in (
       (f'-{split_file_name(split)}', split != trained.get('dataset', {}).get('eval_split')),
       (f'-step{step}', other_step), (f'-tta_{tta}', other_tta),
-      ('-ema' if ema else '-raw', other_weights), (f'-size{size}', other_size)) if differs)
+      (f'-{weights}', other_weights), (f'-size{size}', other_size)) if differs)
   key = split + (f':step={step}' if other_step else '') + (f':tta={tta}' if other_tta else '') + (
-      ':ema' if ema else '') + (f':size={size}' if other_size else '')
+      f':{weights}' if weights != 'raw' else '') + (f':size={size}' if other_size else '')
   # The mistakes picture shows each image under the Grad-CAM heatmap of the class it was taken for.
   results.update(write_report(predictions, dataset, output, suffix, config.eval.threshold,
                               report_about(config, step, split), calibration=record.get('calibration'),
                               overlay=explain.overlaid(explain.for_restored(config, record, state))))
-  results.update(step=step, split=split, tta=tta, weights='ema' if ema else 'raw',
+  results.update(step=step, split=split, tta=tta, weights=weights,
                  image_size=dataset.eval_image_shape[0],
                  source=config.dataset.folder or config.dataset.name,
                  checkpoint=os.path.join(workdir, 'checkpoints', str(step)))

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import ml_collections
 
-from flaxtpu import calibration, checkpoint, files, finetune, parallel, pretrained, steps
+from flaxtpu import calibration, checkpoint, files, finetune, parallel, pretrained, steps, swa
 from flaxtpu.errors import UserError
 from flaxtpu.evaluate import tta_name
 
@@ -44,18 +44,26 @@ def restore(config: ml_collections.ConfigDict, workdir: str, replaces: Sequence[
   def read(step: int):
     """The placement its record describes, and the model state of `step` laid out by it."""
     record = checkpoints.read_record(step)
-    about = {'step': step, 'weights': 'ema' if config.eval.ema else 'raw', 'tta': tta_name(config.eval)}
+    about = {'step': step, 'weights': swa.weights_name(config), 'tta': tta_name(config.eval)}
     fitted = calibration.for_checkpoint(workdir, about, record['num_classes']) if calibrated else None
     if config.eval.ema and not record.get('config', {}).get('ema', {}).get('decay'):
       raise checkpoint.CheckpointError(
           f'config.eval.ema=True but the run in {workdir} was trained without an EMA of its weights '
           '(ema.decay=0); drop --config.eval.ema or train with --config.ema.decay=0.999')
+    if config.eval.swa and not record.get('config', {}).get('swa', {}).get('every'):
+      raise checkpoint.CheckpointError(
+          f'config.eval.swa=True but the run in {workdir} was trained without an SWA of its weights '
+          '(swa.every=0); drop --config.eval.swa or train with --config.swa.every=50')
     task = steps.create_task(config, num_classes=record['num_classes'],
                              image_shape=tuple(record['image_shape']),
                              mean=record['normalization']['mean'], std=record['normalization']['std'],
                              temperature=fitted['temperature'] if fitted else 1.0)
     placement = steps.place(task, mesh, config)
     model = placement.abstract_state
+    if config.eval.swa:  # the saved state's `swa` subtree: its mean and recomputed BatchNorm statistics
+      averaged = {'swa': {'params': model.params, 'batch_stats': model.batch_stats}}
+      saved, record = checkpoints.restore(step, averaged, expected, config=config, subset=True)
+      return placement, steps.ModelState(**saved['swa']), {**record, 'calibration': fitted}
     if not config.eval.ema:
       saved, record = checkpoints.restore(step, model, expected, config=config, subset=True)
       return placement, saved, {**record, 'calibration': fitted}
@@ -71,6 +79,8 @@ def restore(config: ml_collections.ConfigDict, workdir: str, replaces: Sequence[
   checkpoints.close()
   if str(config.eval.checkpoint) == 'latest' and listed is not None and step < listed:  # fell back
     keep_newer(workdir, step, listed, replaces)
+  if config.eval.swa:
+    logging.info('using the SWA weights of checkpoint step %d', step)
   if config.eval.ema:
     logging.info('using the EMA weights of checkpoint step %d', step)
   return placement, placement.from_saveable(saved), step, record
