@@ -90,3 +90,15 @@ def train_batches(config, dataset, count: int, seed_offset: int = 0) -> Iterable
   return loaders.train_batches(dataset, seed=config.seed + seed_offset, batch_size=config.batch_size,
                                first_step=0, last_step=count, process_index=jax.process_index(),
                                process_count=jax.process_count())
+
+
+def for_schedule_free(config, task, placement, dataset, state) -> Any:
+  """Schedule-free: `state` with BatchNorm statistics recomputed at x (`state.params`, the weights every
+  evaluation scores) over `swa.bn_batches` train batches, as Defazio et al. do; the running ones come from
+  the forward passes at y, where the gradients are taken. Other optimizers, and models without
+  BatchNorm: `state` itself."""
+  from flaxtpu import optim_contrib  # pylint: disable=g-import-not-at-top
+  if config.optimizer.name not in optim_contrib.SCHEDULE_FREE or not jax.tree.leaves(state.batch_stats):
+    return state
+  batches = train_batches(config, dataset, config.swa.bn_batches)
+  return state.replace(batch_stats=recompute(task, placement, state.params, state.batch_stats, batches))

@@ -500,7 +500,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.swa.every = 0  # Steps between averaged weights; 0 = off (e.g. one epoch's steps).
   config.swa.start = 0.75  # The first averaged step: a fraction of the run in [0, 1), or a step number.
   # Train batches (the seed's first ones) whose statistics, averaged with equal weight (torch's
-  # update_bn), become the BatchNorm statistics of averaged weights (SWA, flaxtpu.average's soups).
+  # update_bn), become the BatchNorm statistics of averaged weights (SWA, schedule-free's x before each
+  # evaluation, flaxtpu.average's soups).
   config.swa.bn_batches = 32
   # eval/predict/export and the end-of-run report use the SWA weights (as eval.ema the EMA's).
   config.eval.swa = False

@@ -16,7 +16,10 @@ of parameters (in-training evaluation, the best checkpoint, eval, predict,
 export, fine-tuning, distillation) gets the averaged weights with no change;
 the train step forms y from x and z (`gradient_point`) and turns optax's new y
 back into x (`averaged`, optax's `schedule_free_eval_params`). BatchNorm
-statistics are those of the forward passes at y.
+running statistics come from the forward passes at y, so before each
+evaluation they are recomputed at x over `swa.bn_batches` train batches
+(`bn_recompute.for_schedule_free`), and the checkpoint of an evaluated step
+holds those.
 """
 
 from __future__ import annotations

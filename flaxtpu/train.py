@@ -27,6 +27,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from flaxtpu import (
+  bn_recompute,
   checkpoint,
   compile_plan,
   distill,
@@ -281,12 +282,13 @@ class _Loop:
 
   def evaluate(self, step: int, state):
     """Every eval split: to the log, TensorBoard and metrics.jsonl. Returns `state` (its SWA's BatchNorm
-    statistics recomputed)."""
+    statistics recomputed, and schedule-free's at x)."""
     # Where early stopping or a study's pruner may end the run, any evaluation may be its last.
     is_last = (step == self.length.total_steps or bool(self.config.early_stopping.metric)
                or self.pruning is not None)
     with self.clock.paused('eval', state):
       state = swa.before_evaluation(self.config, self.task, self.placement, self.dataset, state)
+      state = bn_recompute.for_schedule_free(self.config, self.task, self.placement, self.dataset, state)
       # The last evaluation also keeps the logits that the per-class report is made of.
       results, self.predictions = evaluate_splits(self.placement, state, self.eval_sets,
                                                   resolved_eval_batch_size(self.config),

@@ -183,6 +183,33 @@ def test_swa_statistics_are_recomputed_saved_and_read_by_eval_swa(image_folder, 
   assert swa.weights_name(eval_config) == 'swa'
 
 
+def test_schedule_free_batch_norm_statistics_are_recomputed_at_x_before_each_evaluation(
+    image_folder, tmp_path, monkeypatch):
+  """Schedule-free takes gradients at y, so the running statistics are y's: before an evaluation they are
+  recomputed at x (the parameters every reader scores), and the evaluated step's checkpoint holds them."""
+  calls = []
+  real = bn_recompute.recompute
+
+  def spy(task, placement, params, batch_stats, batches):
+    statistics = real(task, placement, params, batch_stats, batches)
+    calls.append((jax.device_get(params), jax.device_get(statistics)))
+    return statistics
+
+  monkeypatch.setattr(bn_recompute, 'recompute', spy)
+  config = _config(image_folder, **{'model.name': 'fastnet_s', 'optimizer.name': 'schedule_free_sgd',
+                                    'num_train_steps': 4, 'eval_every_steps': 4, 'checkpoint_every_steps': 4,
+                                    'swa.bn_batches': 2})
+  train.train_and_evaluate(config, str(tmp_path / 'run'))
+  saved = restore_checkpoint(str(tmp_path / 'run'), 4)
+  assert len(calls) == 1  # the one evaluation
+  assert_same_state(calls[0][0], saved['params'])  # recomputed at x, the saved parameters
+  assert_same_state(calls[0][1], saved['batch_stats'])  # and saved as scored
+  calls.clear()
+  train.train_and_evaluate(_config(image_folder, **{'model.name': 'fastnet_s', 'num_train_steps': 4,
+                                                     'eval_every_steps': 4}), str(tmp_path / 'sgd'))
+  assert not calls  # other optimizers keep their running statistics
+
+
 # --- model soups ---------------------------------------------------------------------------
 
 
