@@ -69,13 +69,7 @@ def main():
         seconds = harness.timings(lambda e=entry: jax.block_until_ready(e['augment_fn'](key, images)),
                                   args.steps)
         entry['augment_ms'].append(1000 * harness.median(seconds))
-        state = jax.block_until_ready(entry['step'](entry['state'], entry['batch'])[0])  # warm
-        started = time.perf_counter()
-        for _ in range(args.steps):
-          state, _ = entry['step'](state, entry['batch'])
-        jax.block_until_ready(state)
-        entry['step_ms'].append(1000 * (time.perf_counter() - started) / args.steps)
-        entry['state'] = state
+        harness.train_step_ms(entry, args.steps)
   reference = harness.median(next((e for e in entries if e['name'] == 'crop+flip'), entries[0])['step_ms'])
   rows = [{'augmentation': e['name'], 'augment_ms_per_batch': round(harness.median(e['augment_ms']), 1),
            'train_step_ms': round(harness.median(e['step_ms']), 1),

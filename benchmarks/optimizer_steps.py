@@ -13,7 +13,6 @@ and backward passes are the same).
 """
 
 import argparse
-import time
 
 from benchmarks import harness
 
@@ -26,8 +25,6 @@ def main():
   args = parser.parse_args()
   harness.cpu_devices(8)
   # pylint: disable=g-import-not-at-top
-  import jax
-
   from experiments import cifar10_optimizers
   from flaxtpu import compile_plan
   compiled = []
@@ -38,22 +35,16 @@ def main():
     _, state, batch, step, _ = compile_plan.compile_on_zeros(config, image_shape=(32, 32, 3), num_classes=10)
     name = overrides['optimizer.name'] + (' (no momentum)' if overrides.get('optimizer.momentum') == 0.0
                                           else '')
-    compiled.append({'name': name, 'state': state, 'batch': batch, 'step': step, 'ms': []})
+    compiled.append({'name': name, 'state': state, 'batch': batch, 'step': step, 'step_ms': []})
   with harness.cpu_load() as load:
     for round_index in range(args.rounds):
       order = compiled[round_index % len(compiled):] + compiled[:round_index % len(compiled)]
       for entry in order:
-        state = jax.block_until_ready(entry['step'](entry['state'], entry['batch'])[0])  # warm
-        started = time.perf_counter()
-        for _ in range(args.steps):
-          state, _ = entry['step'](state, entry['batch'])
-        jax.block_until_ready(state)
-        entry['ms'].append(1000 * (time.perf_counter() - started) / args.steps)
-        entry['state'] = state
-  reference = harness.median(compiled[0]['ms'])
-  rows = [{'optimizer': entry['name'], 'ms_per_step': round(harness.median(entry['ms']), 1),
-           'ratio_to_sgd_nesterov': round(harness.median(entry['ms']) / reference, 3),
-           'rounds_ms': [round(ms, 1) for ms in entry['ms']]} for entry in compiled]
+        harness.train_step_ms(entry, args.steps)
+  reference = harness.median(compiled[0]['step_ms'])
+  rows = [{'optimizer': entry['name'], 'ms_per_step': round(harness.median(entry['step_ms']), 1),
+           'ratio_to_sgd_nesterov': round(harness.median(entry['step_ms']) / reference, 3),
+           'rounds_ms': [round(ms, 1) for ms in entry['step_ms']]} for entry in compiled]
   for row in rows:
     print(f"{row['optimizer']:>22}  {row['ms_per_step']:8.1f} ms/step  {row['ratio_to_sgd_nesterov']:.3f}x")
   harness.write_results(args.out, {'model': 'resnet20', 'batch_size': 128, 'devices': 8, 'steps': args.steps,

@@ -1,5 +1,6 @@
 """Every test sees 8 CPU devices (like a TPU v3-8); XLA reads this before JAX starts."""
 
+import hashlib
 import os
 import sys
 
@@ -124,3 +125,13 @@ def signal_at_step(monkeypatch, step_to_signal):
       yield batch
 
   monkeypatch.setattr(loaders, 'train_batches', batches)
+
+
+def tree_digest(root):
+  """sha256 of the names and bytes of every file under `root`, in a fixed order (equal = untouched)."""
+  digest = hashlib.sha256()
+  for folder, _, names in sorted(os.walk(root)):
+    for name in sorted(names):
+      with open(os.path.join(folder, name), 'rb') as f:
+        digest.update(name.encode() + f.read())
+  return digest.hexdigest()

@@ -1,6 +1,5 @@
 """Issue 41 part 5: SWA inside a run, BatchNorm statistics recomputed, model soups (flaxtpu.average)."""
 
-import hashlib
 import json
 import os
 import shutil
@@ -13,7 +12,14 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import assert_same_state, metric_rows, restore_checkpoint, signal_at_step, tiny_dataset
+from conftest import (
+  assert_same_state,
+  metric_rows,
+  restore_checkpoint,
+  signal_at_step,
+  tiny_dataset,
+  tree_digest,
+)
 from flaxtpu import average, bn_recompute, defaults, lengths, steps, swa, train
 from flaxtpu import config as config_lib
 from flaxtpu.errors import ConfigError, UserError, printable
@@ -253,21 +259,12 @@ def test_uniform_soup_is_the_mean_and_greedy_drops_the_bad_ingredient(ingredient
   assert results['method'] == 'greedy' and results['held_out_split'] == 'test'
 
 
-def _tree_digest(root):
-  digest = hashlib.sha256()
-  for folder, _, names in sorted(os.walk(root)):
-    for name in sorted(names):
-      with open(os.path.join(folder, name), 'rb') as f:
-        digest.update(name.encode() + f.read())
-  return digest.hexdigest()
-
-
 def test_soup_errors_are_one_line_and_touch_nothing(ingredients, tmp_path):
   good, other = ingredients
-  before = _tree_digest(good)
+  before = tree_digest(good)
   with pytest.raises(UserError, match='already holds files; choose a new directory'):
     average.make_soup([other], good)
-  assert _tree_digest(good) == before
+  assert tree_digest(good) == before
   with pytest.raises(UserError, match=f'--weights=ema but {good} trained without an EMA'):
     average.make_soup([good, other], str(tmp_path / 'out'), weights='ema')
   for field, value, what in (('model', 'resnet20', 'another architecture'),

@@ -1,7 +1,6 @@
 """Issue 41 in whole runs: new optimizer states resume bit for bit, float16 skips overflows and still stops
 on a real divergence, time_budget plans and keeps its length, --mode=lr_find leaves a run untouched."""
 
-import hashlib
 import json
 import os
 import shutil
@@ -10,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import assert_same_state, metric_rows, restore_checkpoint, signal_at_step
+from conftest import assert_same_state, metric_rows, restore_checkpoint, signal_at_step, tree_digest
 from flaxtpu import config as config_lib
 from flaxtpu import defaults, lengths, loss_scale, optim, time_budget, train
 from flaxtpu.divergence import TrainingDiverged
@@ -81,27 +80,18 @@ def test_float16_real_divergence_stops_with_one_line(image_folder, tmp_path):
   assert '\n' not in line and 'NaN/Inf at step' in line and 'float16' in line
 
 
-def _digest(directory):
-  digest = hashlib.sha256()
-  for root, _, names in sorted(os.walk(directory)):
-    for name in sorted(names):
-      with open(os.path.join(root, name), 'rb') as f:
-        digest.update(name.encode() + f.read())
-  return digest.hexdigest()
-
-
 def test_lr_find_writes_its_curve_and_leaves_a_runs_checkpoints_bytewise(uninterrupted, image_folder,
                                                                          tmp_path):
   if uninterrupted[0] != 'schedule_free_sam_float16':
     pytest.skip('one run to leave untouched is enough')
   workdir = str(tmp_path / 'run')
   shutil.copytree(uninterrupted[1], workdir)
-  before = {name: _digest(os.path.join(workdir, name)) if os.path.isdir(os.path.join(workdir, name))
+  before = {name: tree_digest(os.path.join(workdir, name)) if os.path.isdir(os.path.join(workdir, name))
             else open(os.path.join(workdir, name), 'rb').read() for name in os.listdir(workdir)}
   config = _config(image_folder, **{'optimizer.name': 'adam', 'lr_find.steps': 20, 'lr_find.min_lr': 1e-5,
                                     'lr_find.max_lr': 10.0})
   result = lr_find.lr_find(config, workdir)
-  after = {name: _digest(os.path.join(workdir, name)) if os.path.isdir(os.path.join(workdir, name))
+  after = {name: tree_digest(os.path.join(workdir, name)) if os.path.isdir(os.path.join(workdir, name))
            else open(os.path.join(workdir, name), 'rb').read() for name in before}
   assert after == before
   assert set(os.listdir(workdir)) - set(before) == {'lr_find.json', 'lr_find.png'}
