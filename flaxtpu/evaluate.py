@@ -145,7 +145,7 @@ def report_about(config: ml_collections.ConfigDict, step: int, split: Optional[s
   """What an evaluation report was made of: the step, the split, the weights and the TTA (kept in
   thresholds.json, whose thresholds predict matches to the checkpoint it restores)."""
   return {'step': step, 'split': split or config.dataset.eval_split,
-          'weights': swa.weights_name(config), 'tta': tta_name(config.eval)}
+          'weights': swa.weights_name(config.eval), 'tta': tta_name(config.eval)}
 
 
 def tta_name(eval_config) -> str:

@@ -150,7 +150,7 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                    os.path.join(files.absolute(final), 'timm'), host_state, record)
     summary.update(
         step=step, model=record['model'], dtype=config.dtype, directory=files.absolute(final),
-        weights=swa.weights_name(config), flip_tta=bool(config.eval.flip_tta),
+        weights=swa.weights_name(config.eval), flip_tta=bool(config.eval.flip_tta),
         translate_tta=int(config.eval.translate_tta), image_size=task.image_shape[0],
         temperature=(record.get('calibration') or {}).get('temperature', 1.0),
         checkpoint=os.path.join(workdir, 'checkpoints', str(step)),

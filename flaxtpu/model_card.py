@@ -67,7 +67,7 @@ def _recipe(config: ml_collections.ConfigDict, step: int) -> list[str]:
             else f'{config.num_epochs:g} epochs')
   lines = [
       f'- model: `{config.model.name}` ({config.dtype}), checkpoint step {step} '
-      f'({swa.weights_name(config).replace("ema", "EMA").replace("swa", "SWA")} weights)',
+      f'({swa.weights_name(config.eval).replace("ema", "EMA").replace("swa", "SWA")} weights)',
       f'- training length: {length}, batch size {config.batch_size}, seed {config.seed}',
       f'- optimizer: `{optimizer.name}`, learning rate {optimizer.learning_rate:g}, weight decay '
       f'{optimizer.weight_decay:g}; schedule `{schedule.name}` (warmup {schedule.warmup_epochs:g} epochs)',

@@ -109,9 +109,10 @@ def with_recomputed_statistics(state, task, placement, batches) -> Any:
   return state.replace(swa={**state.swa, 'batch_stats': statistics})
 
 
-def weights_name(config: ml_collections.ConfigDict) -> str:
-  """The weights eval/predict/export and the end-of-run report use: 'swa', 'ema' or 'raw'."""
-  return 'swa' if config.eval.swa else 'ema' if config.eval.ema else 'raw'
+def weights_name(eval_settings) -> str:
+  """The weights eval/predict/export and the end-of-run report use: 'swa', 'ema' or 'raw', from a config's
+  `eval` section (or a saved run's, as a dict)."""
+  return 'swa' if eval_settings.get('swa') else 'ema' if eval_settings.get('ema') else 'raw'
 
 
 def before_evaluation(config: ml_collections.ConfigDict, task, placement, dataset, state):

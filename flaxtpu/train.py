@@ -187,7 +187,7 @@ def finish_trained_run(config: ml_collections.ConfigDict, placement: steps.Place
 
 def report_weights(config: ml_collections.ConfigDict) -> str:
   """The weights the per-class report of a finished run shows: 'swa', 'ema' or 'raw'."""
-  return swa.weights_name(config)
+  return swa.weights_name(config.eval)
 
 
 def write_pictures(config: ml_collections.ConfigDict, predictions, dataset: pipeline.Dataset, workdir: str,

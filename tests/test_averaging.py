@@ -154,7 +154,7 @@ def test_eval_swa_restores_the_average_that_the_run_scored(swa_run, image_folder
   workdir, results = swa_run
   eval_config = defaults.derived(_config(image_folder, **SWA), {'eval.swa': True})
   placement, state, step, _ = restore(eval_config, workdir)
-  assert step == 12 and swa.weights_name(eval_config) == 'swa'
+  assert step == 12 and swa.weights_name(eval_config.eval) == 'swa'
   assert_same_state(jax.device_get(state.params), restore_checkpoint(workdir, 12)['swa']['params'])
   scores, _ = evaluate(placement, state, pipeline.load(eval_config, need_train=False), 16)
   assert scores['eval_loss'] == pytest.approx(results['eval_loss_swa'], rel=1e-6)
@@ -186,7 +186,7 @@ def test_swa_statistics_are_recomputed_saved_and_read_by_eval_swa(image_folder, 
   scores, _ = evaluate(placement, state, pipeline.load(eval_config, need_train=False), 16)
   assert scores['eval_accuracy'] == pytest.approx(results['eval_accuracy_swa'], abs=1e-6)
   assert scores['eval_loss'] == pytest.approx(results['eval_loss_swa'], rel=1e-5)
-  assert swa.weights_name(eval_config) == 'swa'
+  assert swa.weights_name(eval_config.eval) == 'swa'
 
 
 def test_schedule_free_batch_norm_statistics_are_recomputed_at_x_before_each_evaluation(

@@ -43,13 +43,12 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   # names its end-of-run report has; any other view of the checkpoints a suffix naming how it differs,
   # so no result replaces another's.
   trained = record.get('config', {})
-  split, tta, weights = config.dataset.eval_split, tta_name(config.eval), swa.weights_name(config)
+  split, tta, weights = config.dataset.eval_split, tta_name(config.eval), swa.weights_name(config.eval)
   final_step = (files.read_json(os.path.join(workdir, 'results.json')) or {}).get('step')
   other_step = final_step is not None and step != final_step
-  other_tta = tta != tta_name(trained.get('eval', {}))
   trained_eval = trained.get('eval', {})
-  trained_weights = 'swa' if trained_eval.get('swa') else 'ema' if trained_eval.get('ema') else 'raw'
-  other_weights = weights != trained_weights
+  other_tta = tta != tta_name(trained_eval)
+  other_weights = weights != swa.weights_name(trained_eval)
   size = config.eval.image_size  # eval.image_size apart from the run's: its own entry
   other_size = size != trained_eval.get('image_size', 0)
   suffix = ''.join(part for part, differs in (

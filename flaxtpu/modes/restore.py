@@ -44,7 +44,7 @@ def restore(config: ml_collections.ConfigDict, workdir: str, replaces: Sequence[
   def read(step: int):
     """The placement its record describes, and the model state of `step` laid out by it."""
     record = checkpoints.read_record(step)
-    about = {'step': step, 'weights': swa.weights_name(config), 'tta': tta_name(config.eval)}
+    about = {'step': step, 'weights': swa.weights_name(config.eval), 'tta': tta_name(config.eval)}
     fitted = calibration.for_checkpoint(workdir, about, record['num_classes']) if calibrated else None
     if config.eval.ema and not record.get('config', {}).get('ema', {}).get('decay'):
       raise checkpoint.CheckpointError(
