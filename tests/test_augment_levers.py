@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 import scipy.ndimage
+from test_levers_runs import _config as levers_run_config
 
 from flaxtpu import aug_checks, augmix, bce, defaults, photometric
 from flaxtpu import config as config_lib
@@ -235,14 +236,9 @@ LEVERS = {'augment.repeats': 2, 'augment.policy': 'augmix', 'augment.color_jitte
 
 
 def _run_config(folder, **overrides):
-  config = defaults.get_config()
-  config.update_from_flattened_dict({
-      'dataset.folder': folder, 'model.name': 'cnn', 'batch_size': 16, 'num_train_steps': 8,
-      'log_every_steps': 4, 'eval_every_steps': 8, 'checkpoint_every_steps': 2,
-      'compilation_cache_dir': 'none',
-      'schedule.name': 'constant', 'optimizer.learning_rate': 0.01, **LEVERS, **overrides})
-  config_lib.validate(config)
-  return config
+  return levers_run_config(folder, **{
+      'num_train_steps': 8, 'eval_every_steps': 8, 'checkpoint_every_steps': 2,
+      'optimizer.learning_rate': 0.01, **LEVERS, **overrides})
 
 
 @pytest.mark.slow  # three 8-step runs, 3 min on 2 shared cores (the augmix step compiles in ~35 s)
