@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from flaxtpu.errors import UserError
+from flaxtpu.models.nets import grouped_conv
 from flaxtpu.models.nets.vit import stochastic_depth
 
 # Convolutions and dense layers start as timm's trunc_normal_(std=.02), biases at zero.
@@ -36,7 +37,8 @@ class ConvNeXtBlock(nn.Module):
     features = x.shape[-1]
     dense = lambda width, name: nn.Dense(width, dtype=self.dtype, kernel_init=_KERNEL_INIT, name=name)
     y = nn.Conv(features, (7, 7), padding=3, feature_group_count=features, dtype=self.dtype,
-                kernel_init=_KERNEL_INIT, name='dwconv')(x)
+                kernel_init=_KERNEL_INIT, name='dwconv',
+                conv_general_dilated=grouped_conv.conv_general_dilated)(x)
     y = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, name='norm')(y)
     y = dense(features, 'pwconv2')(nn.gelu(dense(4 * features, 'pwconv1')(y), approximate=False))
     scale = self.param('layer_scale', nn.initializers.constant(self.layer_scale), (features,))

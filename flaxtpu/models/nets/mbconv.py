@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from flaxtpu.models.nets import grouped_conv
 from flaxtpu.models.nets.vit import stochastic_depth
 
 ACTIVATIONS = {'silu': nn.silu, 'relu': nn.relu, 'hard_swish': nn.hard_swish,
@@ -33,7 +34,8 @@ def layers(padding: str, train: bool, dtype: Any, bn_axis_name: Optional[str]):
   def conv(features, kernel, stride=1, groups=1, *, name):
     pad = 'SAME' if padding == 'same' else [((kernel - 1) // 2,) * 2] * 2
     return nn.Conv(features, (kernel, kernel), stride, padding=pad, feature_group_count=groups,
-                   use_bias=False, kernel_init=_CONV_INIT, dtype=dtype, name=name)
+                   use_bias=False, kernel_init=_CONV_INIT, dtype=dtype, name=name,
+                   conv_general_dilated=grouped_conv.conv_general_dilated)
   norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
                            epsilon=1e-3 if padding == 'same' else 1e-5, dtype=dtype, axis_name=bn_axis_name)
   return conv, norm

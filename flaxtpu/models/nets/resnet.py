@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from flaxtpu.models.nets import grouped_conv
 from flaxtpu.models.nets.vit import stochastic_depth
 
 
@@ -58,11 +59,13 @@ class Block(nn.Module):
 def conv_layer(padding: str, dtype: Any):
   """Bias-free convolutions padded as `padding` says: 'torch' pads k // 2 on every side, as PyTorch does."""
   if padding == 'same':
-    return functools.partial(nn.Conv, use_bias=False, dtype=dtype)
+    return functools.partial(nn.Conv, use_bias=False, dtype=dtype,
+                             conv_general_dilated=grouped_conv.conv_general_dilated)
 
   def conv(features, kernel_size, strides=1, **kwargs):
     return nn.Conv(features, kernel_size, strides, padding=[(k // 2, k // 2) for k in kernel_size],
-                   use_bias=False, dtype=dtype, **kwargs)
+                   use_bias=False, dtype=dtype, conv_general_dilated=grouped_conv.conv_general_dilated,
+                   **kwargs)
   return conv
 
 
