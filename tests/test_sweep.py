@@ -16,7 +16,7 @@ from PIL import Image
 from flaxtpu import sweep
 from flaxtpu.sweep import __main__ as cli
 from flaxtpu.sweep import report as sweep_report
-from flaxtpu.sweep import runner
+from flaxtpu.sweep import runner, slurm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -415,6 +415,8 @@ def test_a_second_sweep_on_one_directory_is_refused_and_changes_nothing(tmp_path
       '{"runs": [{"name": "optimizer.learning_rate=0.1,schedule.name=cosine", "status": "done"}]}')
   started = []
   monkeypatch.setattr(runner, 'run_sweep', lambda *args, **kwargs: started.append(args))
+  # --launcher=slurm checks for sbatch and squeue before the lock; this machine need not have SLURM.
+  monkeypatch.setattr(slurm, 'check_commands', lambda: None)
   with lock.WorkdirLock(str(workdir), file=runner.LOCK_FILE, who='sweep'):  # the first sweep, alive
     before = {path: path.read_bytes() for path in workdir.iterdir()}
     for launcher in ([], ['--launcher=slurm']):
