@@ -29,21 +29,22 @@ import types
 from benchmarks import harness
 
 BATCH = 32
-# (family, flaxtpu model, timm architecture, channels_last for PyTorch)
+# (family, flaxtpu model, timm architecture, channels_last for PyTorch, flaxtpu model.pool: timm's
+# ViTs read their class token, DeiT's distilled ones two tokens; '' = the model's default)
 CASES = [
-    ('resnet', 'resnet50', 'resnet50', True),
-    ('resnext', 'resnext50_32x4d', 'resnext50_32x4d', True),
-    ('regnet', 'regnety_016', 'regnety_016', True),
-    ('efficientnet', 'efficientnet_b0', 'efficientnet_b0', True),
-    ('mobilenetv3', 'mobilenetv3_l', 'mobilenetv3_large_100', True),
-    ('convnext', 'convnext_t', 'convnext_tiny', True),
-    ('swin', 'swin_t', 'swin_tiny_patch4_window7_224', False),
-    ('vit', 'vit_s', 'vit_small_patch16_224', False),
-    ('deit', 'deit_ti_distilled', 'deit_tiny_distilled_patch16_224', False),
+    ('resnet', 'resnet50', 'resnet50', True, ''),
+    ('resnext', 'resnext50_32x4d', 'resnext50_32x4d', True, ''),
+    ('regnet', 'regnety_016', 'regnety_016', True, ''),
+    ('efficientnet', 'efficientnet_b0', 'efficientnet_b0', True, ''),
+    ('mobilenetv3', 'mobilenetv3_l', 'mobilenetv3_large_100', True, ''),
+    ('convnext', 'convnext_t', 'convnext_tiny', True, ''),
+    ('swin', 'swin_t', 'swin_tiny_patch4_window7_224', False, ''),
+    ('vit', 'vit_s', 'vit_small_patch16_224', False, 'tok'),
+    ('deit', 'deit_ti_distilled', 'deit_tiny_distilled_patch16_224', False, 'tok'),
 ]
 
 
-def flaxtpu_rate(model: str, size: int, steps: int, cache_dir: str) -> float:
+def flaxtpu_rate(model: str, pool: str, size: int, steps: int, cache_dir: str) -> float:
   """Images/s of flaxtpu's train step for `model` at `size` px, in this process."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -55,6 +56,8 @@ def flaxtpu_rate(model: str, size: int, steps: int, cache_dir: str) -> float:
   from flaxtpu import compile_plan, defaults  # pylint: disable=g-import-not-at-top
   config = defaults.get_config()
   config.model.name, config.batch_size = model, BATCH
+  if pool:
+    config.model.pool = pool
   config.optimizer.name, config.optimizer.momentum = 'sgd', 0.9
   config.compilation_cache_dir = 'none'
   placement, state, _, step, _ = compile_plan.compile_on_zeros(config, image_shape=(size, size, 3),
@@ -115,15 +118,17 @@ def _env(contestant: str) -> dict:
 
 
 def _measure(contestant: str, case, size: int, steps: int, cache_dir: str) -> float:
-  family, model, architecture, channels_last = case
-  del family
-  out = subprocess.run([sys.executable, '-m', 'benchmarks.family_speed', f'--worker={contestant}',
-                        f'--model={model}', f'--architecture={architecture}', f'--size={size}',
-                        f'--steps={steps}', f'--cache-dir={cache_dir}']
-                       + (['--channels-last'] if channels_last else []),
-                       cwd=harness.ROOT, env=_env(contestant), check=True,
-                       capture_output=True, text=True).stdout
-  return json.loads(out.strip().splitlines()[-1])['images_per_s']
+  """Images/s of one contestant on one case, in a child process; RuntimeError with its last words."""
+  _, model, architecture, channels_last, pool = case
+  done = subprocess.run([sys.executable, '-m', 'benchmarks.family_speed', f'--worker={contestant}',
+                         f'--model={model}', f'--architecture={architecture}', f'--pool={pool}',
+                         f'--size={size}', f'--steps={steps}', f'--cache-dir={cache_dir}']
+                        + (['--channels-last'] if channels_last else []),
+                        cwd=harness.ROOT, env=_env(contestant), capture_output=True, text=True)
+  if done.returncode:
+    last = (done.stderr.strip().splitlines() or [f'exit {done.returncode}'])[-1]
+    raise RuntimeError(f'{contestant} on {model}: {last}')
+  return json.loads(done.stdout.strip().splitlines()[-1])['images_per_s']
 
 
 def main() -> None:
@@ -135,12 +140,14 @@ def main() -> None:
   parser.add_argument('--worker', choices=('flaxtpu', 'torch'), help=argparse.SUPPRESS)
   parser.add_argument('--model', help=argparse.SUPPRESS)
   parser.add_argument('--architecture', help=argparse.SUPPRESS)
+  parser.add_argument('--pool', default='', help=argparse.SUPPRESS)
   parser.add_argument('--channels-last', action='store_true', help=argparse.SUPPRESS)
   parser.add_argument('--cache-dir', help=argparse.SUPPRESS)
   harness.out_argument(parser, 'family_speed.json')
   args = parser.parse_args()
   if args.worker:
-    rate = (flaxtpu_rate(args.model, args.size, args.steps, args.cache_dir) if args.worker == 'flaxtpu'
+    rate = (flaxtpu_rate(args.model, args.pool, args.size, args.steps, args.cache_dir)
+            if args.worker == 'flaxtpu'
             else torch_rate(args.architecture, args.size, args.steps, args.channels_last))
     print(json.dumps({'images_per_s': rate}))
     return
@@ -149,10 +156,15 @@ def main() -> None:
   cache = tempfile.TemporaryDirectory(prefix='family_speed_')
   for case in cases:
     rates = {'flaxtpu': [], 'torch': []}
-    with harness.cpu_load() as load:
-      for _ in range(args.repeats):
-        for contestant in rates:
-          rates[contestant].append(_measure(contestant, case, args.size, args.steps, cache.name))
+    try:
+      with harness.cpu_load() as load:
+        for _ in range(args.repeats):
+          for contestant in rates:
+            rates[contestant].append(_measure(contestant, case, args.size, args.steps, cache.name))
+    except RuntimeError as error:  # one case failing costs that row only
+      rows.append({'family': case[0], 'model': case[1], 'timm': case[2], 'error': str(error)})
+      print(f'{case[0]:12s} {case[1]:14s} failed: {error}', flush=True)
+      continue
     flax_rate, torch_rate_ = harness.median(rates['flaxtpu']), harness.median(rates['torch'])
     rows.append({'family': case[0], 'model': case[1], 'timm': case[2], 'image_size': args.size,
                  'batch': BATCH, 'flaxtpu_images_per_s': flax_rate, 'torch_images_per_s': torch_rate_,
@@ -161,8 +173,8 @@ def main() -> None:
     print(f'{case[0]:12s} {case[1]:14s} flaxtpu {flax_rate:7.2f} img/s   PyTorch eager ({case[2]}) '
           f'{torch_rate_:7.2f} img/s   ratio {flax_rate / torch_rate_:.2f}   '
           f'(other load {load["other_cpu_load"]:.2f} cores)', flush=True)
-  harness.write_results(args.out, {'rows': rows, 'steps': args.steps, 'repeats': args.repeats,
-                                   'cpu_count': os.cpu_count()})
+    harness.write_results(args.out, {'rows': rows, 'steps': args.steps, 'repeats': args.repeats,
+                                     'cpu_count': os.cpu_count()})  # after each case: a stop keeps the rows
 
 
 if __name__ == '__main__':
