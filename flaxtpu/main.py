@@ -16,6 +16,7 @@ import math
 import os
 import re
 import sys
+import time
 import traceback
 
 import ml_collections
@@ -29,6 +30,7 @@ from flaxtpu.errors import UserError
 from flaxtpu.lengths import resolved_eval_batch_size
 from flaxtpu.signals import StopRequest
 
+IMPORTED_AT = time.time()  # the command's start where the process's cannot be read (not Linux)
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py or experiments/*.py).',
                                 lock_config=True)
@@ -297,12 +299,12 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   jax = _start_jax(config, mode)
   # Imported after JAX has started with the right flags.
   # pylint: disable=g-import-not-at-top
-  from flaxtpu import compile_plan, parallel, train
+  from flaxtpu import compile_plan, parallel, progress, train
   from flaxtpu.data import pipeline
   parallel.check_platform(config.require_platform)
   logging.info('JAX %s on %s', jax.__version__, parallel.describe_devices())
   if mode == 'train':
-    train.train_and_evaluate(config, workdir, stop)
+    train.train_and_evaluate(config, workdir, stop, command_started=progress.process_start_time(IMPORTED_AT))
   elif mode == 'plan':
     dataset = pipeline.load(config, need_train=False)  # only the image shape and class count
     plan = compile_plan.plan_memory(config, image_shape=dataset.image_shape, num_classes=dataset.num_classes)

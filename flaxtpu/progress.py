@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Optional
 
@@ -27,7 +28,8 @@ class Progress:
   eval: dict = dataclasses.field(default_factory=dict)  # the latest evaluation's metrics
   train_seconds: float = 0.0  # time in train steps, of every attempt: no compiling, evaluating, saving
   train_steps: int = 0  # the steps those seconds cover
-  time_to_first_step_s: Optional[float] = None  # of the first attempt: data, init, compile, one step
+  # of the first attempt, from its command (process start): imports, JAX, data, init, compile, one step
+  time_to_first_step_s: Optional[float] = None
   wall_time_s: Optional[float] = None  # of every attempt, from its start to its latest save
   memory_plan: dict = dataclasses.field(default_factory=dict)  # XLA's per-device plan of the train step
   plateau: Optional[dict] = None  # schedule.name=plateau: reduce_on_plateau's state (plateau.Plateau)
@@ -64,6 +66,25 @@ class Progress:
     }
 
 
+def process_start_time(fallback: float) -> float:
+  """When this process started (time.time()'s clock), or `fallback` where /proc cannot tell.
+
+  Linux: field 22 of /proc/self/stat (the start in clock ticks after boot) on the boot time that
+  /proc/uptime gives to 10 ms; /proc/stat's btime would do too, but it is rounded to the second.
+  """
+  try:
+    with open('/proc/self/stat', encoding='ascii') as f:
+      stat = f.read()
+    with open('/proc/uptime', encoding='ascii') as f:
+      seconds_since_boot = float(f.read().split()[0])
+    booted = time.time() - seconds_since_boot
+    # The command name (field 2) may hold spaces and parentheses: count fields after its last ')'.
+    start_ticks = int(stat[stat.rindex(')') + 2:].split()[19])
+    return booted + start_ticks / os.sysconf('SC_CLK_TCK')
+  except (OSError, ValueError, IndexError):
+    return fallback
+
+
 class TrainClock:
   """Times training steps apart from compiling, evaluating and saving, and splits a step's time.
 
@@ -73,9 +94,13 @@ class TrainClock:
   and `step` the time in the train step and waiting for its results.
   """
 
-  def __init__(self, first_step: int, progress: Progress, started: Optional[float] = None):
+  def __init__(self, first_step: int, progress: Progress, started: Optional[float] = None,
+               command_started: Optional[float] = None):
     self.progress = progress
     self._started = time.time() if started is None else started  # this attempt's start
+    # The command's start (`process_start_time`), which the time to the first step counts from.
+    self._command_started = self._started if command_started is None else command_started
+    self._first_step_done = False  # of this attempt
     self._wall_time_before = progress.wall_time_s or 0.0  # of the attempts before this one
     self._lap_start, self._lap_step = time.time(), first_step
     self.seconds_per_step = 0.0
@@ -100,13 +125,15 @@ class TrainClock:
 
   def step_done(self, step_metrics: Any, wait: bool) -> None:
     """After a train step is dispatched: waits for it where `wait` (and for the first, to time it)."""
-    first = self.progress.time_to_first_step_s is None
+    first = not self._first_step_done
     if wait or first:
       jax.block_until_ready(step_metrics)
-    if first:
-      self.progress.time_to_first_step_s = time.time() - self._started
-      logging.info('first step done %.1fs after start (data, init, compile)',
-                   self.progress.time_to_first_step_s)
+    if first:  # every attempt logs its start-up; the record keeps the first attempt's
+      self._first_step_done, now = True, time.time()
+      logging.info('first step done %.1f s after the command (%.1f s after training started: data, init, '
+                   'compile)', now - self._command_started, now - self._started)
+      if self.progress.time_to_first_step_s is None:
+        self.progress.time_to_first_step_s = now - self._command_started
 
   def lap(self, step: int, batch_size: int) -> tuple[float, dict[str, float]]:
     """Images/s since the last lap and the share of its time each part took."""

@@ -350,23 +350,26 @@ class _Loop:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       stop: Optional[StopRequest] = None) -> dict:
+                       stop: Optional[StopRequest] = None, command_started: Optional[float] = None) -> dict:
   """Trains `config` in `workdir` (resuming from its latest checkpoint) and returns results.json.
 
   `config` comes resolved (flaxtpu/resolution.py) and validated, as from the CLI; nothing edits it.
   A SIGTERM/SIGINT at any point ends it cleanly: the state reached is saved
   and `{'stopped_at_step': N}` is returned. The CLI passes the `stop` it
-  installed before JAX started; otherwise one is installed here.
+  installed before JAX started; otherwise one is installed here. It also passes
+  `command_started` (its process's start), which the time to the first step counts from; without
+  it, that time counts from this call.
   """
   with contextlib.nullcontext(stop) if stop and stop.active else StopRequest() as stop:
     # Process 0 holds the workdir for the run: a second trainer there stops at once.
     # A lease (gs://) that another trainer takes over stops this run at its next step, unsaved.
     holding = lock.WorkdirLock(workdir, on_lost=stop.abort) if jax.process_index() == 0 else None
     with holding or contextlib.nullcontext():
-      return _train_and_evaluate(config, workdir, stop)
+      return _train_and_evaluate(config, workdir, stop, command_started)
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest) -> dict:
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest,
+                        command_started: Optional[float]) -> dict:
   started = time.time()
   is_main = jax.process_index() == 0
   mesh = parallel.make_mesh(config)
@@ -406,7 +409,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
           last_step=length.total_steps, process_index=jax.process_index(),
           process_count=jax.process_count(), alternate_flip=config.augment.alternate_flip))
   loop = _Loop(config, task, placement, dataset, eval_sets, length, checkpoints, writer,
-               TrainClock(start.step, start.progress, started), start, start.window,
+               TrainClock(start.step, start.progress, started, command_started), start, start.window,
                probe=fewshot.maybe_probe(config, dataset, task, placement), pruning=Pruning.of(config))
   profiler = StepProfiler(workdir, start.step, config.profile_steps, length.total_steps)
   try:
