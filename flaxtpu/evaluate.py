@@ -49,7 +49,7 @@ def evaluate(placement: steps.Placement, state, dataset: pipeline.Dataset, batch
     batch_metrics, batch_logits = placement.eval_step(state, placement.put_eval_batch(tuple(batch)))
     if one_step_in_flight:
       jax.block_until_ready(batch_metrics)
-    totals = batch_metrics if totals is None else totals.merge(batch_metrics)
+    totals = batch_metrics if totals is None else steps.merge_metrics(totals, batch_metrics)
     multilabel = batch.labels.ndim == 2
     if keep_logits or multilabel:
       rows_logits, rows_labels = _real_rows(batch_logits, batch)

@@ -216,6 +216,14 @@ def train_metrics_collection(task: Task):
   return task.teacher.metric_collection if task.teacher else metrics.Metrics
 
 
+@jax.jit
+def merge_metrics(merged, more):
+  """Two clu collections of one kind merged by one compiled program, however many are merged in turn:
+  a log window's steps (a jit over the whole window compiles anew for each length: the run's last
+  window, one saved between log lines) and an evaluation's batches (one dispatch each, not one per metric)."""
+  return merged.merge(more)
+
+
 def train_step(state: TrainState, batch, teacher_variables: Optional[ModelState] = None, *, task: Task,
                axis_name: Optional[str] = None):
   """One batch of (uint8 images, labels) -> (new state, clu metrics): an optimizer update, or

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -346,7 +347,7 @@ class _Loop:
       raise Diverged(step if diverged_at is None else diverged_at)
 
   def _merged_window(self):
-    return self.placement.to_host_metrics(metrics.merge_window(self.window))
+    return self.placement.to_host_metrics(functools.reduce(steps.merge_metrics, self.window))
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
