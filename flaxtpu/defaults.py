@@ -506,7 +506,8 @@ def get_config() -> ml_collections.ConfigDict:
   # eval/predict/export and the end-of-run report use the SWA weights (as eval.ema the EMA's).
   config.eval.swa = False
 
-  # JAX persistent compile cache ('' = ~/.cache/flaxtpu/jax; 'none' = off).
+  # XLA's persistent compilation cache, per user: every program a run compiles is kept, so a second run
+  # of the same config compiles nothing ('' = ~/.cache/flaxtpu/jax; 'none' = off).
   config.compilation_cache_dir = ''
   config.lock()
   return config

@@ -1,5 +1,9 @@
-"""Start-up: the time from the command to the first step."""
+"""Start-up: the time from the command to the first step, and what a run compiles (once, and from the
+persistent compilation cache on the second run)."""
 
+import collections
+import json
+import os
 import subprocess
 import sys
 import time
@@ -8,6 +12,69 @@ import pytest
 
 from conftest import ROOT
 from flaxtpu import progress
+
+# The CLI with jax.monitoring listeners: each backend compile (a persistent-cache hit included) and each
+# compilation-cache event is written to $EVENTS when the process exits.
+WITH_LISTENERS = '''
+import atexit, json, os, runpy, sys
+from jax import monitoring
+compiles, cache_events = [], {}
+def on_duration(event, seconds, **kwargs):
+  if event == '/jax/core/compile/backend_compile_duration':
+    compiles.append(kwargs['fun_name'])
+def on_event(event, **kwargs):
+  if event.startswith('/jax/compilation_cache/'):
+    cache_events[event] = cache_events.get(event, 0) + 1
+monitoring.register_event_duration_secs_listener(on_duration)
+monitoring.register_event_listener(on_event)
+def write_events():
+  with open(os.environ['EVENTS'], 'w') as f:
+    json.dump({'compiles': compiles, 'cache': cache_events}, f)
+atexit.register(write_events)
+sys.argv[0] = 'flaxtpu.main'
+runpy.run_module('flaxtpu.main', run_name='__main__')
+'''
+
+# 100 train examples in batches of 32: 3 steps an epoch, so 7 steps cross two epoch boundaries. 50 eval
+# examples in batches of 16 end in a batch of 2 (padded). Log lines at 3, 6, 7 and a save at 5 merge
+# windows of 3, 2 and 1 steps.
+SHORT_RUN = ['--config=configs/digits.py', '--config.dataset.train_split=train[:100]',
+             '--config.dataset.eval_split=test[:50]', '--config.batch_size=32', '--config.eval_batch_size=16',
+             '--config.num_train_steps=7', '--config.log_every_steps=3', '--config.eval_every_steps=4',
+             '--config.checkpoint_every_steps=5']
+# flaxtpu's own compiled functions and their programs in a run (the rest are JAX's eager operations, one
+# program per shape): merge_metrics merges the train step's metrics and the eval step's, one program each.
+OWN_PROGRAMS = {'jit(init_state)': 1, 'jit(train_step)': 1, 'jit(eval_step)': 1, 'jit(merge_metrics)': 2}
+
+
+def run_counting_compiles(workdir, cache_dir, events):
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # the CLI picks the devices
+  result = subprocess.run([sys.executable, '-c', WITH_LISTENERS, *SHORT_RUN, f'--workdir={workdir}',
+                           f'--config.compilation_cache_dir={cache_dir}'],
+                          cwd=ROOT, env={**env, 'EVENTS': str(events)}, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  with open(events) as f:
+    return json.load(f), result.stderr
+
+
+def test_second_run_compiles_nothing_and_eval_or_a_partial_batch_compiles_once(tmp_path):
+  cache_dir = tmp_path / 'cache'
+  first, log = run_counting_compiles(tmp_path / 'first', cache_dir, tmp_path / 'first.json')
+  compiled = collections.Counter(first['compiles'])
+  # Whatever the last train or eval batch, or the length of a log window: each program once.
+  assert {name: compiled[name] for name in OWN_PROGRAMS} == OWN_PROGRAMS, compiled
+  # Every program went into the cache, however small or quick to compile.
+  assert first['cache'].get('/jax/compilation_cache/cache_misses') == len(first['compiles']), first
+  assert 'first step done' in log and 'after the command' in log
+  with open(tmp_path / 'first' / 'results.json') as f:
+    assert json.load(f)['time_to_first_step_s'] > 0
+
+  # A new workdir on the same cache: the same programs, every one read from the cache.
+  second, _ = run_counting_compiles(tmp_path / 'second', cache_dir, tmp_path / 'second.json')
+  assert sorted(second['compiles']) == sorted(first['compiles'])
+  assert second['cache'].get('/jax/compilation_cache/cache_misses', 0) == 0, second
+  assert second['cache'].get('/jax/compilation_cache/cache_hits') == len(second['compiles']), second
 
 
 def test_process_start_time_is_when_the_command_started():
