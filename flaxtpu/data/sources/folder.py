@@ -161,11 +161,13 @@ def _list_folder_split(root: str, split: str) -> dict[str, list[str]]:
     return {name: sorted(path[prefix:] for path in remote.image_files(class_dir)) or _no_images(class_dir)
             for name, class_dir in class_dirs.items()}
   split_real = os.path.realpath(split_dir)
+  prefix = os.path.join(root, '')  # what every path found below starts with: cut, not relpath (60k: 1 s)
   images_by_class = {}
   for name in class_dirs:
     class_dir = os.path.join(split_dir, name)
     others = [real for other, real in class_dirs.items() if other != name]
-    images = sorted(os.path.relpath(path, root) for path in image_files(class_dir, split_real, others))
+    images = sorted(path[len(prefix):] if path.startswith(prefix) else os.path.relpath(path, root)
+                    for path in image_files(class_dir, split_real, others))
     if not images:
       raise DataError(f'class folder {class_dir} has no images ({", ".join(IMAGE_EXTENSIONS)}); '
                       'add images or remove the folder')
