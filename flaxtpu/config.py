@@ -149,6 +149,10 @@ def _check_dataset(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f'config.dataset.crop_fraction={dataset.crop_fraction!r} must be in (0, 1] '
                       '(0 = the init_from source\'s, else 0.875)')
   _one_of('dataset.cache', dataset.cache, ('auto', 'memory', 'none'))
+  if '://' in dataset.decoded_cache_dir:
+    raise ConfigError(f'config.dataset.decoded_cache_dir={dataset.decoded_cache_dir!r} must be a local '
+                      "folder (decoded images are read back at disk speed); '' = ~/.cache/flaxtpu/decoded, "
+                      'none = off')
   _one_of('dataset.normalize', dataset.normalize, NORMALIZATIONS)
   if dataset.normalize == 'fixed' and not (
       len(dataset.mean) == len(dataset.std) > 0 and min(dataset.std) > 0):

@@ -43,6 +43,9 @@ def get_config() -> ml_collections.ConfigDict:
   # auto | memory | none: decode once into host memory (auto: when it fits 1/8 of RAM, at most 4
   # GiB) or stream from disk.
   config.dataset.cache = 'auto'
+  # Where decoded splits are kept for the next run (a local folder; '' = ~/.cache/flaxtpu/decoded;
+  # 'none' = decode every run). Keyed by each file's path, size and mtime and the decode settings.
+  config.dataset.decoded_cache_dir = ''
   # Skip files that cannot be decoded (logged) instead of stopping with their name.
   config.dataset.skip_corrupt = False
   # error | drop: a class folder of an eval split that training (or the checkpoint) lacks stops the

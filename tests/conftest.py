@@ -3,10 +3,13 @@
 import hashlib
 import os
 import sys
+import tempfile
 
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+# Decoded splits (dataset.decoded_cache_dir '') go to a folder of this test process, never the user's.
+os.environ['XDG_CACHE_HOME'] = tempfile.mkdtemp(prefix='flaxtpu-test-cache-')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # `configs` is importable as in the CLI
 

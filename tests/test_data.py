@@ -11,7 +11,7 @@ from PIL import Image
 from configs import cifar10
 from conftest import make_image_folder, make_mixed_folder
 from flaxtpu import defaults
-from flaxtpu.data import loaders, pipeline, predict_inputs, sampling, sources, workers
+from flaxtpu.data import loaders, pipeline, predict_inputs, preprocess, sampling, sources, workers
 from flaxtpu.data.sources import DataError, base, embedded
 from flaxtpu.data.sources import folder as folder_source
 
@@ -346,14 +346,17 @@ def test_truncated_jpeg_is_named_when_decoded_or_replaced(tmp_path):
 def test_unreadable_file_is_named(tmp_path, monkeypatch):
   folder = make_image_folder(tmp_path, train_per_class=3, test_per_class=1)
   locked = str(tmp_path / 'train' / 'cat' / '002.png')
-  real_open = Image.open
+  real_open, real_read = Image.open, preprocess.read_file
 
-  def open_as_an_unprivileged_user(path, *args, **kwargs):  # the suite may run as root
-    if str(path) == locked:
-      raise PermissionError(13, 'Permission denied', path)
-    return real_open(path, *args, **kwargs)
+  def as_an_unprivileged_user(real):  # the suite may run as root
+    def read(path, *args, **kwargs):
+      if str(path) == locked:
+        raise PermissionError(13, 'Permission denied', path)
+      return real(path, *args, **kwargs)
+    return read
 
-  monkeypatch.setattr(Image, 'open', open_as_an_unprivileged_user)
+  monkeypatch.setattr(Image, 'open', as_an_unprivileged_user(real_open))  # headers
+  monkeypatch.setattr(preprocess, 'read_file', as_an_unprivileged_user(real_read))  # decoding
   with pytest.raises(pipeline.DataError, match=f'cannot read {locked} \\(permission denied\\)'):
     pipeline.load(_config(folder))
 

@@ -1,5 +1,6 @@
 """The decoded-split cache (`dataset.cache`): whether the splits fit a small share of host memory,
-and decoding them once into it, in worker processes, each file checked as it decodes."""
+and decoding them once into it, in worker processes, each file checked as it decodes; kept on
+local disk for the next run (`dataset.decoded_cache_dir`, `decoded_store.py`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import os
 
 import numpy as np
 
-from flaxtpu.data import preprocess, workers
+from flaxtpu.data import decoded_store, preprocess, workers
 from flaxtpu.data.dataset import Examples, image_shape, label_batch
+from flaxtpu.data.decoded_store import Decoded, DecodedChunk
 from flaxtpu.data.preprocess import Transform
 from flaxtpu.data.sources.base import Split, unreadable, without_unreadable
 from flaxtpu.errors import ConfigError
@@ -17,7 +19,8 @@ from flaxtpu.errors import ConfigError
 # The decoded splits may take this share of host memory before `dataset.cache=auto` streams.
 CACHE_MEMORY_FRACTION = 1 / 8
 CACHE_MAX_BYTES = 4 * 2**30
-CACHE_CHUNK = 500  # images per cache-decoding task: a hand-over to a worker costs several small decodes
+CACHE_CHUNK = 500  # images per decoding task at most: a hand-over to a worker costs several small decodes
+CHUNK_BYTES = 32 * 2**20  # ... and pixels per task at most, which come back through a pipe
 
 
 def use_cache(cache: str, count: int, image_shape: tuple[int, int, int], transform: Transform) -> bool:
@@ -52,58 +55,62 @@ def cache_side(transform: Transform) -> int:
   return int(np.ceil(transform.size / transform.crop_fraction)) if transform.size else 0
 
 
-def examples(split: Split, *, cache: bool, transform: Transform, num_workers: int,
-              skip_corrupt: bool) -> Examples:
-  """The split to stream, or decoded into memory (where every file is checked as it decodes)."""
+def examples(split: Split, *, cache: bool, transform: Transform, num_workers: int, skip_corrupt: bool,
+             threads: bool = False, store: str = 'none') -> Examples:
+  """The split to stream, or decoded into memory (where every file is checked as it decodes).
+
+  A split of local files decoded once is kept in `store` (a folder; `decoded_store.py`), and read
+  back from there while its files and the decode settings stay the same.
+  """
   if not cache:
     return Examples(source=split)
-  logging.info('decoding %d images of %r into memory (dataset.cache)', len(split), split.name)
-  chunks = range(-(-len(split) // CACHE_CHUNK))
-  chunk_results = workers.run(_CacheDecoder(split, transform), chunks, num_workers, buffer=8,
-                              min_items_per_worker=2)
-  chunk_results = workers.with_progress(chunk_results, len(split), f'decoding {split.name!r}')
-  decoded = [example for chunk in chunk_results for example in chunk]
-  _, keep = without_unreadable(
-      split, [image if isinstance(image, str) else None for image, _ in decoded], skip_corrupt)
-  images = [decoded[i][0] for i in keep]
+  channels, side = transform.channels, cache_side(transform)
+  key = decoded_store.key(split, channels, side, num_workers) if store != 'none' else None
+  decoded = decoded_store.load(store, key, len(split)) if key else None
+  if decoded is None:
+    decoded = _decode(split, channels, side, num_workers, threads)
+    if key and not decoded.labels:  # a split that lists its labels: the store keeps pixels only
+      decoded_store.save(store, key, decoded)
+  _, keep = without_unreadable(split, [decoded.failures.get(i) for i in range(len(split))], skip_corrupt)
   # A split that lists its labels keeps their array (and dtype); TFDS records said them as they decoded.
-  labels = split.labels[keep] if split.labels is not None else label_batch([decoded[i][1] for i in keep])
-  if not transform.size:  # native size: the sampled headers may have missed an odd one
-    image_shape({image.shape[:2] for image in images}, transform, transform.channels)
-    images = np.stack(images)
-  return Examples(images=images, labels=labels,
-                  groups=None if split.groups is None else split.groups[keep])
+  labels = split.labels[keep] if split.labels is not None else label_batch([decoded.labels[i] for i in keep])
+  if transform.size:
+    images = decoded.images(keep)
+  else:  # native size: the sampled headers may have missed an odd one
+    image_shape({tuple(shape[:2]) for shape in decoded.shapes[keep].tolist()}, transform, channels)
+    images = decoded.stacked(keep)
+  return Examples(images=images, labels=labels, groups=None if split.groups is None else split.groups[keep])
 
 
-class _CacheDecoder:
-  """A chunk of indices -> (image as the cache keeps it, or what is wrong with its file; label).
+def _decode(split: Split, channels: int, side: int, num_workers: int, threads: bool) -> Decoded:
+  """Every image of `split` decoded (`preprocess.shorter_side_at_most`), chunk by chunk in
+  `num_workers` processes (threads with `threads`), each chunk's pixels packed in one array."""
+  per_chunk = int(np.clip(CHUNK_BYTES // (max(side, 32) ** 2 * channels * 2), 16, CACHE_CHUNK))
+  starts = range(0, len(split), per_chunk)
+  logging.info('decoding %d images of %r into memory (dataset.cache) with %d %s', len(split), split.name,
+               min(num_workers, len(starts)), 'threads' if threads else 'processes')
+  tasks = [(split.subset(np.arange(start, min(start + per_chunk, len(split)))), channels, side,
+            split.labels is None) for start in starts]
+  chunks = workers.pool_map(_decode_chunk, tasks, num_workers, threads)
+  chunks = workers.with_progress(chunks, len(split), f'decoding {split.name!r}',
+                                 size=lambda chunk: chunk.count)
+  return Decoded.joined(list(chunks), starts)
 
-  The cache keeps the native size, or the shorter side at the eval resize.
-  """
 
-  def __init__(self, split: Split, transform: Transform):
-    self.split, self.transform = split, transform
-
-  def __call__(self, chunk: int) -> list:
-    examples = []
-    for index in range(chunk * CACHE_CHUNK, min((chunk + 1) * CACHE_CHUNK, len(self.split))):
-      label = None  # a record that gives no image (a null parquet cell) is unreadable like a bad file
-      try:
-        item, label = self.split.load(index)
-        examples.append((self._cacheable(preprocess.open_image(item)), label))
-      except Exception as e:  # pylint: disable=broad-except
-        examples.append((unreadable(self.split.describe(index), e), label))
-    return examples
-
-  def _cacheable(self, image):
-    from PIL import Image  # pylint: disable=g-import-not-at-top
-    channels, side = self.transform.channels, cache_side(self.transform)
-    if not side:
-      return preprocess.to_array(preprocess.decode(image, channels), channels)
-    width, height = preprocess.upright_size(image)
-    scale = side / min(width, height)
-    target = (max(1, round(width * scale)), max(1, round(height * scale)))
-    decoded = preprocess.decode(image, channels, target if scale < 1 else None)
-    if scale < 1:
-      decoded = decoded.resize(target, Image.BILINEAR, reducing_gap=None)
-    return preprocess.to_array(decoded, channels)
+def _decode_chunk(task: tuple[Split, int, int, bool]) -> DecodedChunk:
+  """One chunk of a split, decoded: its pixels packed, each image's shape, what failed and why."""
+  split, channels, side, keep_labels = task
+  images, shapes, failures, labels = [], np.zeros((len(split), 3), np.int32), {}, []
+  for index in range(len(split)):
+    label = None  # a record that gives no image (a null parquet cell) is unreadable like a bad file
+    try:
+      item, label = split.load(index)
+      image = preprocess.shorter_side_at_most(item, channels, side)
+      images.append(image.reshape(-1))
+      shapes[index] = image.shape
+    except Exception as e:  # pylint: disable=broad-except
+      failures[index] = unreadable(split.describe(index), e)
+    if keep_labels:
+      labels.append(label)
+  pixels = np.concatenate(images) if images else np.zeros(0, np.uint8)
+  return DecodedChunk(pixels, shapes, failures, labels)

@@ -91,8 +91,10 @@ def _read(source: Source, splits: list[Split], spec: DatasetSpec, transform: Tra
     splits, native = [split for split, _ in checked], set().union(*(sizes for _, sizes in checked))
   shape = image_shape(native, transform, channels)
   transforms = [transform] * (len(splits) - 1) + [eval_transform if transform.size else transform]
+  store = spec.settings.get('decoded_cache_dir', '')  # absent from the configs of older runs
   return [cache.examples(split, cache=use, transform=each, num_workers=spec.workers,
-                         skip_corrupt=spec.skip_corrupt) for split, each in zip(splits, transforms)], shape
+                         skip_corrupt=spec.skip_corrupt, threads=spec.threads, store=store)
+          for split, each in zip(splits, transforms)], shape
 
 
 def _normalized(dataset: Dataset, spec: DatasetSpec) -> Dataset:

@@ -199,15 +199,9 @@ def _header_size(split: Split, index: int) -> tuple[int, int] | str:
     return unreadable(split.describe(index), e)
 
 
-class _HeaderScan:
-  """The header sizes of one chunk of a split's files."""
-
-  def __init__(self, split: Split):
-    self.split = split
-
-  def __call__(self, chunk: int) -> list:
-    return [_header_size(self.split, index)
-            for index in range(chunk * SCAN_CHUNK, min((chunk + 1) * SCAN_CHUNK, len(self.split)))]
+def _header_sizes(split: Split) -> list:
+  """The header sizes of a chunk of a split's files (a `Split` of them)."""
+  return [_header_size(split, index) for index in range(len(split))]
 
 
 def scan(split: Split, num_workers: int, skip_corrupt: bool) -> tuple[Split, set]:
@@ -216,8 +210,10 @@ def scan(split: Split, num_workers: int, skip_corrupt: bool) -> tuple[Split, set
   Returns the split without unreadable files (with `skip_corrupt`; else the
   first is named in a DataError) and the set of (height, width) sizes.
   """
-  chunks = range(-(-len(split) // SCAN_CHUNK))
-  scanned = workers.run(_HeaderScan(split), chunks, num_workers, buffer=4, min_items_per_worker=4)
+  chunks = [split.subset(np.arange(start, min(start + SCAN_CHUNK, len(split))))
+            for start in range(0, len(split), SCAN_CHUNK)]
+  # Processes only for 4+ chunks each: starting one costs more than a few small chunks.
+  scanned = workers.pool_map(_header_sizes, chunks, min(num_workers, len(chunks) // 4))
   scanned = workers.with_progress(scanned, len(split), f'reading the headers of {split.name!r}')
   results = [result for chunk in scanned for result in chunk]
   split, keep = without_unreadable(split, [r if isinstance(r, str) else None for r in results],
