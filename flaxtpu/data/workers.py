@@ -1,4 +1,5 @@
-"""Work computed ahead of its consumer: in grain worker threads or processes, or one background thread.
+"""Work computed ahead of its consumer: in worker processes, grain's worker threads, or one
+background thread.
 
 JAX-free: the worker processes are fresh interpreters that import only what the
 work needs (numpy, Pillow, TFDS data sources).
@@ -6,9 +7,10 @@ work needs (numpy, Pillow, TFDS data sources).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import ctypes
-import gc
+import itertools
 import logging
 import multiprocessing
 import queue
@@ -17,8 +19,6 @@ import sys
 import threading
 import time
 from typing import Iterable, Iterator, Sequence
-
-import numpy as np
 
 
 def with_progress(chunks: Iterable, total: int, what: str, every_s: float = 10.0, size=len) -> Iterator:
@@ -41,51 +41,42 @@ def with_progress(chunks: Iterable, total: int, what: str, every_s: float = 10.0
 
 def run(function, items, workers: int, buffer: int, min_items_per_worker: int = 1,
         threads: bool = False) -> Iterator:
-  """`map(function, items)` in order, computed ahead by grain: in `workers` threads of this
-  process (`threads`) or `workers` processes, or in one thread if 0.
+  """`map(function, items)` in order, `buffer` results computed ahead: in `workers` processes, or
+  `workers` threads of this process (`threads`, grain's read-ahead threads), or one thread if 0.
 
-  Starting a process costs ~1-2 s (a fresh interpreter): short jobs stay on the thread. Threads
+  Starting a process costs ~1 s (a fresh interpreter): short jobs stay on the thread. Threads
   suit work that releases the GIL for most of its time (JPEG decoding and resizing in
-  libjpeg-turbo and OpenCV do): their results need no hand-over, whereas a process's results pass
-  through a fresh shared-memory block, which cost ~20 ms of CPU per 19 MiB batch here (tmpfs
-  page allocation), more than a third of what building the batch cost.
+  libjpeg-turbo and OpenCV do) where system calls are cheap; one process's threads share its
+  GIL, which capped them near 11,000-13,000 img/s here, and on a gVisor sandbox (Cloud TPU hosts)
+  their file reads queue behind each other.
+
+  The processes are a standard-library pool, not grain's: grain's workers import JAX (on a TPU
+  host each ran the TPU runtime's start-up checks) and hand every array of a result over in a
+  shared-memory block of its own, created and unlinked per batch. Here a result comes back
+  pickled through the pool's pipe; the function is sent to each worker once, not with each item.
+  A worker that dies (the OOM killer) stops the pass with an error instead of a hang.
   """
   workers = min(workers, len(items) // min_items_per_worker)
   if workers <= 0:
     return prefetch(map(function, items), size=buffer)
+  if not threads:
+    return _in_processes(function, items, workers, ahead=workers + buffer)
   import grain  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   if not flags.FLAGS.is_parsed():  # grain reads its options from absl flags
     flags.FLAGS.mark_as_parsed()
   source = (grain.MapDataset.range(items.start, items.stop, items.step) if isinstance(items, range)
             else grain.MapDataset.source(list(items)))
-  mapped = source.map(function)
-  if threads:  # grain's read-ahead threads: `buffer` results computed ahead, in order
-    read = grain.ReadOptions(num_threads=workers, prefetch_buffer_size=max(buffer, workers))
-    return _closing_threads(iter(mapped.to_iter_dataset(read)))
-  # No reader threads or read-ahead inside a worker: each element is a whole batch, and the
-  # per-worker buffer of mp_prefetch already keeps `buffer` of them ready. (grain's defaults,
-  # 16 threads and 500 elements, held gigabytes per worker when the consumer is slower.)
-  # Results come back in shared memory (released by _closing). Through the pipe instead, a worker
-  # stopped mid-write can leave a partial message that blocks close() forever.
-  dataset = mapped.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-  options = grain.MultiprocessingOptions(num_workers=workers,
-                                         per_worker_buffer_size=max(1, buffer // workers))
-  return _closing(iter(dataset.mp_prefetch(options, worker_init_fn=_die_with_parent)))
+  read = grain.ReadOptions(num_threads=workers, prefetch_buffer_size=max(buffer, workers))
+  return _closing_threads(iter(source.map(function).to_iter_dataset(read)))
 
 
 def pool_map(function, items: Sequence, workers: int, threads: bool = False) -> Iterator:
-  """`map(function, items)` in order, in a pool of `workers` processes (threads with `threads`; this
-  thread if 0): for one-off jobs whose results are few and compact, such as decoding a split into
-  memory chunk by chunk.
+  """`map(function, items)` in order, all submitted at once to `workers` processes (threads with
+  `threads`; this thread if 0): for one-off jobs of compact results, such as decoding a split into
+  memory chunk by chunk. Each item travels to a worker with the function: keep both small.
 
-  A result comes back pickled through the pool's pipe, not in shared memory: grain's hand-over
-  gives every array of a result a shared-memory block of its own, which holds a file descriptor
-  until a background thread frees it, so 500 small images per result ran a TPU host out of
-  descriptors (Errno 24). Processes start from a fresh interpreter (never a fork of a trainer
-  that holds an accelerator) and die with their parent. Threads suit work that releases the GIL
-  for most of its time; on a gVisor sandbox (as Cloud TPU hosts run) their file reads queue
-  behind each other, and processes decoded CIFAR-10 2.6x faster (docs/performance.md).
+  On the TPU host's gVisor sandbox threads decoded CIFAR-10 in 11.6 s, 12 processes in 4.5 s.
   """
   workers = min(workers, len(items))
   if workers <= 1:
@@ -95,9 +86,28 @@ def pool_map(function, items: Sequence, workers: int, threads: bool = False) -> 
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
       yield from pool.map(function, items)
     return
-  context = multiprocessing.get_context('spawn')
-  with context.Pool(workers, initializer=_die_with_parent, initargs=(0, workers)) as pool:
-    yield from pool.imap(function, items)
+  yield from _in_processes(_call, [(function, item) for item in items], workers, ahead=len(items))
+
+
+def _in_processes(function, items: Iterable, workers: int, ahead: int) -> Iterator:
+  """`map(function, items)` in order in `workers` fresh processes, at most `ahead` items submitted
+  and not yet consumed. The processes stop (their current items done) when the consumer stops."""
+  pool = concurrent.futures.ProcessPoolExecutor(
+      workers, mp_context=multiprocessing.get_context('spawn'), initializer=_start_worker,
+      initargs=(function,))
+  try:
+    pending, items = collections.deque(), iter(items)
+    pending.extend(pool.submit(_work, item) for item in itertools.islice(items, ahead))
+    while pending:
+      result = pending.popleft().result()
+      pending.extend(pool.submit(_work, item) for item in itertools.islice(items, 1))
+      yield result
+  except concurrent.futures.process.BrokenProcessPool as e:
+    raise RuntimeError('an input worker process died (killed, or out of memory?); lower '
+                       '--config.input.workers or --config.input.prefetch, then run the same command '
+                       'to resume') from e
+  finally:
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _closing_threads(iterator) -> Iterator:
@@ -106,6 +116,29 @@ def _closing_threads(iterator) -> Iterator:
     yield from iterator
   finally:
     iterator.close()
+
+
+_worker_function = None  # in a worker process: what `_work` calls
+
+
+def _start_worker(function) -> None:
+  global _worker_function
+  _die_with_parent(0, 0)
+  try:  # one OpenCV thread per worker: the workers are the parallelism (as PyTorch's DataLoader does)
+    import cv2  # pylint: disable=g-import-not-at-top
+    cv2.setNumThreads(1)
+  except ImportError:
+    pass
+  _worker_function = function
+
+
+def _work(item):
+  return _worker_function(item)
+
+
+def _call(function_and_item):
+  function, item = function_and_item
+  return function(item)
 
 
 def _die_with_parent(worker_index: int, worker_count: int) -> None:
@@ -118,47 +151,6 @@ def _die_with_parent(worker_index: int, worker_count: int) -> None:
   if sys.platform.startswith('linux'):
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
-def _closing(iterator) -> Iterator:
-  try:
-    for element in iterator:
-      copy = _copied(element)
-      del element  # its shared memory goes now, not when this generator ends
-      yield copy
-  finally:
-    iterator.close()  # stops the worker processes, also when the consumer stops early
-    _wait_for_shared_memory_release()
-
-
-def _wait_for_shared_memory_release() -> None:
-  """Returns once grain has unlinked the shared memory of every result dropped so far.
-
-  grain unlinks a block when its array is deleted, from a background thread;
-  the last arrays of a pass are held in reference cycles (grain's stored
-  StopIteration and the frames its traceback keeps) until the collector runs.
-  Blocks not unlinked when Python exits stay registered with the resource
-  tracker, which then warns of 'leaked shared_memory objects' (and removes
-  them) at the end of every streamed run.
-  """
-  from grain._src.python.ipc import shared_memory_array  # pylint: disable=g-import-not-at-top
-  gc.collect()  # once per pass: the cycles holding the last arrays
-  deleter = getattr(shared_memory_array.SharedMemoryArray, '_del_thread_pool', None)
-  if deleter is not None:
-    deleter.apply(int)  # one thread, first in first out: the deletions queued before have run
-
-
-def _copied(element):
-  """A private copy of a worker's result. Each array grain hands over lives in a shared-memory
-  block that holds a file descriptor until the array is dropped: results kept for long (a
-  decoded cache of 50,000 images) would run out of descriptors."""
-  if isinstance(element, np.ndarray):
-    return np.array(element)
-  if isinstance(element, tuple) and hasattr(element, '_fields'):  # a NamedTuple such as a Batch
-    return type(element)(*map(_copied, element))
-  if isinstance(element, (tuple, list)):
-    return type(element)(map(_copied, element))
-  return element
 
 
 class prefetch:  # pylint: disable=invalid-name  (used like a function: prefetch(iterator))
