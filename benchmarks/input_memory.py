@@ -29,7 +29,7 @@ import psutil
 
 from benchmarks import harness
 
-FIRST_STEP = re.compile(r'first step done ([\d.]+)s after start')
+FIRST_STEP = re.compile(r'first step done ([\d.]+) s after the command')
 DATA_LINE = re.compile(r'data: (\d+) train / (\d+) eval examples')
 
 
