@@ -30,9 +30,10 @@ reported):
      pixel for pixel.
   e. `startup`: time to the first step of configs/cifar10.py on that folder
      with an empty compilation cache and a fresh workdir (cold), then with
-     the same cache and a new workdir (warm); whole-run wall time and
-     accuracy of configs/cifar10_fast.py cold (which fills its cache) and
-     warm.
+     the same cache and a new workdir (warm); the decoded-array disk cache
+     (where the config has it) starts empty too. Then the whole-run wall
+     time and accuracy of configs/cifar10_fast.py with an empty compilation
+     cache (cold: it fills it) and again (warm).
 
 The Flax example's step runs on one chip; flaxtpu's uses every chip of the host, so on a host of
 several chips compare per chip (the JSON has device_count). A TPU v5e host of one chip, which this
@@ -685,7 +686,7 @@ def row_startup(args, sizes: Sizes, report: Callable[[dict], None]) -> dict:
     measured = {'time_to_first_step_s': results.get('time_to_first_step_s'),
                 'compile_seconds': (results.get('memory_plan') or {}).get('compile_seconds'),
                 'process_wall_s': run['process_wall_s']}
-    say(f'  cifar10.py {name:5s} first step after {measured["time_to_first_step_s"]:6.1f} s (train-step '
+    say(f'  cifar10.py {name:5s} first step after {measured["time_to_first_step_s"] or 0:6.1f} s (train-step '
         f'compile {measured["compile_seconds"] or 0:5.1f} s), process {measured["process_wall_s"]:6.1f} s')
     return measured
 
