@@ -86,9 +86,10 @@ def get_config() -> ml_collections.ConfigDict:
   # thread).
   config.input.workers = -1
   config.input.prefetch = 4  # Batches decoded ahead of the training step.
-  # The `workers` decode in threads of the trainer instead of processes: no shared-memory hand-over
-  # (224 px: 0.36 vs 0.45 CPU-ms per image), but one process's threads share its GIL, which caps
-  # them near 11,000-13,000 img/s on any number of cores (docs/performance.md): processes by default.
+  # The `workers` decode in threads of the trainer instead of processes: no hand-over of the batches
+  # through a pipe, but one process's threads share its GIL, which caps them near 11,000-13,000 img/s
+  # on any number of cores, and on a gVisor sandbox (Cloud TPU hosts) their file reads queue behind
+  # each other (docs/performance.md): processes by default.
   config.input.threads = False
 
   # --- augmentation (train batches only) --------------------------------
