@@ -200,3 +200,20 @@ def test_decoded_cache_dir_default_none_and_remote(tmp_path, monkeypatch):
   assert len(os.listdir(tmp_path / 'user_cache' / 'flaxtpu' / 'decoded')) == 2
   with pytest.raises(config_lib.ConfigError, match='decoded_cache_dir.*must be a local folder'):
     config_lib.validate(_config(folder, 'gs://bucket/cache'))
+
+
+def test_splits_no_run_read_for_a_month_are_removed(tmp_path):
+  folder = _jpeg_folder(tmp_path / 'data', per_class=10)
+  store = tmp_path / 'store'
+  pipeline.load(_config(folder, str(store)))
+  kept = sorted(os.listdir(store))
+  month_ago = os.path.getmtime(store / kept[0]) - (decoded_store.UNUSED_DAYS + 1) * 86400
+  for name in ('old_dataset.npz', 'old_dataset.npz.tmp-123'):  # an edited dataset, a killed write
+    (store / name).write_bytes(b'x')
+    os.utime(store / name, (month_ago, month_ago))
+  os.utime(store / kept[0], (month_ago, month_ago))
+  pipeline.load(_config(folder, str(store)))  # reads both back: each marked used now
+  assert sorted(os.listdir(store)) == sorted(kept + ['old_dataset.npz', 'old_dataset.npz.tmp-123'])
+  pipeline.load(_config(folder, str(store), **{'dataset.image_size': 8}))  # writes: prunes
+  assert not {'old_dataset.npz', 'old_dataset.npz.tmp-123'} & set(os.listdir(store))
+  assert set(kept) <= set(os.listdir(store)) and len(os.listdir(store)) == 4

@@ -69,7 +69,7 @@ def examples(split: Split, *, cache: bool, transform: Transform, num_workers: in
   decoded = decoded_store.load(store, key, len(split)) if key else None
   if decoded is None:
     decoded = _decode(split, channels, side, num_workers, threads)
-    if key and not decoded.labels:  # a split that lists its labels: the store keeps pixels only
+    if key:
       decoded_store.save(store, key, decoded)
   _, keep = without_unreadable(split, [decoded.failures.get(i) for i in range(len(split))], skip_corrupt)
   # A split that lists its labels keeps their array (and dtype); TFDS records said them as they decoded.

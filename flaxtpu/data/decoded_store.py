@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import time
 import zipfile
 
 import cv2
@@ -27,6 +28,7 @@ from flaxtpu.data.sources.base import Split
 from flaxtpu.data.sources.folder import FileRecords
 
 FORMAT = 1  # bump when what a stored file holds, or how an image is decoded, changes
+UNUSED_DAYS = 30  # a stored split no run has read for this long is deleted (a dataset since edited)
 STAT_THREADS = 32  # stat() waits on the file system: on a gVisor sandbox 32 threads took half the time of one
 
 
@@ -131,6 +133,7 @@ def load(store: str, split_key: str, count: int) -> Decoded | None:
                     path, reason)
     _remove(path)
     return None
+  _touch(path)
   logging.info('read %d decoded images from %s (dataset.decoded_cache_dir)', count, path)
   return Decoded(pixels, shapes, dict(zip(positions.tolist(), messages.tolist())), [])
 
@@ -153,6 +156,28 @@ def save(store: str, split_key: str, decoded: Decoded) -> None:
     _remove(temporary)
     return
   logging.info('kept the decoded images in %s for the next run (dataset.decoded_cache_dir)', path)
+  _remove_unused(os.path.dirname(path))
+
+
+def _touch(path: str) -> None:
+  """Marks a stored split as used now (its mtime: access times are often not kept)."""
+  try:
+    os.utime(path)
+  except OSError:
+    pass
+
+
+def _remove_unused(store: str, now: float | None = None) -> None:
+  """Deletes stored splits no run has read for UNUSED_DAYS, and temporary files a killed run left
+  (a day old), so the folder does not grow with every edit of a dataset."""
+  now = time.time() if now is None else now
+  for name in os.listdir(store):
+    path = os.path.join(store, name)
+    age_days = (now - os.path.getmtime(path)) / 86400 if os.path.isfile(path) else 0
+    if (name.endswith('.npz') and age_days > UNUSED_DAYS) or ('.npz.tmp-' in name and age_days > 1):
+      logging.info('removing %s: no run has read it for %.0f days (dataset.decoded_cache_dir)', path,
+                   age_days)
+      _remove(path)
 
 
 def _remove(path: str) -> None:
