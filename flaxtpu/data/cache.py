@@ -87,8 +87,9 @@ def _decode(split: Split, channels: int, side: int, num_workers: int, threads: b
   `num_workers` processes (threads with `threads`), each chunk's pixels packed in one array."""
   per_chunk = int(np.clip(CHUNK_BYTES // (max(side, 32) ** 2 * channels * 2), 16, CACHE_CHUNK))
   starts = range(0, len(split), per_chunk)
-  logging.info('decoding %d images of %r into memory (dataset.cache) with %d %s', len(split), split.name,
-               min(num_workers, len(starts)), 'threads' if threads else 'processes')
+  count = min(num_workers, len(starts))
+  logging.info('decoding %d images of %r into memory (dataset.cache) %s', len(split), split.name,
+               f'in {count} {"threads" if threads else "processes"}' if count > 1 else 'in this process')
   tasks = [(split.subset(np.arange(start, min(start + per_chunk, len(split)))), channels, side,
             split.labels is None) for start in starts]
   chunks = workers.pool_map(_decode_chunk, tasks, num_workers, threads)
