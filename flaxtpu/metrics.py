@@ -78,12 +78,6 @@ class LossMetrics(metrics.Collection):
   loss: metrics.Average.from_output('loss')
 
 
-@jax.jit
-def merge_window(window: list[Metrics]) -> Metrics:
-  """Merges a log window's per-step metrics in one compiled call, not one dispatch per step."""
-  return functools.reduce(lambda merged, step: merged.merge(step), window)
-
-
 def window_to_json(window: Metrics | None) -> dict | None:
   """The train metrics accumulated since the last log line, for the checkpoint record.
 
