@@ -74,7 +74,7 @@ def run(function, items, workers: int, buffer: int, min_items_per_worker: int = 
 def pool_map(function, items: Sequence, workers: int, threads: bool = False) -> Iterator:
   """`map(function, items)` in order, all submitted at once to `workers` processes (threads with
   `threads`; this thread if 0): for one-off jobs of compact results, such as decoding a split into
-  memory chunk by chunk. Each item travels to a worker with the function: keep both small.
+  memory chunk by chunk. The function goes to each worker once; each item travels: keep items small.
 
   On the TPU host's gVisor sandbox threads decoded CIFAR-10 in 11.6 s, 12 processes in 4.5 s.
   """
@@ -86,7 +86,7 @@ def pool_map(function, items: Sequence, workers: int, threads: bool = False) -> 
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
       yield from pool.map(function, items)
     return
-  yield from _in_processes(_call, [(function, item) for item in items], workers, ahead=len(items))
+  yield from _in_processes(function, items, workers, ahead=len(items))
 
 
 def _in_processes(function, items: Iterable, workers: int, ahead: int) -> Iterator:
@@ -123,7 +123,7 @@ _worker_function = None  # in a worker process: what `_work` calls
 
 def _start_worker(function) -> None:
   global _worker_function
-  _die_with_parent(0, 0)
+  _die_with_parent()
   try:  # one OpenCV thread per worker: the workers are the parallelism (as PyTorch's DataLoader does)
     import cv2  # pylint: disable=g-import-not-at-top
     cv2.setNumThreads(1)
@@ -136,18 +136,12 @@ def _work(item):
   return _worker_function(item)
 
 
-def _call(function_and_item):
-  function, item = function_and_item
-  return function(item)
-
-
-def _die_with_parent(worker_index: int, worker_count: int) -> None:
+def _die_with_parent() -> None:
   """Runs first in each worker: on Linux, the kernel kills the worker when its parent dies.
 
   Without it, a trainer stopped by kill -9 (or the OOM killer) leaves its
   workers behind, holding memory and file handles until the machine reboots.
   """
-  del worker_index, worker_count
   if sys.platform.startswith('linux'):
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
