@@ -217,3 +217,20 @@ def test_splits_no_run_read_for_a_month_are_removed(tmp_path):
   pipeline.load(_config(folder, str(store), **{'dataset.image_size': 8}))  # writes: prunes
   assert not {'old_dataset.npz', 'old_dataset.npz.tmp-123'} & set(os.listdir(store))
   assert set(kept) <= set(os.listdir(store)) and len(os.listdir(store)) == 4
+
+
+def test_pruning_skips_a_file_another_run_removes_meanwhile(tmp_path, monkeypatch):
+  store = tmp_path / 'store'
+  store.mkdir()
+  for name in ('a.npz', 'b.npz'):
+    (store / name).write_bytes(b'x')
+  real_getmtime = os.path.getmtime
+
+  def removed_meanwhile(path):
+    if path.endswith('a.npz'):
+      raise FileNotFoundError(2, 'No such file or directory', path)
+    return real_getmtime(path)
+
+  monkeypatch.setattr(os.path, 'getmtime', removed_meanwhile)
+  decoded_store._remove_unused(str(store), now=real_getmtime(store / 'b.npz') + 31 * 86400)
+  assert sorted(os.listdir(store)) == ['a.npz']  # b pruned, a left to whoever holds it

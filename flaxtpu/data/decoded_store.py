@@ -173,7 +173,10 @@ def _remove_unused(store: str, now: float | None = None) -> None:
   now = time.time() if now is None else now
   for name in os.listdir(store):
     path = os.path.join(store, name)
-    age_days = (now - os.path.getmtime(path)) / 86400 if os.path.isfile(path) else 0
+    try:
+      age_days = (now - os.path.getmtime(path)) / 86400 if os.path.isfile(path) else 0
+    except OSError:  # renamed or removed meanwhile by another run sharing the folder
+      continue
     if (name.endswith('.npz') and age_days > UNUSED_DAYS) or ('.npz.tmp-' in name and age_days > 1):
       logging.info('removing %s: no run has read it for %.0f days (dataset.decoded_cache_dir)', path,
                    age_days)
