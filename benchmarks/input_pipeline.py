@@ -9,7 +9,7 @@ Folder mode (the default when --folder is given) times, on the same folder
 and the same files in the same order:
 
 - flaxtpu: `pipeline.load` with `dataset.cache=none` (a header scan, no pixels)
-  and `loaders.train_batches` with --workers grain processes (default: every
+  and `loaders.train_batches` with --workers worker processes (default: every
   core). Each image is read, given an Inception-style random crop (area
   0.08-1, aspect 3/4-4/3), decoded only as finely as that crop needs (libjpeg-turbo
   DCT scaling, through simplejpeg for plain JPEGs), resized to --image-size
@@ -76,7 +76,7 @@ RESNET50_IMAGES_PER_SEC = {
 
 def time_batches(iterator, warmup: int, seconds: float, max_batches: int, period: int) -> dict:
   """Images/s after `warmup` untimed batches, over at least `seconds` (a multiple of `period` batches,
-  at most `max_batches`); the CPU we used (with the grain workers; the main process's share is what
+  at most `max_batches`); the CPU we used (with the worker processes; the main process's share is what
   receiving the batches costs flaxtpu) and the cores other processes kept busy meanwhile.
 
   Grain hands batch i to worker i mod W, and each worker builds one batch at a time (flaxtpu gives
@@ -307,7 +307,7 @@ def folder_mode(args) -> dict:
              for chip, rate in RESNET50_IMAGES_PER_SEC.items()}
       for name in measured}
 
-  for name, label in (('flaxtpu', f'flaxtpu (grain, {workers} processes)'),
+  for name, label in (('flaxtpu', f'flaxtpu ({workers} processes)'),
                       ('flaxtpu_threads', f'flaxtpu ({workers} threads)'),
                       ('tf_data', 'tf.data (AUTOTUNE)')):
     row = result[name]

@@ -1,0 +1,86 @@
+"""Worker processes hand large results (batches) back through a fixed set of shared-memory blocks:
+the arrays arrive equal, the open files and blocks do not grow with the batches, nothing is left
+in /dev/shm, and without room there the pipe carries them."""
+
+import collections
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from flaxtpu.data import workers
+
+Batch = collections.namedtuple('Batch', 'images labels mask')
+
+
+def big_batch(step: int) -> Batch:
+  """A 1.3 MiB batch whose pixels and labels depend on the step; step 7's has twice the images."""
+  rng = np.random.default_rng(step)
+  count = 96 if step == 7 else 48
+  return Batch(rng.integers(0, 256, (count, 96, 96, 3), dtype=np.uint8),
+               np.arange(count, dtype=np.int32) + step, rng.random(count) < 0.5)
+
+
+def failing_or_small(step: int):
+  return ('failure', step) if step % 2 else np.full(3, step)
+
+
+@pytest.fixture
+def made_blocks(monkeypatch):
+  """Every `_Blocks` a pass makes, to look at after it."""
+  made = []
+  original = workers._Blocks.__init__
+
+  def record(self, count):
+    original(self, count)
+    made.append(self)
+  monkeypatch.setattr(workers._Blocks, '__init__', record)
+  return made
+
+
+def test_batches_come_back_equal_through_blocks(made_blocks):
+  blocks = []
+  for step, batch in enumerate(workers.run(big_batch, range(12), workers=2, buffer=2)):
+    expected = big_batch(step)
+    assert type(batch) is Batch
+    for got, want in zip(batch, expected):
+      assert got.dtype == want.dtype and got.shape == want.shape
+      np.testing.assert_array_equal(got, want)
+    if step == 3:
+      blocks = [(block.name, block.size) for block in made_blocks[0]._all]
+  # One block per item in flight (2 workers + 2 ahead), each the first batch's arrays plus an eighth:
+  # step 7's batch (twice as large) came back through the pipe, equal all the same.
+  packed = sum(-(-array.nbytes // 64) * 64 for array in big_batch(0))
+  assert [size for _, size in blocks] == [packed + packed // 8] * 4
+  # Unlinked at the end of the pass.
+  if os.path.isdir('/dev/shm'):
+    assert not any(os.path.exists(f'/dev/shm/{name.lstrip("/")}') for name, _ in blocks)
+
+
+@pytest.mark.skipif(not os.path.isdir('/proc/self/fd'), reason='counts open files in /proc (Linux)')
+def test_open_files_and_blocks_stay_flat_over_many_batches(made_blocks):
+  counts = []
+  for step, batch in enumerate(workers.run(big_batch, range(200), workers=2, buffer=1)):
+    assert batch.labels[0] == step
+    if step % 20 == 0:
+      counts.append(len(os.listdir('/proc/self/fd')))
+  assert max(counts) - min(counts) <= 1, counts
+  assert len(made_blocks) == 1 and made_blocks[0]._all == []  # closed: 3 blocks were made, all unlinked
+
+
+def test_without_room_in_dev_shm_batches_come_through_the_pipe(monkeypatch, made_blocks, caplog):
+  monkeypatch.setattr(workers, '_shm_room', lambda: 1 << 20)
+  with caplog.at_level(logging.INFO):
+    batches = list(workers.run(big_batch, range(5), workers=2, buffer=1))
+  for step, batch in enumerate(batches):
+    np.testing.assert_array_equal(batch.images, big_batch(step).images)
+  assert made_blocks[0]._all == [] and made_blocks[0]._sized
+  assert 'too little for 3 blocks' in caplog.text and 'through pipes' in caplog.text
+
+
+def test_small_and_non_batch_results_stay_on_the_pipe(made_blocks):
+  results = list(workers.run(failing_or_small, range(6), workers=2, buffer=1))
+  assert results[1] == ('failure', 1) and results[5] == ('failure', 5)
+  np.testing.assert_array_equal(results[4], [4, 4, 4])
+  assert made_blocks[0]._all == []  # 24-byte results: no blocks made
