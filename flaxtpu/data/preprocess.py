@@ -200,13 +200,16 @@ def centre_crop_box(width: int, height: int, size: int, crop_fraction: float) ->
 
 
 def _cropped(source: Source, box: tuple[float, ...], size: int, channels: int,
-             out: Optional[np.ndarray] = None) -> np.ndarray:
+             out: Optional[np.ndarray] = None, area_below: float = 1.0) -> np.ndarray:
   """Decodes only as finely as the crop needs, then resizes the crop `box` (upright pixels) to size,
   into `out` (a [size, size, channels] uint8 view, e.g. a row of the batch) when given.
 
-  The resize is OpenCV's: ~6x faster than Pillow's here (0.14 vs 0.89 ms at 224x224), and the
-  resize is most of the per-image cost. Shrinking averages pixels (INTER_AREA), so large crops
-  do not alias; enlarging interpolates (INTER_LINEAR).
+  The resize is OpenCV's: ~6x faster than Pillow's here (0.14 vs 0.89 ms at 224x224). Shrinking
+  to less than `area_below` of the crop's side averages pixels (INTER_AREA), so large crops do not
+  alias; otherwise it interpolates (INTER_LINEAR). Evaluation averages every shrink (1.0); training
+  crops only those of 2x or more (0.5): after the DCT scaling a JPEG's crop shrinks by less than
+  2x, where bilinear reads every pixel's neighbourhood and INTER_AREA's non-integer path cost
+  0.48 ms an image against 0.08 (224 px, one core), over a third of a training image's time.
   """
   width, height = source_size(source)
   target = (math.ceil(size * width / max(box[2] - box[0], 1e-6)),
@@ -216,12 +219,12 @@ def _cropped(source: Source, box: tuple[float, ...], size: int, channels: int,
   left, right = _pixel_span(box[0] * scale_x, box[2] * scale_x, pixels.shape[1])
   top, bottom = _pixel_span(box[1] * scale_y, box[3] * scale_y, pixels.shape[0])
   crop = pixels[top:bottom, left:right]
-  shrinking = crop.shape[0] > size or crop.shape[1] > size
+  averaging = size < area_below * max(crop.shape[0], crop.shape[1])
   if out is None:
     out = np.empty((size, size, channels), np.uint8)
   # A [size, size] view for one channel: OpenCV drops a trailing 1 and would reallocate.
   cv2.resize(crop, (size, size), dst=out.reshape(size, size) if channels == 1 else out,
-             interpolation=cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR)
+             interpolation=cv2.INTER_AREA if averaging else cv2.INTER_LINEAR)
   return out
 
 
@@ -273,6 +276,9 @@ def _pixel_span(start: float, stop: float, limit: int) -> tuple[int, int]:
   return first, max(min(int(round(stop)), limit), first + 1)
 
 
+TRAIN_AREA_BELOW = 0.5  # a training crop is averaged (INTER_AREA) when shrunk 2x or more (`_cropped`)
+
+
 def train_image(item: str | bytes | np.ndarray | Image.Image, transform: Transform,
                 rng: np.random.Generator, out: Optional[np.ndarray] = None) -> np.ndarray:
   """A training example (a file path, bytes, a decoded array or a Pillow image): a random-resized
@@ -281,7 +287,7 @@ def train_image(item: str | bytes | np.ndarray | Image.Image, transform: Transfo
   if not transform.size:
     return to_array(decode(_pillow(source), transform.channels), transform.channels)
   box = random_crop_box(rng, *source_size(source), transform.crop_area, transform.crop_aspect)
-  return _cropped(source, box, transform.size, transform.channels, out)
+  return _cropped(source, box, transform.size, transform.channels, out, area_below=TRAIN_AREA_BELOW)
 
 
 def eval_image(item: str | bytes | np.ndarray | Image.Image, transform: Transform,
