@@ -341,9 +341,7 @@ def test_eigen_convolutions_leave_ynnpack_and_keep_the_numbers():
 def test_a_failing_tensorboard_or_wandb_writer_never_stops_training(tmp_path, monkeypatch, caplog):
   """Issue 43, class 7: TensorBoard failing at a write, W&B failing to start: one warning each, the
   writes go on into metrics.jsonl."""
-  from clu import metric_writers
-
-  from flaxtpu import defaults, metrics
+  from flaxtpu import defaults, events, metrics
 
   def full_disk(self, step, scalars):
     raise OSError(28, 'No space left on device')
@@ -351,7 +349,7 @@ def test_a_failing_tensorboard_or_wandb_writer_never_stops_training(tmp_path, mo
   def offline(*args, **kwargs):
     raise RuntimeError('wandb.init() timed out: the W&B server cannot be reached')
 
-  monkeypatch.setattr(metric_writers.SummaryWriter, 'write_scalars', full_disk)
+  monkeypatch.setattr(events.SummaryWriter, 'write_scalars', full_disk)
   monkeypatch.setattr(metrics.WandbWriter, '__init__', offline)
   config = defaults.get_config()
   config.wandb.project = 'p'
