@@ -351,7 +351,8 @@ class _Loop:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       stop: Optional[StopRequest] = None, command_started: Optional[float] = None) -> dict:
+                       stop: Optional[StopRequest] = None, command_started: Optional[float] = None,
+                       dataset: Optional[pipeline.Dataset] = None) -> dict:
   """Trains `config` in `workdir` (resuming from its latest checkpoint) and returns results.json.
 
   `config` comes resolved (flaxtpu/resolution.py) and validated, as from the CLI; nothing edits it.
@@ -359,24 +360,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   and `{'stopped_at_step': N}` is returned. The CLI passes the `stop` it
   installed before JAX started; otherwise one is installed here. It also passes
   `command_started` (its process's start), which the time to the first step counts from; without
-  it, that time counts from this call.
+  it, that time counts from this call. `dataset`: the config's data, when the caller has loaded it
+  (`pipeline.load(config)`; the CLI does while the devices start).
   """
   with contextlib.nullcontext(stop) if stop and stop.active else StopRequest() as stop:
     # Process 0 holds the workdir for the run: a second trainer there stops at once.
     # A lease (gs://) that another trainer takes over stops this run at its next step, unsaved.
     holding = lock.WorkdirLock(workdir, on_lost=stop.abort) if jax.process_index() == 0 else None
     with holding or contextlib.nullcontext():
-      return _train_and_evaluate(config, workdir, stop, command_started)
+      return _train_and_evaluate(config, workdir, stop, command_started, dataset)
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest,
-                        command_started: Optional[float]) -> dict:
+                        command_started: Optional[float], dataset: Optional[pipeline.Dataset]) -> dict:
   started = time.time()
   is_main = jax.process_index() == 0
   mesh = parallel.make_mesh(config)
   parallel.log_mesh(mesh, config.parallelism)
 
-  dataset = pipeline.load(config)
+  dataset = dataset or pipeline.load(config)
   # A run's epoch is its sampler's: sampling=shards takes the smallest process's share.
   examples = sampling.examples_per_epoch(dataset, config.batch_size, jax.process_count())
   length = run_length(config, examples)

@@ -245,7 +245,8 @@ def test_imagenet_recipe_plans_on_a_stand_in_folder(tmp_path):
     (['--config.optimizer.lr=0.1'],
      "error: --config.optimizer.lr: not a config key (did you mean 'optimizer.learning_rate'?)"),
     (['--config.batch_size=abc'], "error: flag --config.batch_size=abc: invalid literal for int()"),
-    (['--config.batch_size=12', '--config.mesh.data=8'],
+    # Data the config can read: the data is read while the devices start, so its error would come first.
+    (['--config.batch_size=12', '--config.mesh.data=8', '--config.dataset.name=digits'],
      'error: config.mesh.data=8 x config.mesh.fsdp=1 does not fit 4 devices'),
     (['--config.num_epochs=0'], 'error: config.num_epochs=0.0 must be > 0'),
     (['--config.dataset.folder=/nonexistent'],

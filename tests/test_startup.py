@@ -112,3 +112,45 @@ def test_time_to_first_step_counts_from_the_command(monkeypatch, caplog):
     resumed.step_done(step_metrics=None, wait=False)
   assert 'first step done 4.0 s after the command (3.0 s after' in caplog.text
   assert record.time_to_first_step_s == pytest.approx(12.0)
+
+
+# The CLI with pipeline.load watched: how often it runs, and whether the devices had started (in the
+# background thread _start_jax begins) by the time it ended; it sleeps 1 s, as a slow disk would, and
+# says when it returns.
+WATCHING_LOAD = '''
+import json, os, runpy, sys, time
+from flaxtpu.data import pipeline
+loads = []
+original = pipeline.load
+def watched(config, *args, **kwargs):
+  from jax._src import xla_bridge
+  dataset = original(config, *args, **kwargs)
+  time.sleep(1.0)
+  loads.append({'devices_up_after': xla_bridge.backends_are_initialized()})
+  print('pipeline.load returned', file=sys.stderr, flush=True)
+  return dataset
+pipeline.load = watched
+sys.argv[0] = 'flaxtpu.main'
+try:
+  runpy.run_module('flaxtpu.main', run_name='__main__')
+finally:
+  with open(os.environ['LOADS'], 'w') as f:
+    json.dump(loads, f)
+'''
+
+
+def test_the_cli_reads_the_data_once_while_the_devices_start(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  loads = tmp_path / 'loads.json'
+  result = subprocess.run([sys.executable, '-c', WATCHING_LOAD, *SHORT_RUN, f'--workdir={tmp_path / "run"}',
+                           f'--config.compilation_cache_dir={tmp_path / "cache"}'],
+                          cwd=ROOT, env={**env, 'LOADS': str(loads)}, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  # Once: train_and_evaluate takes the CLI's dataset instead of reading it again. Read before the main
+  # thread first asks for the devices (the line naming them), which had started meanwhile by themselves.
+  assert json.loads(loads.read_text()) == [{'devices_up_after': True}]
+  lines = result.stderr.splitlines()
+  returned = next(i for i, line in enumerate(lines) if 'pipeline.load returned' in line)
+  named = next(i for i, line in enumerate(lines) if ' on platform=cpu' in line)
+  assert returned < named
