@@ -82,7 +82,8 @@ def test_a_study_s_mistakes_are_one_error_line(tmp_path, in_repo_root, capsys):
                  'def get_search(trial):\n'
                  '  return {"optimizer.learning_rat": trial.suggest_float("lr", 0.1, 1)}\n')
   assert cli.main([str(bad), f'--workdir={tmp_path / "s"}', '--trials=2', '--dry-run']) == 2
-  assert capsys.readouterr().err == (f"error: {bad}: get_search: sweep key 'optimizer.learning_rat' is not a "
+  assert capsys.readouterr().err == (f"error: {bad}: get_search: trial 0 (optimizer.learning_rat="
+                                     "0.5939321535345923): sweep key 'optimizer.learning_rat' is not a "
                                      "config key (did you mean 'optimizer.learning_rate'?)\n")
   assert cli.main(['experiments/cifar10_lr.py', f'--workdir={tmp_path / "s"}', '--trials=2']) == 2
   assert capsys.readouterr().err == 'error: experiments/cifar10_lr.py: must define get_search()\n'
@@ -98,6 +99,53 @@ def test_a_study_s_mistakes_are_one_error_line(tmp_path, in_repo_root, capsys):
                      'halving')
   assert cli.main([EXPERIMENT, f'--workdir={workdir}', '--trials=2', '--pruner=median', '--dry-run']) == 2
   assert '--pruner=halving to continue it' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('body, message', [
+    ("  rate = trial.suggest_float('optimizer.learning_rate', 0.1, 1.0)\n"
+     "  return {'optimizer.learning_rate': rate / 0}\n",
+     'FILE, line 6: ZeroDivisionError: float division by zero (while get_search drew trial 0 '
+     '(optimizer.learning_rate=0.5939321535345923)); fix the experiment file'),
+    ("  return [trial.suggest_categorical('seed', [1, 2])]\n",
+     'FILE: get_search(trial) must return a non-empty {config key: value} dict; for trial 0 (seed=2) it '
+     'returned a list ([2])'),
+    ("  return {'schedule.name': trial.suggest_categorical('schedule.name', ['cosine', 'cosin'])}\n",
+     "FILE: get_search: trial 0 (schedule.name=cosin): config.schedule.name='cosin' is not valid; choose one "
+     "of: 'constant', 'cosine', 'linear', 'onecycle', 'step', 'exponential', 'rsqrt', 'plateau'"),
+])
+def test_a_mistake_in_get_search_is_one_line_naming_the_trial(tmp_path, body, message):
+  """Issue 52 part 3: get_search raising, returning the wrong type or drawing a config that validation
+  refuses is one line naming the file and the trial with its draws; no traceback, no study created."""
+  bad = tmp_path / 'bad.py'
+  bad.write_text('from flaxtpu import defaults\nget_config = defaults.get_config\n\ndef get_search(trial):\n'
+                 + body)
+  for dry_run in ((), ('--dry-run',)):
+    result = subprocess.run([sys.executable, '-m', 'flaxtpu.sweep', str(bad), f'--workdir={tmp_path / "s"}',
+                             '--trials=2', *dry_run], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120)
+    expected = f'error: {message.replace("FILE", str(bad))}\n'
+    assert (result.returncode, result.stderr, result.stdout) == (2, expected, ''), result.stderr
+    assert not (tmp_path / 's').exists()
+
+
+def test_a_later_trial_that_cannot_work_stops_the_study_naming_it(tmp_path):
+  """A draw that only a later trial makes is refused when that trial is claimed: one line naming it,
+  the trial failed in the study, no run directory made for it."""
+  def later(trial):
+    return {'optimizer.nesterov': trial.number == 1}  # Adam reads no nesterov: trial 1 cannot work
+
+  url = studies.default_storage(str(tmp_path), 'local')
+  study = studies.open_study(url, 'later', digits.get_config(), 'random', 'none')
+  first, run = studies.claim(study, later, digits.get_config(), EXPERIMENT, str(tmp_path), url, [])
+  assert run.overrides == {'optimizer.nesterov': False}
+  with pytest.raises(runner.SweepError) as raised:
+    studies.claim(study, later, digits.get_config(), EXPERIMENT, str(tmp_path), url, [])
+  assert str(raised.value) == (f'{EXPERIMENT}: get_search: trial 1 (optimizer.nesterov=true): '
+                               'config.optimizer.nesterov=True has no effect on optimizer.name=\'adam\'; '
+                               'leave it at False or pick one that reads it: sgd, lars, rmsprop, muon')
+  assert [trial.state.name for trial in study.get_trials()] == ['RUNNING', 'FAIL']
+  assert not (tmp_path / 'trial-001').exists()
+  del first
 
 
 def _claim(study, url, workdir):

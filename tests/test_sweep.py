@@ -152,6 +152,158 @@ def test_a_bad_sweep_key_is_one_error_line_before_anything_runs(tmp_path, in_rep
   assert not workdir.exists()
 
 
+# Each mistake an experiment file can make while it is imported or builds its runs' configs, and the one
+# line it gets: FILE is the file's path, LINE the line number that failed.
+BROKEN_EXPERIMENTS = {
+    'syntax error': ("""
+        from flaxtpu import defaults, sweep
+        get_config = defaults.get_config
+        def get_sweep(:
+          return []
+        """, 'FILE, line 4: SyntaxError: invalid syntax (while importing it); fix the experiment file '
+             '(nothing ran)'),
+    'name error at import': ("""
+        from flaxtpu import defaults, sweep
+        get_config = defaults.get_config
+        LEARNING_RATES = [0.1, learning_rate]
+        def get_sweep():
+          return sweep.sweep('optimizer.learning_rate', LEARNING_RATES)
+        """, "FILE, line 4: NameError: name 'learning_rate' is not defined (while importing it); fix the "
+             'experiment file (nothing ran)'),
+    'get_sweep raises': ("""
+        from flaxtpu import defaults, sweep
+        get_config = defaults.get_config
+        def rates():
+          raise ValueError('no rates for this budget')
+        def get_sweep():
+          return sweep.sweep('optimizer.learning_rate', rates())
+        """, 'FILE, line 5: ValueError: no rates for this budget (while get_sweep() listed the runs); fix '
+             'the experiment file (nothing ran)'),
+    'get_config sets a key that does not exist': ("""
+        from flaxtpu import defaults, sweep
+        def get_config():
+          config = defaults.get_config()
+          config.model.nmae = 'resnet20'
+          return config
+        def get_sweep():
+          return sweep.sweep('seed', [0, 1])
+        """, "FILE, line 5: sets config key 'nmae', which does not exist (did you mean 'name'?) (while "
+             'get_config() built the base config); fix the experiment file (nothing ran)'),
+    'get_config returns nothing': ("""
+        from flaxtpu import defaults, sweep
+        def get_config():
+          config = defaults.get_config()
+        def get_sweep():
+          return sweep.sweep('seed', [0, 1])
+        """, 'FILE: get_config() returned None (no return statement?), not an ml_collections ConfigDict; '
+             'return flaxtpu.defaults.get_config() with your changes'),
+    'get_sweep returns a dict': ("""
+        from flaxtpu import defaults, sweep
+        get_config = defaults.get_config
+        def get_sweep():
+          return {'seed': [0, 1]}
+        """, "FILE: get_sweep() returned a dict ({'seed': [0, 1]}), not a list of {config key: value} dicts "
+             '(one per run)'),
+    'a run that is not a dict': ("""
+        from flaxtpu import defaults, sweep
+        get_config = defaults.get_config
+        def get_sweep():
+          return [{'seed': 0}, 'seed=1']
+        """, "FILE: get_sweep() item 1 is a str ('seed=1'), not a {config key: value} dict"),
+    'a key that does not exist': ("""
+        from flaxtpu import defaults, sweep
+        get_config = defaults.get_config
+        def get_sweep():
+          return sweep.product(sweep.sweep('seed', [0]), sweep.sweep('model.nmae', ['cnn', 'resnet20']))
+        """, "FILE: run 1 of 2 (seed=0,model.nmae=cnn): sweep key 'model.nmae' is not a config key (did you "
+             "mean 'model.name'?)"),
+    'a value of the wrong type': ("""
+        from flaxtpu import defaults, sweep
+        get_config = defaults.get_config
+        def get_sweep():
+          return sweep.sweep('batch_size', [64, 'large'])
+        """, "FILE: run 2 of 2 (batch_size=large): sweep key 'batch_size': value 'large' has the wrong "
+             "type (Could not override field 'batch_size' (reference). large is of original type "
+             "<class 'str'> and cannot be casted to type <class 'int'>)"),
+    'a value config validation refuses': ("""
+        from flaxtpu import defaults, sweep
+        get_config = defaults.get_config
+        def get_sweep():
+          return sweep.product(sweep.sweep('optimizer.learning_rate', [0.1, 0.2]),
+                               sweep.sweep('schedule.name', ['cosine', 'cosin']))
+        """, "FILE: run 2 of 4 (optimizer.learning_rate=0.1,schedule.name=cosin): "
+             "config.schedule.name='cosin' is not valid; choose one of: 'constant', 'cosine', 'linear', "
+             "'onecycle', 'step', 'exponential', 'rsqrt', 'plateau'"),
+    'values that cannot work together': ("""
+        from flaxtpu import defaults, sweep
+        get_config = defaults.get_config
+        def get_sweep():
+          return sweep.chain(sweep.sweep('optimizer.name', ['sgd']), [{'optimizer.nesterov': True}])
+        """, 'FILE: run 2 of 2 (optimizer.nesterov=true): config.optimizer.nesterov=True has no effect on '
+             "optimizer.name='adam'; leave it at False or pick one that reads it: sgd, lars, rmsprop, muon"),
+}
+
+
+def _run_sweep_command(*args) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, '-m', 'flaxtpu.sweep', *args], cwd=REPO_ROOT, capture_output=True,
+                        text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+
+
+def assert_one_line(result: subprocess.CompletedProcess, expected: str, workdir: Path) -> None:
+  """Exit status 2, stderr the one `error:` line (no traceback), nothing on stdout or in the workdir."""
+  assert (result.returncode, result.stderr, result.stdout) == (2, f'error: {expected}\n', ''), result.stderr
+  assert not workdir.exists()
+
+
+@pytest.mark.parametrize('case', sorted(BROKEN_EXPERIMENTS))
+def test_every_mistake_of_an_experiment_file_is_one_line_and_runs_nothing(tmp_path, case):
+  """Issue 52 part 3: whatever an experiment file raises or gets wrong while it is imported or builds and
+  validates its runs' configs is one line naming the file (its line) and the run; nothing is created."""
+  source, message = BROKEN_EXPERIMENTS[case]
+  experiment = write_experiment(tmp_path, source)
+  workdir = tmp_path / 'sweep'
+  result = _run_sweep_command(str(experiment), f'--workdir={workdir}')
+  assert_one_line(result, message.replace('FILE', str(experiment)), workdir)
+  if 'run ' in message:  # the runs' checks need no data and no weights: a dry run makes them too
+    assert_one_line(_run_sweep_command(str(experiment), f'--workdir={workdir}', '--dry-run'),
+                    message.replace('FILE', str(experiment)), workdir)
+
+
+def test_a_command_line_value_of_the_wrong_type_is_one_line(tmp_path):
+  experiment = write_experiment(tmp_path, TWO_KEY_EXPERIMENT)
+  workdir = tmp_path / 'sweep'
+  assert_one_line(_run_sweep_command(str(experiment), f'--workdir={workdir}', '--config.batch_size=large'),
+                  "--config.batch_size=large: invalid literal for int() with base 10: 'large'; fix the value "
+                  'given on the command line', workdir)
+  # Valid alone, refused with the runs' values: the run that cannot work is named.
+  assert_one_line(_run_sweep_command(str(experiment), f'--workdir={workdir}', '--config.optimizer.name=sgd',
+                                     '--config.optimizer.b1=0.5'),
+                  f'{experiment}: run 1 of 4 (optimizer.learning_rate=0.1,schedule.name=cosine): '
+                  "config.optimizer.b1=0.5 has no effect on optimizer.name='sgd'; leave it at 0.9 or pick "
+                  'one that reads it: adam, adamw, lamb, lion, muon, schedule_free_adamw, schedule_free_sgd',
+                  workdir)
+
+
+def test_runs_are_checked_with_their_init_from_source_resolved(tmp_path, in_repo_root, capsys):
+  """A run's config is checked as its trainer resolves it: a source it cannot read is one line naming
+  the run, before any run starts; a dry run, which reads no weights, lists it."""
+  experiment = write_experiment(tmp_path, """
+      from flaxtpu import defaults, sweep
+      get_config = defaults.get_config
+      def get_sweep():
+        return sweep.sweep('init_from.checkpoint', ['', '/no/such/run'])
+      """)
+  workdir = tmp_path / 'sweep'
+  assert cli.main([str(experiment), f'--workdir={workdir}']) == 2
+  assert capsys.readouterr().err == (
+      f"error: {experiment}: run 2 of 2 (init_from.checkpoint=_no_such_run): config.init_from.checkpoint="
+      "'/no/such/run' holds no flaxtpu checkpoint; point it at the --workdir of a finished run (or its "
+      'WORKDIR/checkpoints/STEP)\n')
+  assert not workdir.exists()
+  assert cli.main([str(experiment), f'--workdir={workdir}', '--dry-run']) == 0
+  assert len(capsys.readouterr().out.splitlines()) == 2
+
+
 def test_command_line_overrides_are_checked(tmp_path, in_repo_root, capsys):
   experiment = write_experiment(tmp_path, TWO_KEY_EXPERIMENT)
   workdir = tmp_path / 'sweep'
@@ -347,8 +499,9 @@ def test_tiny_sweep_end_to_end_records_a_failure_and_skips_finished_runs_on_reru
         return config
 
       def get_sweep():
+        # The last run passes every check the sweep makes before it starts; its trainer finds no split.
         return sweep.chain(sweep.sweep('optimizer.learning_rate', [1e-3, 1e-2]),
-                           [{'model.name': 'nonexistent'}])
+                           [{'dataset.train_split': 'nosuchsplit'}])
       ''')
   workdir = tmp_path / 'sweep'
   command = [sys.executable, '-m', 'flaxtpu.sweep', str(experiment), f'--workdir={workdir}', '--parallel=2',
@@ -362,10 +515,11 @@ def test_tiny_sweep_end_to_end_records_a_failure_and_skips_finished_runs_on_reru
 
   record = {run['name']: run for run in json.loads((workdir / 'sweep.json').read_text())['runs']}
   finished = ['optimizer.learning_rate=0.001', 'optimizer.learning_rate=0.01']
-  assert sorted(record) == sorted(finished + ['model.name=nonexistent'])
-  assert record['model.name=nonexistent']['status'] == 'failed'
-  assert record['model.name=nonexistent']['error'].startswith('error: ')
-  assert 'nonexistent' in record['model.name=nonexistent']['error']
+  failing = 'dataset.train_split=nosuchsplit'
+  assert sorted(record) == sorted(finished + [failing])
+  assert record[failing]['status'] == 'failed'
+  assert record[failing]['error'].startswith('error: ')
+  assert 'nosuchsplit' in record[failing]['error']
   results = {}
   for name in finished:
     assert record[name]['status'] == 'done' and record[name]['returncode'] == 0
@@ -376,7 +530,7 @@ def test_tiny_sweep_end_to_end_records_a_failure_and_skips_finished_runs_on_reru
   for name in finished:
     assert float(rows[name]['eval_accuracy']) == results[name]['eval_accuracy']
     assert float(rows[name]['eval_loss']) == results[name]['eval_loss']
-  assert rows['model.name=nonexistent']['status'] == 'failed'
+  assert rows[failing]['status'] == 'failed'
   assert (workdir / 'plots' / 'eval_accuracy.png').exists()
   assert (workdir / 'plots' / 'train_loss.png').exists()
 
@@ -389,7 +543,7 @@ def test_tiny_sweep_end_to_end_records_a_failure_and_skips_finished_runs_on_reru
     assert (workdir / name / 'results.json').stat().st_mtime_ns == modified[name]
     assert launches(workdir / name) == 1
   # The failed run is launched again (the trainer would resume it) and fails again.
-  assert launches(workdir / 'model.name=nonexistent') == 2
+  assert launches(workdir / failing) == 2
 
 
 def test_a_missing_data_folder_stops_the_sweep_before_any_run(tmp_path, in_repo_root, capsys, image_folder):

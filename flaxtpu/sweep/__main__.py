@@ -165,6 +165,9 @@ def _main(args: argparse.Namespace, config_args: list[str], held: contextlib.Exi
     swept_keys = {key for overrides in runs_overrides for key in overrides}
     extra_overrides = runner.parse_extra_overrides(config, config_args, swept_keys)
     runs = runner.make_runs(args.experiment, args.workdir, runs_overrides, extra_overrides)
+    if not args.report:  # each run's config as its trainer will see it: a mistake stops all before any starts
+      runner.check_runs(args.experiment, config, runs, args.workdir, extra_overrides,
+                        resolve_sources=not args.dry_run)
     if not args.dry_run and not args.report:
       runner.check_data_folders(config, runs_overrides, extra_overrides)
       if args.launcher == 'slurm':
@@ -180,8 +183,9 @@ def _main(args: argparse.Namespace, config_args: list[str], held: contextlib.Exi
   except (sweep.SweepError, lock.WorkdirBusy) as error:
     print(f'error: {error}', file=sys.stderr)
     return 2
-  except Exception as error:  # A bug in the experiment file: say so in one line, then show where.
-    print(f'error: loading {args.experiment} failed: {type(error).__name__}: {error}', file=sys.stderr)
+  except Exception as error:  # pylint: disable=broad-except
+    # The experiment file's own mistakes are SweepErrors by now: anything else is flaxtpu's bug.
+    print(f'error: {type(error).__name__}: {error} (a bug? the traceback follows)', file=sys.stderr)
     traceback.print_exc()
     return 2
 
@@ -254,8 +258,10 @@ def study_main(args: argparse.Namespace, config_args: list[str]) -> int:
   try:
     _check_study_flags(args)
     config, get_search = studies.load_search(args.experiment)
-    studies.check_search(get_search, config, args.experiment)
     extra_overrides = runner.parse_extra_overrides(config, config_args, swept_keys={'search.storage'})
+    if not args.report:
+      studies.check_search(get_search, config, args.experiment, extra_overrides,
+                           resolve_sources=not args.dry_run)
     storage_url = args.storage or studies.default_storage(args.workdir, args.launcher)
     name = studies.study_name(args.workdir)
     if args.dry_run:
@@ -281,8 +287,9 @@ def study_main(args: argparse.Namespace, config_args: list[str]) -> int:
   except sweep.SweepError as error:
     print(f'error: {error}', file=sys.stderr)
     return 2
-  except Exception as error:  # A bug in the experiment file: say so in one line, then show where.
-    print(f'error: {args.experiment}: {type(error).__name__}: {error}', file=sys.stderr)
+  except Exception as error:  # pylint: disable=broad-except
+    # The experiment file's own mistakes are SweepErrors by now: anything else is flaxtpu's bug.
+    print(f'error: {type(error).__name__}: {error} (a bug? the traceback follows)', file=sys.stderr)
     traceback.print_exc()
     return 2
 

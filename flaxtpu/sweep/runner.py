@@ -27,6 +27,7 @@ import ml_collections
 
 from flaxtpu import files, storage
 from flaxtpu.config import config_keys, did_you_mean
+from flaxtpu.errors import UserError, raised_in
 from flaxtpu.sweep import Overrides, Sweep, SweepError
 
 # Statuses a run moves through; 'interrupted' = the sweep itself was stopped.
@@ -109,24 +110,34 @@ def make_runs(experiment_path: str, workdir: str, runs_overrides: Sequence[Overr
 
 def check_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> None:
   """Raise SweepError naming the key if a key is not in `config` or its value has the wrong type."""
+  apply_overrides(copy.deepcopy(config), overrides)
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> None:
+  """Sets each `{dotted.key: value}` on `config` with ConfigDict's own type check (the one the trainer's
+  override applies); SweepError naming the key if it is not in `config` or its value has the wrong type."""
   known_keys = config_keys(config)
-  scratch = copy.deepcopy(config)
   for key, value in overrides.items():
     if key not in known_keys:
       raise SweepError(f'sweep key {key!r} is not a config key{did_you_mean(key, known_keys)}')
     parent_path, _, leaf = key.rpartition('.')
-    parent = scratch
+    parent = config
     for part in parent_path.split('.') if parent_path else []:
       parent = parent[part]
     try:
-      # ConfigDict's own type check: the same one the trainer's override applies.
       parent[leaf] = value
-    except TypeError as error:
+    except (TypeError, ValueError) as error:
       raise SweepError(f'sweep key {key!r}: value {value!r} has the wrong type ({error})') from None
 
 
+def _experiment_error(path: str, error: BaseException, stage: str) -> SweepError:
+  """One line for an exception the experiment file raised while `stage` ran: where, what, the fix."""
+  return SweepError(f'{raised_in(path, error)} (while {stage}); fix the experiment file (nothing ran)')
+
+
 def import_experiment(path: str, functions: Sequence[str]) -> Any:
-  """Import an experiment file as a module; SweepError unless it defines each of `functions`."""
+  """Import an experiment file as a module; SweepError unless it defines each of `functions`. An exception
+  while it is imported (a syntax error, a NameError, ...) is one SweepError line naming its line."""
   if not os.path.isfile(path):
     raise SweepError(f'experiment file {path!r} does not exist')
   # Experiments import recipes (`from configs import ...`): make the repo root
@@ -136,31 +147,128 @@ def import_experiment(path: str, functions: Sequence[str]) -> Any:
       sys.path.insert(0, import_root)
   spec = importlib.util.spec_from_file_location('flaxtpu_experiment', path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  try:
+    spec.loader.exec_module(module)
+  except SweepError as error:  # sweep.sweep(...) at the top level, given no list
+    raise SweepError(f'{path}: {error}') from None
+  except Exception as error:  # pylint: disable=broad-except
+    raise _experiment_error(path, error, 'importing it') from None
   for function in functions:
     if not callable(getattr(module, function, None)):
       raise SweepError(f'{path}: must define {function}()')
   return module
 
 
-def load_experiment(path: str) -> tuple[ml_collections.ConfigDict, Sweep]:
-  """Import an experiment file; return its base config and its runs' overrides, checked against the config."""
-  module = import_experiment(path, ('get_config', 'get_sweep'))
+def base_config(module: Any, path: str) -> ml_collections.ConfigDict:
+  """The experiment's `get_config()`, checked to be a config built on flaxtpu's defaults."""
   try:
     config = module.get_config()
+  except Exception as error:  # pylint: disable=broad-except
+    raise _experiment_error(path, error, 'get_config() built the base config') from None
+  if not isinstance(config, ml_collections.ConfigDict):
+    returned = 'None (no return statement?)' if config is None else f'a {type(config).__name__}'
+    raise SweepError(f'{path}: get_config() returned {returned}, not an ml_collections ConfigDict; return '
+                     'flaxtpu.defaults.get_config() with your changes')
+  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  present = set(config_keys(config))
+  if missing := [key for key in config_keys(defaults.get_config()) if key not in present]:
+    shown = ', '.join(missing[:3]) + (f' and {len(missing) - 3} more' if len(missing) > 3 else '')
+    raise SweepError(f'{path}: get_config() returned a config without the keys {shown}; build it on '
+                     'flaxtpu.defaults.get_config()')
+  return config
+
+
+def describe_value(value: Any) -> str:
+  text = repr(value)
+  return f'a {type(value).__name__} ({text[:60]}{"..." if len(text) > 60 else ""})'
+
+
+def load_experiment(path: str) -> tuple[ml_collections.ConfigDict, Sweep]:
+  """Import an experiment file; return its base config and its runs' overrides, checked against the config.
+
+  Anything the file raises or returns wrong is one SweepError line naming the file (and the run)."""
+  module = import_experiment(path, ('get_config', 'get_sweep'))
+  config = base_config(module, path)
+  try:
     runs_overrides = module.get_sweep()
   except SweepError as error:
     raise SweepError(f'{path}: {error}') from None
-  if not isinstance(runs_overrides, Sequence) or not all(isinstance(o, Mapping) for o in runs_overrides):
-    raise SweepError(f'{path}: get_sweep() must return a list of {{config key: value}} dicts')
+  except Exception as error:  # pylint: disable=broad-except
+    raise _experiment_error(path, error, 'get_sweep() listed the runs') from None
+  if isinstance(runs_overrides, (str, bytes, Mapping)) or not isinstance(runs_overrides, Sequence):
+    raise SweepError(f'{path}: get_sweep() returned {describe_value(runs_overrides)}, not a list of '
+                     '{config key: value} dicts (one per run)')
   if not runs_overrides:
     raise SweepError(f'{path}: get_sweep() returned no runs')
-  for overrides in runs_overrides:
+  for index, overrides in enumerate(runs_overrides):
+    if not isinstance(overrides, Mapping):
+      raise SweepError(f'{path}: get_sweep() item {index} is {describe_value(overrides)}, not a '
+                       '{config key: value} dict')
+    bad_keys = [key for key in overrides if not isinstance(key, str)]
+    if bad_keys:
+      raise SweepError(f'{path}: get_sweep() item {index} has the key {bad_keys[0]!r}, not a dotted config '
+                       "key such as 'optimizer.learning_rate'")
+  for index, overrides in enumerate(runs_overrides):
     try:
       check_overrides(config, overrides)
     except SweepError as error:
-      raise SweepError(f'{path}: {error}') from None
+      label = run_label(index, len(runs_overrides), run_name(overrides))
+      raise SweepError(f'{path}: {label}: {error}') from None
   return config, [dict(overrides) for overrides in runs_overrides]
+
+
+def run_label(index: int, count: int, name: str) -> str:
+  """'run 3 of 8 (optimizer.learning_rate=0.1,schedule.name=cosine)': a run of a grid, as errors name it
+  (`name`: its directory's, which lists its overrides)."""
+  return f'run {index + 1} of {count} ({name})'
+
+
+def with_extra_overrides(config: ml_collections.ConfigDict,
+                         extra_overrides: Sequence[str]) -> ml_collections.ConfigDict:
+  """A copy of `config` with the command line's `--config.KEY=VALUE` arguments applied as the trainer's
+  flags apply them (ml_collections' parsers); a value of the wrong type is one SweepError line."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  argv = ['flaxtpu.sweep', *extra_overrides]
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_dict('config', copy.deepcopy(config), flag_values=flag_values, lock_config=True,
+                                  sys_argv=argv)
+  try:
+    flag_values(argv)
+  except (flags.Error, TypeError, ValueError, KeyError, AttributeError) as error:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    raise SweepError(f'{text.removeprefix("flag ")}; fix the value given on the command line') from None
+  return flag_values.config
+
+
+def check_run_config(config: ml_collections.ConfigDict, overrides: Mapping[str, Any], run_workdir: str,
+                     resolve_sources: bool = True) -> None:
+  """The run's config as its trainer sees it before any work: `config` (the base with the command line's
+  overrides) with the run's own, resolved (its init_from source's defaults, as flaxtpu.main resolves them)
+  and validated. Raises the UserError (or SweepError) the trainer would stop with.
+
+  `resolve_sources=False` (a dry run): a run whose init_from names a source is not checked, as its
+  defaults come from the source's files (a download from the hub)."""
+  from flaxtpu import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxtpu import resolution  # pylint: disable=g-import-not-at-top
+  trial = copy.deepcopy(config)
+  apply_overrides(trial, overrides)
+  if trial.init_from.checkpoint and not resolve_sources:
+    return
+  resolution.resolve(trial, run_workdir, 'train')
+  config_lib.validate(trial, 'train')
+
+
+def check_runs(path: str, config: ml_collections.ConfigDict, runs: Sequence[Run], workdir: str,
+               extra_overrides: Sequence[str] = (), resolve_sources: bool = True) -> None:
+  """Every run's config resolved and validated as its trainer will (`check_run_config`) before any starts:
+  the first that cannot work is one SweepError line naming the file, the run and the problem."""
+  base = with_extra_overrides(config, extra_overrides)
+  for index, run in enumerate(runs):
+    try:
+      check_run_config(base, run.overrides, os.path.join(workdir, run.name), resolve_sources)
+    except (SweepError, UserError) as error:
+      raise SweepError(f'{path}: {run_label(index, len(runs), run.name)}: {error}') from None
 
 
 def parse_extra_overrides(config: ml_collections.ConfigDict, args: Sequence[str],

@@ -34,6 +34,7 @@ from typing import Any
 import ml_collections
 
 from flaxtpu import files
+from flaxtpu.errors import UserError, raised_in
 from flaxtpu.metric_names import best_metric
 from flaxtpu.sweep import Overrides, SweepError, runner
 
@@ -146,26 +147,48 @@ def study_pruner(storage_url: str, name: str):
 def load_search(path: str) -> tuple[ml_collections.ConfigDict, Callable[[Any], Overrides]]:
   """An experiment's base config and its `get_search(trial)`."""
   module = runner.import_experiment(path, ('get_config', 'get_search'))
-  return module.get_config(), module.get_search
+  return runner.base_config(module, path), module.get_search
+
+
+def trial_label(trial, overrides: Overrides | None = None) -> str:
+  """'trial 3 (optimizer.learning_rate=0.01, schedule.name=cosine)': what errors call a trial; before
+  get_search returned, the values it had drawn."""
+  shown = _params_line(overrides if overrides is not None else dict(trial.params))
+  return f'trial {trial.number}' + (f' ({shown})' if shown else '')
 
 
 def suggest(get_search: Callable[[Any], Overrides], trial, config: ml_collections.ConfigDict,
-            path: str) -> Overrides:
-  """The overrides `get_search` draws for `trial`, checked against the config like a grid's runs."""
-  overrides = get_search(trial)
-  if not isinstance(overrides, dict) or not overrides:
-    raise SweepError(f'{path}: get_search(trial) must return a non-empty {{config key: value}} dict')
+            path: str, extra_overrides: Sequence[str] = (), workdir: str = '',
+            resolve_sources: bool = True) -> Overrides:
+  """The overrides `get_search` draws for `trial`, checked as a grid's runs are: the keys and types, then
+  the trial's config with the command line's overrides resolved and validated as its trainer will
+  (`runner.check_run_config`). Whatever goes wrong, get_search raising included, is one SweepError line
+  naming the file and the trial."""
   try:
-    runner.check_overrides(config, overrides)
+    overrides = get_search(trial)
   except SweepError as error:
-    raise SweepError(f'{path}: get_search: {error}') from None
+    raise SweepError(f'{path}: get_search: {trial_label(trial)}: {error}') from None
+  except Exception as error:  # pylint: disable=broad-except
+    raise SweepError(f'{raised_in(path, error)} (while get_search drew {trial_label(trial)}); fix the '
+                     'experiment file') from None
+  if not isinstance(overrides, dict) or not overrides:
+    got = 'an empty dict' if overrides == {} else runner.describe_value(overrides)
+    raise SweepError(f'{path}: get_search(trial) must return a non-empty {{config key: value}} dict; for '
+                     f'{trial_label(trial)} it returned {got}')
+  try:
+    runner.check_run_config(runner.with_extra_overrides(config, extra_overrides), overrides,
+                            os.path.join(workdir, run_name(trial)) if workdir else '', resolve_sources)
+  except (SweepError, UserError) as error:
+    raise SweepError(f'{path}: get_search: {trial_label(trial, overrides)}: {error}') from None
   return dict(overrides)
 
 
 def check_search(get_search: Callable[[Any], Overrides], config: ml_collections.ConfigDict,
-                 path: str) -> None:
-  """One draw in a scratch study, so a mistake in get_search is one error line before anything runs."""
-  suggest(get_search, optuna().create_study().ask(), config, path)
+                 path: str, extra_overrides: Sequence[str] = (), resolve_sources: bool = True) -> None:
+  """One draw in a scratch study, so a mistake in get_search is one error line before anything runs (a
+  seeded draw: the line names the same values each time)."""
+  scratch = optuna().create_study(sampler=optuna().samplers.RandomSampler(seed=0))
+  suggest(get_search, scratch.ask(), config, path, extra_overrides, resolve_sources=resolve_sources)
 
 
 # --- trials ------------------------------------------------------------------------------
@@ -226,7 +249,7 @@ def claim(study, get_search, config, experiment: str, workdir: str, storage_url:
   for step, value in trial.user_attrs.get(CARRIED_ATTR, []):
     trial.report(value, int(step))
   try:
-    overrides = suggest(get_search, trial, config, experiment)
+    overrides = suggest(get_search, trial, config, experiment, extra_overrides, workdir)
   except Exception:
     study.tell(trial, state=optuna().trial.TrialState.FAIL)
     raise
@@ -336,7 +359,8 @@ def preview(study, get_search, config, experiment: str, workdir: str, trials: in
   lines = []
   while budget_left(copy, trials):
     trial = copy.ask()
-    overrides = suggest(get_search, trial, config, experiment)
+    overrides = suggest(get_search, trial, config, experiment, extra_overrides, workdir,
+                        resolve_sources=False)
     name = run_name(trial)
     trial.set_user_attr(RUN_ATTR, name)
     copy.tell(trial, state=optuna().trial.TrialState.PRUNED)  # a placeholder: nothing ran
