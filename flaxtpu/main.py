@@ -318,12 +318,18 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   from flaxtpu import compile_plan, parallel, progress, train
   from flaxtpu.data import pipeline
   # Read while the devices start (_start_jax), unless a required platform must be checked first.
-  dataset = pipeline.load(config) if mode == 'train' and not config.require_platform else None
+  command_started = progress.process_start_time(IMPORTED_AT)
+  dataset = None
+  if mode == 'train' and not config.require_platform:
+    reading = time.time()
+    dataset = pipeline.load(config)
+    logging.info('data read in %.1f s, from %.1f s after the command on', time.time() - reading,
+                 reading - command_started)
   parallel.check_platform(config.require_platform)
-  logging.info('JAX %s on %s', jax.__version__, parallel.describe_devices())
+  logging.info('JAX %s on %s (devices ready %.1f s after the command)', jax.__version__,
+               parallel.describe_devices(), time.time() - command_started)
   if mode == 'train':
-    train.train_and_evaluate(config, workdir, stop, command_started=progress.process_start_time(IMPORTED_AT),
-                             dataset=dataset)
+    train.train_and_evaluate(config, workdir, stop, command_started=command_started, dataset=dataset)
   elif mode == 'plan':
     dataset = pipeline.load(config, need_train=False)  # only the image shape and class count
     plan = compile_plan.plan_memory(config, image_shape=dataset.image_shape, num_classes=dataset.num_classes)

@@ -130,8 +130,9 @@ class TrainClock:
       jax.block_until_ready(step_metrics)
     if first:  # every attempt logs its start-up; the record keeps the first attempt's
       self._first_step_done, now = True, time.time()
-      logging.info('first step done %.1f s after the command (%.1f s after training started: data, init, '
-                   'compile)', now - self._command_started, now - self._started)
+      logging.info('first step done %.1f s after the command (%.1f s after training started: model, '
+                   'restore, compile; the data too unless read before)', now - self._command_started,
+                   now - self._started)
       if self.progress.time_to_first_step_s is None:
         self.progress.time_to_first_step_s = now - self._command_started
 
