@@ -84,3 +84,21 @@ def test_small_and_non_batch_results_stay_on_the_pipe(made_blocks):
   assert results[1] == ('failure', 1) and results[5] == ('failure', 5)
   np.testing.assert_array_equal(results[4], [4, 4, 4])
   assert made_blocks[0]._all == []  # 24-byte results: no blocks made
+
+
+def test_a_known_result_size_sends_even_the_first_batches_through_blocks(monkeypatch, made_blocks):
+  through = []
+  original = workers._Blocks.unpacked
+
+  def record(self, result, block):
+    through.append(block is not None)
+    return original(self, result, block)
+  monkeypatch.setattr(workers._Blocks, 'unpacked', record)
+  size = 48 * 96 * 96 * 3  # the images of big_batch's batches; labels and mask fit in the eighth more
+  for step, batch in enumerate(workers.run(big_batch, range(6), workers=2, buffer=2, result_bytes=size)):
+    np.testing.assert_array_equal(batch.images, big_batch(step).images)
+  assert through == [True] * 6
+  # Without the size, the 4 results first in flight (2 workers + 2 ahead) came through the pipe.
+  through.clear()
+  list(workers.run(big_batch, range(6), workers=2, buffer=2))
+  assert through == [False] * 4 + [True] * 2

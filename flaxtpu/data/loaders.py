@@ -51,7 +51,9 @@ def train_batches(dataset: Dataset, *, seed: int, batch_size: int, first_step: i
 def _loaded_train_batches(loader: _TrainLoader, steps: range, num_workers: int,
                           prefetch: int, threads: bool = False) -> Iterator[Batch]:
   # A generator, so the workers start with the first batch asked for and stop with the last.
-  yield from _checked(workers.run(loader, steps, num_workers, prefetch, threads=threads))
+  images_bytes = _images_bytes(loader.sampler.local_batch_size, loader.transform)
+  yield from _checked(workers.run(loader, steps, num_workers, prefetch, threads=threads,
+                                  result_bytes=images_bytes))
 
 
 def _sliced_train_batches(train: Examples, chosen: Sampler, steps: range,
@@ -81,7 +83,8 @@ def eval_batches(dataset: Dataset, *, batch_size: int, process_index: int = 0,
     return
   loader = _EvalLoader(examples, transform, dataset.skip_corrupt, batch_size, rows)
   yield from _checked(workers.run(loader, starts, 0 if examples.cached else dataset.workers,
-                                  dataset.prefetch, threads=dataset.worker_threads))
+                                  dataset.prefetch, threads=dataset.worker_threads,
+                                  result_bytes=_images_bytes(rows.stop - rows.start, transform)))
 
 
 def eval_image(dataset: Dataset, index: int) -> np.ndarray:
@@ -200,6 +203,12 @@ class _TrainLoader(_ExampleReader):
         out[:] = out[:, ::-1]  # numpy copies overlapping operands first
       labels.append(label)
     return Batch(_stack(images), label_batch(labels), np.ones(len(labels), bool))
+
+
+def _images_bytes(count: int, transform: Transform) -> int:
+  """What a batch's images take at a fixed image size (0 at native sizes: unknown before the first);
+  its labels and mask fit in the eighth more that the workers' shared-memory blocks hold."""
+  return count * transform.size * transform.size * transform.channels
 
 
 def _batch_images(count: int, transform: Transform) -> np.ndarray | list:

@@ -44,7 +44,7 @@ def with_progress(chunks: Iterable, total: int, what: str, every_s: float = 10.0
 
 
 def run(function, items, workers: int, buffer: int, min_items_per_worker: int = 1,
-        threads: bool = False) -> Iterator:
+        threads: bool = False, result_bytes: int = 0) -> Iterator:
   """`map(function, items)` in order, `buffer` results computed ahead: in `workers` processes, or
   `workers` threads of this process (`threads`, grain's read-ahead threads), or one thread if 0.
 
@@ -59,13 +59,15 @@ def run(function, items, workers: int, buffer: int, min_items_per_worker: int = 
   shared-memory block of its own, created and unlinked per batch. Here the function is sent to
   each worker once, not with each item, and large results come back through a fixed set of
   shared-memory blocks (`_Blocks`), small ones pickled through the pool's pipe. A worker that dies
-  (the OOM killer) stops the pass with an error instead of a hang.
+  (the OOM killer) stops the pass with an error instead of a hang. `result_bytes`, the size of the
+  arrays of a result where the caller knows it, sizes the blocks before the first result: else the
+  first results in flight come back through the pipe.
   """
   workers = min(workers, len(items) // min_items_per_worker)
   if workers <= 0:
     return prefetch(map(function, items), size=buffer)
   if not threads:
-    return _in_processes(function, items, workers, ahead=workers + buffer)
+    return _in_processes(function, items, workers, ahead=workers + buffer, result_bytes=result_bytes)
   import grain  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   if not flags.FLAGS.is_parsed():  # grain reads its options from absl flags
@@ -94,17 +96,19 @@ def pool_map(function, items: Sequence, workers: int, threads: bool = False) -> 
   yield from _in_processes(function, items, workers, ahead=len(items))
 
 
-def _in_processes(function, items: Iterable, workers: int, ahead: int) -> Iterator:
+def _in_processes(function, items: Iterable, workers: int, ahead: int, result_bytes: int = 0) -> Iterator:
   """`map(function, items)` in order in `workers` fresh processes, at most `ahead` items submitted
   and not yet consumed. The processes stop (their current items done) when the consumer stops.
 
   Results of tuples of arrays (batches) of 1 MiB or more come back through `ahead` shared-memory
-  blocks sized by the first result (`_Blocks`); the rest through the pool's pipe.
+  blocks (`_Blocks`) of `result_bytes`, or sized by the first result; the rest through the pool's pipe.
   """
   pool = concurrent.futures.ProcessPoolExecutor(
       workers, mp_context=multiprocessing.get_context('spawn'), initializer=_start_worker,
       initargs=(function,))
   blocks = _Blocks(ahead)
+  if result_bytes:
+    blocks.make(result_bytes)
   try:
     pending, items = collections.deque(), iter(items)
 
@@ -168,11 +172,12 @@ class _Blocks:
         result = type(result)._make(fields) if hasattr(result, '_make') else tuple(fields)
       self._free.append(block)
     elif not self._sized:
-      self._sized = True
-      self._make(_packed_size(result))
+      self.make(_packed_size(result))
     return result
 
-  def _make(self, size: int) -> None:
+  def make(self, size: int) -> None:
+    """The blocks, for results whose arrays take `size` bytes (once; none below MIN_BYTES)."""
+    self._sized = True
     if size < self.MIN_BYTES:
       return
     size += size // 8  # room for a larger batch (images of another size, more labels)
