@@ -17,6 +17,7 @@ from flaxtpu import (  # no JAX at import
   audit,
   aug_checks,
   calibration,
+  hub_names,
   image_sizes,
   models,
   optim_checks,
@@ -340,6 +341,8 @@ def _check_ema(config: ml_collections.ConfigDict) -> None:
 
 def _check_init_from(config: ml_collections.ConfigDict) -> None:
   check_patterns('init_from.skip', config.init_from.skip)
+  if config.init_from.checkpoint:
+    hub_names.check_spec('init_from.checkpoint', config.init_from.checkpoint)
   step = str(config.init_from.step)
   if step not in ('latest', 'best') and not step.isdigit():
     raise ConfigError(f'config.init_from.step={step!r} is not valid; choose latest, best or a step number')
@@ -447,6 +450,7 @@ def _check_distill(config: ml_collections.ConfigDict) -> None:
   distill = config.distill
   if not distill.teacher:
     return
+  hub_names.check_spec('distill.teacher', distill.teacher)
   _one_of('distill.loss', distill.loss, ('soft', 'hard', 'function_matching'))
   if not 0.0 <= distill.alpha <= 1.0:
     raise ConfigError(f'config.distill.alpha={distill.alpha!r} must be in [0, 1]: the teacher\'s share of '

@@ -4,14 +4,12 @@ before JAX or TensorFlow load."""
 
 from __future__ import annotations
 
-import re
-
 import ml_collections
 
-from flaxtpu.errors import ConfigError
+from flaxtpu import hub_names
+from flaxtpu.errors import ConfigError, printable
 
 QUANTIZED = ('fp16', 'int8')  # tflite_export's quantized models
-HUB_REPO = re.compile(r'[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*')
 
 
 def check_export(config: ml_collections.ConfigDict) -> None:
@@ -29,6 +27,6 @@ def check_export(config: ml_collections.ConfigDict) -> None:
   if not (isinstance(export.calibration_images, int) and export.calibration_images > 0):
     raise ConfigError(f'config.export.calibration_images={export.calibration_images!r} must be > 0 '
                       '(a few hundred train images calibrate the int8 model)')
-  if export.hub_repo and not HUB_REPO.fullmatch(export.hub_repo):
-    raise ConfigError(f'config.export.hub_repo={export.hub_repo!r} must be ORG/NAME, a Hugging Face model '
-                      'repository such as my-org/cifar10-resnet20')
+  if export.hub_repo and (problem := hub_names.repo_problem(export.hub_repo)):
+    raise ConfigError(f"config.export.hub_repo='{printable(export.hub_repo)}' is not a hub repository name: "
+                      f'{problem}; give ORG/NAME, e.g. my-org/cifar10-resnet20')

@@ -32,11 +32,11 @@ from typing import Optional
 
 import numpy as np
 
-from flaxtpu import models
-from flaxtpu.errors import UserError, join_or
+from flaxtpu import hub_names, models
+from flaxtpu.errors import UserError, join_or, printable
 from flaxtpu.models import foreign, layouts
 
-HUB_PREFIX = 'hf-hub:'
+HUB_PREFIX = hub_names.HUB_PREFIX
 WEIGHT_SUFFIXES = ('.safetensors', '.pth', '.pt', '.bin', '.npz')
 HUB_WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin')  # in timm's order of preference
 HUB_TIMEOUT_S = 3.0  # the hub probe; offline or unreachable falls back to the cache at once
@@ -92,33 +92,52 @@ def _hub_problem() -> Optional[str]:
 def _hub_download(spec: str) -> tuple[str, Optional[str]]:
   """(weights file, config.json or None) of hf-hub:ORG/NAME, from the hub or huggingface_hub's cache."""
   from huggingface_hub import constants, errors, hf_hub_download  # pylint: disable=g-import-not-at-top
+  hub_names.check_spec('init_from.checkpoint', spec)  # a repository id, before anything is asked
   repo = spec[len(HUB_PREFIX):]
-  if not re.fullmatch(r'[\w.-]+/[\w.-]+', repo):
-    raise UserError(f'config.init_from.checkpoint={spec!r} is not hf-hub:ORG/NAME '
-                    '(e.g. hf-hub:timm/resnet50.a1_in1k)')
   # An unreachable hub would cost huggingface_hub's retries (~25 s) per file: ask the cache alone then.
   problem = _hub_problem()
+  # huggingface_hub's HTTP client (httpx2; httpx before it) logs each request at INFO: a failure is
+  # reported below, in one line.
+  for name in ('httpx', 'httpx2'):
+    logging.getLogger(name).setLevel(max(logging.getLogger(name).getEffectiveLevel(), logging.WARNING))
+  copy_from_elsewhere = (f'on a machine online run `hf download {repo}` and copy its cache folder '
+                         f'models--{repo.replace("/", "--")} into {constants.HF_HUB_CACHE} (or set HF_HOME '
+                         'to where it is)')
 
   def fetch(filename: str) -> Optional[str]:
     try:
       return hf_hub_download(repo, filename, local_files_only=bool(problem), etag_timeout=HUB_TIMEOUT_S,
                              library_name='flaxtpu')
+    except errors.GatedRepoError as e:  # before RepositoryNotFoundError, of which it is a kind
+      raise UserError(f'config.init_from.checkpoint={spec!r} is gated: accept its terms on huggingface.co '
+                      'and log in with `hf auth login`') from e
     except errors.RepositoryNotFoundError as e:
       raise UserError(f'config.init_from.checkpoint={spec!r}: the hub has no model {repo!r} (or it is '
                       'private: log in with `hf auth login`); check the name on huggingface.co') from e
-    except errors.GatedRepoError as e:
-      raise UserError(f'config.init_from.checkpoint={spec!r} is gated: accept its terms on huggingface.co '
-                      'and log in with `hf auth login`') from e
-    except errors.LocalEntryNotFoundError:
+    except errors.LocalEntryNotFoundError as e:
       if problem:  # not in the cache, and no way to ask
         raise UserError(
             f'config.init_from.checkpoint={spec!r} is not in the Hugging Face cache '
-            f'({constants.HF_HUB_CACHE}) and the hub cannot be reached ({problem}): on a machine online '
-            f'run `hf download {repo}` and copy its cache folder models--{repo.replace("/", "--")} '
-            f'into {constants.HF_HUB_CACHE} (or set HF_HOME to where it is)') from None
+            f'({constants.HF_HUB_CACHE}) and the hub cannot be reached ({problem}): '
+            f'{copy_from_elsewhere}') from None
+      # The hub answered the probe but not this request (a timeout, a connection cut), and the cache
+      # lacks the file: not a file the model lacks.
+      raise UserError(f'config.init_from.checkpoint={spec!r}: {filename} could not be fetched from '
+                      f'{constants.ENDPOINT} ({_cause(e.__cause__ or e)}) and is not in the Hugging Face '
+                      f'cache; try again, or {copy_from_elsewhere}') from None
+    except errors.EntryNotFoundError:  # the repository has no such file
       return None
-    except errors.EntryNotFoundError:
-      return None
+    except errors.RevisionNotFoundError as e:
+      raise UserError(f'config.init_from.checkpoint={spec!r}: the hub model {repo!r} has no main revision; '
+                      'check the name on huggingface.co') from e
+    except errors.HfHubHTTPError as e:  # a server error, a disabled repository, rate limits
+      status = getattr(getattr(e, 'response', None), 'status_code', None)
+      raise UserError(f'config.init_from.checkpoint={spec!r}: the hub answered {status or "an error"} for '
+                      f'{filename} ({_cause(e)}); try again later, or {copy_from_elsewhere}') from None
+    except OSError as e:  # a connection refused or cut before any answer; a cache that cannot be written
+      raise UserError(f'config.init_from.checkpoint={spec!r}: {filename} could not be fetched '
+                      f'({_cause(e)}); check the connection to {constants.ENDPOINT} and that '
+                      f'{constants.HF_HUB_CACHE} is writable, or {copy_from_elsewhere}') from None
 
   config_path = fetch('config.json')
   for filename in HUB_WEIGHT_FILES:
@@ -127,6 +146,12 @@ def _hub_download(spec: str) -> tuple[str, Optional[str]]:
   raise UserError(f'config.init_from.checkpoint={spec!r}: the hub model has none of '
                   f'{", ".join(HUB_WEIGHT_FILES)}; '
                   'give a timm model (hf-hub:timm/...) or a local weights file')
+
+
+def _cause(error: BaseException) -> str:
+  """A library error's first line (huggingface_hub's put the status first), short enough for one line."""
+  text = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+  return printable(text[:160] + ('...' if len(text) > 160 else ''))
 
 
 def locate(spec: str) -> tuple[str, Optional[dict]]:

@@ -31,8 +31,8 @@ import os
 
 import ml_collections
 
-from flaxtpu import files, pretrained, saved
-from flaxtpu.errors import CheckpointError, ConfigError
+from flaxtpu import files, hub_names, pretrained, saved
+from flaxtpu.errors import CheckpointError, ConfigError, UserError
 from flaxtpu.metric_names import best_metric
 from flaxtpu.workdir_config import CONFIG_FILE  # what a run resolved, written when it starts
 
@@ -49,6 +49,7 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
   keep_saved_function(config, workdir)
   if mode in TRAINING_MODES:
     apply_source_defaults(config, workdir)
+    check_teacher(config)
   elif restores_published(workdir, mode) or not files.isdir(os.path.join(workdir or '', 'checkpoints')):
     # evaluate.restore reads published weights wherever the workdir has no checkpoints.
     pretrained.apply_defaults(config)
@@ -106,6 +107,31 @@ def apply_source_defaults(config: ml_collections.ConfigDict, workdir: str = '') 
     config.dataset[key] = value
 
 
+def check_teacher(config: ml_collections.ConfigDict) -> None:
+  """That `distill.teacher` can be read, before the workdir is touched: published weights are found
+  (fetched into huggingface_hub's cache, where the trainer reads them again) and described, a flaxtpu
+  run is a run; what does not is the UserError the trainer would stop with, naming distill.teacher.
+  Whether it suits the data (image size, classes) is known once the data is: `distill.load_teacher`."""
+  teacher = config.distill.teacher
+  if not teacher:
+    return
+  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  try:
+    if pretrained.is_published(teacher):
+      pretrained.describe(teacher)
+    else:
+      source_location(defaults.derived(config, {'init_from.checkpoint': teacher,
+                                                'init_from.step': config.distill.step}))
+  except UserError as e:
+    raise as_teacher_error(e) from None
+
+
+def as_teacher_error(error: UserError) -> UserError:
+  """An init_from error about the source the teacher names, about distill.teacher (and distill.step)."""
+  return type(error)(str(error).replace('init_from.checkpoint', 'distill.teacher')
+                     .replace('init_from.step', 'distill.step'))
+
+
 def source_dataset_defaults(dataset: ml_collections.ConfigDict, trained: dict, mean, std) -> dict:
   """{dataset key: value} that a flaxtpu source (its `trained` dataset section and normalisation
   numbers) fills where `dataset` leaves it open; {} for a resolved config."""
@@ -133,8 +159,14 @@ def source_location(config: ml_collections.ConfigDict) -> tuple[str, str]:
                             f'config.init_from.step={config.init_from.step!r}; give the workdir with a '
                             'step, or the step directory alone')
     return os.path.dirname(parent), name
+  prefix = hub_names.HUB_PREFIX
+  if (repo := hub_names.other_spelling(given)) is not None:  # timm's hf_hub:, hf://, a huggingface.co address
+    raise CheckpointError(f'config.init_from.checkpoint={given!r}: hub models are written {prefix}ORG/NAME; '
+                          f'use init_from.checkpoint={prefix}{repo}')
+  hub_hint = (f' (or, for the hub model {repo}, write {prefix}{repo})'
+              if (repo := hub_names.bare_repo(given)) else '')
   raise CheckpointError(f'config.init_from.checkpoint={given!r} holds no flaxtpu checkpoint; point it at '
-                        'the --workdir of a finished run (or its WORKDIR/checkpoints/STEP)')
+                        f'the --workdir of a finished run (or its WORKDIR/checkpoints/STEP){hub_hint}')
 
 
 def source_record(config: ml_collections.ConfigDict) -> dict:
