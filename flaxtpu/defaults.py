@@ -336,6 +336,10 @@ def get_config() -> ml_collections.ConfigDict:
   # A frozen teacher whose predictions the model learns from ('' = off): a flaxtpu workdir or
   # WORKDIR/checkpoints/STEP, or published weights (as init_from.checkpoint). It runs in eval mode
   # inside the train step, on the same devices and in the same dtype; checkpoints hold the student.
+  # It must have been trained at the student's image size (dataset.image_size, and each of
+  # augment.train_sizes) on the student's classes (by name, any order): a teacher's input is never
+  # resized, so another size or other classes stop the run in one line. Its normalisation may differ:
+  # it sees the student's pixels normalised its own way (logged).
   config.distill.teacher = ''
   config.distill.step = 'best'  # Of a teacher workdir: best | latest | a step number.
   # soft: the teacher's probabilities at `temperature` (Hinton et al.); hard: its top class as a

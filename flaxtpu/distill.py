@@ -39,7 +39,7 @@ import numpy as np
 from clu import metrics as clu_metrics
 from jax.scipy.special import xlogy
 
-from flaxtpu import checkpoint, defaults, finetune, models, pretrained, steps
+from flaxtpu import checkpoint, defaults, finetune, image_sizes, pretrained, resolution, steps
 from flaxtpu.errors import UserError
 from flaxtpu.workdir_config import from_saved
 
@@ -146,16 +146,30 @@ def load_teacher(config: ml_collections.ConfigDict, class_names, image_shape: tu
                  ) -> tuple[Teacher, Any]:
   """(the Teacher, its weights laid out on `mesh` for the run's parallelism).
 
-  The teacher must predict the run's classes (by name, in any order) from images of the run's
-  shape. `started_step`: the step a resumed run's teacher was read at.
+  The teacher must predict the run's classes (by name, in any order) from images of the size it was
+  trained at, which must be the run's (`image_shape`, and each of augment.train_sizes): flaxtpu never
+  resizes a teacher's input, so a difference is one UserError line naming both, before any weights are
+  read. Its normalisation may differ from the run's: it sees the run's pixels normalised its own way
+  (`Teacher.logits`), and the log says so. `started_step`: the step a resumed run's teacher was read at.
   """
   spec = config.distill.teacher
-  if pretrained.is_published(spec):  # its model, normalisation and classes, at the run's image size
+  if pretrained.is_published(spec):  # its model, normalisation and classes, at the size it was trained at
+    try:
+      published = pretrained.describe(spec)
+    except UserError as e:
+      raise resolution.as_teacher_error(e) from None
+    check_image_shape(config, spec, published.model,
+                      (published.image_size, published.image_size, len(published.mean)), image_shape)
     teacher_config = defaults.derived(config, {
         **INFERENCE, 'init_from.checkpoint': spec, 'model.name': defaults.get_config().model.name,
         'dataset.normalize': 'auto', 'dataset.image_size': image_shape[0]})
     pretrained.apply_defaults(teacher_config)  # the teacher's config, resolved as the CLI resolves a run's
-    placement, variables, step, record = finetune.published_model(teacher_config)
+    check_task(spec, 'multiclass', config.task)
+    order = class_order(list(pretrained.class_names(published)), list(class_names), spec)
+    try:
+      placement, variables, step, record = finetune.published_model(teacher_config)
+    except UserError as e:
+      raise resolution.as_teacher_error(e) from None
     source_config = teacher_config
   else:
     lookup = defaults.derived(config, {
@@ -164,8 +178,7 @@ def load_teacher(config: ml_collections.ConfigDict, class_names, image_shape: tu
     try:
       source, step = finetune.resolve_source(lookup)
     except checkpoint.CheckpointError as e:
-      raise checkpoint.CheckpointError(str(e).replace('config.init_from.checkpoint', 'config.distill.teacher')
-                                       .replace('init_from.step', 'distill.step')) from None
+      raise resolution.as_teacher_error(e) from None
     try:
       record = source.read_record(step)
       # The teacher's own model and data keys; the run's devices, precision and batch sizes.
@@ -174,6 +187,9 @@ def load_teacher(config: ml_collections.ConfigDict, class_names, image_shape: tu
           section: teacher_config[section]
           for section in ('parallelism', 'mesh', 'dtype', 'batch_size', 'eval_batch_size', 'cpu_devices',
                           'eval')})
+      check_image_shape(config, spec, source_config.model.name, tuple(record['image_shape']), image_shape)
+      check_task(spec, record.get('task', 'multiclass'), config.task)
+      order = class_order(record.get('class_names') or [], list(class_names), spec)
       norm = record['normalization']
       task = steps.create_task(source_config, num_classes=record['num_classes'],
                                image_shape=tuple(record['image_shape']), mean=norm['mean'], std=norm['std'])
@@ -183,20 +199,10 @@ def load_teacher(config: ml_collections.ConfigDict, class_names, image_shape: tu
       variables = placement.from_saveable(saved)
     finally:
       source.close()
-  teacher_task = record.get('task', 'multiclass')
-  if teacher_task != config.task:
-    raise UserError(f'config.distill.teacher={spec!r} is a {teacher_task} model and this run is '
-                    f'task={config.task}; distill from a teacher of the same task')
-  order = class_order(record.get('class_names') or [], list(class_names), spec)
   mean, std = _normalization(source_config, record)
   model = steps.create_task(source_config, num_classes=record['num_classes'],
                             image_shape=tuple(record['image_shape']), mean=mean, std=std).model
-  teacher_shape = tuple(record['image_shape'])
-  if teacher_shape[-1] != image_shape[-1] or (
-      teacher_shape != tuple(image_shape) and models.get_family(source_config.model.name).fixed_image_size):
-    raise UserError(f'config.distill.teacher={spec!r} ({source_config.model.name}) reads {teacher_shape} '
-                    f'images and the data gives {tuple(image_shape)}; distill from a teacher trained on '
-                    'images of this shape (or set config.dataset.image_size to its size)')
+  log_normalization(config, spec, mean, std)
   settings = config.distill
   teacher = Teacher(model=model, mean=mean, std=std, order=order, loss=settings.loss, alpha=settings.alpha,
                     temperature=settings.temperature, multilabel=config.task == 'multilabel', source=spec,
@@ -205,6 +211,56 @@ def load_teacher(config: ml_collections.ConfigDict, class_names, image_shape: tu
                source_config.model.name, step, record['num_classes'], settings.loss, settings.alpha,
                settings.temperature)
   return teacher, variables
+
+
+def check_task(spec: str, teacher_task: str, task: str) -> None:
+  if teacher_task != task:
+    raise UserError(f'config.distill.teacher={spec!r} is a {teacher_task} model and this run is '
+                    f'task={task}; distill from a teacher of the same task')
+
+
+def _size(shape: tuple[int, ...]) -> str:
+  return f'{shape[0]}x{shape[1]}'
+
+
+def check_image_shape(config: ml_collections.ConfigDict, spec: str, model: str,
+                      teacher_shape: tuple[int, ...], image_shape: tuple[int, ...]) -> None:
+  """The teacher's input (H, W, C), as it was trained, against the run's images (and each size that
+  augment.train_sizes resizes them to): any difference is one UserError line naming both and the fix.
+  flaxtpu has no option to resize a teacher's input on purpose: a teacher scored off its size (a
+  ConvNet's receptive fields against other object scales) teaches what it did not learn."""
+  teacher_shape, image_shape = tuple(teacher_shape), tuple(image_shape)
+  if teacher_shape[-1] != image_shape[-1]:
+    raise UserError(f'config.distill.teacher={spec!r} ({model}) reads {teacher_shape} images and the data '
+                    f'gives {image_shape}; distill from a teacher trained on images of {image_shape[-1]} '
+                    'channels')
+  side = teacher_shape[0] if teacher_shape[0] == teacher_shape[1] else 0
+  at_size = (f'train the student at the teacher\'s size (config.dataset.image_size={side}) or distill from '
+             'a teacher trained at the student\'s' if side else
+             'distill from a teacher trained at the student\'s size')
+  if teacher_shape[:2] != image_shape[:2]:
+    raise UserError(f'config.distill.teacher={spec!r} ({model}) was trained on {_size(teacher_shape)} images '
+                    f'and the student\'s data gives {_size(image_shape)}; {at_size} (a teacher\'s input is '
+                    'never resized)')
+  if other := [size for size in image_sizes.sizes_of(config) if (size, size) != teacher_shape[:2]]:
+    raise UserError(f'config.distill.teacher={spec!r} ({model}) was trained on {_size(teacher_shape)} images '
+                    f'and config.augment.train_sizes resizes the student\'s (and so the teacher\'s) to '
+                    f'{", ".join(f"{size}x{size}" for size in other)}; drop augment.train_sizes (or distill '
+                    'without it: a teacher\'s input is never resized)')
+
+
+def log_normalization(config: ml_collections.ConfigDict, spec: str, mean: Optional[np.ndarray],
+                      std: Optional[np.ndarray]) -> None:
+  """One log line where the teacher normalises images otherwise than the run: it is fed the run's
+  pixels normalised its own way (exact: both are per-channel affine maps of the same pixels)."""
+  rounded = lambda values: tuple(round(float(value), 4) for value in values)
+  teacher = 'pixels in [0, 1]' if mean is None else f'mean {rounded(mean)} std {rounded(std)}'
+  normalize = config.dataset.normalize
+  student = (f'mean {rounded(config.dataset.mean)} std {rounded(config.dataset.std)}' if normalize == 'fixed'
+             else 'its train split\'s mean and std' if normalize == 'standardize' else 'pixels in [0, 1]')
+  if teacher != student:
+    logging.info('distill.teacher=%s normalises images with %s and the student with %s: the teacher is fed '
+                 'the student\'s pixels normalised its own way', spec, teacher, student)
 
 
 def _normalization(source_config: ml_collections.ConfigDict, record: dict):

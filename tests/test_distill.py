@@ -1,7 +1,10 @@
 """Distillation: the loss by hand, what the teacher sees in each recipe, whole runs from a teacher workdir."""
 
 import json
+import logging
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -10,10 +13,12 @@ import pytest
 
 from configs import digits
 from conftest import assert_same_state, metric_rows, restore_checkpoint, signal_at_step, tiny_dataset
-from flaxtpu import augment, checkpoint, distill, lengths, parallel, steps, train
+from flaxtpu import augment, checkpoint, distill, lengths, parallel, pretrained, steps, train
 from flaxtpu import config as config_lib
 from flaxtpu.config import ConfigError
 from flaxtpu.errors import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # --- the loss -------------------------------------------------------------------------------
 
@@ -215,7 +220,59 @@ def test_a_teacher_of_other_classes_or_no_checkpoint_is_one_line(tmp_path, teach
   assert not os.path.exists(tmp_path / 'a' / 'checkpoints' / '6')
 
 
-def test_a_published_teacher_scores_images_as_its_source_framework(tmp_path):
+def test_a_teacher_of_another_size_or_other_classes_is_one_line_naming_both(tmp_path, teacher_workdir):
+  """Issue 52 part 3: the teacher (8x8 digits, 10 classes) against a student at 16 px, one resized by
+  augment.train_sizes, one of other classes: one line each, before the teacher's weights are read."""
+  names = [str(digit) for digit in range(10)]
+  config = _run_config(**{'distill.teacher': teacher_workdir})
+  mesh = parallel.make_mesh(config)
+  with pytest.raises(UserError) as raised:
+    distill.load_teacher(config, names, (16, 16, 1), mesh)
+  assert str(raised.value) == (
+      f"config.distill.teacher={teacher_workdir!r} (cnn) was trained on 8x8 images and the student's data "
+      "gives 16x16; train the student at the teacher's size (config.dataset.image_size=8) or distill from a "
+      "teacher trained at the student's (a teacher's input is never resized)")
+  resized = _run_config(**{'distill.teacher': teacher_workdir, 'augment.train_sizes': ((0.0, 6), (0.5, 8))})
+  with pytest.raises(UserError) as raised:
+    distill.load_teacher(resized, names, (8, 8, 1), mesh)
+  assert str(raised.value) == (
+      f"config.distill.teacher={teacher_workdir!r} (cnn) was trained on 8x8 images and "
+      "config.augment.train_sizes resizes the student's (and so the teacher's) to 6x6; drop "
+      "augment.train_sizes (or distill without it: a teacher's input is never resized)")
+  with pytest.raises(UserError) as raised:
+    distill.load_teacher(config, names, (8, 8, 3), mesh)
+  assert str(raised.value) == (
+      f'config.distill.teacher={teacher_workdir!r} (cnn) reads (8, 8, 1) images and the data gives '
+      '(8, 8, 3); distill from a teacher trained on images of 3 channels')
+  with pytest.raises(UserError) as raised:
+    distill.load_teacher(config, names[:3], (8, 8, 1), mesh)
+  assert str(raised.value) == (
+      f"config.distill.teacher={teacher_workdir!r} predicts 10 classes and the data has 3 (the data lacks "
+      "['3', '4', '5']); distill from a teacher of these classes (fine-tune one first with init_from)")
+  with pytest.raises(UserError) as raised:
+    distill.load_teacher(config, [*names[:9], 'ten'], (8, 8, 1), mesh)
+  assert str(raised.value) == (
+      f"config.distill.teacher={teacher_workdir!r} predicts 10 classes and the data has 10 (the teacher "
+      "lacks ['ten']) (the data lacks ['9']); distill from a teacher of these classes (fine-tune one first "
+      'with init_from)')
+
+
+def test_a_teacher_of_another_size_stops_the_command_in_one_line(tmp_path, teacher_workdir):
+  result = subprocess.run(
+      [sys.executable, '-m', 'flaxtpu.main', '--config=configs/digits.py', f'--workdir={tmp_path / "run"}',
+       f'--config.distill.teacher={teacher_workdir}', '--config.dataset.image_size=16',
+       '--config.compilation_cache_dir=none'], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 2, result.stderr[-3000:]
+  errors = [line for line in result.stderr.splitlines() if line.startswith('error: ')]
+  assert errors == [f"error: config.distill.teacher={teacher_workdir!r} (cnn) was trained on 8x8 images and "
+                    "the student's data gives 16x16; train the student at the teacher's size "
+                    "(config.dataset.image_size=8) or distill from a teacher trained at the student's (a "
+                    "teacher's input is never resized)"]
+  assert 'Traceback' not in result.stderr
+  assert os.listdir(tmp_path / 'run' / 'checkpoints') == []  # stopped before any step
+
+
+def test_a_published_teacher_scores_images_as_its_source_framework(tmp_path, caplog):
   from safetensors.torch import save_file  # pylint: disable=g-import-not-at-top
   from test_pretrained import import_torch, randomise_batch_norm  # pylint: disable=g-import-not-at-top
   torch, _, timm = import_torch()
@@ -225,7 +282,20 @@ def test_a_published_teacher_scores_images_as_its_source_framework(tmp_path):
   save_file({key: value.contiguous() for key, value in source.state_dict().items()}, path)
   config = _step_config(**{'distill.teacher': path, 'distill.temperature': 2.0})
   names = ['class_2', 'class_0', 'class_1']  # the run's classes in another order than the teacher's
-  teacher, variables = distill.load_teacher(config, names, (32, 32, 3), parallel.make_mesh(config))
+  # Without timm's config.json the file is taken as trained at timm's size for ResNets: never resized.
+  with pytest.raises(UserError) as raised:
+    distill.load_teacher(config, names, (32, 32, 3), parallel.make_mesh(config))
+  assert str(raised.value) == (
+      f"config.distill.teacher={path!r} (resnet18) was trained on 224x224 images and the student's data "
+      "gives 32x32; train the student at the teacher's size (config.dataset.image_size=224) or distill "
+      "from a teacher trained at the student's (a teacher's input is never resized)")
+  (tmp_path / 'config.json').write_text(json.dumps({'pretrained_cfg': {'input_size': [3, 32, 32]}}))
+  pretrained.describe.cache_clear()
+  with caplog.at_level(logging.INFO):
+    teacher, variables = distill.load_teacher(config, names, (32, 32, 3), parallel.make_mesh(config))
+  assert (f'distill.teacher={path} normalises images with mean (0.485, 0.456, 0.406) std (0.229, 0.224, '
+          "0.225) and the student with its train split's mean and std: the teacher is fed the student's "
+          'pixels normalised its own way') in caplog.messages
   assert teacher.step == 0 and teacher.source == path and list(teacher.order) == [2, 0, 1]
   pixels = np.random.default_rng(0).random((2, 32, 32, 3)).astype(np.float32)
   mean, std = np.full(3, 0.5, np.float32), np.full(3, 0.25, np.float32)  # the student's normalisation
