@@ -96,6 +96,10 @@ def check_output(workdir: Optional[str]) -> None:
   if os.path.exists(workdir) and (not os.path.isdir(workdir) or os.listdir(workdir)):
     raise UserError(f'--workdir={workdir} already holds files; choose a new directory (nothing was '
                     'overwritten)')
+  # The soup is built beside OUT (OUT.building-PID) and renamed into place.
+  if reason := files.creatable(os.path.dirname(os.path.abspath(workdir))):
+    raise UserError(f'--workdir={workdir} cannot be written ({reason}); choose a directory you can write '
+                    '(nothing was averaged)')
 
 
 def _resolved_config(run: str, which: str, eval_split: Optional[str] = None, weights: str = 'raw'):

@@ -17,6 +17,7 @@ from flaxtpu import (  # no JAX at import
   audit,
   aug_checks,
   calibration,
+  files,
   hub_names,
   image_sizes,
   models,
@@ -469,13 +470,23 @@ def _check_predict(config: ml_collections.ConfigDict) -> None:
   _positive('predict.top_k', config.predict.top_k)
 
 
+def _check_compilation_cache(config: ml_collections.ConfigDict) -> None:
+  """A compilation_cache_dir the user named must take files: JAX would warn at every program it cannot
+  keep, and compile each again next run. The default (~/.cache/flaxtpu/jax) is not asked."""
+  folder = config.compilation_cache_dir
+  if folder and folder != 'none' and (reason := files.creatable(folder)):
+    raise ConfigError(f'config.compilation_cache_dir={folder!r} cannot be written ({reason}); choose a '
+                      "directory you can write, '' (~/.cache/flaxtpu/jax) or none (no cache)")
+
+
 # The sections of defaults.py, in its order.
 SECTION_CHECKS = (_check_dataset_source, _check_dataset, _check_input, _check_augment, _check_model,
                   _check_training, _check_optimizer, _check_schedule, _check_ema, _check_init_from,
                   _check_distill, _check_parallelism,
                   _check_loop, _check_checkpoint, _check_early_stopping, _check_eval, _check_predict,
                   optim_checks.check, _check_export, audit.check_config, calibration.check_config,
-                  tracking.check_config, aug_checks.check, image_sizes.check, swa.check)
+                  tracking.check_config, aug_checks.check, image_sizes.check, swa.check,
+                  _check_compilation_cache)
 
 
 def config_keys(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:

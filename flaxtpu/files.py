@@ -254,6 +254,28 @@ def unwritable(directory: str) -> Optional[str]:
   return None
 
 
+def creatable(directory: str) -> Optional[str]:
+  """Why files could not be written in local directory `directory`, or None when they could; found
+  without making it: a probe file is created and removed in it, or else in its nearest existing parent.
+  A remote directory gives None (its store is asked when it is written)."""
+  if is_remote(directory):
+    return None
+  path = os.path.abspath(os.path.expanduser(directory))
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  if not os.path.isdir(path):
+    return f'{path} is a file, not a folder'
+  try:
+    handle, probe = tempfile.mkstemp(dir=path, prefix='.write-test-')
+    os.close(handle)
+    os.remove(probe)
+  except OSError as e:
+    # A folder that exists but takes no new files (a /proc or /sys) says ENOENT.
+    return storage_error(e) or (f'{path} takes no new files' if e.errno == errno.ENOENT else
+                                e.strerror or type(e).__name__)
+  return None
+
+
 def writable_or_elsewhere(directory: str, what: str) -> str:
   """`directory` when files can be written there, else one under the system's temporary directory
   (said in a warning): the evaluation of a run on a read-only disk, or in a bucket this user may only

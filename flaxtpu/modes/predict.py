@@ -10,7 +10,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from flaxtpu import calibration, explain, files, image_sizes, steps
+from flaxtpu import calibration, explain, files, image_sizes, steps, storage
 from flaxtpu.data import pipeline, predict_inputs
 from flaxtpu.errors import UserError, printable
 from flaxtpu.lengths import resolved_eval_batch_size
@@ -50,6 +50,7 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
   whose probability reaches its threshold (`tag_thresholds` says which, in the log and on stdout)."""
   if not config.predict.input:
     raise UserError('--mode=predict needs --config.predict.input=IMAGE_OR_FOLDER')
+  check_outputs(config, workdir)
   placement, state, step, record = restore(config, workdir, replaces=[config.predict.output_csv])
   image_shape = image_sizes.eval_shape(config, record['image_shape'])  # eval.image_size's, if set
   transform = image_sizes.eval_transform(pipeline.image_transform(config, channels=image_shape[-1]),
@@ -83,6 +84,24 @@ def predict(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     files.write_csv(config.predict.output_csv, [{**row, 'path': files.csv_path(row['path'])} for row in rows],
                     'predict.output_csv')
   return rows
+
+
+def check_outputs(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Where predict writes (predict.output_csv; predict.explain_dir with predict.explain) can be written:
+  one UserError line before any weights or images are read, as the write itself would say it."""
+  csv_path = config.predict.output_csv
+  if csv_path and not storage.is_remote(csv_path):
+    folder = os.path.dirname(os.path.abspath(csv_path))
+    missing = f'its folder {os.path.dirname(csv_path) or "."} does not exist'
+    reason = ('it is a folder' if os.path.isdir(csv_path) else missing if not os.path.isdir(folder) else
+              files.creatable(folder))
+    if reason:
+      raise UserError(f'cannot write {csv_path}: {reason}; choose another --config.predict.output_csv')
+  if config.predict.explain:
+    directory = config.predict.explain_dir or os.path.join(workdir, 'explain')
+    if reason := files.creatable(directory):
+      raise UserError(f'config.predict.explain_dir={directory} cannot hold the heatmaps ({reason}); choose a '
+                      'directory you can write')
 
 
 def _add_sets(rows: list[dict], probabilities: np.ndarray, class_names: list[str], fitted: dict) -> None:

@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from flaxtpu import lock, storage, sweep, tracking
+from flaxtpu import files, lock, storage, sweep, tracking
 from flaxtpu.sweep import report, runner, slurm
 from flaxtpu.sweep import study as studies
 
@@ -100,6 +100,18 @@ def _check_launcher_flags(args: argparse.Namespace) -> None:
                              'cluster default) or more')
 
 
+def _check_output_folders(args: argparse.Namespace) -> None:
+  """WORKDIR (local) and the run logs' folder can be written: checked before the sweep's lock, record or
+  study database is made there, so a sweep that cannot write them stops in one line, with nothing made."""
+  folders = (('--workdir', args.workdir, 'the sweep'),
+             ('--log-dir' if args.log_dir else 'the run logs\' folder',
+              runner.log_directory(args.workdir, args.log_dir), 'the runs\' logs'))
+  for flag, folder, what in folders:
+    if reason := files.creatable(folder):
+      named = f'{flag}={folder}' if flag.startswith('--') else f'{flag} {folder}'
+      raise sweep.SweepError(f'{named} cannot hold {what} ({reason}); choose a directory you can write')
+
+
 def _slurm_options(args: argparse.Namespace) -> slurm.Options:
   return slurm.Options(partition=args.partition, time=args.time, gpus_per_run=args.gpus_per_run,
                        cpus_per_run=args.cpus_per_run, mem=args.mem, parallel=args.parallel or 0,
@@ -170,6 +182,7 @@ def _main(args: argparse.Namespace, config_args: list[str], held: contextlib.Exi
                         resolve_sources=not args.dry_run)
     if not args.dry_run and not args.report:
       runner.check_data_folders(config, runs_overrides, extra_overrides)
+      _check_output_folders(args)
       if args.launcher == 'slurm':
         slurm.check_commands()  # before the lock, which creates WORKDIR
       # One sweep per directory: a second one would start the same runs and record them from its view.
@@ -271,6 +284,7 @@ def study_main(args: argparse.Namespace, config_args: list[str]) -> int:
                              'run it first: the same command without --report')
     if not args.report:
       runner.check_data_folders(config, [{}], extra_overrides)
+      _check_output_folders(args)
     study = studies.open_study(storage_url, name, config, args.sampler, args.pruner,
                                seed=args.seed + 10007 * max(args.worker, 0))
     if args.report:
