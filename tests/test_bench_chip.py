@@ -1,0 +1,185 @@
+"""benchmarks/chip.py without a TPU: every case is skipped with the reason; with --any-platform the ResNet-50
+case runs end to end on the CPU at --quick sizes (flaxtpu beside the Flax example and Keras-JAX, a cold
+compile and a warm load from the persistent cache), keeping the skipped cases of the earlier run; the JSON
+and the docs tables hold what was measured."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+SKIP_REASON = 'no TPU: jax sees cpu'
+
+
+def bench(*flags, timeout):
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env['JAX_PLATFORMS'] = 'cpu'  # as CI: no accelerator, whatever this machine has
+  done = subprocess.run([sys.executable, '-m', 'benchmarks.chip', *flags], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+  assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+  return done.stdout
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """The skipped run, then `--only resnet50 --any-platform` into the same JSON (it keeps the others)."""
+  tmp = tmp_path_factory.mktemp('bench_chip')
+  out, work, docs = tmp / 'chip.json', tmp / 'work', tmp / 'performance.md'
+  docs.write_text('# Performance\n\n## Earlier\n\nkept\n', encoding='utf-8')
+  skipped_stdout = bench('--quick', '--out', str(out), '--workdir', str(work), '--write-docs', '--docs',
+                         str(docs), timeout=300)
+  skipped = json.loads(out.read_text(encoding='utf-8'))
+  skipped_docs = docs.read_text(encoding='utf-8')
+  # ~2.5 min on 2 cores: three ResNet-50 steps compiled at once, then flaxtpu's again from the cache.
+  measured_stdout = bench('--quick', '--any-platform', '--only', 'resnet50', '--out', str(out), '--workdir',
+                          str(work), timeout=1200)
+  return {'skipped': (skipped, skipped_stdout, skipped_docs),
+          'measured': (json.loads(out.read_text(encoding='utf-8')), measured_stdout), 'out': out, 'tmp': tmp}
+
+
+def test_without_a_tpu_every_case_is_skipped_saying_why(runs):
+  from benchmarks import chip
+  results, stdout, docs = runs['skipped']
+  assert results['device']['platform'] == 'cpu' and results['quick']
+  assert list(results['cases']) == list(chip.CASES) and results['remat'] == {}
+  for row in results['cases'].values():
+    assert row['skipped'] == SKIP_REASON and set(row) == {'skipped', 'command', 'date'}
+  assert stdout.count(f'skipped ({SKIP_REASON})') == len(chip.CASES) == 8
+  assert docs.startswith('# Performance\n\n## Earlier\n\nkept\n\n## Every family on a TPU chip\n')
+  assert f'| ResNet-50 (`resnet50`) | skipped: {SKIP_REASON} |' in docs
+  assert f'| Swin-T (`swin_t`) | skipped: {SKIP_REASON} |' in docs
+
+
+def test_resnet50_end_to_end_on_cpu(runs):
+  results, stdout = runs['measured']
+  row = results['cases']['resnet50']
+  assert 'error' not in row, row.get('error')
+  assert row['batch'] == 8 and row['image_size'] == 32 and row['dtype'] == 'bfloat16'
+  assert set(row['contestants']) == {'flaxtpu', 'flax_example', 'keras'}
+  for name, entry in row['contestants'].items():
+    assert entry['images_per_sec'] > 0 and len(entry['rounds']) == 2 and entry['steps_per_round'] == 2, name
+    assert entry['compile_seconds'] > 0 and entry['build_seconds'] >= entry['compile_seconds'], name
+    assert entry['flops_per_step'] > 0 and entry['flops_per_image'] == entry['flops_per_step'] / 8, name
+    plan = entry['memory_plan']
+    assert plan['total_bytes'] > 0 and plan['argument_bytes'] > 0 and plan['temp_bytes'] > 0, name
+    assert plan['total_bytes'] == (plan['argument_bytes'] + plan['output_bytes'] + plan['temp_bytes']
+                                   - plan['alias_bytes'])
+    # No bf16 peak for a CPU: no MFU, and the JSON says why.
+    assert entry['mfu'] is None and entry['mfu_missing'] == "no dense bf16 peak known for device kind 'cpu'"
+  keras = row['contestants']['keras']
+  assert keras['application'] == 'ResNet50' and keras['loop'] == 'stateless'
+  assert keras['parameters'] == 25_583_592  # keras.applications.ResNet50's trainable parameters
+  mine = row['contestants']['flaxtpu']['images_per_sec']
+  for peer in ('flax_example', 'keras'):
+    assert row['ratios'][peer] == pytest.approx(mine / row['contestants'][peer]['images_per_sec'])
+  # The second process compiled flaxtpu's step from the cache the first one filled.
+  warm = row['warm']
+  assert 'error' not in warm and warm['compile_seconds'] > 0 and warm['cache_hits'] >= 1
+  assert warm['cache_misses'] == 0 and warm['memory_plan'] == row['contestants']['flaxtpu']['memory_plan']
+  assert row['cold_process_seconds'] > 0 and row['case_seconds'] >= row['cold_process_seconds']
+  assert 'flaxtpu step compiled again from the cache' in stdout
+  assert 'round 2/2 keras' in stdout
+
+
+def test_only_keeps_the_earlier_cases(runs):
+  results, stdout = runs['measured']
+  assert results['command'].startswith('python -m benchmarks.chip --quick --any-platform --only resnet50')
+  assert list(results['cases']) == ['resnet50_remat', 'resnet50_b512', 'vit_b16', 'convnext_t', 'swin_t',
+                                    'efficientnet_b0', 'mobilenetv3_l', 'resnet50']
+  others = [row for name, row in results['cases'].items() if name != 'resnet50']
+  assert all(row['skipped'] == SKIP_REASON for row in others)
+  assert '== keeping from' in stdout
+
+
+def test_from_json_writes_the_docs_table(runs):
+  docs = runs['tmp'] / 'from_json.md'
+  docs.write_text('# P\n\n## Every family on a TPU chip\n\nthe earlier table\n\n## After\n\nstays\n',
+                  encoding='utf-8')
+  bench('--from-json', str(runs['out']), '--write-docs', '--docs', str(docs), timeout=120)
+  text = docs.read_text(encoding='utf-8')
+  assert 'the earlier table' not in text and text.endswith('## After\n\nstays\n')
+  assert text.count('## Every family') == 1
+  assert 'Measured on cpu x1 (cpu, jax ' in text and '`--quick` sizes' in text
+  assert '    python -m benchmarks.chip --quick --any-platform --only resnet50' in text
+  row = '| ResNet-50 (`resnet50`), batch 8 at 32 px'
+  line = next(line for line in text.splitlines() if line.startswith(row))
+  cells = [cell.strip() for cell in line.strip('|').split('|')]
+  assert len(cells) == 8 and cells[1].endswith(' img/s') and cells[2] == '-'
+  assert ' s / ' in cells[3] and cells[4].endswith(')') and 'GiB (temporaries' in cells[4]
+  assert 'Flax ImageNet example: ' in cells[5] and 'Keras-JAX `ResNet50`: ' in cells[5]
+  assert cells[6].count('x') == 2 and cells[7].startswith('MFU >= 40%')
+  assert f'| Swin-T (`swin_t`) | skipped: {SKIP_REASON} |' in text
+
+
+def tpu_results() -> dict:
+  contestant = {'images_per_sec': 2583.0, 'mfu': 0.316, 'compile_seconds': 77.0,
+                'memory_plan': {'total_bytes': 8.76 * 2**30, 'temp_bytes': 8.4 * 2**30}}
+  return {
+      'command': 'python -m benchmarks.chip', 'date': '2026-12-06', 'sizes': {'keras_loop': 'stateless'},
+      'device': {'platform': 'tpu', 'device_kind': 'TPU v5 lite', 'device_count': 1, 'jax_version': '0.10.2',
+                 'peak_bf16_flops': 197e12},
+      'host': {'cpu_count': 13},
+      'cases': {'resnet50': {
+          'batch': 256, 'image_size': 224, 'command': 'python -m benchmarks.chip --only resnets',
+          'date': '2026-12-06', 'ratios': {'flax_example': 1.0012, 'keras': 1.2515},
+          'warm': {'compile_seconds': 4.2, 'cache_hits': 2},
+          'contestants': {'flaxtpu': contestant,
+                          'flax_example': {'images_per_sec': 2580.0, 'mfu': 0.315, 'compile_seconds': 70.1,
+                                           'memory_plan': {'total_bytes': 8.5 * 2**30}},
+                          'keras': {'images_per_sec': 2064.0, 'mfu': 0.25, 'compile_seconds': 80.0,
+                                    'application': 'ResNet50', 'memory_plan': {}}}},
+          'swin_t': {'error': 'timed out after 360 s (its limit)', 'command': 'python -m benchmarks.chip '
+                     '--only modern', 'date': '2026-12-06'}},
+      'remat': {'vit_b16': {'batch': 256, 'command': 'python -m benchmarks.chip --remat-table --only vit_b16',
+                            'date': '2026-12-07', 'policies': {
+                                'none': {'step_ms': 321.6, 'images_per_sec': 796.0,
+                                         'memory_plan': {'total_bytes': 9 * 2**30}},
+                                'full': {'step_ms': 400.0, 'images_per_sec': 640.0,
+                                         'memory_plan': {'total_bytes': 3 * 2**30}},
+                                'dots_saveable': {'error': 'XlaRuntimeError: RESOURCE_EXHAUSTED'}}}},
+  }
+
+
+def test_tpu_tables(tmp_path):
+  from benchmarks import chip
+  docs = tmp_path / 'performance.md'
+  docs.write_text('# P\n', encoding='utf-8')
+  chip.write_docs(tpu_results(), docs)
+  text = docs.read_text(encoding='utf-8')
+  assert 'Measured on TPU v5 lite x1 (tpu, jax 0.10.2), 13 host cores, 2026-12-06, 2026-12-07:' in text
+  assert '(197 TFLOP/s)' in text
+  for command in ('--only resnets', '--only modern', '--remat-table --only vit_b16'):
+    assert f'    python -m benchmarks.chip {command}\n' in text
+  assert ('| ResNet-50 (`resnet50`), batch 256 at 224 px | 2,583 img/s | 31.6% | 77.0 s / 4.2 s '
+          '| 8.76 GiB (temporaries 8.40) | Flax ImageNet example: 2,580 img/s, MFU 31.5%, 8.50 GiB, compile '
+          '70.1 s; Keras-JAX `ResNet50`: 2,064 img/s, MFU 25.0%, compile 80.0 s | 1.00x; 1.25x |') in text
+  assert '| Swin-T (`swin_t`) | failed: timed out after 360 s (its limit) |' in text
+  assert '| model | none | dots_saveable | full |' in text
+  assert ('| ViT-B/16 (`vit_b`), batch 256 | 321.6 ms (796 img/s), 9.00 GiB | failed: XlaRuntimeError: '
+          'RESOURCE_EXHAUSTED | 400.0 ms (640 img/s), 3.00 GiB |') in text
+
+
+def test_selected_cases():
+  from benchmarks import chip
+  assert chip.selected_cases('', False) == list(chip.CASES)
+  assert chip.selected_cases('', True) == list(chip.FAMILIES)
+  assert chip.selected_cases('mobile,resnet50', False) == ['resnet50', 'efficientnet_b0', 'mobilenetv3_l']
+  assert chip.selected_cases('resnets', True) == ['resnet50']  # the variants have no remat table
+  assert sorted(sum(chip.GROUPS.values(), ())) == sorted(chip.CASES)  # the groups cover every case once
+  with pytest.raises(SystemExit, match='cases are'):
+    chip.selected_cases('resnet', False)
+  with pytest.raises(SystemExit, match='the families are'):
+    chip.selected_cases('resnet50_b512', True)
+
+
+def test_cases_use_flaxtpu_model_names():
+  from benchmarks import chip
+  from flaxtpu import models
+  from flaxtpu.config import REMAT_POLICIES
+  assert all(case.model in models.NAMES for case in chip.CASES.values())
+  assert set(chip.REMAT_POLICIES) <= set(REMAT_POLICIES)
+  assert chip.CASES['resnet50_remat'].remat in REMAT_POLICIES
