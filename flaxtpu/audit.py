@@ -6,10 +6,14 @@ It streams: each file is read once, by a few threads, and only its SHA-256, its 
 resize or a JPEG re-encoding barely changes) and its label are kept, never its pixels. Near copies are
 pairs of hashes within `near_distance` bits, found without comparing every pair: by the pigeonhole
 principle two hashes that close agree exactly on one of `near_distance + 1` bands of their bits, so
-only images sharing a band are compared. Wrong labels are found by confident learning (Northcutt et
-al. 2021) from a trained model's probabilities: per-class thresholds (the mean probability of a class
-over the images labelled with it), and an image is suspect when the most probable class above its
-threshold is not its label; the most suspect (lowest probability of their label) come first.
+only images sharing a band are compared.
+
+Wrong labels are found by confident learning (Northcutt, Jiang and Chuang 2021) from out-of-sample
+probabilities (`flaxtpu/audit_folds.py` makes them: each image scored by a model that never saw it):
+per-class thresholds (the mean probability of a class over the images labelled with it), a confident
+joint of given and likely labels, and cleanlab's rules for which images to flag (`find_label_issues`,
+`RULES`), ranked by the normalised margin of their label. Implemented here in numpy, step for step as
+`cleanlab.filter.find_label_issues` (cleanlab 2.9), which the tests compare it with.
 """
 
 from __future__ import annotations
@@ -143,20 +147,28 @@ def near_pairs(hashes: np.ndarray, distance: int) -> np.ndarray:
   return np.unique(pairs, axis=0)
 
 
-def duplicates(result: Scan, near_distance: int, eval_split: str) -> dict:
-  """exact_duplicates, near_duplicates and leaks (train path, eval path) of a scan, paths sorted."""
+def copy_groups(result: Scan, near_distance: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Per readable image of a scan: the first image of its content, its group of exact copies and its
+  group of exact or near copies (int [N] each)."""
   count = len(result.paths)
-  if not count:
-    return {'exact_duplicates': [], 'near_duplicates': [], 'leaks': []}
   content = {}
-  same = np.asarray([content.setdefault(digest, index) for index, digest in enumerate(result.sha)])
+  same = np.asarray([content.setdefault(digest, index) for index, digest in enumerate(result.sha)],
+                    np.int64).reshape(count)
   exact_pairs = np.stack([np.arange(count), same], axis=1)[same != np.arange(count)]
   exact = _components(count, exact_pairs)
   # Near copies: among one image per content, so an exact copy is never also called a near one.
   firsts = np.flatnonzero(same == np.arange(count))
   near = near_pairs(np.asarray([result.phash[i] for i in firsts], np.uint64), near_distance)
   near = firsts[near] if len(near) else np.zeros((0, 2), np.int64)
-  both = _components(count, np.concatenate([exact_pairs, near]))
+  return same, exact, _components(count, np.concatenate([exact_pairs, near]))
+
+
+def duplicates(result: Scan, near_distance: int, eval_split: str) -> dict:
+  """exact_duplicates, near_duplicates and leaks (train path, eval path) of a scan, paths sorted."""
+  count = len(result.paths)
+  if not count:
+    return {'exact_duplicates': [], 'near_duplicates': [], 'leaks': []}
+  same, exact, both = copy_groups(result, near_distance)
 
   def groups(labels: np.ndarray, distinct: bool) -> list[list[int]]:
     order = np.argsort(labels, kind='stable')
@@ -178,30 +190,170 @@ def duplicates(result: Scan, near_distance: int, eval_split: str) -> dict:
           'near_duplicates': named(groups(both, distinct=True)), 'leaks': sorted(leaks)}
 
 
-def suspected_mislabels(labels: np.ndarray, label_probability: np.ndarray, top_classes: np.ndarray,
-                        top_probabilities: np.ndarray, num_classes: int) -> list[tuple[int, int, float]]:
-  """Confident learning's label issues, most suspect first: (example, the class it likely is, score).
+# --- suspected wrong labels: confident learning (Northcutt, Jiang and Chuang 2021) -------------
 
-  `label_probability` [N]: each example's probability of its own label; `top_classes`/`top_probabilities`
-  [N, K]: its K most probable classes (the rest cannot be the most probable class above its threshold
-  in practice). The threshold of class j is the mean probability of j over the examples labelled j; an
-  example is suspect when the most probable class whose probability reaches its threshold is another
-  than its label. Score: 1 - the probability of its label (1 = surely wrong).
+RULES = ('prune_by_noise_rate', 'confident_learning')  # audit.rule: cleanlab's `filter_by` of that name
+LARGE = ('auto', 'features', 'sample')  # audit.large: how an audit over audit.fold_limit images scores
+NEAR = 1e-6  # cleanlab's FLOATING_POINT_COMPARISON: a probability this close to a threshold reaches it
+MISSING_CLASS_THRESHOLD = 2.0  # a class no example is labelled with: no probability reaches it
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelIssues:
+  """Confident learning's verdict on N examples of K classes."""
+  ranked: np.ndarray  # int [S]: the suspects, most suspect first (lowest normalised margin)
+  quality: np.ndarray  # float [N]: normalised margin (p(label) - max other p + 1) / 2; 0 = surely wrong
+  likely: np.ndarray  # int [N]: the most probable class (for a suspect, never its label)
+  thresholds: np.ndarray  # float [K]: per-class thresholds, the mean self-confidence of the class
+  joint: np.ndarray  # int [K, K]: the confident joint, [given label, likely true label]
+
+
+def confident_thresholds(labels: np.ndarray, probabilities: np.ndarray) -> np.ndarray:
+  """t_j: the mean probability of class j over the examples labelled j (2 where none is)."""
+  thresholds = np.full(probabilities.shape[1], MISSING_CLASS_THRESHOLD)
+  order = np.argsort(labels, kind='stable')
+  starts = np.flatnonzero(np.r_[True, labels[order][1:] != labels[order][:-1]]) if len(order) else []
+  for start, end in zip(starts, np.r_[starts[1:], len(order)]):
+    label = labels[order[start]]
+    thresholds[label] = np.mean(probabilities[order[start:end], label])
+  return np.maximum(thresholds, 2 * NEAR)
+
+
+def confident_joint(labels: np.ndarray, probabilities: np.ndarray,
+                    thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(C [K, K] with C[i, j] the examples labelled i confidently of class j, each example's confident
+  class, whether it has one).
+
+  An example's confident classes are those whose probability reaches their threshold; of two or more
+  it counts under its most probable class (cleanlab: its argmax, whether confident or not); of none it
+  is not counted. Every class keeps at least 1 on the diagonal.
   """
-  labels = np.asarray(labels)
-  thresholds = np.full(num_classes, np.inf)
-  for j in range(num_classes):
-    if np.any(labels == j):
-      thresholds[j] = label_probability[labels == j].mean()
-  above = top_probabilities >= thresholds[top_classes]
-  ranked = np.where(above, top_probabilities, -1.0)
-  best = np.argmax(ranked, axis=1)
-  confident = ranked[np.arange(len(labels)), best] >= 0
-  likely = top_classes[np.arange(len(labels)), best]
-  suspects = np.flatnonzero(confident & (likely != labels))
-  suspects = suspects[np.argsort(label_probability[suspects], kind='stable')]
-  return [(int(i), int(likely[i]), float(1.0 - label_probability[i])) for i in suspects]
+  count = probabilities.shape[1]
+  confident = probabilities >= thresholds - NEAR
+  bins = confident.sum(axis=1)
+  guess = np.where(bins > 1, probabilities.argmax(axis=1), confident.argmax(axis=1))
+  some = bins > 0
+  joint = np.zeros((count, count), np.int64)
+  np.add.at(joint, (labels[some], guess[some]), 1)
+  np.fill_diagonal(joint, np.maximum(joint.diagonal(), 1))
+  return joint, guess, some
 
+
+def round_keeping_sum(values: np.ndarray) -> np.ndarray:
+  """Integers near `values` with the same (rounded) sum: the entries furthest from their rounding
+  take the difference (cleanlab's round_preserving_sum)."""
+  values = np.asarray(values, np.float64)
+  rounded = values.round()
+  target = values.sum().round()
+  while abs(rounded.sum().round() - target) > NEAR:
+    difference = np.round(target - rounded.sum().round())
+    step = -1 if difference < 0 else 1
+    changes = min(int(abs(difference)), len(values))
+    for i in np.argsort(values - rounded)[::-step][:changes]:
+      rounded[i] += step
+  return rounded.astype(np.int64)
+
+
+def calibrated_joint(joint: np.ndarray, labels: np.ndarray) -> np.ndarray:
+  """The confident joint rescaled so that row i sums to the examples labelled i (and all to N)."""
+  counts = np.bincount(labels, minlength=len(joint)).astype(np.float64)
+  scaled = (joint.T / np.maximum(joint.sum(axis=1), 1e-100) * counts).T
+  scaled = scaled / max(scaled.sum(), 1e-100) * counts.sum()
+  return np.stack([round_keeping_sum(row) for row in scaled])
+
+
+def prune_counts(joint: np.ndarray, keep: int = 1) -> np.ndarray:
+  """[true class j, given label k]: how many examples labelled k to prune as truly j, each label
+  keeping at least `keep` examples (cleanlab's _keep_at_least_n_per_class at frac_noise=1, which
+  truncates to integers)."""
+  counts = joint.T.astype(np.float64)
+  diagonal = np.diagonal(counts)
+  wanted = np.maximum(diagonal, keep)
+  spread = np.maximum(np.count_nonzero(counts, axis=0) - 1.0, 1.0)
+  counts = counts - (wanted - diagonal) / spread
+  counts[counts < 0] = 0
+  np.fill_diagonal(counts, wanted)
+  return counts.astype(np.int64)
+
+
+def find_label_issues(labels: Sequence[int], probabilities: np.ndarray,
+                      rule: str = 'prune_by_noise_rate') -> LabelIssues:
+  """Confident learning on out-of-sample `probabilities` [N, K] of examples labelled `labels` [N].
+
+  `confident_learning`: a suspect is an example whose confident class (`confident_joint`) is not its
+  label. `prune_by_noise_rate` (cleanlab's default): the calibrated confident joint estimates how
+  many examples labelled k are truly j; that many of the examples labelled k with the largest margin
+  p_j - p_k are suspects. Both then spare an example whose label is its most probable class, and rank
+  the suspects by the normalised margin of their label, lowest first. This follows
+  `cleanlab.filter.find_label_issues(labels, pred_probs, filter_by=rule,
+  return_indices_ranked_by='normalized_margin')` step by step (cleanlab 2.9).
+  """
+  if rule not in RULES:
+    raise ValueError(f'rule {rule!r}: one of {RULES}')
+  labels = np.asarray(labels, np.int64)
+  probabilities = np.asarray(probabilities)
+  rows = np.arange(len(labels))
+  thresholds = confident_thresholds(labels, probabilities)
+  joint, guess, some = confident_joint(labels, probabilities, thresholds)
+  if rule == 'confident_learning':
+    suspect = some & (guess != labels)
+  else:
+    joint = calibrated_joint(joint, labels)
+    prune = prune_counts(joint)
+    suspect = np.zeros(len(labels), bool)
+    for given in range(probabilities.shape[1]):
+      members = np.flatnonzero(labels == given)
+      if len(members) <= 1:  # cleanlab's min_examples_per_class=1
+        continue
+      for true in np.flatnonzero(prune[:, given]):
+        if true != given:
+          margin = probabilities[members, true] - probabilities[members, given]
+          suspect[members[np.argsort(-margin)[:prune[true, given]]]] = True
+  nudged = probabilities.copy()  # in their own dtype, as cleanlab computes
+  nudged[rows, labels] += NEAR
+  suspect &= nudged.argmax(axis=1) != labels
+  others = probabilities.copy()
+  others[rows, labels] = -np.inf
+  quality = (probabilities[rows, labels] - others.max(axis=1) + 1) / 2
+  candidates = np.flatnonzero(suspect)
+  ranked = candidates[np.argsort(quality[candidates])]
+  return LabelIssues(ranked=ranked, quality=quality, likely=probabilities.argmax(axis=1),
+                     thresholds=thresholds, joint=joint)
+
+
+def assign_folds(labels: np.ndarray, groups: np.ndarray, folds: int, seed: int) -> np.ndarray:
+  """Each example's fold in [0, folds): stratified by label, and the members of a group (exact and
+  near copies) in one fold, so no fold model has seen a copy of an image it scores."""
+  labels, groups = np.asarray(labels), np.asarray(groups)
+  rng = np.random.default_rng(seed)
+  _, first = np.unique(groups, return_index=True)  # one representative per group
+  fold_of_group, offset = {}, 0
+  for label in np.unique(labels[first]):
+    representatives = rng.permutation(first[labels[first] == label])
+    for position, member in enumerate(representatives):
+      fold_of_group[groups[member]] = (offset + position) % folds
+    offset += len(representatives)  # the next class starts where this one stopped: balanced folds
+  return np.asarray([fold_of_group[group] for group in groups], np.int64)
+
+
+def choose_method(count: int, folds: int, fold_limit: int, large: str, backbone: str) -> tuple[str, str]:
+  """(method, why) of the mislabel search over `count` images: `folds` (K fold models trained on all
+  of them), `sample` (fold models on a stratified sample of `fold_limit`), `features` (a linear probe
+  per fold on frozen embeddings of every image; `backbone` names where they come from, '' = none) or
+  `none` (audit.folds=0)."""
+  if folds == 0:
+    return 'none', 'audit.folds=0: not looked for'
+  if count <= fold_limit:
+    return 'folds', (f'{count:,} images <= audit.fold_limit={fold_limit:,}: {folds} short runs of the '
+                     f'recipe, each on {folds - 1} of {folds} folds, score the fold they did not see')
+  over = f'{count:,} images > audit.fold_limit={fold_limit:,}'
+  if large == 'features' or (large == 'auto' and backbone):
+    return 'features', (f'{over} and audit.large={large}: a linear probe per fold on the frozen '
+                        f'embeddings of {backbone} scores every image out of fold')
+  why = ('no frozen backbone (no config.init_from.checkpoint, no trained run in the workdir)'
+         if large == 'auto' else 'audit.large=sample')
+  return 'sample', (f'{over} and {why}: {folds} short runs of the recipe on a stratified sample of '
+                    f'{fold_limit:,} images score that sample out of fold')
 
 def class_counts(result: Scan, class_names: Sequence[str]) -> dict:
   """{split: {class: readable images}}, every class listed in every split."""
@@ -222,9 +374,14 @@ def summary(report: dict) -> str:
            f'{report["near_distance"]} bits)',
            f'  leaks (train copy of an eval image): {len(report["leaks"])} pairs',
            f'  unreadable: {len(report["unreadable"])} files']
+  search = report['mislabel_search']
   lines.append(f'  suspected mislabels: {len(mislabels)}' + (
       f' (most suspect: {os.path.basename(mislabels[0]["path"])} labelled {mislabels[0]["label"]}, '
-      f'looks like {mislabels[0]["predicted"]})' if mislabels else f' ({report["mislabels_note"]})'))
+      f'looks like {mislabels[0]["predicted"]})' if mislabels else ''))
+  lines.append(f'    by {search["method"]}'
+               + (f' ({search.get("scored", 0)} images scored out of fold, '
+                  f'{"read back" if search.get("reused") else "computed"} in {search.get("directory")})'
+                  if search['method'] != 'none' else '') + f': {search["why"]}')
   for split, counts in report['class_counts'].items():
     shown = ', '.join(f'{name} {count}' for name, count in list(counts.items())[:8])
     lines.append(f'  {split}: {shown}{", ..." if len(counts) > 8 else ""}')
@@ -234,8 +391,22 @@ def summary(report: dict) -> str:
 def check_config(config) -> None:
   """config.audit's keys, for config.validate."""
   from flaxtpu.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  if not 0 <= config.audit.near_distance <= 32:
-    raise ConfigError(f'config.audit.near_distance={config.audit.near_distance} must lie in [0, 32] bits '
+  settings = config.audit
+  if not 0 <= settings.near_distance <= 32:
+    raise ConfigError(f'config.audit.near_distance={settings.near_distance} must lie in [0, 32] bits '
                       'of the 64-bit perceptual hash (6 finds resized and re-encoded copies)')
-  if not config.audit.workers > 0:
-    raise ConfigError(f'config.audit.workers={config.audit.workers!r} must be > 0')
+  if not settings.workers > 0:
+    raise ConfigError(f'config.audit.workers={settings.workers!r} must be > 0')
+  if settings.folds != 0 and not 2 <= settings.folds <= 50:
+    raise ConfigError(f'config.audit.folds={settings.folds!r} must be 0 (no search for wrong labels) or '
+                      '2..50 fold models (5 scores each image with a model trained on 80% of the others)')
+  if not 0 < settings.steps_fraction <= 1:
+    raise ConfigError(f'config.audit.steps_fraction={settings.steps_fraction!r} must lie in (0, 1]: the '
+                      "share of the recipe's steps each fold model trains")
+  if not settings.fold_limit >= 2 * max(settings.folds, 1):
+    raise ConfigError(f'config.audit.fold_limit={settings.fold_limit!r} must be at least 2 x audit.folds '
+                      'images')
+  if settings.large not in LARGE:
+    raise ConfigError(f'config.audit.large={settings.large!r} must be one of {", ".join(LARGE)}')
+  if settings.rule not in RULES:
+    raise ConfigError(f'config.audit.rule={settings.rule!r} must be one of {", ".join(RULES)}')

@@ -432,6 +432,24 @@ def get_config() -> ml_collections.ConfigDict:
   # Two images whose 64-bit perceptual hashes (pHash) differ in at most this many bits are near copies.
   config.audit.near_distance = 6
   config.audit.workers = 4  # Threads that read and hash the files.
+  # Wrong labels are searched with out-of-fold probabilities: the images (both splits) are split into
+  # this many folds (stratified; copies kept together) and each is scored by a model trained on the
+  # others (0 = no search for wrong labels: duplicates, leaks and unreadable files only).
+  config.audit.folds = 5
+  # Each fold model trains the run's own recipe for this fraction of its steps (epoch-set schedule
+  # points scaled alike): 0.25 undertrains, 0.5 finds about what 1.0 does at half the cost
+  # (docs/audit_explain.md). The audit costs (folds - 1) x this many plain training runs.
+  config.audit.steps_fraction = 0.5
+  # Up to this many images, fold models are trained on all of them; above it, `large` decides.
+  config.audit.fold_limit = 50_000
+  # Over fold_limit: features (a linear probe per fold on frozen embeddings of every image: of
+  # init_from.checkpoint's backbone, else of the trained run in the workdir) | sample (fold models on
+  # a stratified sample of fold_limit images, which alone are scored) | auto (features when there is
+  # a backbone, else sample).
+  config.audit.large = 'auto'
+  # Confident learning's rule (cleanlab's filter_by): prune_by_noise_rate (from the estimated noise
+  # counts, the examples of largest margin) | confident_learning (another class reaches its threshold).
+  config.audit.rule = 'prune_by_noise_rate'
 
   # --mode=calibrate: a temperature (NLL) and split-conformal prediction sets, fitted on `split` and saved
   # to WORKDIR/calibration.json, which eval, predict and export then apply (docs/calibration.md).

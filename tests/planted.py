@@ -120,3 +120,29 @@ def score(report: dict, truth: dict) -> dict:
                                len(unreadable & planted_unreadable), len(unreadable)),
           'suspected_mislabels': _rates(len(suspects & flipped), len(flipped), len(suspects & flipped),
                                         len(suspects))}
+
+
+def make_digits_folder(root: str, *, count: int = 1000, flips: int = 10, seed: int = 0) -> list[str]:
+  """root/train/<digit>/*.png: `count` of the embedded 8x8 digits (flaxtpu/datasets), `flips` of them
+  (at random) filed under another digit, also at random. Returns the flipped files' paths.
+
+  Real handwriting: some genuine digits look like others, so the flips must outrank honest
+  ambiguity, unlike the tinted patterns above.
+  """
+  from flaxtpu.data.sources.embedded import embedded_arrays  # pylint: disable=g-import-not-at-top
+  images, labels, names = embedded_arrays('digits', 'train')
+  rng = np.random.default_rng(seed)
+  chosen = rng.permutation(len(labels))[:count]
+  flipped = set(rng.choice(chosen, flips, replace=False).tolist())
+  paths = []
+  for index in chosen:
+    label = int(labels[index])
+    if index in flipped:
+      label = (label + rng.integers(1, len(names))) % len(names)
+    folder = os.path.join(root, 'train', names[label])
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f'{index:04d}.png')
+    Image.fromarray(images[index][..., 0]).save(path)
+    if index in flipped:
+      paths.append(path)
+  return paths

@@ -1,15 +1,15 @@
-"""--mode=audit: a dataset's duplicates, leaks across splits, unreadable files and (with a trained run in
-the workdir) suspected wrong labels -> WORKDIR/audit.json, audit.png and a summary in the log.
+"""--mode=audit: a dataset's duplicates, leaks across splits, unreadable files and suspected wrong labels
+-> WORKDIR/audit.json, audit.png and a summary in the log.
 
-The findings are computed by `flaxtpu.audit` from hashes and a trained model's probabilities, streamed
-file by file. It reads datasets of image files with one class each: image folders and label files
-(local or in a bucket); other kinds (TFDS, Parquet, tar shards, arrays) are refused in one line.
+The findings are computed by `flaxtpu.audit` from hashes, streamed file by file, and from out-of-fold
+probabilities (`flaxtpu.audit_folds`: short runs of the recipe on K - 1 folds, or a linear probe per
+fold on frozen embeddings). It reads datasets of image files with one class each: image folders and
+label files (local or in a bucket); other kinds (TFDS, Parquet, tar shards, arrays) are refused in one
+line.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import functools
 import logging
 import os
 
@@ -17,20 +17,19 @@ import jax
 import ml_collections
 import numpy as np
 
-from flaxtpu import audit, files
-from flaxtpu.data import pipeline, predict_inputs, preprocess, sources
+from flaxtpu import audit, audit_folds, files
+from flaxtpu.data import preprocess, sources
 from flaxtpu.data.sources.folder import FileRecords
 from flaxtpu.errors import UserError
-from flaxtpu.lengths import resolved_eval_batch_size
 
 AUDIT_FILE, PLOT_FILE = 'audit.json', 'audit.png'
-TOP_CLASSES = 5  # the most probable classes kept per image for confident learning
 AUDITED_KINDS = ('folder', 'labels')  # sources of image files (FileRecords), local or in a bucket
-SCHEMA = ('exact_duplicates', 'near_duplicates', 'leaks', 'unreadable', 'suspected_mislabels', 'class_counts')
+SCHEMA = ('exact_duplicates', 'near_duplicates', 'leaks', 'unreadable', 'suspected_mislabels',
+          'mislabel_search', 'class_counts')
 
 
 def run_audit(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """--mode=audit: audit.json (the six findings of `SCHEMA`), audit.png; returns the full report."""
+  """--mode=audit: audit.json (the findings of `SCHEMA`), audit.png; returns the full report."""
   if config.task == 'multilabel':
     raise UserError('--mode=audit reads single-label datasets; a multilabel run\'s tags are not audited '
                     '(drop --config.task=multilabel)')
@@ -40,14 +39,9 @@ def run_audit(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     f'not a {kind.title or kind.kind}; export the images to a folder first')
   source = sources.get(config.dataset, config.task)
   files.makedirs(workdir)
-  restored = None
-  if files.isdir(os.path.join(workdir, 'checkpoints')):
-    from flaxtpu.modes.restore import restore  # pylint: disable=g-import-not-at-top
-    restored = restore(config, workdir, replaces=[os.path.join(workdir, AUDIT_FILE)])
-  class_names = restored[3].get('class_names') if restored else None
   train_spec, eval_spec = config.dataset.train_split, config.dataset.eval_split
   train, evaluation, class_names = source.splits(train_spec if train_spec != eval_spec else None, eval_spec,
-                                                 class_names)
+                                                 _trained_class_names(config, workdir))
   listed = [split for split in (train, evaluation) if split is not None]
   assert all(isinstance(split.records, FileRecords) and split.labels.ndim == 1 for split in listed)
   names = [spec for spec, split in ((train_spec, train), (eval_spec, evaluation)) if split is not None]
@@ -57,12 +51,8 @@ def run_audit(config: ml_collections.ConfigDict, workdir: str) -> dict:
   report['unreadable'] = sorted(path for path, _ in scanned.unreadable)
   for path, reason in scanned.unreadable:
     logging.warning('%s %s', path, reason)
-  if restored:
-    report['suspected_mislabels'] = _mislabels(config, restored, scanned, class_names)
-    note = f'confident learning with checkpoint step {restored[2]}'
-  else:
-    report['suspected_mislabels'] = []
-    note = f'no trained run in --workdir={workdir} (no checkpoints/) to predict with: not looked for'
+  report['suspected_mislabels'], report['mislabel_search'] = _mislabels(config, workdir, scanned, class_names,
+                                                                        source.channels)
   report['class_counts'] = audit.class_counts(scanned, class_names)
   output = {key: report[key] for key in SCHEMA}
   if jax.process_index() == 0:
@@ -70,39 +60,64 @@ def run_audit(config: ml_collections.ConfigDict, workdir: str) -> dict:
       files.write_json(os.path.join(workdir, AUDIT_FILE), output)
       plot_audit(os.path.join(workdir, PLOT_FILE), output)
   full = {**output, 'images': len(scanned.paths) + len(scanned.unreadable), 'splits': names,
-          'near_distance': config.audit.near_distance, 'mislabels_note': note}
+          'near_distance': config.audit.near_distance}
   logging.info('%s\n  -> %s, %s', audit.summary(full), os.path.join(workdir, AUDIT_FILE),
                os.path.join(workdir, PLOT_FILE))
   return full
 
 
-def _mislabels(config: ml_collections.ConfigDict, restored, scanned: audit.Scan,
-               class_names) -> list[dict]:
-  """Confident learning over every readable image, its probabilities streamed batch by batch."""
-  from flaxtpu.modes.predict import predict_logits  # pylint: disable=g-import-not-at-top
-  placement, state, _, record = restored
-  image_shape = tuple(record['image_shape'])
-  transform = pipeline.image_transform(config, channels=image_shape[-1])
-  batch_size = resolved_eval_batch_size(config)
-  labels = np.asarray(scanned.labels)
-  keep = min(TOP_CLASSES, len(class_names))
-  own, top_classes, top_probabilities = [], [], []
-  prepare = functools.partial(predict_inputs.prepare, image_shape=image_shape, transform=transform)
-  with concurrent.futures.ThreadPoolExecutor(max_workers=config.audit.workers) as pool:
-    for start in range(0, len(scanned.paths), batch_size):
-      images = np.stack(list(pool.map(prepare, scanned.paths[start:start + batch_size])))
-      probabilities = np.asarray(jax.nn.softmax(predict_logits(placement, state, images, batch_size), -1))
-      chunk_labels = labels[start:start + batch_size]
-      own.append(probabilities[np.arange(len(images)), chunk_labels])
-      order = np.argsort(-probabilities, axis=1, kind='stable')[:, :keep]
-      top_classes.append(order)
-      top_probabilities.append(np.take_along_axis(probabilities, order, axis=1))
-  if not own:
-    return []
-  found = audit.suspected_mislabels(labels, np.concatenate(own), np.concatenate(top_classes),
-                                    np.concatenate(top_probabilities), len(class_names))
-  return [{'path': scanned.paths[i], 'label': class_names[labels[i]], 'predicted': class_names[likely],
-           'score': round(score, 6)} for i, likely, score in found]
+def _trained_class_names(config: ml_collections.ConfigDict, workdir: str):
+  """The classes of the run trained in `workdir` (its labels' order), or None without one."""
+  if not files.isdir(os.path.join(workdir, 'checkpoints')):
+    return None
+  from flaxtpu import checkpoint  # pylint: disable=g-import-not-at-top
+  checkpoints = checkpoint.Checkpoints(workdir, config, read_only=True)
+  try:
+    latest = checkpoints.latest_step()
+    return None if latest is None else checkpoints.read_record(latest).get('class_names')
+  except checkpoint.UnreadableCheckpoint:
+    return None
+  finally:
+    checkpoints.close()
+
+
+def _mislabels(config: ml_collections.ConfigDict, workdir: str, scanned: audit.Scan, class_names,
+               channels: int) -> tuple[list[dict], dict]:
+  """Confident learning over out-of-fold probabilities (`audit_folds`): the suspects, most suspect
+  first, and how they were looked for (audit.json's mislabel_search)."""
+  settings = config.audit
+  if settings.folds and config.init_from.checkpoint:  # fold runs and the backbone read data as training does
+    from flaxtpu import resolution  # pylint: disable=g-import-not-at-top
+    config = config.copy_and_resolve_references()
+    resolution.apply_source_defaults(config)
+  backbone = None
+  if settings.folds and len(scanned.paths) > settings.fold_limit and settings.large != 'sample':
+    backbone = audit_folds.backbone_of(config, workdir)
+    if settings.large == 'features' and backbone is None:
+      raise UserError('config.audit.large=features needs frozen embeddings: set config.init_from.checkpoint '
+                      'or audit the workdir of a trained run (or use audit.large=auto or sample)')
+  method, why = audit.choose_method(len(scanned.paths), settings.folds, settings.fold_limit, settings.large,
+                                    backbone.name if backbone else '')
+  search = {'method': method, 'why': why, 'rule': settings.rule}
+  logging.info('audit: mislabel search by %s: %s', method, why)
+  if method == 'none' or not scanned.paths:
+    return [], search
+  groups = audit.copy_groups(scanned, settings.near_distance)[2]
+  pool = audit_folds.Pool(paths=scanned.paths, labels=np.asarray(scanned.labels), sha=scanned.sha,
+                          groups=groups)
+  found = audit_folds.out_of_fold(config, workdir, pool, class_names, channels, method, backbone)
+  search.update(found.about)
+  labels = pool.labels[found.scored]
+  issues = audit.find_label_issues(labels, found.probabilities, settings.rule)
+  suspects = []
+  for i in issues.ranked:
+    likely = int(issues.likely[i])
+    suspects.append({'path': pool.paths[found.scored[i]], 'label': class_names[labels[i]],
+                     'predicted': class_names[likely], 'score': round(float(1 - issues.quality[i]), 6),
+                     'label_probability': round(float(found.probabilities[i, labels[i]]), 6),
+                     'predicted_probability': round(float(found.probabilities[i, likely]), 6)})
+  search['thresholds'] = {name: round(float(t), 6) for name, t in zip(class_names, issues.thresholds)}
+  return suspects, search
 
 
 def plot_audit(path: str, report: dict, examples: int = 5) -> None:

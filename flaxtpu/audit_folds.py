@@ -1,0 +1,415 @@
+"""Out-of-fold probabilities for the audit's mislabel search (`--mode=audit`, docs/audit_explain.md).
+
+A model scores its own training images with the labels it memorised, wrong ones included; confident
+learning needs each image scored by a model that never saw it. The audited images are split into K
+folds (`audit.assign_folds`: stratified by label, exact and near copies in one fold) and each fold is
+scored by a model of the other K - 1:
+
+- `folds`: K short runs of the run's own recipe (`audit.steps_fraction` of its steps, its
+  epoch-denominated schedule points scaled alike), each trained by `train.train_and_evaluate` on K - 1
+  folds with the held-out fold as its eval split, then restored to score that fold;
+- `sample`: the same, on a stratified sample of `audit.fold_limit` images (a larger audit), which
+  alone is scored;
+- `features`: the frozen embeddings (what the classifier reads) of every image, from
+  `init_from.checkpoint`'s backbone or else the trained run in the workdir, and a softmax linear probe
+  per fold on them.
+
+Everything is kept in WORKDIR/audit_folds/KEY/: the fold runs (KEY/fold_K, each a workdir that resumes)
+and the probabilities (KEY/probabilities.npz). KEY hashes what the probabilities depend on: the images'
+contents (SHA-256) and labels, the folds, the method and the training recipe. A second audit of the
+same data and recipe reads them back and trains nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from flaxtpu import audit, files
+from flaxtpu.data import cache, class_weights, loaders, pipeline
+from flaxtpu.data.dataset import Dataset, Examples, image_shape
+from flaxtpu.data.sources import base
+from flaxtpu.data.sources.folder import FileRecords
+from flaxtpu.data.spec import DatasetSpec
+from flaxtpu.errors import UserError
+from flaxtpu.lengths import resolved_eval_batch_size, run_length
+
+FOLDS_DIR = 'audit_folds'  # in the workdir
+PROBABILITIES = 'probabilities.npz'
+KEY_VERSION = 'audit-folds-1'  # changing what the probabilities mean changes every key
+# Keys of a config that change nothing a fold model learns: left out of the recipe's part of the key.
+UNTRAINED_KEYS = ('audit', 'predict', 'export', 'calibrate', 'lr_find', 'wandb', 'mlflow', 'search', 'input',
+                  'log_every_steps', 'log_every_secs', 'profile_steps', 'compilation_cache_dir',
+                  'eval_every_steps', 'checkpoint_every_steps', 'checkpoint', 'early_stopping',
+                  'require_platform', 'time_budget')
+# The data is keyed by content: where it lies (and how it was split) does not matter.
+SOURCE_KEYS = ('name', 'folder', 'data_dir', 'labels', 'shards', 'parquet', 'train_split', 'eval_split',
+               'eval_splits', 'decoded_cache_dir', 'skip_corrupt', 'unknown_classes', 'cache')
+# The linear probe of `features`: a softmax regression on standardised embeddings, Adam on batches of
+# PROBE_BATCH for PROBE_EPOCHS (at least PROBE_MIN_STEPS steps), L2 penalty PROBE_L2 on the weights.
+PROBE_BATCH, PROBE_EPOCHS, PROBE_MIN_STEPS, PROBE_LEARNING_RATE, PROBE_L2 = 256, 30, 300, 3e-3, 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class Pool:
+  """The images the mislabel search may score: readable, one class each."""
+  paths: list
+  labels: np.ndarray  # int [N]
+  sha: list  # bytes (32) per image: its content
+  groups: np.ndarray  # int [N]: exact and near copies share a group
+
+
+@dataclasses.dataclass
+class OutOfFold:
+  """Each scored image's probabilities from the model that did not see it."""
+  scored: np.ndarray  # int [S]: positions in the pool
+  probabilities: np.ndarray  # float32 [S, classes]
+  about: dict  # for audit.json's mislabel_search
+
+
+def out_of_fold(config: ml_collections.ConfigDict, workdir: str, pool: Pool, class_names, channels: int,
+                method: str, backbone: Optional['Backbone']) -> OutOfFold:
+  """The out-of-fold probabilities of `method` (`folds`, `sample` or `features`), computed or read back."""
+  if jax.process_count() > 1:
+    raise UserError('--mode=audit searches for wrong labels on one process; start it without '
+                    '--num_processes (or set --config.audit.folds=0)')
+  settings = config.audit
+  scored = np.arange(len(pool.labels))
+  if method == 'sample':  # every class in proportion, the same sample every time
+    scored = np.sort(base.stratified_order(pool.labels)[:settings.fold_limit])
+  labels = pool.labels[scored]
+  folds = audit.assign_folds(labels, pool.groups[scored], settings.folds, config.seed)
+  fold_config = None if method == 'features' else _fold_config(config, len(scored), folds)
+  recipe = backbone.identity if method == 'features' else _recipe(fold_config)
+  key = _key(method, settings.folds, settings.steps_fraction if method != 'features' else None, recipe,
+             [pool.sha[i] for i in scored], labels, folds)
+  directory = os.path.join(workdir, FOLDS_DIR, key[:16])
+  path = os.path.join(directory, PROBABILITIES)
+  about = {'folds': int(settings.folds), 'scored': int(len(scored)), 'directory': directory}
+  saved = _load(path, key)
+  if saved is not None:
+    logging.info('audit: out-of-fold probabilities of these %d images and this recipe read back from %s '
+                 '(nothing trained)', len(scored), path)
+    return OutOfFold(scored, saved['probabilities'], {**about, **json.loads(str(saved['about'])),
+                                                      'reused': True})
+  files.makedirs(directory)
+  started = time.time()
+  if method == 'features':
+    probabilities, details = _probe_folds(config, pool, scored, folds, class_names, channels, backbone)
+  else:
+    probabilities, details = _train_folds(fold_config, directory, pool, scored, folds, class_names, channels)
+  details['seconds'] = round(time.time() - started, 1)
+  _save(path, key, probabilities, details, [pool.paths[i] for i in scored], labels, class_names)
+  return OutOfFold(scored, probabilities, {**about, **details, 'reused': False})
+
+
+# --- the fold runs ----------------------------------------------------------------------------
+
+
+def fold_steps(config: ml_collections.ConfigDict, train_examples: int) -> int:
+  """Steps of a fold run: `audit.steps_fraction` of the recipe's run on `train_examples` images
+  (num_train_steps, else num_epochs over them; a time budget counts as its epochs)."""
+  return max(1, math.ceil(config.audit.steps_fraction * run_length(config, train_examples).total_steps))
+
+
+def _fold_config(config: ml_collections.ConfigDict, count: int,
+                 folds: np.ndarray) -> ml_collections.ConfigDict:
+  """The recipe as a fold run trains it: shortened, evaluated and saved only at its end, untracked."""
+  fold = config.copy_and_resolve_references()
+  fraction = config.audit.steps_fraction
+  fold.time_budget = ''
+  train_examples = count - int(np.bincount(folds).max())  # the smallest fold run: every run as long
+  fold.num_train_steps = fold_steps(fold, train_examples)
+  # A schedule set in epochs is compressed with the run: the same shape over fewer steps.
+  fold.schedule.warmup_epochs = config.schedule.warmup_epochs * fraction
+  fold.schedule.cooldown_epochs = config.schedule.cooldown_epochs * fraction
+  fold.schedule.milestones = tuple(m * fraction for m in config.schedule.milestones)
+  fold.eval_every_steps = fold.checkpoint_every_steps = 2**31 - 1  # at the end only (clamped to it)
+  fold.checkpoint.keep = 1
+  fold.checkpoint.best_metric = ''
+  fold.early_stopping.metric = ''
+  fold.eval.checkpoint = 'latest'
+  fold.eval.fewshot.shots = ()
+  fold.dataset.eval_splits = ()
+  fold.profile_steps = 0
+  fold.wandb.project = ''
+  fold.mlflow.tracking_uri = ''
+  fold.search.storage = ''
+  return fold
+
+
+def _recipe(fold_config: ml_collections.ConfigDict) -> dict:
+  """What of a fold run's config decides what it learns."""
+  recipe = {key: value for key, value in fold_config.to_dict().items() if key not in UNTRAINED_KEYS}
+  recipe['dataset'] = {key: value for key, value in recipe['dataset'].items() if key not in SOURCE_KEYS}
+  return recipe
+
+
+def _train_folds(fold_config: ml_collections.ConfigDict, directory: str, pool: Pool, scored: np.ndarray,
+                 folds: np.ndarray, class_names, channels: int) -> tuple[np.ndarray, dict]:
+  """K fold runs (each resumes or finds itself finished where a previous audit stopped), each then
+  scoring its held-out fold."""
+  from flaxtpu import train  # pylint: disable=g-import-not-at-top
+  from flaxtpu.evaluate import evaluate  # pylint: disable=g-import-not-at-top
+  from flaxtpu.modes.restore import restore  # pylint: disable=g-import-not-at-top
+  template, examples = _pool_dataset(fold_config, [pool.paths[i] for i in scored], pool.labels[scored],
+                                     class_names, channels)
+  count = int(folds.max()) + 1
+  probabilities = np.zeros((len(scored), len(class_names)), np.float32)
+  accuracies = []
+  for k in range(count):
+    held_out, kept = np.flatnonzero(folds == k), np.flatnonzero(folds != k)
+    dataset = _fold_dataset(fold_config, template, examples, kept, held_out)
+    workdir = os.path.join(directory, f'fold_{k}')
+    started = time.time()
+    results = train.train_and_evaluate(fold_config, workdir, dataset=dataset)
+    if 'stopped_at_step' in results:
+      raise UserError(f'--mode=audit stopped in fold run {k + 1} of {count} ({workdir}); run the same '
+                      'command to resume it')
+    placement, state, _, _ = restore(fold_config, workdir, calibrated=False)
+    _, predictions = evaluate(placement, state, dataset, resolved_eval_batch_size(fold_config),
+                              keep_logits=True)
+    probabilities[held_out] = _softmax(predictions.logits)
+    accuracies.append(float(np.mean(predictions.logits.argmax(axis=1) == pool.labels[scored][held_out])))
+    logging.info('audit: fold run %d/%d: %d steps on %d images, held-out accuracy %.4f on %d (%.1f s)', k + 1,
+                 count, fold_config.num_train_steps, len(kept), accuracies[-1], len(held_out),
+                 time.time() - started)
+  return probabilities, {'steps': int(fold_config.num_train_steps),
+                         'held_out_accuracy': round(float(np.mean(accuracies)), 4)}
+
+
+def _pool_dataset(config: ml_collections.ConfigDict, paths: list, labels: np.ndarray, class_names,
+                  channels: int) -> tuple[Dataset, Examples]:
+  """The pool's images read as the recipe reads its train split (cached or streamed), and a Dataset of
+  the recipe's data settings to make each fold's of."""
+  spec = DatasetSpec.of(config)
+  split = base.Split('audit', FileRecords('', np.asarray([os.fsencode(p) for p in paths])),
+                     np.asarray(labels, np.int32))
+  transform = pipeline.image_transform(spec, channels)
+  native = base.sample_sizes(split)
+  use = cache.use_cache(spec.cache, len(split), image_shape(native, transform, channels), transform)
+  if not use and not transform.size:  # streamed at native size: every header, as the pipeline reads them
+    split, native = base.scan(split, spec.workers, skip_corrupt=False)
+  shape = image_shape(native, transform, channels)
+  examples = cache.examples(split, cache=use, transform=transform, num_workers=spec.workers,
+                            skip_corrupt=False, threads=spec.threads,
+                            store=spec.settings.get('decoded_cache_dir', ''))
+  template = Dataset(train=examples, eval=examples, class_names=tuple(class_names), image_shape=shape,
+                     mean=np.zeros(channels, np.float32), std=np.ones(channels, np.float32),
+                     transform=transform,
+                     workers=spec.workers, prefetch=spec.prefetch, worker_threads=spec.threads,
+                     sampling=spec.sampling, repeats=spec.repeats)
+  return template, examples
+
+
+def _subset(examples: Examples, positions: np.ndarray) -> Examples:
+  if not examples.cached:
+    return Examples(source=examples.source.subset(positions))
+  images = (examples.images[positions] if isinstance(examples.images, np.ndarray)
+            else [examples.images[i] for i in positions])
+  return Examples(images=images, labels=examples.labels[positions])
+
+
+def _fold_dataset(config: ml_collections.ConfigDict, template: Dataset, examples: Examples, kept: np.ndarray,
+                  held_out: np.ndarray) -> Dataset:
+  """A fold run's data: the kept folds to train on, the held-out fold as its eval split."""
+  train_examples = _subset(examples, kept)
+  dataset = dataclasses.replace(
+      template, train=train_examples, eval=_subset(examples, held_out),
+      class_weights=class_weights.class_weights(config.dataset.class_weights, train_examples,
+                                                template.class_names))
+  return pipeline._normalized(dataset, DatasetSpec.of(config))  # pylint: disable=protected-access
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+  shifted = np.asarray(logits, np.float64) - np.max(logits, axis=1, keepdims=True)
+  exponentials = np.exp(shifted)
+  return (exponentials / exponentials.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+# --- frozen features and a linear probe per fold ---------------------------------------------
+
+
+@dataclasses.dataclass
+class Backbone:
+  """Where `features` reads embeddings: init_from's weights, or the run trained in the workdir."""
+  name: str  # for audit.json's `why`
+  identity: dict  # what the key holds of it
+  load: object  # (classes, image shape, mean, std) -> (task, placement, model variables)
+
+
+def backbone_of(config: ml_collections.ConfigDict, workdir: str) -> Optional[Backbone]:
+  """init_from.checkpoint's backbone, else the trained run in `workdir`, else None."""
+  if config.init_from.checkpoint:
+    spec = config.init_from.checkpoint
+    return Backbone(f'config.init_from.checkpoint={spec}', {'init_from': spec, 'model': config.model.name,
+                                                             'image_size': config.dataset.image_size},
+                    functools.partial(_init_from_backbone, config))
+  if files.isdir(os.path.join(workdir, 'checkpoints')):
+    from flaxtpu import checkpoint  # pylint: disable=g-import-not-at-top
+    checkpoints = checkpoint.Checkpoints(workdir, config, read_only=True)
+    latest = checkpoints.latest_step()
+    checkpoints.close()
+    if latest is not None:
+      return Backbone(f'the trained run in {workdir} (checkpoint step {latest}; it has seen these labels)',
+                      {'workdir': os.path.abspath(workdir), 'step': latest,
+                       'checkpoint': config.eval.checkpoint},
+                      functools.partial(_trained_backbone, config, workdir))
+  return None
+
+
+def _trained_backbone(config: ml_collections.ConfigDict, workdir: str, num_classes: int, shape, mean, std):
+  """The run in `workdir` (eval.checkpoint's step), as it was trained (its classes, size, normalisation)."""
+  del num_classes, shape, mean, std  # the checkpoint's own
+  from flaxtpu import steps  # pylint: disable=g-import-not-at-top
+  from flaxtpu.modes.restore import restore  # pylint: disable=g-import-not-at-top
+  placement, state, _, record = restore(config, workdir, calibrated=False)
+  task = steps.create_task(config, num_classes=record['num_classes'],
+                           image_shape=tuple(record['image_shape']), mean=record['normalization']['mean'],
+                           std=record['normalization']['std'])
+  return task, placement, state
+
+
+def _init_from_backbone(config: ml_collections.ConfigDict, num_classes: int, shape, mean, std):
+  """A fresh model with init_from's arrays read in, as a run starts (its head, never used, as it comes)."""
+  from flaxtpu import finetune, lengths, parallel, steps  # pylint: disable=g-import-not-at-top
+  length = lengths.RunLength(steps_per_epoch=1, total_steps=1, eval_every_steps=1,
+                             checkpoint_every_steps=1, warmup_steps=0)
+  task = steps.create_task(config, num_classes=num_classes, image_shape=shape, mean=mean, std=std,
+                           length=length)
+  placement = steps.place(task, parallel.make_mesh(config), config)
+  state = steps.create_state(task, placement, config.seed)
+  state, _ = finetune.init_from(config, task, placement, state, [str(i) for i in range(num_classes)])
+  return task, placement, steps.ModelState(params=state.params, batch_stats=state.batch_stats)
+
+
+def embeddings(config: ml_collections.ConfigDict, pool: Pool, scored: np.ndarray, class_names, channels: int,
+               backbone: Backbone) -> np.ndarray:
+  """float32 [S, D]: what the backbone's classifier reads for each scored image (eval preprocessing)."""
+  from flaxtpu import fewshot, parallel, steps  # pylint: disable=g-import-not-at-top
+  template, _ = _pool_dataset(config, [pool.paths[i] for i in scored], pool.labels[scored], class_names,
+                              channels)
+  dataset = pipeline._normalized(template, DatasetSpec.of(config))  # pylint: disable=protected-access
+  task, placement, variables = backbone.load(len(class_names), dataset.image_shape, dataset.mean, dataset.std)
+  if tuple(task.image_shape) != tuple(dataset.image_shape):
+    raise UserError(f'the backbone reads {tuple(task.image_shape)} images and the audited data gives '
+                    f'{tuple(dataset.image_shape)}; set --config.dataset.image_size={task.image_shape[0]}')
+  variables = steps.ModelState(params=variables.params, batch_stats=variables.batch_stats)
+  if placement.parallelism == 'pmap':
+    variables = placement.to_saveable(variables)
+  features = jax.jit(functools.partial(fewshot.features, task, fewshot.head_path(task)),
+                     out_shardings=parallel.replicated(placement.mesh))
+  rows = []
+  for batch in loaders.eval_batches(dataset, batch_size=resolved_eval_batch_size(config)):
+    rows.append(np.asarray(features(variables, batch.images))[batch.mask])
+  return np.concatenate(rows)
+
+
+def _probe_folds(config: ml_collections.ConfigDict, pool: Pool, scored: np.ndarray, folds: np.ndarray,
+                 class_names, channels: int, backbone: Backbone) -> tuple[np.ndarray, dict]:
+  """A softmax linear probe per fold on the frozen embeddings, each scoring its held-out fold."""
+  started = time.time()
+  x = embeddings(config, pool, scored, class_names, channels, backbone)
+  logging.info('audit: %d embeddings of %d dimensions from %s (%.1f s)', len(x), x.shape[1], backbone.name,
+               time.time() - started)
+  labels = pool.labels[scored]
+  probabilities = np.zeros((len(scored), len(class_names)), np.float32)
+  accuracies = []
+  for k in range(int(folds.max()) + 1):
+    held_out, kept = folds == k, folds != k
+    probabilities[held_out] = linear_probe(x[kept], labels[kept], x[held_out], len(class_names),
+                                           config.seed + k)
+    accuracies.append(float(np.mean(probabilities[held_out].argmax(axis=1) == labels[held_out])))
+  logging.info('audit: linear probes, held-out accuracy %.4f', float(np.mean(accuracies)))
+  return probabilities, {'embedding_dimensions': int(x.shape[1]),
+                         'held_out_accuracy': round(float(np.mean(accuracies)), 4)}
+
+
+def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, num_classes: int,
+                 seed: int) -> np.ndarray:
+  """Softmax probabilities [len(test_x), classes] of a linear classifier fitted to (train_x, train_y):
+  standardised features, cross-entropy plus PROBE_L2 x |W|^2, Adam with a cosine decay on batches."""
+  mean, std = train_x.mean(axis=0), train_x.std(axis=0) + 1e-5
+  train_x = ((train_x - mean) / std).astype(np.float32)
+  test_x = ((test_x - mean) / std).astype(np.float32)
+  batch = min(PROBE_BATCH, len(train_x))
+  total = max(PROBE_MIN_STEPS, PROBE_EPOCHS * len(train_x) // batch)
+  optimizer = optax.adam(optax.cosine_decay_schedule(PROBE_LEARNING_RATE, total))
+  params = {'w': jnp.zeros((train_x.shape[1], num_classes)), 'b': jnp.zeros(num_classes)}
+  opt_state = optimizer.init(params)
+
+  def loss(params, x, y):
+    logits = x @ params['w'] + params['b']
+    penalty = PROBE_L2 * jnp.sum(params['w'] ** 2)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + penalty
+
+  @jax.jit
+  def step(params, opt_state, x, y):
+    grads = jax.grad(loss)(params, x, y)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  rng = np.random.default_rng(seed)
+  order = np.zeros(0, np.int64)
+  for _ in range(total):
+    if len(order) < batch:
+      order = np.concatenate([order, rng.permutation(len(train_x))])
+    chosen, order = order[:batch], order[batch:]
+    params, opt_state = step(params, opt_state, train_x[chosen], train_y[chosen].astype(np.int32))
+  weights, bias = np.asarray(params['w']), np.asarray(params['b'])
+  logits = test_x @ weights + bias
+  return _softmax(logits)
+
+
+# --- the key and the saved probabilities -----------------------------------------------------
+
+
+def _key(method: str, folds: int, fraction: Optional[float], recipe: dict, contents: list, labels: np.ndarray,
+         fold_of: np.ndarray) -> str:
+  digest = hashlib.sha256(json.dumps([KEY_VERSION, method, folds, fraction, recipe], sort_keys=True,
+                                     default=str).encode())
+  for content, label, fold in zip(contents, labels.tolist(), fold_of.tolist()):
+    digest.update(content)
+    digest.update(f'{label} {fold}\n'.encode())
+  return digest.hexdigest()
+
+
+def _load(path: str, key: str) -> Optional[dict]:
+  if not files.exists(path):
+    return None
+  try:
+    with np.load(io.BytesIO(files.open_bytes(path))) as saved:
+      if str(saved['key']) != key:
+        return None
+      return {'probabilities': saved['probabilities'], 'about': saved['about']}
+  except (OSError, ValueError, KeyError) as e:  # cut off by a crash: computed again
+    logging.warning('audit: %s cannot be read (%s); computing it again', path, files.short_error(e))
+    return None
+
+
+def _save(path: str, key: str, probabilities: np.ndarray, about: dict, paths: list, labels: np.ndarray,
+          class_names) -> None:
+  """The probabilities [S, classes] with what they are of: each row's file and label (a class index into
+  `class_names`), for a reader other than the audit (cleanlab, benchmarks/audit_label_errors.py)."""
+  def write(temporary: str) -> None:
+    with open(temporary, 'wb') as f:
+      np.savez(f, key=np.asarray(key), probabilities=probabilities, about=np.asarray(json.dumps(about)),
+               paths=np.asarray(paths, str), labels=np.asarray(labels, np.int32),
+               class_names=np.asarray(list(class_names), str))
+
+  with files.writing(path, 'free disk space or choose a writable --workdir'):
+    files.atomic_write(path, write)
