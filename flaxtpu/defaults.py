@@ -197,10 +197,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_batch_size = -1  # Global eval batch size (-1 = batch_size).
   config.num_epochs = 5.0  # Training length in epochs (used when num_train_steps = -1).
   config.num_train_steps = -1  # Training length in steps (-1 = from num_epochs).
-  # A wall-clock budget for the whole run ('90s', '30m', '2h'; '' = off): the step time is measured
-  # after compilation and the number of steps set so that the run, its evaluations and checkpoints
-  # included, ends on time with its schedule complete. Replaces num_epochs/num_train_steps; a resumed
-  # run keeps its plan (WORKDIR/time_budget.json).
+  # A wall-clock budget for the whole run ('90s', '30m', '2h'; '' = off), counted from the trainer's
+  # start to the end of its report: a probe times the compile, warm steps, a warm evaluation and save and
+  # the end report apart, and the number of steps is set so that the run ends at 97.5% of it with its
+  # schedule complete; early in the run (by 25% of the steps) the loop's own time is checked once, and
+  # if it is off the plan's by more than 10% the rest is re-planned (the schedule's remainder stretched
+  # to the new last step). Replaces num_epochs/num_train_steps; a resumed run keeps its plan
+  # (WORKDIR/time_budget.json).
   config.time_budget = ''
 
   config.optimizer = ml_collections.ConfigDict()

@@ -235,6 +235,7 @@ class _Loop:
   predictions: Any = None  # the last evaluation's logits and labels, for the per-class report
   probe: Optional[fewshot.Probe] = None  # eval.fewshot's linear probes, run with every evaluation
   pruning: Optional[Pruning] = None  # a study's trial: each evaluation reported to its pruner
+  budget: time_budget.Budget = dataclasses.field(default_factory=time_budget.Budget)  # its one check
 
   def due(self, step: int, every: int) -> bool:
     """Whether an action taken every `every` steps (and after the last) is due after `step`."""
@@ -387,13 +388,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
 
   checkpoints = checkpoint.Checkpoints(workdir, config)
   teacher, teacher_variables = load_teacher(config, dataset, mesh, checkpoints)
-  length = time_budget.planned_length(  # time_budget: the steps that fit, measured once and kept
-      config, workdir, examples, resuming=checkpoints.latest_step() is not None,
+  budget = time_budget.plan(  # time_budget: the steps that fit, measured, kept, checked once early on
+      config, workdir, examples, resuming=checkpoints.latest_step() is not None, started=started,
       probe=lambda: time_budget.probe(config, dataset, mesh, eval_sets, started, teacher,
-                                      teacher_variables)) or length
+                                      teacher_variables))
+  length = budget.length or length
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std, length=length,
-                           class_weights=dataset.class_weights, teacher=teacher)
+                           class_weights=dataset.class_weights, teacher=teacher, schedule=budget.schedule)
   placement = steps.place(task, mesh, config, teacher_variables)
   log_plan(config, dataset, length, task, placement)
   start = start_or_resume(config, task, placement, checkpoints, dataset)
@@ -409,17 +411,19 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   batches = workers.prefetch(
       placement.put_train_batch(tuple(batch)[:2]) for batch in loaders.train_batches(
           dataset, seed=config.seed, batch_size=config.batch_size, first_step=start.step,
-          last_step=length.total_steps, process_index=jax.process_index(),
+          last_step=budget.batches_until(length.total_steps), process_index=jax.process_index(),
           process_count=jax.process_count(), alternate_flip=config.augment.alternate_flip))
   loop = _Loop(config, task, placement, dataset, eval_sets, length, checkpoints, writer,
                TrainClock(start.step, start.progress, started, command_started), start, start.window,
-               probe=fewshot.maybe_probe(config, dataset, task, placement), pruning=Pruning.of(config))
+               probe=fewshot.maybe_probe(config, dataset, task, placement), pruning=Pruning.of(config),
+               budget=budget)
   profiler = StepProfiler(workdir, start.step, config.profile_steps, length.total_steps)
   try:
     with _Closing() as closing:
       for close in (writer.close, checkpoints.close, checkpoints.wait, batches.close, profiler.stop):
         closing.callback(close)
       step = _train(loop, batches, profiler, stop)
+      length = loop.length  # a time budget's check may have re-planned it
   except Diverged as diverged:
     raise TrainingDiverged(divergence.message(config, diverged.step, checkpoints)) from None
 
@@ -431,11 +435,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
                  step, saved)
     return {'stopped_at_step': step}
   results = loop.clock.record().results(length.total_steps, config.batch_size)
-  results.update(time_budget.report(config, workdir, time.time() - started, step - start.step))
   results.update(image_sizes.report(config, length.total_steps))
   if is_main:
-    files.write_json(os.path.join(workdir, 'results.json'), results)
     write_pictures(config, loop.predictions, dataset, workdir, step)
+  # A time budget counts to the end of the report.
+  results.update(time_budget.report(config, workdir, time.time() - started, step - start.step))
+  if is_main:
+    files.write_json(os.path.join(workdir, 'results.json'), results)
     tracking.log_results(config, workdir, results)
   if stopped_early and stopped_early.get('pruned'):
     log_pruned(stopped_early)
@@ -457,7 +463,9 @@ def _train(loop: _Loop, batches, profiler: StepProfiler, stop: StopRequest) -> i
   train_step = sized.at(loop.start.step + 1, state, first_batch)
   batches, one_step_in_flight = itertools.chain([first_batch], batches), parallel.one_step_in_flight()
 
-  for step in range(loop.start.step + 1, length.total_steps + 1):
+  step = loop.start.step
+  while step < length.total_steps:  # a time budget's check may change the length
+    step += 1
     with clock.timing('input'):
       batch = next(batches)
     profiler.before_step(step)
@@ -480,5 +488,9 @@ def _train(loop: _Loop, batches, profiler: StepProfiler, stop: StopRequest) -> i
       loop.save(step, state, evaluated)
     if stopping or stopping_early:
       break
+    if loop.budget.after_step(step):  # re-planned: a new length, and its schedule's task and train step
+      loop.task, loop.placement = loop.budget.rebuilt(loop.dataset, loop.task, loop.placement)
+      loop.length = length = loop.budget.length
+      sized.compiled.clear()  # compiled again for the new placement at the next step
   profiler.stop(state)
   return step

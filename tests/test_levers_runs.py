@@ -11,7 +11,7 @@ import pytest
 
 from conftest import assert_same_state, metric_rows, restore_checkpoint, signal_at_step, tree_digest
 from flaxtpu import config as config_lib
-from flaxtpu import defaults, lengths, loss_scale, optim, time_budget, train
+from flaxtpu import defaults, loss_scale, optim, time_budget, train
 from flaxtpu.divergence import TrainingDiverged
 from flaxtpu.errors import printable
 from flaxtpu.modes import lr_find
@@ -106,23 +106,6 @@ def test_lr_find_writes_its_curve_and_leaves_a_runs_checkpoints_bytewise(uninter
   assert len(rates) == 20 or 'NaN' in saved['stopped'] or 'minimum' in saved['stopped']
 
 
-def test_time_budget_solves_for_the_steps_that_fit_counting_evaluations_and_saves(image_folder):
-  config = _config(image_folder, **{'time_budget': '100s', 'num_train_steps': -1, 'eval_every_steps': 10,
-                                    'checkpoint_every_steps': 20, 'optimizer.accumulate_steps': 2,
-                                    'schedule.name': 'cosine', 'schedule.warmup_epochs': 1.0})
-  measured = {'step_s': 0.1, 'eval_s': 2.0, 'save_s': 1.0, 'compile_s': 5.0, 'end_s': 3.0, 'elapsed_s': 12.0}
-  plan = time_budget.solve(config, 48, 100.0, measured)
-  n = plan['steps']
-  cost = lambda n: 12 + 5 + 3 + 0.1 * n + 2.0 * -(-n // 10) + 1.0 * -(-n // 20)
-  assert n % 2 == 0 and cost(n) <= 100 < cost(n + 2), plan  # the most steps that fit, whole updates
-  assert (plan['evaluations'], plan['saves']) == (-(-n // 10), -(-n // 20))
-  assert plan['planned_s'] == pytest.approx(cost(n))
-  # The run built for the plan ends its schedule (warmup, then cosine to 0) at its last update.
-  length = lengths.run_length(config, 48, total_steps=n)
-  schedule = optim.learning_rate_schedule(config, length)
-  assert float(schedule(length.total_updates)) == 0.0 and float(schedule(length.total_updates - 1)) > 0
-
-
 def _signal_in_training_at_step(monkeypatch, step_to_signal):
   """SIGTERM at a step of the training loop's batches (not the budget probe's, which also reads batches)."""
   import signal
@@ -131,7 +114,7 @@ def _signal_in_training_at_step(monkeypatch, step_to_signal):
   real = loaders.train_batches
 
   def batches(*args, **kwargs):
-    probe = kwargs['last_step'] == time_budget.PROBE_STEPS + 2 and kwargs['first_step'] == 0
+    probe = kwargs['last_step'] == time_budget.PROBE_MAX_STEPS + 2 and kwargs['first_step'] == 0
     for step, batch in enumerate(real(*args, **kwargs), kwargs['first_step'] + 1):
       if step == step_to_signal and not probe:
         os.kill(os.getpid(), signal.SIGTERM)
