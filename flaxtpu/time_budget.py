@@ -6,11 +6,14 @@ initialisation, the train step's compile, warm steps (after two untimed ones;
 input included, dispatched as the loop dispatches them, their metrics averaged
 every log_every_steps as the loop logs them), the first evaluation
 (which compiles its step) and a second, warm one, a first and a second
-checkpoint save, and the end's report (per-class files and pictures, curves).
+checkpoint save (the time the loop waits for: the save is written in the
+background) and the second's writing (the run waits for its last one), and the
+end's report (per-class files and pictures, curves).
 `solve` picks the largest number of steps N whose run fits
 
     elapsed so far + init + compile + the first evaluation's and first save's extra
-    + N x step + evaluations(N) x warm evaluation + saves(N) x warm save + the end report
+    + N x step + evaluations(N) x warm evaluation + saves(N) x warm save
+    + the last save's writing + the end report
 
 into TARGET (97.5%) of the budget, counted from the trainer's start
 (`train_and_evaluate`): the middle of the 90-105% a run should end in, so that
@@ -115,9 +118,10 @@ def loop_seconds(config: ml_collections.ConfigDict, num_examples: int, measured:
 
 def fixed_seconds(measured: dict) -> float:
   """What a run costs besides its steps, evaluations and saves: its state's init, its compile, the
-  first evaluation's and first save's extra over a warm one, and the end's report."""
+  first evaluation's and first save's extra over a warm one, the wait for its last save to be written,
+  and the end's report."""
   return (measured['init_s'] + measured['compile_s'] + measured['eval_first_s'] - measured['eval_s']
-          + measured['save_first_s'] - measured['save_s'] + measured['end_s'])
+          + measured['save_first_s'] - measured['save_s'] + measured['save_write_s'] + measured['end_s'])
 
 
 def most_steps(config: ml_collections.ConfigDict, num_examples: int, measured: dict, done: int,
@@ -283,7 +287,8 @@ class Budget:
       logging.info('%s: within %.0f%%, the plan of %d steps stands', seen, 100 * REPLAN_ERROR, plan['steps'])
     else:
       scaled = {key: value * ratio for key, value in measured.items() if key.endswith('_s')}
-      left = TARGET * budget - elapsed - scaled['compile_s'] - scaled['end_s']  # the step compiles again
+      # The train step compiles again; the last save's writing and the report end the run.
+      left = TARGET * budget - elapsed - scaled['compile_s'] - scaled['save_write_s'] - scaled['end_s']
       new_steps = min(most_steps(self.config, self.num_examples, scaled, step, left),
                       MAX_GROWTH * plan['steps'])
       seconds, evaluations, saves = loop_seconds(self.config, self.num_examples, scaled, step, new_steps)
@@ -347,13 +352,16 @@ class Parts:
   step: Callable[[], None]  # dispatches one train step
   wait: Callable[[], None]  # until the steps dispatched are done
   evaluate: Callable[[], None]  # every eval split
-  save: Callable[[int], None]  # one checkpoint save, written (of a step number)
+  save: Callable[[int], None]  # starts one checkpoint save (of a step number), as the loop does
+  written: Callable[[], None]  # until the save started is written
   report: Callable[[], None]  # the end's report and curves
 
 
 def timed(parts: Parts, budget: float, started: float, clock: Callable[[], float] = time.time) -> dict:
   """Seconds of each part apart: warm steps (two untimed first), the first evaluation and a warm one,
-  the first save and a warm one; the init, compile and end report once; the time since `started`."""
+  the first save and a warm one (the time the loop waits for: saves are written in the background, on
+  the loop's time only as the CPU they take), the warm one's writing; the init, compile and end report
+  once; the time since `started`."""
 
   def seconds(call, *args) -> float:
     began = clock()
@@ -375,10 +383,13 @@ def timed(parts: Parts, budget: float, started: float, clock: Callable[[], float
   parts.wait()
   step_s = (clock() - began) / count
   eval_first_s, eval_s = seconds(parts.evaluate), seconds(parts.evaluate)
-  save_first_s, save_s = seconds(parts.save, 1), seconds(parts.save, 2)
+  save_first_s = seconds(parts.save, 1)
+  parts.written()
+  save_s, save_write_s = seconds(parts.save, 2), seconds(parts.written)
   end_s = seconds(parts.report)
   return {'step_s': step_s, 'steps_timed': count, 'eval_first_s': eval_first_s, 'eval_s': eval_s,
-          'save_first_s': save_first_s, 'save_s': save_s, 'init_s': init_s, 'compile_s': compile_s,
+          'save_first_s': save_first_s, 'save_s': save_s, 'save_write_s': save_write_s, 'init_s': init_s,
+          'compile_s': compile_s,
           'end_s': end_s, 'elapsed_s': clock() - started}
 
 
@@ -428,7 +439,6 @@ def probe(config: ml_collections.ConfigDict, dataset, mesh, eval_sets: list, sta
 
     def save(step_number: int):
       saves.save(step_number, placement.to_saveable(live['state']), {'time_budget_probe': True})
-      saves.wait()
 
     def report():  # what the run's end writes: the per-class report and pictures, the curves
       from flaxtpu.report import plots  # pylint: disable=g-import-not-at-top
@@ -446,7 +456,7 @@ def probe(config: ml_collections.ConfigDict, dataset, mesh, eval_sets: list, sta
     try:
       measured = timed(Parts(init=init, compile=compile_step, step=step,
                              wait=lambda: jax.block_until_ready(live.get('metrics')), evaluate=evaluate,
-                             save=save, report=report), budget, started)
+                             save=save, written=saves.wait, report=report), budget, started)
     finally:
       saves.close()
       batches.close()
