@@ -2,13 +2,14 @@
 
 The plan. Before training, a probe builds the run's model and optimizer (on a
 provisional length) and times each part of a run apart (`timed`): the state's
-initialisation, the train step's compile, warm steps (after two untimed ones;
-input included, dispatched as the loop dispatches them, their metrics averaged
-every log_every_steps as the loop logs them), the first evaluation
-(which compiles its step) and a second, warm one, a first and a second
-checkpoint save (the time the loop waits for: the save is written in the
-background) and the second's writing (the run waits for its last one), and the
-end's report (per-class files and pictures, curves).
+initialisation, the train step's compile (past XLA's persistent cache: the
+run's own, for a new length, finds no copy there), warm steps (after two
+untimed ones; input included, dispatched as the loop dispatches them, their
+metrics averaged every log_every_steps as the loop logs them), the first
+evaluation (which compiles its step) and a second, warm one, a first and a
+second checkpoint save (the time the loop waits for: the save is written in
+the background) and the second's writing (the run waits for its last one), and
+the end's report (per-class files and pictures, curves).
 `solve` picks the largest number of steps N whose run fits
 
     elapsed so far + init + compile + the first evaluation's and first save's extra
@@ -413,9 +414,14 @@ def probe(config: ml_collections.ConfigDict, dataset, mesh, eval_sets: list, sta
   def init():
     live['state'] = jax.block_until_ready(steps.create_state(task, placement, config.seed))
 
-  def compile_step():
+  def compile_step():  # uncached, as the run's will be: its length is new, XLA's persistent cache has no copy
     live['batch'] = next(batches)
-    live['step'], _ = placement.compile_train_step(live['state'], live['batch'])
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update('jax_enable_compilation_cache', False)
+    try:
+      live['step'], _ = placement.compile_train_step(live['state'], live['batch'])
+    finally:
+      jax.config.update('jax_enable_compilation_cache', enabled)
 
   def step():  # as the loop steps: its metrics fetched and averaged every log_every_steps
     live['state'], live['metrics'] = live['step'](live['state'], live.pop('batch', None) or next(batches))
