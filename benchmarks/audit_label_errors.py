@@ -156,7 +156,8 @@ def in_sample(csv_path: str, folder: str, class_names: list) -> tuple[list, np.n
   return paths, np.asarray(labels), np.stack(rows)
 
 
-def measure(recipe: str, setting: str, chosen: dict, scratch: str, extra: list, seed: int) -> dict:
+def measure(recipe: str, setting: str, chosen: dict, scratch: str, extra: list, seed: int,
+            audit_only: bool = False) -> dict:
   sys.path.insert(0, ROOT)
   from cleanlab.filter import find_label_issues  # pylint: disable=g-import-not-at-top
 
@@ -169,7 +170,7 @@ def measure(recipe: str, setting: str, chosen: dict, scratch: str, extra: list, 
     shutil.rmtree(directory, ignore_errors=True)
   load_before = os.getloadavg()[0]
   audit_seconds = cli(config, overrides, audit_dir, folder, 'audit', extra)
-  train_seconds = cli(config, overrides, train_dir, folder, 'train', extra)
+  train_seconds = None if audit_only else cli(config, overrides, train_dir, folder, 'train', extra)
   load_after = os.getloadavg()[0]
   report = json.load(open(os.path.join(audit_dir, 'audit.json'), encoding='utf-8'))
   search = report['mislabel_search']
@@ -179,23 +180,24 @@ def measure(recipe: str, setting: str, chosen: dict, scratch: str, extra: list, 
   ours = [row['path'] for row in report['suspected_mislabels']]
   theirs = [paths[i] for i in find_label_issues(labels, probabilities, filter_by='prune_by_noise_rate',
                                                 return_indices_ranked_by='normalized_margin', n_jobs=1)]
-  # The run's own model over its own train images: what the audit scored before out-of-fold folds.
-  predictions = os.path.join(train_dir, 'in_sample.csv')
-  cli(config, overrides, train_dir, folder, 'predict', [f'predict.input={os.path.join(folder, "train")}',
-                                                         f'predict.top_k={len(class_names)}',
-                                                         f'predict.output_csv={predictions}'])
-  own_paths, own_labels, own_probabilities = in_sample(predictions, folder, class_names)
-  own = [own_paths[i] for i in audit.find_label_issues(own_labels, own_probabilities).ranked]
-  results = json.load(open(os.path.join(train_dir, 'results.json'), encoding='utf-8'))
+  own, results = None, {}
+  if not audit_only:  # the run's own model over its own train images: what the audit scored before folds
+    predictions = os.path.join(train_dir, 'in_sample.csv')
+    cli(config, overrides, train_dir, folder, 'predict', [f'predict.input={os.path.join(folder, "train")}',
+                                                           f'predict.top_k={len(class_names)}',
+                                                           f'predict.output_csv={predictions}'])
+    own_paths, own_labels, own_probabilities = in_sample(predictions, folder, class_names)
+    own = [own_paths[i] for i in audit.find_label_issues(own_labels, own_probabilities).ranked]
+    results = json.load(open(os.path.join(train_dir, 'results.json'), encoding='utf-8'))
   return {'recipe': recipe, 'setting': setting, 'train_images': len(chosen['train']),
           'audited_images': len(paths), 'flips': len(flipped), 'extra': list(extra),
           'audit': rates(ours, flipped), 'cleanlab': rates(theirs, flipped),
           'cleanlab_same_set': set(ours) == set(theirs), 'cleanlab_same_order': ours == theirs,
-          'in_sample': rates(own, flipped),
+          'in_sample': None if own is None else rates(own, flipped),
           'fold_steps': search.get('steps'), 'held_out_accuracy': search.get('held_out_accuracy'),
           'test_accuracy': results.get('eval_accuracy') if 'test' in chosen else None,
           'audit_seconds': round(audit_seconds, 1), 'fold_seconds': search.get('seconds'),
-          'train_seconds': round(train_seconds, 1),
+          'train_seconds': None if audit_only else round(train_seconds, 1),
           'load_average': [round(load_before, 1), round(load_after, 1)]}
 
 
@@ -204,13 +206,13 @@ def table(rows: list) -> str:
            'probabilities | own model in-sample | audit time / training run |',
            '| --- | --- | --- | --- | --- | --- |']
   show = lambda r: (f'{r["suspects"]}, {r["precision"]}, {r["recall"]}, '
-                    f'{r["recall_top_f"]} / {r["recall_top_2f"]}')
+                    f'{r["recall_top_f"]} / {r["recall_top_2f"]}' if r else 'not run')
   for row in rows:
     same = ('identical' if row['cleanlab_same_order'] else
             'same set' if row['cleanlab_same_set'] else 'differs')
     lines.append(f'| {row["recipe"]} | {row["setting"]}: {row["flips"]} of {row["train_images"]} | '
                  f'{show(row["audit"])} | {show(row["cleanlab"])} ({same}) | {show(row["in_sample"])} | '
-                 f'{row["audit_seconds"]:.0f} s / {row["train_seconds"]:.0f} s |')
+                 f'{row["audit_seconds"]:.0f} s / {row["train_seconds"] or 0:.0f} s |')
   return '\n'.join(lines)
 
 
@@ -225,6 +227,8 @@ def main() -> None:
   parser.add_argument('--settings', default='random1,random5,random10,similar5')
   parser.add_argument('--set', action='append', default=[], help='another config override, KEY=VALUE')
   parser.add_argument('--seed', type=int, default=0, help='which images are flipped')
+  parser.add_argument('--audit-only', action='store_true',
+                      help='no training run, so no in-sample column (another audit.steps_fraction)')
   parser.add_argument('--scratch', default='/tmp/flaxtpu-audit-label-errors')
   harness.out_argument(parser, 'audit_label_errors.json')
   args = parser.parse_args()
@@ -233,7 +237,7 @@ def main() -> None:
   rows = []
   for recipe in recipes:
     for setting in args.settings.split(','):
-      rows.append(measure(recipe, setting, chosen, args.scratch, args.set, args.seed))
+      rows.append(measure(recipe, setting, chosen, args.scratch, args.set, args.seed, args.audit_only))
       print(json.dumps(rows[-1]), flush=True)
   print(table(rows))
   harness.write_results(args.out, {'rows': rows, 'command': sys.argv})

@@ -444,7 +444,7 @@ def get_config() -> ml_collections.ConfigDict:
   # (docs/audit_explain.md). The audit costs (folds - 1) x this many plain training runs.
   config.audit.steps_fraction = 0.5
   # Up to this many images, fold models are trained on all of them; above it, `large` decides.
-  config.audit.fold_limit = 50_000
+  config.audit.fold_limit = 100_000
   # Over fold_limit: features (a linear probe per fold on frozen embeddings of every image: of
   # init_from.checkpoint's backbone, else of the trained run in the workdir) | sample (fold models on
   # a stratified sample of fold_limit images, which alone are scored) | auto (features when there is

@@ -98,7 +98,7 @@ def test_audit_scores_each_image_out_of_fold_and_ranks_the_flipped_labels_first(
   assert rates['recall'] >= 0.8 and rates['precision'] >= 0.9, rates  # measured 11 of 12, all 11 right
   assert search['method'] == 'folds' and search['folds'] == 5 and search['steps'] == 30
   assert search['scored'] == 195 and not search['reused']  # both splits' readable images
-  assert '195 images <= audit.fold_limit=50,000' in search['why']
+  assert '195 images <= audit.fold_limit=100,000' in search['why']
   scores = [row['score'] for row in report['suspected_mislabels']]
   assert scores == sorted(scores, reverse=True)
   top = report['suspected_mislabels'][0]
