@@ -3,13 +3,15 @@
 The plan. Before training, a probe builds the run's model and optimizer (on a
 provisional length) and times each part of a run apart (`timed`): the state's
 initialisation, the train step's compile (past XLA's persistent cache: the
-run's own, for a new length, finds no copy there), warm steps (after two
+run's own, for a new length, finds no copy there), the first evaluation (which
+compiles its step) and a second, warm one, a first and a second checkpoint save
+(the time the loop waits for: the save is written in the background) and the
+second's writing (the run waits for its last one), warm steps (after two
 untimed ones; input included, dispatched as the loop dispatches them, their
-metrics averaged every log_every_steps as the loop logs them), the first
-evaluation (which compiles its step) and a second, warm one, a first and a
-second checkpoint save (the time the loop waits for: the save is written in
-the background) and the second's writing (the run waits for its last one), and
-the end's report (per-class files and pictures, curves).
+metrics averaged every log_every_steps, evaluated and saved at the loop's
+cadence, the evaluations' and saves' own time taken out: what they cost the
+steps around them, such as a checkpoint being written, is the steps'), and the
+end's report (per-class files and pictures, curves).
 `solve` picks the largest number of steps N whose run fits
 
     elapsed so far + init + compile + the first evaluation's and first save's extra
@@ -358,11 +360,14 @@ class Parts:
   report: Callable[[], None]  # the end's report and curves
 
 
-def timed(parts: Parts, budget: float, started: float, clock: Callable[[], float] = time.time) -> dict:
-  """Seconds of each part apart: warm steps (two untimed first), the first evaluation and a warm one,
-  the first save and a warm one (the time the loop waits for: saves are written in the background, on
-  the loop's time only as the CPU they take), the warm one's writing; the init, compile and end report
-  once; the time since `started`."""
+def timed(parts: Parts, budget: float, started: float, clock: Callable[[], float] = time.time,
+          eval_every: int = 0, save_every: int = 0) -> dict:
+  """Seconds of each part apart: the init and compile; the first evaluation and a warm one; the first
+  save and a warm one (the time the loop waits for: a save is written in the background) and the warm
+  one's writing; warm steps (two untimed first), at the loop's cadence: evaluated every `eval_every`
+  and saved every `save_every` steps (0: never), those evaluations' and saves' own time taken out,
+  so what they cost the steps around them (a checkpoint written beside them) counts as the steps';
+  the end report; the time since `started`."""
 
   def seconds(call, *args) -> float:
     began = clock()
@@ -374,24 +379,31 @@ def timed(parts: Parts, budget: float, started: float, clock: Callable[[], float
   for _ in range(2):  # warm: the first runs of a compiled step are slower
     parts.step()
     parts.wait()
-  began, count = clock(), 0
-  while count < PROBE_MAX_STEPS:
-    parts.step()
-    count += 1
-    spent = clock() - began
-    if (count >= 3 and spent > 0.03 * budget) or (count >= PROBE_STEPS and spent > PROBE_SHARE * budget):
-      break
-  parts.wait()
-  step_s = (clock() - began) / count
   eval_first_s, eval_s = seconds(parts.evaluate), seconds(parts.evaluate)
   save_first_s = seconds(parts.save, 1)
   parts.written()
   save_s, save_write_s = seconds(parts.save, 2), seconds(parts.written)
+  began, count, aside, saved = clock(), 0, 0.0, 2
+  while count < PROBE_MAX_STEPS:
+    parts.step()
+    count += 1
+    if eval_every and count % eval_every == 0:
+      parts.wait()
+      aside += seconds(parts.evaluate)
+    if save_every and count % save_every == 0:
+      parts.wait()
+      saved += 1
+      aside += seconds(parts.save, saved)
+    spent = clock() - began
+    if (count >= 3 and spent > 0.03 * budget) or (count >= PROBE_STEPS and spent > PROBE_SHARE * budget):
+      break
+  parts.wait()
+  step_s = (clock() - began - aside) / count
+  parts.written()
   end_s = seconds(parts.report)
   return {'step_s': step_s, 'steps_timed': count, 'eval_first_s': eval_first_s, 'eval_s': eval_s,
           'save_first_s': save_first_s, 'save_s': save_s, 'save_write_s': save_write_s, 'init_s': init_s,
-          'compile_s': compile_s,
-          'end_s': end_s, 'elapsed_s': clock() - started}
+          'compile_s': compile_s, 'end_s': end_s, 'elapsed_s': clock() - started}
 
 
 def probe(config: ml_collections.ConfigDict, dataset, mesh, eval_sets: list, started: float,
@@ -462,7 +474,8 @@ def probe(config: ml_collections.ConfigDict, dataset, mesh, eval_sets: list, sta
     try:
       measured = timed(Parts(init=init, compile=compile_step, step=step,
                              wait=lambda: jax.block_until_ready(live.get('metrics')), evaluate=evaluate,
-                             save=save, written=saves.wait, report=report), budget, started)
+                             save=save, written=saves.wait, report=report), budget, started,
+                     eval_every=length.eval_every_steps, save_every=length.checkpoint_every_steps)
     finally:
       saves.close()
       batches.close()

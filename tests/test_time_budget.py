@@ -36,7 +36,7 @@ class _Parts:
   """A run's parts on a fake clock: a first evaluation of 0.73 s (compile included), 0.3 s after."""
 
   def __init__(self, clock):
-    self.clock, self.evaluations, self.saves = clock, 0, 0
+    self.clock, self.evaluations, self.saves, self.slowed = clock, 0, 0, 0
 
   def advance(self, seconds):
     self.clock.now += seconds
@@ -48,10 +48,15 @@ class _Parts:
   def save(self, step):
     self.saves += 1
     self.advance(0.25 if self.saves == 1 else 0.125)
+    self.slowed = 5 if self.saves > 2 else 0  # written beside the next 5 steps, which take twice as long
+
+  def step(self):
+    self.advance(2 / 128 if self.slowed else 1 / 128)
+    self.slowed = max(self.slowed - 1, 0)
 
   def parts(self):
     return time_budget.Parts(init=lambda: self.advance(0.5), compile=lambda: self.advance(2.0),
-                             step=lambda: self.advance(1 / 128), wait=lambda: None,
+                             step=self.step, wait=lambda: None,
                              evaluate=self.evaluate, save=self.save, written=lambda: self.advance(0.5),
                              report=lambda: self.advance(1.5))
 
@@ -68,7 +73,19 @@ def test_the_probe_times_warm_evaluations_and_saves_apart_from_the_first():
   assert (measured['init_s'], measured['compile_s'], measured['end_s']) == (0.5, 2.0, 1.5)
   # Warm steps only (two untimed), for 1% of the budget: 0.25 s = 32 steps, stopped at the 33rd.
   assert measured['step_s'] == 1 / 128 and measured['steps_timed'] == 33
-  assert measured['elapsed_s'] == pytest.approx(3 + 0.5 + 2.0 + 2 / 128 + 33 / 128 + 1.03 + 0.375 + 1.0 + 1.5)
+  assert measured['elapsed_s'] == pytest.approx(3 + 0.5 + 2.0 + 2 / 128 + 1.03 + 0.375 + 33 / 128 + 1.5 + 1.5)
+
+
+def test_the_probe_times_steps_at_the_loops_cadence_with_what_a_checkpoint_written_beside_costs_them():
+  clock = _Clock()
+  parts = _Parts(clock)
+  measured = time_budget.timed(parts.parts(), budget=100.0, started=0.0, clock=clock, eval_every=10,
+                               save_every=20)
+  # Evaluated after steps 10, 20 and 30 (0.3 s each), saved after 20 (0.125 s): 1.025 s aside. The save's
+  # writing slowed steps 21-25 to 2/128 s, so 30 steps took 35/128 s; past 1% of the budget after 30.
+  assert measured['steps_timed'] == 30 and parts.evaluations == 2 + 3 and parts.saves == 2 + 1
+  assert measured['step_s'] == pytest.approx(35 / 128 / 30)
+  assert (measured['eval_s'], measured['save_s']) == (pytest.approx(0.3), 0.125)  # timed apart, as before
 
 
 def test_the_plan_is_the_most_steps_that_fit_the_measured_costs():
