@@ -187,6 +187,7 @@ class _Blocks:
                    '--shm-size, lifts it)', room / 2**20, self._count, size / 2**20)
       return
     from multiprocessing import shared_memory  # pylint: disable=g-import-not-at-top
+    keep_freed_memory(size)  # the copies out of the blocks reuse pages
     for _ in range(self._count):
       self._all.append(shared_memory.SharedMemory(create=True, size=size))
     self._free = list(self._all)
@@ -196,6 +197,34 @@ class _Blocks:
       block.close()
       block.unlink()
     self._all, self._free = [], []
+
+
+def keep_freed_memory(nbytes: int) -> None:
+  """Has glibc's malloc serve blocks up to `nbytes` (a batch) from its heap and keep what is freed
+  there, instead of mapping fresh pages for each and unmapping them when freed (its default above
+  32 MiB; 38 MiB for 256 images of 224x224).
+
+  Each fresh page is a page fault on first touch: on a TPU host's gVisor sandbox a new 38 MiB array
+  took 42.9 ms to fill against 3.3 ms for one reused (3.2 ms after this call), 43 ms of every batch
+  in each worker and again in the trainer that copies it out of its block. Process-wide, and only
+  ever raised; elsewhere (no glibc) nothing changes.
+  """
+  global _heap_serves
+  if nbytes <= _heap_serves:
+    return
+  try:
+    mallopt = ctypes.CDLL(None).mallopt
+  except (AttributeError, OSError):  # macOS, musl: no mallopt
+    return
+  m_trim_threshold, m_mmap_threshold = -1, -3
+  # Room above `nbytes`: an array's allocation adds a header, and a batch may come a little larger.
+  threshold = min(nbytes + nbytes // 4 + (1 << 20), 1 << 29)  # C ints
+  # Trimming only past four batches of free heap: a batch freed at its top is reused, not unmapped.
+  if mallopt(m_mmap_threshold, threshold) and mallopt(m_trim_threshold, 4 * threshold):
+    _heap_serves = nbytes
+
+
+_heap_serves = 0  # the largest block malloc serves from its heap here (keep_freed_memory)
 
 
 def _shm_room() -> int | None:
@@ -268,6 +297,7 @@ def _work(item, block_name: str | None = None):
     # The workers share the parent's resource tracker, which keeps a set of names: attaching adds
     # nothing, and the parent's unlink at the end of the pass removes the name.
     _attached[block_name] = shared_memory.SharedMemory(block_name)
+    keep_freed_memory(_attached[block_name].size)  # each batch is built in pages the last one freed
   return _packed(result, _attached[block_name])
 
 
