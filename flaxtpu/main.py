@@ -7,6 +7,7 @@ Nothing here imports JAX at module level: XLA reads its flags (such as the
 CPU device count) when JAX starts, so the config decides them first.
 """
 
+import concurrent.futures
 import contextlib
 import importlib.machinery
 import importlib.util
@@ -243,12 +244,16 @@ def cpu_xla_flags(config, mode: str, xla_flags: str) -> tuple[str, str]:
   return xla_flags.strip(), note
 
 
-def _start_jax(config, mode: str):
-  """Sets XLA's CPU device count and kernels, joins the cluster, turns on the compilation cache."""
+def _set_xla_flags(config, mode: str) -> None:
+  """XLA's CPU device count and kernels, read when JAX starts: set before anything imports it."""
   os.environ['XLA_FLAGS'], note = cpu_xla_flags(config, mode, os.environ.get('XLA_FLAGS', ''))
   if note:
     logging.info(note)
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+
+def _start_jax(config):
+  """Joins the cluster, turns on the compilation cache, starts the devices in the background."""
   import jax  # pylint: disable=g-import-not-at-top
   if FLAGS.coordinator_address or (FLAGS.num_processes or 1) > 1 or _in_detectable_cluster():
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
@@ -266,6 +271,26 @@ def _start_jax(config, mode: str):
   # devices waits for it (JAX starts a backend once, under a lock).
   threading.Thread(target=_start_backend, args=(jax,), name='flaxtpu-backend-start', daemon=True).start()
   return jax
+
+
+def _read_in_background(config) -> concurrent.futures.Future:
+  """The training data, read in a thread: (dataset, when the read started, how long it took).
+
+  Reading needs no device, and its file reads, stat calls and decoding processes leave the GIL to
+  the main thread's imports (JAX's, the trainer's) and to the devices' start. A daemon thread: a
+  run stopped before it is done does not wait for it.
+  """
+  from flaxtpu.data import pipeline  # pylint: disable=g-import-not-at-top  # no JAX inside
+  future = concurrent.futures.Future()
+
+  def read() -> None:
+    started = time.time()
+    try:
+      future.set_result((pipeline.load(config), started, time.time() - started))
+    except BaseException as e:  # pylint: disable=broad-except  # re-raised in the main thread
+      future.set_exception(e)
+  threading.Thread(target=read, name='flaxtpu-data-read', daemon=True).start()
+  return future
 
 
 def _start_backend(jax) -> None:
@@ -312,19 +337,20 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
     raise UserError('--workdir is required: where this run writes (or a trained run to restore)')
   if mode in ('train', 'plan'):
     _check_workdir(workdir)
-  jax = _start_jax(config, mode)
+  _set_xla_flags(config, mode)
+  # The data is read while JAX imports and the devices start, unless a required platform must be
+  # checked first.
+  reading = _read_in_background(config) if mode == 'train' and not config.require_platform else None
+  jax = _start_jax(config)
   # Imported after JAX has started with the right flags.
   # pylint: disable=g-import-not-at-top
   from flaxtpu import compile_plan, parallel, progress, train
   from flaxtpu.data import pipeline
-  # Read while the devices start (_start_jax), unless a required platform must be checked first.
   command_started = progress.process_start_time(IMPORTED_AT)
   dataset = None
-  if mode == 'train' and not config.require_platform:
-    reading = time.time()
-    dataset = pipeline.load(config)
-    logging.info('data read in %.1f s, from %.1f s after the command on', time.time() - reading,
-                 reading - command_started)
+  if reading is not None:
+    dataset, started, took = reading.result()
+    logging.info('data read in %.1f s, from %.1f s after the command on', took, started - command_started)
   parallel.check_platform(config.require_platform)
   logging.info('JAX %s on %s (devices ready %.1f s after the command)', jax.__version__,
                parallel.describe_devices(), time.time() - command_started)

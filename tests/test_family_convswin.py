@@ -183,7 +183,7 @@ def test_convnext_runs_saved_before_model_downsample_keep_ceil():
 @pytest.fixture
 def in_process(monkeypatch):
   """main.run in this process: JAX runs already (on the suite's CPU devices)."""
-  monkeypatch.setattr(main, '_start_jax', lambda config, mode: jax)
+  monkeypatch.setattr(main, '_start_jax', lambda config: jax)
 
 
 def _run_config(folder, name, **overrides):

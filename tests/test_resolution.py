@@ -66,7 +66,7 @@ def validated(monkeypatch):
   monkeypatch.setattr(config_lib, 'validate', spy)
   for name in ('__setitem__', '__delitem__'):
     monkeypatch.setattr(ml_collections.ConfigDict, name, guard(getattr(ml_collections.ConfigDict, name)))
-  monkeypatch.setattr(main, '_start_jax', lambda config, mode: jax)  # JAX runs already, on 8 CPU devices
+  monkeypatch.setattr(main, '_start_jax', lambda config: jax)  # JAX runs already, on 8 CPU devices
   return seen
 
 

@@ -114,19 +114,19 @@ def test_time_to_first_step_counts_from_the_command(monkeypatch, caplog):
   assert record.time_to_first_step_s == pytest.approx(12.0)
 
 
-# The CLI with pipeline.load watched: how often it runs, and whether the devices had started (in the
-# background thread _start_jax begins) by the time it ended; it sleeps 1 s, as a slow disk would, and
-# says when it returns.
+# The CLI with pipeline.load watched: how often it runs, in which thread, and whether the trainer had
+# been imported when it began; it sleeps 1 s, as a slow disk would, and says when it returns.
 WATCHING_LOAD = '''
 import json, os, runpy, sys, time
 from flaxtpu.data import pipeline
 loads = []
 original = pipeline.load
 def watched(config, *args, **kwargs):
-  from jax._src import xla_bridge
+  import threading
+  began = {'thread': threading.current_thread().name, 'trainer_imported': 'flaxtpu.train' in sys.modules}
   dataset = original(config, *args, **kwargs)
   time.sleep(1.0)
-  loads.append({'devices_up_after': xla_bridge.backends_are_initialized()})
+  loads.append(began)
   print('pipeline.load returned', file=sys.stderr, flush=True)
   return dataset
 pipeline.load = watched
@@ -139,7 +139,7 @@ finally:
 '''
 
 
-def test_the_cli_reads_the_data_once_while_the_devices_start(tmp_path):
+def test_the_cli_reads_the_data_once_while_jax_and_the_trainer_import(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   loads = tmp_path / 'loads.json'
   result = subprocess.run([sys.executable, '-c', WATCHING_LOAD, *SHORT_RUN, f'--workdir={tmp_path / "run"}',
@@ -147,9 +147,11 @@ def test_the_cli_reads_the_data_once_while_the_devices_start(tmp_path):
                           cwd=ROOT, env={**env, 'LOADS': str(loads)}, capture_output=True, text=True,
                           timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
-  # Once: train_and_evaluate takes the CLI's dataset instead of reading it again. Read before the main
-  # thread first asks for the devices (the line naming them), which had started meanwhile by themselves.
-  assert json.loads(loads.read_text()) == [{'devices_up_after': True}]
+  # Once: train_and_evaluate takes the CLI's dataset instead of reading it again. In a thread of its
+  # own, begun before the trainer was imported (JAX imports and the devices start meanwhile), and read
+  # before the main thread first asks for the devices (the line naming them).
+  assert json.loads(loads.read_text()) == [
+      {'thread': 'flaxtpu-data-read', 'trainer_imported': False}]
   lines = result.stderr.splitlines()
   returned = next(i for i, line in enumerate(lines) if 'pipeline.load returned' in line)
   named = next(i for i, line in enumerate(lines) if ' on platform=cpu' in line)
