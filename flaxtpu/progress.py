@@ -66,6 +66,11 @@ class Progress:
     }
 
 
+def _ready(outputs: Any) -> bool:
+  """Whether a dispatched computation's outputs are all computed (without waiting for them)."""
+  return all(leaf.is_ready() for leaf in jax.tree.leaves(outputs) if isinstance(leaf, jax.Array))
+
+
 def process_start_time(fallback: float) -> float:
   """When this process started (time.time()'s clock), or `fallback` where /proc cannot tell.
 
@@ -91,7 +96,8 @@ class TrainClock:
   It writes the time into the run's `Progress`. Pauses are timed by kind
   ('eval', 'save'), so the ETA counts the evaluations and saves still to
   come. Within a lap, `input` is the time spent waiting for the next batch
-  and `step` the time in the train step and waiting for its results.
+  once the devices had run out of work, and `step` the time in the train step
+  and waiting for its results (or for a batch while the last step still ran).
   """
 
   def __init__(self, first_step: int, progress: Progress, started: Optional[float] = None,
@@ -117,10 +123,17 @@ class TrainClock:
     self._pauses.setdefault(kind, []).append(seconds)
 
   @contextlib.contextmanager
-  def timing(self, part: str):
-    """Charges the time inside to `part` ('input' or 'step') of the current lap."""
+  def timing(self, part: str, in_flight: Any = None):
+    """Charges the time inside to `part` ('input' or 'step') of the current lap.
+
+    Waiting for input while the step dispatched before (`in_flight`, its outputs) still runs on the
+    devices is charged to 'step': the next step could not have started sooner. Only a wait that
+    outlasts that step counts as input (all of it: an upper bound of the devices' idle time).
+    """
     started = time.time()
     yield
+    if part == 'input' and in_flight is not None and not _ready(in_flight):
+      part = 'step'
     self._split[part] += time.time() - started
 
   def step_done(self, step_metrics: Any, wait: bool) -> None:

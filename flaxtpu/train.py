@@ -463,10 +463,10 @@ def _train(loop: _Loop, batches, profiler: StepProfiler, stop: StopRequest) -> i
   train_step = sized.at(loop.start.step + 1, state, first_batch)
   batches, one_step_in_flight = itertools.chain([first_batch], batches), parallel.one_step_in_flight()
 
-  step = loop.start.step
+  step, step_metrics = loop.start.step, None
   while step < length.total_steps:  # a time budget's check may change the length
     step += 1
-    with clock.timing('input'):
+    with clock.timing('input', in_flight=step_metrics):
       batch = next(batches)
     profiler.before_step(step)
     train_step = sized.at(step, state, batch)
