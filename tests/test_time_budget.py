@@ -1,5 +1,5 @@
 """time_budget's planner on a fake clock (issue 52): the probe times warm evaluations apart from the first,
-the plan is the most steps that fit the measured costs, the run's one check re-plans above a 10% error and
+the plan is the most steps that fit the measured costs, the run's one check re-plans above a 2.5% error and
 not below, and a re-planned run keeps a continuous schedule that ends at its new last step, resumed too."""
 
 import json
@@ -137,14 +137,28 @@ def _checked(tmp_path, ratio):
   return replanned, budget, saved
 
 
-@pytest.mark.parametrize('ratio', [1.09, 0.91])
-def test_the_check_keeps_a_plan_within_ten_percent(tmp_path, ratio):
+@pytest.mark.parametrize('ratio', [1.024, 0.976])
+def test_the_check_keeps_a_plan_within_two_and_a_half_percent(tmp_path, ratio):
   replanned, budget, saved = _checked(tmp_path, ratio)
   assert not replanned and budget.length.total_steps == saved['steps'] == 8184 and budget.schedule is None
 
 
+@pytest.mark.parametrize('drift', [1.05, 0.95])
+@pytest.mark.parametrize('ratio', [1.09, 1.024, 0.976, 0.91])
+def test_the_run_ends_in_the_band_with_the_time_drifting_after_the_check(tmp_path, ratio, drift):
+  # A 5-minute digits run found its window 9% slow, kept its plan (the bound was 10%) and, 5% slower still
+  # after the check, ended at 111% of its budget: an error the check lets stand runs on to the end.
+  replanned, _, saved = _checked(tmp_path, ratio)
+  now = 10.0 + 9.116 * ratio
+  if replanned:  # the re-plan's costs are the window's: only the drift after it is off
+    end = now + (saved['planned_s'] - now) * drift
+  else:  # the plan's rest, at the window's error and the drift
+    end = now + (saved['planned_s'] - (10.0 + 9.116)) * ratio * drift
+  assert 0.90 * 90 <= end <= 1.05 * 90, (replanned, end / 90)
+
+
 @pytest.mark.parametrize('ratio, steps', [(1.11, 6908), (1.25, 6116), (0.89, 8712)])
-def test_the_check_replans_beyond_ten_percent(tmp_path, ratio, steps):
+def test_the_check_replans_beyond_two_and_a_half_percent(tmp_path, ratio, steps):
   replanned, budget, saved = _checked(tmp_path, ratio)
   assert replanned and budget.length.total_steps == saved['steps'] == steps
   assert saved['check']['steps_before'] == 8184 and saved['check']['step'] == 880
