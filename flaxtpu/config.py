@@ -237,7 +237,8 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
       raise ConfigError(f'config.model.{key}={model[key]!r} must be in [0, 1)')
   options = models.get_spec(model.name).options
   default = defaults.get_config().model
-  for key in ('patch_size', 'pool', 'dropout', 'drop_path', 'padding', 'gelu', 'downsample'):
+  for key in ('patch_size', 'pool', 'dropout', 'drop_path', 'padding', 'gelu', 'downsample',
+              'space_to_depth'):
     if key not in options and model[key] != default[key]:
       takers = [name for name in models.NAMES if key in models.get_spec(name).options]
       raise ConfigError(f'config.model.{key}={model[key]!r} has no effect on model.name={model.name!r}; '

@@ -16,6 +16,7 @@ from flaxtpu.models.family import Family, Layout, Spec
 from flaxtpu.models.layouts import Rule, batch_norm, conv, dense
 
 OPTIONS = ('drop_path', 'padding')
+IMAGENET_OPTIONS = (*OPTIONS, 'space_to_depth')  # the 7x7 stem's form (nets/resnet.SpaceToDepthStem)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,13 +26,18 @@ class ResNetSpec(Spec):
   deep: bool = False  # ResNet-D: a 3x3 stem of widths 32, 32, 64 and average-pooled shortcuts
 
 
-def _build(spec: ResNetSpec, *, num_classes, dtype, wrap, bn_axis_name, drop_path, padding):
+def _build(spec: ResNetSpec, *, num_classes, dtype, wrap, bn_axis_name, drop_path, padding,
+           space_to_depth=False):
   from flaxtpu.models.nets import resnet  # pylint: disable=g-import-not-at-top
   block = resnet.BottleneckBlock if spec.bottleneck else resnet.BasicBlock
   stem, width = ('cifar', 16) if spec.family == CIFAR.name else ('deep' if spec.deep else 'imagenet', 64)
+  if space_to_depth and stem != 'imagenet':
+    raise UserError('config.model.space_to_depth=True computes the 7x7 stem of resnet18-152 another way; '
+                    'ResNet-D\'s deep stem has none: leave it False for this model')
   return resnet.ResNet(stage_sizes=spec.stage_sizes, block=wrap(block), stem=stem, width=width,
                        groups=spec.groups, base_width=spec.base_width, num_classes=num_classes, dtype=dtype,
-                       bn_axis_name=bn_axis_name, drop_path=drop_path, padding=padding)
+                       bn_axis_name=bn_axis_name, drop_path=drop_path, padding=padding,
+                       space_to_depth=space_to_depth)
 
 
 def _layers(spec: ResNetSpec) -> list[tuple[str, ...]]:
@@ -140,6 +146,6 @@ IMAGENET = Family(_R, {
     # wide ResNets: twice the channels inside each bottleneck
     'wide_resnet50_2': ResNetSpec(_R, (3, 4, 6, 3), bottleneck=True, base_width=128),
     'wide_resnet101_2': ResNetSpec(_R, (3, 4, 23, 3), bottleneck=True, base_width=128),
-}, _build, _layers, OPTIONS, title='ResNet',
+}, _build, _layers, IMAGENET_OPTIONS, title='ResNet',
     short_names='resnet18-152/18d-152d/resnext*/wide_resnet*', layouts=(TIMM,),
     timm_architecture=_timm_architecture, input_kernel='params/Conv_0/kernel')
