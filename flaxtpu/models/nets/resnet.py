@@ -16,7 +16,6 @@ from 0 in the first block to `drop_path` in the last.
 """
 
 import functools
-
 from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
