@@ -30,7 +30,8 @@ def test_the_stem_computes_the_same_convolution_from_the_same_kernel(height, wid
   def loss(module, params):
     return jnp.sum(jnp.sin(module.apply(params, x)))
   np.testing.assert_allclose(jax.grad(lambda p: loss(blocks, p))(params)['params']['kernel'],
-                             jax.grad(lambda p: loss(plain, p))(params)['params']['kernel'], rtol=1e-4, atol=1e-4)
+                             jax.grad(lambda p: loss(plain, p))(params)['params']['kernel'],
+                             rtol=1e-4, atol=1e-4)
 
 
 def test_resnet18_with_either_stem_has_one_parameter_tree_and_one_function():
