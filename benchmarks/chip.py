@@ -24,12 +24,13 @@ match), so a run stopped by the command's limit is finished by a second
 command naming what is missing. `--timeout-scale` stretches every limit.
 
 The cases (`--only` takes these names, comma-separated, or the groups
-resnets, modern, mobile):
+resnets, modern, mobile, tuned):
 
   resnet50         ResNet-50 (`resnet50`), beside the Flax ImageNet example's ResNet-50 and SGD
                    step (benchmarks/flax_imagenet_resnet.py) and Keras' `ResNet50`
   resnet50_remat   ResNet-50 with model.remat=full                       (flaxtpu alone)
   resnet50_b512    ResNet-50 at twice the batch (512)                    (flaxtpu alone)
+  resnet50_s2d     ResNet-50 with model.space_to_depth (the stem over 2x2 pixel blocks) (flaxtpu alone)
   vit_b16          ViT-B/16 (`vit_b`)                                    (flaxtpu alone)
   convnext_t       ConvNeXt-T (`convnext_t`), beside Keras' `ConvNeXtTiny`
   swin_t           Swin-T (`swin_t`)                                     (flaxtpu alone)
@@ -123,6 +124,7 @@ class Case:
   keras: str = ''  # a keras.applications model beside it
   family: bool = True  # one of the issue's families: its warm load is measured, it has a remat table
   goal: str = ''  # issue 51's, for the docs table
+  overrides: tuple = ()  # (config.model key, value): an optimisation measured alone
 
 
 CASES = {
@@ -131,6 +133,8 @@ CASES = {
     'resnet50_remat': Case('ResNet-50, remat=full', 'resnet50', remat='full', family=False),
     'resnet50_b512': Case('ResNet-50, batch 512', 'resnet50', batch_factor=2, family=False,
                           goal='not slower per image than at batch 256'),
+    'resnet50_s2d': Case('ResNet-50, space-to-depth stem', 'resnet50', family=False,
+                         overrides=(('space_to_depth', True),), goal='faster than resnet50 alone'),
     'vit_b16': Case('ViT-B/16', 'vit_b', goal='MFU >= 55%'),
     'convnext_t': Case('ConvNeXt-T', 'convnext_t', keras='ConvNeXtTiny', goal='MFU >= 30%; >= 1.3x Keras'),
     'swin_t': Case('Swin-T', 'swin_t', goal='MFU >= 25%; plan < 8 GiB'),
@@ -143,7 +147,9 @@ FAMILIES = tuple(name for name, case in CASES.items() if case.family)
 # Each group fits one 10-minute command on a TPU v5e host (estimated; see the docstring).
 GROUPS = {'resnets': ('resnet50', 'resnet50_remat', 'resnet50_b512'),
           'modern': ('vit_b16', 'convnext_t', 'swin_t'),
-          'mobile': ('efficientnet_b0', 'mobilenetv3_l')}
+          'mobile': ('efficientnet_b0', 'mobilenetv3_l'),
+          # Optimisations measured alone: run beside their base (--only resnet50,resnet50_s2d).
+          'tuned': ('resnet50_s2d',)}
 REMAT_POLICIES = ('none', 'dots_with_no_batch_dims_saveable', 'dots_saveable', 'full')
 KERAS_LOOPS = {
     'stateless': 'one jax.jit of model.stateless_call + jax.value_and_grad + optimizer.stateless_apply, '
@@ -224,6 +230,8 @@ def flaxtpu_config(case: Case, sizes: Sizes, remat: Optional[str] = None):
   config = tpu.imagenet_config(case_sizes(case, sizes))
   config.model.name = case.model
   config.model.remat = remat or case.remat
+  for key, value in case.overrides:
+    config.model[key] = value
   config_lib.validate(config)
   return config
 

@@ -183,3 +183,9 @@ def test_cases_use_flaxtpu_model_names():
   assert all(case.model in models.NAMES for case in chip.CASES.values())
   assert set(chip.REMAT_POLICIES) <= set(REMAT_POLICIES)
   assert chip.CASES['resnet50_remat'].remat in REMAT_POLICIES
+  # An optimisation's case is its base's config with the one key changed (validated as a run's).
+  tuned = chip.flaxtpu_config(chip.CASES['resnet50_s2d'], chip.tpu.QUICK)
+  base = chip.flaxtpu_config(chip.CASES['resnet50'], chip.tpu.QUICK)
+  assert tuned.model.space_to_depth and not base.model.space_to_depth
+  tuned.model.space_to_depth = False
+  assert tuned.to_dict() == base.to_dict()
