@@ -120,11 +120,12 @@ def mapped_bytes() -> int:
 
 def mapped_batch(step: int) -> Batch:
   """A 40 MiB batch built as a loader builds one (an empty array filled row by row); its labels say
-  how many bytes malloc had mapped apart from its heap while it was alive."""
+  how many more bytes malloc had mapped apart from its heap while it was alive."""
+  before = mapped_bytes()
   images = np.empty((40, 1024, 1024), np.uint8)
   for row in images:
     row[...] = step
-  return Batch(images, np.array([mapped_bytes()]), np.ones(40, bool))
+  return Batch(images, np.array([mapped_bytes() - before]), np.ones(40, bool))
 
 
 def has_mallinfo2() -> bool:
@@ -143,11 +144,15 @@ def test_batches_past_32_mib_reuse_the_heap_in_the_workers_and_the_trainer():
   # `keep_freed_memory` has both serve batches from the heap, where the last one's pages are reused.
   size = 40 * 2**20
   in_worker, in_trainer = [], []
-  for step, batch in enumerate(workers.run(mapped_batch, range(6), workers=1, buffer=1, result_bytes=size)):
+  batches = workers.run(mapped_batch, range(6), workers=1, buffer=1, result_bytes=size)
+  for step in range(6):
+    before = mapped_bytes()  # what the trainer's process had mapped already (its other arrays)
+    batch = next(batches)
     assert batch.images[-1, -1, -1] == step
     in_worker.append(int(batch.labels[0]))
-    in_trainer.append(mapped_bytes())
+    in_trainer.append(mapped_bytes() - before)
     del batch
+  assert next(batches, None) is None
   assert in_worker[0] >= size  # before the worker had attached its first block
   assert max(in_worker[1:]) < size, in_worker
   assert max(in_trainer) < size, in_trainer
