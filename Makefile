@@ -5,7 +5,7 @@ VENV ?= .venv
 RUN := $(VENV)/bin/python
 CONFIG ?= configs/digits.py
 WORKDIR ?= runs/digits
-# --mode=export's model.onnx (flaxtpu/onnx_export.py). --no-deps: jax2onnx's metadata pins
+# --mode=export's model.onnx (flaxtpu/exporters/onnx_export.py). --no-deps: jax2onnx's metadata pins
 # orbax-checkpoint<0.11.37 (a downgrade) and pulls equinox, dm-pix, netron, orbax-export, none of which the
 # converter imports; its real dependencies are the `onnx` extra. Pinned: flaxtpu patches its internals.
 JAX2ONNX := jax2onnx==0.17.1

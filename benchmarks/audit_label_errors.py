@@ -161,7 +161,7 @@ def measure(recipe: str, setting: str, chosen: dict, scratch: str, extra: list, 
   sys.path.insert(0, ROOT)
   from cleanlab.filter import find_label_issues  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import audit  # pylint: disable=g-import-not-at-top
+  from flaxtpu.data import audit  # pylint: disable=g-import-not-at-top
   config, overrides = RECIPES[recipe]
   folder = os.path.join(scratch, f'{recipe}_{setting}', 'images')
   flipped = write_folder(folder, chosen, flips_of(setting, chosen['train'], seed))

@@ -41,7 +41,8 @@ def main():
   import jax.numpy as jnp
 
   from configs import cifar10
-  from flaxtpu import augment, compile_plan
+  from flaxtpu.augmentation import augment
+  from flaxtpu.step import compile_plan
   images = jnp.asarray(np.random.default_rng(0).integers(0, 256, (128, 32, 32, 3), np.uint8))
   positions = jnp.arange(128)
   entries = []

@@ -27,7 +27,8 @@ def main() -> None:
   import jax  # pylint: disable=g-import-not-at-top
 
   from configs import cifar10_resnet  # pylint: disable=g-import-not-at-top
-  from flaxtpu import checkpoint, compile_plan  # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import compile_plan  # pylint: disable=g-import-not-at-top
+  from flaxtpu.weights import checkpoint  # pylint: disable=g-import-not-at-top
 
   config = cifar10_resnet.get_config()
   config.model.name, config.batch_size = args.model, args.batch_size

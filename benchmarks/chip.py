@@ -199,7 +199,7 @@ def timed(build: Callable[[], dict]) -> dict:
 
 
 def memory_plan_of(compiled) -> dict:
-  """XLA's per-device plan of a compiled step, counted as flaxtpu.steps counts its own."""
+  """XLA's per-device plan of a compiled step, counted as flaxtpu.step.steps counts its own."""
   try:
     analysis = compiled.memory_analysis()
   except Exception:  # pylint: disable=broad-except  # a backend without it
@@ -226,7 +226,7 @@ def flops_of(compiled) -> float:
 
 def flaxtpu_config(case: Case, sizes: Sizes, remat: Optional[str] = None):
   """configs/imagenet_resnet50.py at the case's batch and size, with the case's model and remat."""
-  from flaxtpu import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxtpu.validation import config as config_lib  # pylint: disable=g-import-not-at-top
   config = tpu.imagenet_config(case_sizes(case, sizes))
   config.model.name = case.model
   config.model.remat = remat or case.remat
@@ -237,7 +237,7 @@ def flaxtpu_config(case: Case, sizes: Sizes, remat: Optional[str] = None):
 
 
 def build_flaxtpu(config, sizes: Sizes, images, labels) -> dict:
-  from flaxtpu import compile_plan  # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import compile_plan  # pylint: disable=g-import-not-at-top
   placement, state, _, step, plan = compile_plan.compile_on_zeros(
       config, image_shape=(sizes.image_size, sizes.image_size, 3), num_classes=NUM_CLASSES)
   batch = placement.put_train_batch((images, labels))
@@ -983,7 +983,7 @@ def main() -> None:
   parser.add_argument('--remat-family', choices=FAMILIES, help=argparse.SUPPRESS)
   parser.add_argument('--case-out', type=pathlib.Path, help=argparse.SUPPRESS)
   args = parser.parse_args()
-  from flaxtpu.config import REMAT_POLICIES as accepted  # pylint: disable=g-import-not-at-top
+  from flaxtpu.validation.config import REMAT_POLICIES as accepted  # pylint: disable=g-import-not-at-top
   unknown = [policy for policy in args.remat_policies if policy not in accepted]
   if unknown:
     parser.error(f'--remat-policies {",".join(unknown)}: model.remat takes {", ".join(accepted)}')

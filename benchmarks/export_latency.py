@@ -44,8 +44,8 @@ def measure(config, workdir: str, *, batch_size: int = 64, repeats: int = 50) ->
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import export  # pylint: disable=g-import-not-at-top
   from flaxtpu.data import loaders, pipeline  # pylint: disable=g-import-not-at-top
+  from flaxtpu.exporters import export  # pylint: disable=g-import-not-at-top
   from flaxtpu.modes import predict, restore  # pylint: disable=g-import-not-at-top
 
   directory = os.path.join(workdir, export.EXPORT_DIR)
@@ -113,7 +113,7 @@ def main() -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import train  # pylint: disable=g-import-not-at-top
+  from flaxtpu.loop import train  # pylint: disable=g-import-not-at-top
 
   config = _config(args.config, args.data, args.steps, args.eval_images)
   with tempfile.TemporaryDirectory() as tmp:

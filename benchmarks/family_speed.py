@@ -55,7 +55,8 @@ def flaxtpu_rate(model: str, pool: str, size: int, steps: int, cache_dir: str) -
   jax.config.update('jax_compilation_cache_dir', cache_dir)
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
 
-  from flaxtpu import compile_plan, defaults  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import compile_plan  # pylint: disable=g-import-not-at-top
   config = defaults.get_config()
   config.model.name, config.batch_size = model, BATCH
   if pool:
@@ -114,7 +115,7 @@ def _env(contestant: str) -> dict:
   """flaxtpu runs as its CLI does on a CPU: the host split into config.cpu_devices XLA devices."""
   if contestant == 'torch':
     return harness.subprocess_env()
-  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
   return harness.subprocess_env(defaults.get_config().cpu_devices)
 
 

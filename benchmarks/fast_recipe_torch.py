@@ -40,10 +40,12 @@ import time
 import numpy as np
 
 from benchmarks import harness
-from flaxtpu import config as config_lib
-from flaxtpu import lengths, optim, param_patterns, steps
 from flaxtpu.data import loaders, pipeline
 from flaxtpu.models.nets import fastnet
+from flaxtpu.optimizers import optim, param_patterns
+from flaxtpu.settings import lengths
+from flaxtpu.step import steps
+from flaxtpu.validation import config as config_lib
 
 
 def build_model(torch, kernel: np.ndarray, widths=(64, 256, 256), num_classes: int = 10):

@@ -32,9 +32,11 @@ def main():
   args = parser.parse_args()
   harness.cpu_devices(8)
   # pylint: disable=g-import-not-at-top
-  from flaxtpu import fewshot, steps, workdir_config
   from flaxtpu.data import pipeline
+  from flaxtpu.evaluation import fewshot
   from flaxtpu.modes import restore
+  from flaxtpu.step import steps
+  from flaxtpu.validation import workdir_config
   rows = []
   with harness.cpu_load() as load:
     for workdir in args.workdir:

@@ -57,7 +57,8 @@ def _config(model: str, data: str, steps: int, train_images: int):
 
 def _trained(model: str, args, steps: int, root: str):
   """(config, workdir) of a trained and exported run, reused when `root` holds one."""
-  from flaxtpu import export, train  # pylint: disable=g-import-not-at-top
+  from flaxtpu.exporters import export  # pylint: disable=g-import-not-at-top
+  from flaxtpu.loop import train  # pylint: disable=g-import-not-at-top
   config = _config(model, args.data, steps, args.train_images)
   workdir = os.path.join(root, model)
   if not os.path.isfile(os.path.join(workdir, 'results.json')):
@@ -91,7 +92,7 @@ def runners(config, workdir: str, model: str, batch: 'np.ndarray') -> dict[str, 
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import tflite_export  # pylint: disable=g-import-not-at-top
+  from flaxtpu.exporters import tflite_export  # pylint: disable=g-import-not-at-top
   from flaxtpu.modes import predict, restore  # pylint: disable=g-import-not-at-top
   directory = os.path.join(workdir, 'export')
   with open(os.path.join(directory, 'export.json'), encoding='utf-8') as f:
@@ -190,8 +191,8 @@ def main() -> None:
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import tflite_export  # pylint: disable=g-import-not-at-top
   from flaxtpu.data import loaders, pipeline  # pylint: disable=g-import-not-at-top
+  from flaxtpu.exporters import tflite_export  # pylint: disable=g-import-not-at-top
   if args.quantized_eval_images:
     tflite_export.MAX_EVAL_IMAGES = args.quantized_eval_images
   results = []

@@ -108,8 +108,8 @@ def fed_to_devices(iterator, sharding):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import parallel  # pylint: disable=g-import-not-at-top
   from flaxtpu.data import workers  # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import parallel  # pylint: disable=g-import-not-at-top
 
   step = jax.jit(lambda images: jnp.mean(images, dtype=jnp.float32))
   with workers.prefetch(parallel.to_global(tuple(batch)[:2], sharding) for batch in iterator) as batches:
@@ -231,7 +231,7 @@ def folder_mode(args) -> dict:
   crop_area, crop_aspect = tuple(config.augment.crop_area), tuple(config.augment.crop_aspect)
 
   if args.feed_devices:
-    from flaxtpu import parallel  # pylint: disable=g-import-not-at-top
+    from flaxtpu.step import parallel  # pylint: disable=g-import-not-at-top
     sharding = parallel.batch_sharding(parallel.make_mesh(config))
     consumed = functools.partial(fed_to_devices, sharding=sharding)
   else:
@@ -339,9 +339,10 @@ def cifar_mode(args) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
 
   from configs import cifar10_resnet  # pylint: disable=g-import-not-at-top
-  from flaxtpu import augment, parallel, steps  # pylint: disable=g-import-not-at-top
+  from flaxtpu.augmentation import augment  # pylint: disable=g-import-not-at-top
   from flaxtpu.data import loaders, pipeline, workers  # pylint: disable=g-import-not-at-top
-  from flaxtpu.lengths import run_length  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings.lengths import run_length  # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import parallel, steps  # pylint: disable=g-import-not-at-top
 
   batches = args.batches
   config = cifar10_resnet.get_config()  # crop + flip + standardise: the heaviest recipe

@@ -39,8 +39,9 @@ def main() -> None:
 
   import jax  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import compile_plan, defaults, parallel  # pylint: disable=g-import-not-at-top
-  from flaxtpu import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import compile_plan, parallel  # pylint: disable=g-import-not-at-top
+  from flaxtpu.validation import config as config_lib  # pylint: disable=g-import-not-at-top
 
   batch_size = args.batch_size or (16 if jax.default_backend() == 'cpu' else 256)
   print(f'{parallel.describe_devices()}  jax {jax.__version__}  global batch {batch_size}  {args.dtype}')

@@ -202,13 +202,13 @@ def run_flaxtpu(name: str, workdir: str, command: list[str], work: str) -> dict:
 def score_workdir(workdir: str, out: str) -> None:
   """(In its own process.) The logits and labels of every test example under the trained weights -> npz."""
   from flaxtpu import main as cli  # pylint: disable=g-import-not-at-top  (no JAX at import)
-  from flaxtpu import workdir_config  # pylint: disable=g-import-not-at-top
+  from flaxtpu.validation import workdir_config  # pylint: disable=g-import-not-at-top
   config = workdir_config.get_config(workdir)
   os.environ['XLA_FLAGS'], _ = cli.cpu_xla_flags(config, 'eval', os.environ.get('XLA_FLAGS', ''))
-  from flaxtpu import evaluate  # pylint: disable=g-import-not-at-top
   from flaxtpu.data import pipeline  # pylint: disable=g-import-not-at-top
-  from flaxtpu.lengths import resolved_eval_batch_size  # pylint: disable=g-import-not-at-top
+  from flaxtpu.evaluation import evaluate  # pylint: disable=g-import-not-at-top
   from flaxtpu.modes import restore  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings.lengths import resolved_eval_batch_size  # pylint: disable=g-import-not-at-top
   placement, state, _, record = restore.restore(config, workdir)
   dataset = pipeline.load(config, need_train=False, class_names=record.get('class_names'))
   _, predictions = evaluate.evaluate(placement, state, dataset, resolved_eval_batch_size(config),
@@ -279,7 +279,8 @@ def torch_arm(args) -> None:
   if args.torch_threads:
     torch.set_num_threads(args.torch_threads)
   # pylint: disable-next=g-import-not-at-top  (the run length and schedule, evaluated step by step)
-  from flaxtpu import lengths, optim
+  from flaxtpu.optimizers import optim
+  from flaxtpu.settings import lengths
   started = time.perf_counter()
   torch.manual_seed(args.seed)
   generator = torch.Generator().manual_seed(args.seed)

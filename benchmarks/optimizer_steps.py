@@ -26,7 +26,7 @@ def main():
   harness.cpu_devices(8)
   # pylint: disable=g-import-not-at-top
   from experiments import cifar10_optimizers
-  from flaxtpu import compile_plan
+  from flaxtpu.step import compile_plan
   compiled = []
   for overrides in cifar10_optimizers.get_sweep():
     config = cifar10_optimizers.get_config()

@@ -157,8 +157,10 @@ CONFIGS = {'clip_b/16 quickgelu timm': {'architecture': 'vit_base_patch16_clip_q
 def compare(case, images: int, directory: str) -> list[dict]:
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import defaults, finetune, pretrained  # pylint: disable=g-import-not-at-top
   from flaxtpu.modes import predict  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
+  from flaxtpu.transfer import finetune  # pylint: disable=g-import-not-at-top
+  from flaxtpu.weights import pretrained  # pylint: disable=g-import-not-at-top
   from tests import test_pretrained  # the tests' source-model helpers  # pylint: disable=g-import-not-at-top
   torch, torchvision, timm = test_pretrained.import_torch()
   label, library, architecture, model_name, size, second = case

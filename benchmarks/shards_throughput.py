@@ -104,7 +104,7 @@ def read_once(paths: list[str]) -> int:
 
 
 def pipeline_config(args, pipeline: str):
-  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
   spec = PIPELINES[pipeline]
   config = defaults.get_config()
   if spec['source'] == 'folder':

@@ -107,7 +107,7 @@ def worker(mode: str, model: str, steps: int) -> float:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu import compile_plan  # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import compile_plan  # pylint: disable=g-import-not-at-top
   config = _recipe(model)
   config.model.name, config.batch_size = model, 128 if mode == 'step' else 64
   # The train step as training and --mode=plan build it; timed on random data, not its zero batch.

@@ -166,7 +166,7 @@ def cpu_env() -> dict:
 
 def decoded_cache_key_present() -> bool:
   """Whether this flaxtpu's config has DECODED_CACHE_KEY (defaults.py imports no JAX)."""
-  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
   node = defaults.get_config()
   for part in DECODED_CACHE_KEY.split('.'):
     try:
@@ -299,7 +299,7 @@ def row_step(args, sizes: Sizes, report: Callable[[dict], None]) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
 
   from benchmarks import flax_imagenet_resnet  # pylint: disable=g-import-not-at-top
-  from flaxtpu import compile_plan  # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import compile_plan  # pylint: disable=g-import-not-at-top
 
   use_compilation_cache(args.workdir / 'jax_cache')
   facts = device_facts()

@@ -3,7 +3,7 @@
     python -m flaxtpu.main --config=configs/cifar10.py --workdir=runs/cifar10
 """
 
-from flaxtpu import defaults
+from flaxtpu.settings import defaults
 
 
 def get_config():

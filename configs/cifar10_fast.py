@@ -17,7 +17,7 @@ the images/s of XLA's default kernels on 8). The ablation sweep takes each
 part out in turn. README.md has the measured accuracy and times.
 """
 
-from flaxtpu import defaults
+from flaxtpu.settings import defaults
 
 
 def get_config():

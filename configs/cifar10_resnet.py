@@ -4,7 +4,7 @@
     python -m flaxtpu.main --config=configs/cifar10_resnet.py --config.num_epochs=3 ...  # CPU budget
 """
 
-from flaxtpu import defaults
+from flaxtpu.settings import defaults
 
 
 def get_config():

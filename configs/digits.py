@@ -6,7 +6,7 @@
 CNN with Adam reaches about 97% test accuracy in about a minute on 2 cores.
 """
 
-from flaxtpu import defaults
+from flaxtpu.settings import defaults
 
 
 def get_config():

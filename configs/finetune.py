@@ -19,7 +19,7 @@ SGD + Nesterov, label smoothing, random-resized crops that keep most of the
 picture, flips.
 """
 
-from flaxtpu import defaults
+from flaxtpu.settings import defaults
 
 
 def get_config():

@@ -10,7 +10,7 @@ crops + flips at 224 and resize-256 + centre-224 evaluation. Streams
 them). On a TPU v3-8 or 8 GPUs this is ~1250 steps per epoch.
 """
 
-from flaxtpu import defaults
+from flaxtpu.settings import defaults
 
 
 def get_config():

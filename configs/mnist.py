@@ -4,7 +4,7 @@
     python -m flaxtpu.main --config=configs/mnist.py --config.dataset.name=fashion_mnist --workdir=runs/fmnist
 """
 
-from flaxtpu import defaults
+from flaxtpu.settings import defaults
 
 
 def get_config():

@@ -18,7 +18,7 @@ in 10 minutes, where the Keras tutorial's recipe reaches 61.0% in 5.5
 (160-224) and `num_epochs` (30+).
 """
 
-from flaxtpu import defaults
+from flaxtpu.settings import defaults
 
 
 def get_config():

@@ -130,8 +130,8 @@ def main():
   mean, std = np.array(exported.pretrained_cfg['mean']), np.array(exported.pretrained_cfg['std'])
   with open(output, newline='', encoding='utf-8') as f:
     rows = list(csv.DictReader(f))
-  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
   from flaxtpu.data import pipeline, predict_inputs  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
   config = defaults.get_config()
   with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
     saved = json.load(f)

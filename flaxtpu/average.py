@@ -24,9 +24,11 @@ from typing import Optional, Sequence
 
 from absl import app, flags, logging
 
-from flaxtpu import config as config_lib
-from flaxtpu import files, resolution, saved, storage, workdir_config
-from flaxtpu.errors import UserError
+from flaxtpu.io import files, storage
+from flaxtpu.settings.errors import UserError
+from flaxtpu.validation import config as config_lib
+from flaxtpu.validation import resolution, workdir_config
+from flaxtpu.weights import saved
 
 # Its own flag set: flaxtpu.main defines --workdir on absl's global one, and both may live in one process.
 FLAGS = flags.FlagValues()
@@ -77,7 +79,7 @@ def check_runs(runs: Sequence[str], which: str) -> list[dict]:
 
 
 def _best_metric(config) -> str:
-  from flaxtpu.metric_names import best_metric  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings.metric_names import best_metric  # pylint: disable=g-import-not-at-top
   return best_metric(config)
 
 
@@ -128,7 +130,7 @@ def make_soup(runs: Sequence[str], workdir: str, *, greedy: bool = False, which:
   # pylint: disable=g-import-not-at-top
   import jax
 
-  from flaxtpu import soup
+  from flaxtpu.modes import soup
   configs = [_resolved_config(run, str(record['step']), weights=weights)
              for run, record in zip(runs, records)]
   eval_split = configs[0].dataset.eval_split
@@ -154,8 +156,8 @@ def _write(workdir: str, config, first_record: dict, first_run: str, state, resu
   """OUT written beside itself and renamed into place: config.json, the checkpoint, results.json, and
   --mode=eval's files of that checkpoint."""
   # pylint: disable=g-import-not-at-top
-  from flaxtpu import checkpoint
   from flaxtpu.modes import eval as eval_mode
+  from flaxtpu.weights import checkpoint
   workdir = os.path.abspath(workdir)
   building = f'{workdir}.building-{os.getpid()}'
   shutil.rmtree(building, ignore_errors=True)

@@ -25,12 +25,13 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from flaxtpu import config as config_lib  # no JAX inside: safe before XLA's flags are set
-from flaxtpu import files, memory, storage  # no JAX inside either
-from flaxtpu.config import CPU_CONVOLUTION_FLAGS, YNN_FUSION_FLAG
-from flaxtpu.errors import UserError
-from flaxtpu.lengths import resolved_eval_batch_size
-from flaxtpu.signals import StopRequest
+from flaxtpu.data import memory  # no JAX inside either
+from flaxtpu.io import files, storage  # no JAX inside either
+from flaxtpu.loop.signals import StopRequest
+from flaxtpu.settings.errors import UserError
+from flaxtpu.settings.lengths import resolved_eval_batch_size
+from flaxtpu.validation import config as config_lib  # no JAX inside: safe before XLA's flags are set
+from flaxtpu.validation.config import CPU_CONVOLUTION_FLAGS, YNN_FUSION_FLAG
 
 IMPORTED_AT = time.time()  # the command's start where the process's cannot be read (not Linux)
 FLAGS = flags.FLAGS
@@ -107,7 +108,7 @@ class ConfigFileParser(flags.ArgumentParser):
     try:
       config = get_config(*args)
     except Exception as e:  # pylint: disable=broad-except
-      from flaxtpu import workdir_config  # pylint: disable=g-import-not-at-top
+      from flaxtpu.validation import workdir_config  # pylint: disable=g-import-not-at-top
       if os.path.abspath(path) == os.path.abspath(workdir_config.__file__):  # the run's config.json
         raise ConfigFileError(f'--workdir={args[0]}: {_first_line(e)}; point --workdir at a trained run, '
                               'or pass its --config') from e
@@ -115,7 +116,7 @@ class ConfigFileParser(flags.ArgumentParser):
     if not isinstance(config, ml_collections.ConfigDict):
       returned = 'None (no return statement?)' if config is None else f'a {type(config).__name__}'
       raise ConfigFileError(f'{where}: get_config() returned {returned}, not an ml_collections ConfigDict; '
-                            'return flaxtpu.defaults.get_config() with your changes')
+                            'return flaxtpu.settings.defaults.get_config() with your changes')
     _check_config_keys(where, config)
     config.lock()
     return config
@@ -142,7 +143,7 @@ def _config_file_error(path: str, error: Exception) -> str:
       suggestion = re.search(r'Did you mean "(\w+)"', text)
       hint = f' (did you mean {suggestion.group(1)!r}?)' if suggestion else ''
       return (f'{where}: sets config key {locked.group(1)!r}, which does not exist{hint}; '
-              'every key is listed in flaxtpu/defaults.py')
+              'every key is listed in flaxtpu/settings/defaults.py')
     reason = _first_line(error)
   return f'config file {where}: {reason}; fix the file or pass another --config'
 
@@ -154,13 +155,13 @@ def _first_line(error: Exception) -> str:
 
 def _check_config_keys(where: str, config: ml_collections.ConfigDict) -> None:
   """A ConfigDict built without flaxtpu's defaults would fail at its first missing key, as a bug."""
-  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
   present = set(config_lib.config_keys(config))
   missing = [key for key in config_lib.config_keys(defaults.get_config()) if key not in present]
   if missing:
     shown = ', '.join(missing[:3]) + (f' and {len(missing) - 3} more' if len(missing) > 3 else '')
     raise ConfigFileError(f'{where}: get_config() returned a config without the keys {shown}; build it '
-                          'on flaxtpu.defaults.get_config()')
+                          'on flaxtpu.settings.defaults.get_config()')
 
 
 def _flag_value(argv, name: str):
@@ -178,11 +179,11 @@ def _with_workdir_config(argv):
   if _flag_value(argv, 'config') is not None or _flag_value(argv, 'mode') not in RESTORING_MODES:
     return argv
   workdir = _flag_value(argv, 'workdir')
-  from flaxtpu import workdir_config  # pylint: disable=g-import-not-at-top
+  from flaxtpu.validation import workdir_config  # pylint: disable=g-import-not-at-top
   if _flag_value(argv, 'config.init_from.checkpoint') and not files.isfile(
       os.path.join(workdir or '', workdir_config.CONFIG_FILE)):
     # Published weights with no trained run: every key at its default, the model from the weights.
-    from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+    from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
     return [argv[0], f'--config={defaults.__file__}', *argv[1:]]
   if not workdir:
     _exit_with_error('--workdir is required: the trained run to restore')
@@ -204,17 +205,17 @@ def _check_config_path(path: str) -> None:
 
 def _flag_error(error: Exception, argv) -> str:
   """One line for a failed parse: an unknown config key gets a did-you-mean."""
-  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
   known_keys = config_lib.config_keys(defaults.get_config())
   for arg in argv:
     key = arg[len('--config.'):].split('=', 1)[0] if arg.startswith('--config.') else None
     if key and key not in known_keys:
       return (f'--config.{key}: not a config key{config_lib.did_you_mean(key, known_keys)} '
-              '(every key is listed in flaxtpu/defaults.py)')
+              '(every key is listed in flaxtpu/settings/defaults.py)')
   # KeyError's str() is its repr; its message is the argument.
   text = str(error.args[0] if isinstance(error, KeyError) and error.args else error).strip()
   message = text.splitlines()[0] if text else type(error).__name__
-  return f'{message} (see --helpfull; every key is listed in flaxtpu/defaults.py)'
+  return f'{message} (see --helpfull; every key is listed in flaxtpu/settings/defaults.py)'
 
 
 def _exit_with_error(message: str):
@@ -324,7 +325,7 @@ def _check_workdir(workdir: str) -> None:
 
 
 def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
-  from flaxtpu import resolution  # pylint: disable=g-import-not-at-top
+  from flaxtpu.validation import resolution  # pylint: disable=g-import-not-at-top
   if workdir and (reason := storage.check_workdir_scheme(workdir)):  # before anything reads the workdir
     raise UserError(f'--workdir={workdir} cannot hold a run ({reason})')
   from_published = resolution.restores_published(workdir, mode)
@@ -344,8 +345,9 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   jax = _start_jax(config)
   # Imported after JAX has started with the right flags.
   # pylint: disable=g-import-not-at-top
-  from flaxtpu import compile_plan, parallel, progress, train
   from flaxtpu.data import pipeline
+  from flaxtpu.loop import progress, train
+  from flaxtpu.step import compile_plan, parallel
   command_started = progress.process_start_time(IMPORTED_AT)
   dataset = None
   if reading is not None:
@@ -378,7 +380,7 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
     from flaxtpu.modes import calibrate  # pylint: disable=g-import-not-at-top
     calibrate.calibrate(config, workdir)
   else:
-    from flaxtpu import export  # pylint: disable=g-import-not-at-top
+    from flaxtpu.exporters import export  # pylint: disable=g-import-not-at-top
     export.export_checkpoint(config, workdir)
 
 

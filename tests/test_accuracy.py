@@ -7,7 +7,7 @@ import pytest
 
 from configs import cifar10
 from conftest import CIFAR10
-from flaxtpu import train
+from flaxtpu.loop import train
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.isdir(CIFAR10),

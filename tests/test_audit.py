@@ -15,11 +15,13 @@ from PIL import Image
 from planted import make_digits_folder, make_planted_folder, score
 
 from configs import cifar10, digits
-from flaxtpu import audit, audit_folds, explain, train
-from flaxtpu.errors import ConfigError, UserError
+from flaxtpu.data import audit
+from flaxtpu.evaluation import explain
+from flaxtpu.loop import train
 from flaxtpu.modes import audit as audit_mode
+from flaxtpu.modes import audit_folds, predict
 from flaxtpu.modes import eval as eval_mode
-from flaxtpu.modes import predict
+from flaxtpu.settings.errors import ConfigError, UserError
 
 
 def _config(folder, **overrides):

@@ -4,7 +4,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from flaxtpu import augment
+from flaxtpu.augmentation import augment
 
 IMAGES = jnp.asarray(np.random.default_rng(0).integers(0, 256, (16, 8, 8, 3)), jnp.uint8)
 

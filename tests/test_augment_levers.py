@@ -9,11 +9,13 @@ import pytest
 import scipy.ndimage
 from test_levers_runs import _config as levers_run_config
 
-from flaxtpu import aug_checks, augmix, bce, defaults, photometric
-from flaxtpu import config as config_lib
+from flaxtpu.augmentation import aug_checks, augmix, photometric
 from flaxtpu.data import loaders, pipeline, sampling
 from flaxtpu.data.repeated import RepeatedSampler
-from flaxtpu.errors import ConfigError
+from flaxtpu.loss import bce
+from flaxtpu.settings import defaults
+from flaxtpu.settings.errors import ConfigError
+from flaxtpu.validation import config as config_lib
 
 IMAGE = np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)
 
@@ -244,7 +246,7 @@ def _run_config(folder, **overrides):
 @pytest.mark.slow  # three 8-step runs, 3 min on 2 shared cores (the augmix step compiles in ~35 s)
 def test_a_run_with_every_lever_trains_with_bce_and_resumes_bit_for_bit(image_folder, tmp_path, monkeypatch):
   from conftest import assert_same_state, metric_rows, restore_checkpoint, signal_at_step
-  from flaxtpu import train
+  from flaxtpu.loop import train
   reference = train.train_and_evaluate(_run_config(image_folder), str(tmp_path / 'whole'))
   signal_at_step(monkeypatch, 3)
   stopped = train.train_and_evaluate(_run_config(image_folder), str(tmp_path / 'resumed'))

@@ -20,9 +20,13 @@ from conftest import (
   tiny_dataset,
   tree_digest,
 )
-from flaxtpu import average, bn_recompute, defaults, lengths, steps, swa, train
-from flaxtpu import config as config_lib
-from flaxtpu.errors import ConfigError, UserError, printable
+from flaxtpu import average
+from flaxtpu.loop import train
+from flaxtpu.optimizers import swa
+from flaxtpu.settings import defaults, lengths
+from flaxtpu.settings.errors import ConfigError, UserError, printable
+from flaxtpu.step import bn_recompute, steps
+from flaxtpu.validation import config as config_lib
 
 
 def _config(folder=None, **overrides):
@@ -149,7 +153,7 @@ def test_swa_run_resumes_bit_for_bit_and_logs_the_average(swa_run, image_folder,
 
 def test_eval_swa_restores_the_average_that_the_run_scored(swa_run, image_folder):
   from flaxtpu.data import pipeline
-  from flaxtpu.evaluate import evaluate
+  from flaxtpu.evaluation.evaluate import evaluate
   from flaxtpu.modes.restore import restore
   workdir, results = swa_run
   eval_config = defaults.derived(_config(image_folder, **SWA), {'eval.swa': True})
@@ -164,7 +168,7 @@ def test_eval_swa_restores_the_average_that_the_run_scored(swa_run, image_folder
 @pytest.mark.slow  # ~25 s of CPU: a BatchNorm model's run; the cnn runs below check the rest of the path
 def test_swa_statistics_are_recomputed_saved_and_read_by_eval_swa(image_folder, tmp_path):
   from flaxtpu.data import pipeline
-  from flaxtpu.evaluate import evaluate
+  from flaxtpu.evaluation.evaluate import evaluate
   from flaxtpu.modes.restore import restore
   workdir = str(tmp_path / 'run')
   # Evaluated at step 3 (recomputed statistics, then training goes on) and at step 6.

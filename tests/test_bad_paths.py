@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from flaxtpu import average, defaults, files
-from flaxtpu import config as config_lib
-from flaxtpu.errors import ConfigError, UserError
+from flaxtpu import average
+from flaxtpu.io import files
 from flaxtpu.modes import predict
+from flaxtpu.settings import defaults
+from flaxtpu.settings.errors import ConfigError, UserError
 from flaxtpu.sweep import __main__ as sweep_cli
+from flaxtpu.validation import config as config_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 UNWRITABLE = '/proc/flaxtpu-test'
@@ -47,7 +49,8 @@ def test_an_unwritable_compilation_cache_is_one_config_line():
 
 
 EXPERIMENT = '''
-from flaxtpu import defaults, sweep
+from flaxtpu import sweep
+from flaxtpu.settings import defaults
 
 def get_config():
   config = defaults.get_config()

@@ -179,7 +179,7 @@ def test_selected_cases():
 def test_cases_use_flaxtpu_model_names():
   from benchmarks import chip
   from flaxtpu import models
-  from flaxtpu.config import REMAT_POLICIES
+  from flaxtpu.validation.config import REMAT_POLICIES
   assert all(case.model in models.NAMES for case in chip.CASES.values())
   assert set(chip.REMAT_POLICIES) <= set(REMAT_POLICIES)
   assert chip.CASES['resnet50_remat'].remat in REMAT_POLICIES

@@ -12,14 +12,15 @@ import pytest
 from PIL import Image
 
 from configs import digits
-from flaxtpu import calibration, defaults, train
-from flaxtpu import config as config_lib
-from flaxtpu.errors import UserError
+from flaxtpu.loop import train
 from flaxtpu.modes import calibrate as calibrate_mode
 from flaxtpu.modes import eval as eval_mode
 from flaxtpu.modes import predict as predict_mode
-from flaxtpu.report import conformal
+from flaxtpu.report import calibration, conformal
 from flaxtpu.report import metrics as report_metrics
+from flaxtpu.settings import defaults
+from flaxtpu.settings.errors import UserError
+from flaxtpu.validation import config as config_lib
 
 # --- the math, on generated data ------------------------------------------------------------------
 

@@ -23,8 +23,10 @@ from conftest import (
   metric_rows,
   restore_checkpoint,
 )
-from flaxtpu import checkpoint, lock, train
 from flaxtpu.data import loaders, pipeline
+from flaxtpu.io import lock
+from flaxtpu.loop import train
+from flaxtpu.weights import checkpoint
 
 
 def _config(folder, **overrides):
@@ -174,7 +176,7 @@ def test_sigterm_during_the_final_save_still_writes_results(image_folder, tmp_pa
 @pytest.mark.parametrize('phase', ['compile', 'final_eval'])
 def test_sigterm_while_compiling_or_in_the_final_eval_leaves_a_resumable_workdir(
     phase, image_folder, tmp_path, monkeypatch):
-  from flaxtpu import steps
+  from flaxtpu.step import steps
   workdir = str(tmp_path)
   config = _config(image_folder, num_train_steps=6)
   if phase == 'compile':  # the compiled step runs once, and that state is saved
@@ -369,10 +371,10 @@ def test_a_fallback_never_replaces_a_newer_result(finished, image_folder, tmp_pa
   """Issue 43, class 4: export, eval and predict falling back past a damaged step 6 keep step 6's results."""
   import shutil
 
-  from flaxtpu import export
-  from flaxtpu.errors import UserError
+  from flaxtpu.exporters import export
   from flaxtpu.modes import eval as eval_mode
   from flaxtpu.modes import predict
+  from flaxtpu.settings.errors import UserError
   workdir = str(tmp_path / 'copy')
   shutil.copytree(finished, workdir)
   _truncate(workdir, 6)

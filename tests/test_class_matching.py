@@ -13,10 +13,10 @@ import pytest
 from test_data import _config
 
 from conftest import ROOT, make_image_folder
-from flaxtpu import files
 from flaxtpu.data import pipeline, predict_inputs
 from flaxtpu.data.sources import DataError, base
 from flaxtpu.data.sources import folder as folder_source
+from flaxtpu.io import files
 from flaxtpu.report import writer
 
 CLASSES = ('cat', 'dog', 'frog')

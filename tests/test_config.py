@@ -6,8 +6,9 @@ import pytest
 
 from configs import cifar10, cifar10_fast, cifar10_resnet, digits, finetune, imagenet_resnet50, mnist, photos
 from experiments import cifar10_fast_ablation
-from flaxtpu import config as config_lib
-from flaxtpu import defaults, lengths, models
+from flaxtpu import models
+from flaxtpu.settings import defaults, lengths
+from flaxtpu.validation import config as config_lib
 
 
 @pytest.mark.parametrize('recipe', [defaults, cifar10, cifar10_resnet, cifar10_fast, digits, mnist,
@@ -131,7 +132,7 @@ def test_batch_larger_than_dataset_is_an_error():
 
 def test_a_config_outside_the_repo_builds_on_the_installed_defaults(tmp_path):
   (tmp_path / 'mine.py').write_text(
-      'from flaxtpu import defaults\n\n'
+      'from flaxtpu.settings import defaults\n\n'
       'def get_config():\n'
       '  config = defaults.get_config()\n'
       '  config.model.name = "resnet20"\n'

@@ -10,10 +10,10 @@ from PIL import Image
 
 from configs import cifar10
 from conftest import make_image_folder, make_mixed_folder
-from flaxtpu import defaults
 from flaxtpu.data import loaders, pipeline, predict_inputs, preprocess, sampling, sources, workers
 from flaxtpu.data.sources import DataError, base, embedded
 from flaxtpu.data.sources import folder as folder_source
+from flaxtpu.settings import defaults
 
 
 def _config(folder, **overrides):
@@ -419,8 +419,8 @@ def test_the_config_picks_one_source_and_every_source_answers_the_same_methods(i
 
 
 def test_rgb_mean_and_std_are_averaged_for_one_channel_images_and_other_counts_refused():
-  from flaxtpu import config as config_lib
   from flaxtpu.data import spec
+  from flaxtpu.validation import config as config_lib
   config = defaults.get_config()
   config.dataset.name, config.dataset.train_split = 'digits', 'train[:100]'
   config.dataset.normalize = 'fixed'

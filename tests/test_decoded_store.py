@@ -14,8 +14,8 @@ from PIL import Image
 
 from configs import cifar10
 from conftest import ROOT, make_image_folder
-from flaxtpu import config as config_lib
 from flaxtpu.data import cache, decoded_store, pipeline, preprocess
+from flaxtpu.validation import config as config_lib
 
 
 def _config(folder, store, **overrides):

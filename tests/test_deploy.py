@@ -19,10 +19,11 @@ import yaml
 
 from configs import cifar10
 from conftest import make_image_folder
-from flaxtpu import export, hub, model_card, tflite_export, train
 from flaxtpu.data import loaders, pipeline
-from flaxtpu.errors import UserError
+from flaxtpu.exporters import export, hub, model_card, tflite_export
+from flaxtpu.loop import train
 from flaxtpu.modes import predict, restore
+from flaxtpu.settings.errors import UserError
 
 
 def _config(folder, **overrides):
@@ -110,7 +111,7 @@ def test_export_writes_only_the_quantized_models_and_onnx_asked_for(exported, tm
 @pytest.mark.parametrize('quantize, message', [
     (('int4',), r"'int4' is not one"), (('int8', 'int8'), 'one is repeated')])
 def test_a_wrong_quantize_list_is_one_line(quantize, message):
-  from flaxtpu import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxtpu.validation import config as config_lib  # pylint: disable=g-import-not-at-top
   with pytest.raises(UserError, match=r"^config.export.quantize=\(.*\) names quantized TFLite models from "
                                       rf"\('fp16', 'int8'\), each once \({message}\); \(\) writes none$"):
     config_lib.validate(_config('/nowhere', **{'export.quantize': quantize}), 'export')

@@ -13,10 +13,15 @@ import pytest
 
 from configs import digits
 from conftest import assert_same_state, metric_rows, restore_checkpoint, signal_at_step, tiny_dataset
-from flaxtpu import augment, checkpoint, distill, lengths, parallel, pretrained, steps, train
-from flaxtpu import config as config_lib
-from flaxtpu.config import ConfigError
-from flaxtpu.errors import UserError
+from flaxtpu.augmentation import augment
+from flaxtpu.loop import train
+from flaxtpu.settings import lengths
+from flaxtpu.settings.errors import UserError
+from flaxtpu.step import parallel, steps
+from flaxtpu.transfer import distill
+from flaxtpu.validation import config as config_lib
+from flaxtpu.validation.config import ConfigError
+from flaxtpu.weights import checkpoint, pretrained
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,8 +10,9 @@ import numpy as np
 import optax
 import pytest
 
-from flaxtpu import augment, defaults
-from flaxtpu import randaugment as ra
+from flaxtpu.augmentation import augment
+from flaxtpu.augmentation import randaugment as ra
+from flaxtpu.settings import defaults
 
 AREA, ASPECT = (0.02, 1 / 3), (0.3, 1 / 0.3)  # timm's defaults
 
@@ -187,7 +188,8 @@ def test_autoaugment_applies_the_drawn_sub_policy_per_key():
 def test_the_train_step_erases_the_normalised_images_when_asked():
   """augment.erase_prob reaches the train step: the same state and batch give another loss with
   erasing on, and the same loss with it off (erase_batch is identity at erase_prob=0)."""
-  from flaxtpu import models, steps  # pylint: disable=g-import-not-at-top
+  from flaxtpu import models  # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import steps  # pylint: disable=g-import-not-at-top
 
   def loss(erase_prob: float) -> float:
     augment_config = _erasing(erase_prob=erase_prob)

@@ -1,4 +1,4 @@
-"""TensorBoard events written without TensorFlow (flaxtpu/events.py): what they hold, read back with
+"""TensorBoard events written without TensorFlow (flaxtpu/io/events.py): what they hold, read back with
 TensorFlow's own reader; the same as clu's TensorFlow SummaryWriter writes; and a training run that
 never imports TensorFlow."""
 
@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from conftest import ROOT
-from flaxtpu import events, metrics
+from flaxtpu.io import events, metrics
 
 
 def read_events(logdir):
@@ -93,7 +93,7 @@ def write_everything(writer):
 
 
 def test_importing_the_writers_imports_no_tensorflow():
-  script = ('import sys, flaxtpu.events, flaxtpu.metrics; '
+  script = ('import sys, flaxtpu.io.events, flaxtpu.io.metrics; '
             'print(sorted(m for m in sys.modules if m.split(".")[0] in ("tensorflow", "keras")))')
   result = subprocess.run([sys.executable, '-c', script], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, check=True)
@@ -248,7 +248,7 @@ def test_a_training_run_never_imports_tensorflow_and_writes_its_losses_to_tensor
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'TENSORFLOW_MODULES []' in result.stdout.splitlines()
   imports = [line for line in result.stderr.splitlines() if line.startswith('import time:')]
-  assert any(line.endswith(' flaxtpu.events') for line in imports)  # the import log is on
+  assert any(line.endswith(' flaxtpu.io.events') for line in imports)  # the import log is on
   assert not [line for line in imports if re.search(r'\|\s+(tensorflow|keras)(\.|$)', line)]
 
   rows = [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8')]

@@ -9,8 +9,9 @@ import numpy as np
 import optax
 import pytest
 
-from flaxtpu import explain, models
+from flaxtpu import models
 from flaxtpu.data.preprocess import Transform
+from flaxtpu.evaluation import explain
 
 COLOURS = np.array([[255, 40, 40], [40, 255, 40], [40, 40, 255], [255, 255, 40]], np.uint8)
 SIZE, SQUARE = 32, 8

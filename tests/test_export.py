@@ -11,9 +11,10 @@ import pytest
 
 from configs import cifar10
 from conftest import make_image_folder
-from flaxtpu import export, train
-from flaxtpu.errors import UserError
+from flaxtpu.exporters import export
+from flaxtpu.loop import train
 from flaxtpu.modes import predict, restore
+from flaxtpu.settings.errors import UserError
 
 ONNX = sys.version_info >= (3, 11)  # jax2onnx, the ONNX converter, needs Python 3.11+
 

@@ -16,10 +16,16 @@ from safetensors.numpy import save_file
 from test_pretrained import assert_same_function, flaxtpu_logits, hub_cache, import_torch, torch_logits
 
 from conftest import make_image_folder
-from flaxtpu import defaults, export, finetune, main, models, optim, pretrained, resolution, workdir_config
-from flaxtpu.errors import UserError
+from flaxtpu import main, models
+from flaxtpu.exporters import export
 from flaxtpu.models.nets import swin
 from flaxtpu.modes import predict
+from flaxtpu.optimizers import optim
+from flaxtpu.settings import defaults
+from flaxtpu.settings.errors import UserError
+from flaxtpu.transfer import finetune
+from flaxtpu.validation import resolution, workdir_config
+from flaxtpu.weights import pretrained
 
 VARIANTS = [('convnext_t', 'convnext_tiny'), ('convnext_s', 'convnext_small'),
             ('convnext_b', 'convnext_base'), ('convnext_l', 'convnext_large'),

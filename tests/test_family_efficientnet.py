@@ -26,9 +26,11 @@ from test_pretrained import (
 )
 from test_remat import _grad_fn
 
-from flaxtpu import models, optim, pretrained
-from flaxtpu.errors import UserError
+from flaxtpu import models
 from flaxtpu.models import efficientnet, mbconv, mobilenetv3
+from flaxtpu.optimizers import optim
+from flaxtpu.settings.errors import UserError
+from flaxtpu.weights import pretrained
 
 TIMM_NAMES = {**{name: name for name in efficientnet.SPECS},
               'mobilenetv3_l': 'mobilenetv3_large_100', 'mobilenetv3_s': 'mobilenetv3_small_100'}

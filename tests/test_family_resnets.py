@@ -24,8 +24,10 @@ from test_pretrained import (
 from test_remat import _grad_fn
 
 from conftest import make_image_folder
-from flaxtpu import models, parallel, pretrained
+from flaxtpu import models
 from flaxtpu.models import regnet
+from flaxtpu.step import parallel
+from flaxtpu.weights import pretrained
 
 # torchvision's RegNets -> flaxtpu's (timm's names; *_tv where torchvision rounds widths otherwise)
 TORCHVISION_REGNETS = {

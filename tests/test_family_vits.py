@@ -25,9 +25,11 @@ from test_pretrained import (
   torch_logits,
 )
 
-from flaxtpu import models, optim, pretrained
-from flaxtpu.errors import UserError
+from flaxtpu import models
 from flaxtpu.models import layouts
+from flaxtpu.optimizers import optim
+from flaxtpu.settings.errors import UserError
+from flaxtpu.weights import pretrained
 
 # (timm architecture, its model_args, flaxtpu's model, its options): the smallest source of each variant.
 VARIANTS = {

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from flaxtpu import checkpoint, defaults
 from flaxtpu.report import plots, writer
+from flaxtpu.settings import defaults
+from flaxtpu.weights import checkpoint
 
 
 def _cli(*args):
@@ -25,7 +26,8 @@ def _cli(*args):
                         capture_output=True, text=True, timeout=120)
 
 
-_RECIPE = 'from flaxtpu import defaults\n\ndef get_config({arg}):\n  config = defaults.get_config()\n'
+_RECIPE = ('from flaxtpu.settings import defaults\n\ndef get_config({arg}):\n  config = '
+           'defaults.get_config()\n')
 
 
 @pytest.mark.parametrize('text, suffix, message', [
@@ -248,7 +250,7 @@ def user_files(tmp_path_factory):
 
 def _run(config, workdir, mode='train'):
   from flaxtpu import main
-  from flaxtpu.signals import StopRequest
+  from flaxtpu.loop.signals import StopRequest
   if not main.FLAGS.is_parsed():  # main.run reads the cluster flags (their defaults here)
     main.FLAGS.mark_as_parsed()
   main.run(config, str(workdir), mode, StopRequest())
@@ -294,7 +296,7 @@ USER_PATH_CASES = [
 
 @pytest.mark.parametrize('case, overrides, message', USER_PATH_CASES, ids=[c[0] for c in USER_PATH_CASES])
 def test_a_users_file_or_path_is_one_line(case, overrides, message, user_files, image_folder, tmp_path):
-  from flaxtpu.errors import UserError
+  from flaxtpu.settings.errors import UserError
   config = defaults.get_config()
   config.model.name = 'cnn'
   config.dataset.folder = image_folder
@@ -315,8 +317,10 @@ def test_a_users_file_or_path_is_one_line(case, overrides, message, user_files, 
 def test_output_paths_and_hand_edited_json_are_one_line(tmp_path):
   """predict.output_csv in a folder that does not exist, or naming a folder; JSON files read back that
   hold a list (eval.json, results.json, sweep.json: read as absent), a weights' config.json that does."""
-  from flaxtpu import fewshot, files, pretrained
-  from flaxtpu.errors import UserError
+  from flaxtpu.evaluation import fewshot
+  from flaxtpu.io import files
+  from flaxtpu.settings.errors import UserError
+  from flaxtpu.weights import pretrained
   rows = [{'path': 'a.png', 'class_1': 'cat'}]
   with pytest.raises(UserError, match=rf'^cannot write {tmp_path}/nope/p.csv: its folder {tmp_path}/nope '
                                       r'does not exist; choose another --config.predict.output_csv$'):

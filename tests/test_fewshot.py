@@ -10,11 +10,15 @@ from sklearn.linear_model import Ridge
 
 from configs import digits
 from conftest import make_image_folder
-from flaxtpu import config as config_lib
-from flaxtpu import fewshot, lengths, parallel, steps, train, workdir_config
-from flaxtpu.config import ConfigError
 from flaxtpu.data import loaders, pipeline
+from flaxtpu.evaluation import fewshot
+from flaxtpu.loop import train
 from flaxtpu.modes import eval as eval_mode
+from flaxtpu.settings import lengths
+from flaxtpu.step import parallel, steps
+from flaxtpu.validation import config as config_lib
+from flaxtpu.validation import workdir_config
+from flaxtpu.validation.config import ConfigError
 
 
 @pytest.mark.parametrize('count, dim', [(30, 8), (12, 40)])  # the primal and the dual solve

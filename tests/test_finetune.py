@@ -11,10 +11,16 @@ import pytest
 
 from configs import cifar10_resnet
 from conftest import make_image_folder, restore_checkpoint, tiny_dataset
-from flaxtpu import checkpoint, finetune, lengths, optim, parallel, resolution, steps, train
-from flaxtpu import config as config_lib
 from flaxtpu.data import loaders, pipeline
-from flaxtpu.errors import UserError
+from flaxtpu.loop import train
+from flaxtpu.optimizers import optim
+from flaxtpu.settings import lengths
+from flaxtpu.settings.errors import UserError
+from flaxtpu.step import parallel, steps
+from flaxtpu.transfer import finetune
+from flaxtpu.validation import config as config_lib
+from flaxtpu.validation import resolution
+from flaxtpu.weights import checkpoint
 
 FIVE = ('a', 'b', 'c', 'd', 'e')
 

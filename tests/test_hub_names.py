@@ -14,9 +14,10 @@ import threading
 
 import pytest
 
-from flaxtpu import config as config_lib
-from flaxtpu import defaults, hub_names, resolution
-from flaxtpu.errors import ConfigError, UserError
+from flaxtpu.settings import defaults, hub_names
+from flaxtpu.settings.errors import ConfigError, UserError
+from flaxtpu.validation import config as config_lib
+from flaxtpu.validation import resolution
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = 'write hf-hub:ORG/NAME as huggingface.co shows it, e.g. hf-hub:timm/resnet50.a1_in1k'

@@ -18,12 +18,15 @@ from conftest import (
   restore_checkpoint,
   signal_at_step,
 )
-from flaxtpu import compile_plan, defaults, image_sizes, train
-from flaxtpu import config as config_lib
+from flaxtpu.augmentation import image_sizes
 from flaxtpu.data import loaders, pipeline, preprocess
-from flaxtpu.errors import ConfigError, printable
+from flaxtpu.loop import train
 from flaxtpu.modes import eval as eval_mode
 from flaxtpu.modes import predict as predict_mode
+from flaxtpu.settings import defaults
+from flaxtpu.settings.errors import ConfigError, printable
+from flaxtpu.step import compile_plan
+from flaxtpu.validation import config as config_lib
 
 SCHEDULE = ((0.0, 8), (0.5, 12), (0.75, 16))  # 16 px data: 8 px for steps 1-6, 12 for 7-9, 16 after
 
@@ -212,7 +215,7 @@ def test_eval_and_predict_agree_at_the_eval_size(scheduled_run, folder16):
 def test_export_serves_at_the_eval_size_and_agrees_with_predict(scheduled_run, folder16):
   import tensorflow as tf
 
-  from flaxtpu import export
+  from flaxtpu.exporters import export
   workdir, _, _ = scheduled_run
   config = _config(folder16, **RUN)
   summary = export.export_checkpoint(config, workdir)  # its own check: SavedModel/TFLite vs predict

@@ -14,9 +14,9 @@ from PIL import Image
 
 from benchmarks.data import make_shards
 from conftest import ROOT, make_image_folder
-from flaxtpu import defaults
 from flaxtpu.data import loaders, pipeline, sources
 from flaxtpu.data.sources import DataError, shards, tagged
+from flaxtpu.settings import defaults
 
 CLASSES = ('cat', 'dog', 'frog')
 

@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from conftest import assert_same_state, metric_rows, restore_checkpoint, signal_at_step, tree_digest
-from flaxtpu import config as config_lib
-from flaxtpu import defaults, loss_scale, optim, time_budget, train
-from flaxtpu.divergence import TrainingDiverged
-from flaxtpu.errors import printable
+from flaxtpu.loop import time_budget, train
+from flaxtpu.loop.divergence import TrainingDiverged
 from flaxtpu.modes import lr_find
+from flaxtpu.optimizers import loss_scale, optim
+from flaxtpu.settings import defaults
+from flaxtpu.settings.errors import printable
+from flaxtpu.validation import config as config_lib
 
 
 def _config(folder, **overrides):

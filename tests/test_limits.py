@@ -11,12 +11,16 @@ import pytest
 
 from configs import digits
 from conftest import ROOT
-from flaxtpu import checkpoint, export, files, memory, train
-from flaxtpu.config import ConfigError
-from flaxtpu.errors import UserError
+from flaxtpu.data import memory
+from flaxtpu.exporters import export
+from flaxtpu.io import files
+from flaxtpu.loop import train
 from flaxtpu.modes import eval as eval_mode
 from flaxtpu.report import writer
-from flaxtpu.workdir_config import from_saved
+from flaxtpu.settings.errors import UserError
+from flaxtpu.validation.config import ConfigError
+from flaxtpu.validation.workdir_config import from_saved
+from flaxtpu.weights import checkpoint
 
 
 def _digits(**overrides):
@@ -263,8 +267,8 @@ def test_a_full_disk_during_export_keeps_the_previous_export(trained, tmp_path, 
 def test_a_forced_memory_cache_that_cannot_fit_is_refused_before_decoding(image_folder, monkeypatch):
   """Issue 43, class 8: dataset.cache=memory is estimated first (69 images of at least 19x19x3 bytes at
   image_size=16: 74727 bytes), then refused in one line with the numbers and the fix; nothing decodes."""
-  from flaxtpu import defaults
   from flaxtpu.data import cache, pipeline
+  from flaxtpu.settings import defaults
   decoded = []
   monkeypatch.setattr(cache, 'examples', lambda *args, **kwargs: decoded.append(args))
   monkeypatch.setattr(memory, 'available_bytes', lambda: 50_000)

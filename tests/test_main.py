@@ -12,8 +12,9 @@ import pytest
 
 from configs import cifar10_resnet
 from conftest import ROOT, make_mixed_folder, metric_rows
-from flaxtpu import lengths, steps
 from flaxtpu.modes import eval as eval_mode
+from flaxtpu.settings import lengths
+from flaxtpu.step import steps
 
 TINY = ['--config.batch_size=16', '--config.num_train_steps=6', '--config.log_every_steps=2',
         '--config.eval_every_steps=3', '--config.checkpoint_every_steps=3',
@@ -264,7 +265,7 @@ def test_bad_input_is_one_line_and_nonzero(args, message, tmp_path):
 
 @pytest.mark.parametrize('config_text, message', [
     (None, 'error: --config=MISSING does not exist; config files in'),
-    ('from flaxtpu import defaults\n\ndef get_config():\n  config = defaults.get_config()\n'
+    ('from flaxtpu.settings import defaults\n\ndef get_config():\n  config = defaults.get_config()\n'
      '  config.model.nme = "resnet20"\n  return config\n',
      "sets config key 'nme', which does not exist (did you mean 'name'?)"),
 ])
@@ -342,7 +343,8 @@ def test_eigen_convolutions_leave_ynnpack_and_keep_the_numbers():
 def test_a_failing_tensorboard_or_wandb_writer_never_stops_training(tmp_path, monkeypatch, caplog):
   """Issue 43, class 7: TensorBoard failing at a write, W&B failing to start: one warning each, the
   writes go on into metrics.jsonl."""
-  from flaxtpu import defaults, events, metrics
+  from flaxtpu.io import events, metrics
+  from flaxtpu.settings import defaults
 
   def full_disk(self, step, scalars):
     raise OSError(28, 'No space left on device')

@@ -7,10 +7,12 @@ import numpy as np
 import optax
 import pytest
 
-from flaxtpu import config as config_lib
-from flaxtpu import defaults, models, steps
-from flaxtpu.errors import UserError
+from flaxtpu import models
 from flaxtpu.models.nets import convnext, fastnet, vit
+from flaxtpu.settings import defaults
+from flaxtpu.settings.errors import UserError
+from flaxtpu.step import steps
+from flaxtpu.validation import config as config_lib
 
 # Parameter counts at 10 classes (CIFAR family with projection shortcuts).
 EXPECTED_PARAMS = {

@@ -17,11 +17,17 @@ from sklearn.metrics import average_precision_score, f1_score
 
 from configs import cifar10
 from conftest import restore_checkpoint
-from flaxtpu import augment, checkpoint, export, finetune, metrics, parallel, steps, train
-from flaxtpu.errors import UserError
+from flaxtpu.augmentation import augment
+from flaxtpu.exporters import export
+from flaxtpu.io import metrics
+from flaxtpu.loop import train
 from flaxtpu.modes import eval as eval_mode
 from flaxtpu.modes import predict, restore
 from flaxtpu.report import metrics as report_metrics
+from flaxtpu.settings.errors import UserError
+from flaxtpu.step import parallel, steps
+from flaxtpu.transfer import finetune
+from flaxtpu.weights import checkpoint
 
 CLASSES = ('red', 'green', 'blue', 'yellow')
 COLOURS = np.array([(230, 40, 40), (40, 220, 40), (50, 60, 240), (230, 220, 40)], np.uint8)
@@ -412,9 +418,9 @@ def test_best_checkpoint_by_default_metric_of_the_task():
 @pytest.mark.parametrize('value, shown', [(5.0, '5.0'), (None, 'null'), (float('nan'), 'NaN'), (-1, '-1'),
                                           ('abc', '"abc"'), (True, 'true')])
 def test_a_hand_edited_thresholds_file_is_checked_when_read(tmp_path, value, shown):
-  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
-  from flaxtpu.evaluate import report_about  # pylint: disable=g-import-not-at-top
+  from flaxtpu.evaluation.evaluate import report_about  # pylint: disable=g-import-not-at-top
   from flaxtpu.modes import thresholds  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
   config = defaults.get_config()
   config.task = 'multilabel'
   path = tmp_path / 'thresholds.json'

@@ -1,4 +1,5 @@
-"""model.onnx (flaxtpu/onnx_export.py): --mode=export's ONNX model agrees with predict, for every family."""
+"""model.onnx (flaxtpu/exporters/onnx_export.py): --mode=export's ONNX model agrees with predict, for every
+family."""
 
 import dataclasses
 import hashlib
@@ -16,9 +17,12 @@ import pytest
 
 from configs import cifar10
 from conftest import make_image_folder
-from flaxtpu import export, models, onnx_export, steps, train
-from flaxtpu.errors import UserError
+from flaxtpu import models
+from flaxtpu.exporters import export, onnx_export
+from flaxtpu.loop import train
 from flaxtpu.modes import predict, restore
+from flaxtpu.settings.errors import UserError
+from flaxtpu.step import steps
 
 pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason='jax2onnx needs Python 3.11+')
 MEAN = np.array([0.49, 0.48, 0.45], np.float32)

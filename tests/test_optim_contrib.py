@@ -8,21 +8,25 @@ import optax
 import pytest
 from test_train import _assert_trees_close, _config, _mesh, run_steps
 
-from flaxtpu import config as config_lib
-from flaxtpu import (
-  defaults,
-  gradients,
-  lengths,
+from flaxtpu import models
+from flaxtpu.data import loaders
+from flaxtpu.optimizers import (
   loss_scale,
-  models,
   optim,
   optim_contrib,
-  parallel,
   sam,
+)
+from flaxtpu.settings import (
+  defaults,
+  lengths,
+)
+from flaxtpu.step import (
+  gradients,
+  parallel,
   steps,
 )
-from flaxtpu.config import ConfigError
-from flaxtpu.data import loaders
+from flaxtpu.validation import config as config_lib
+from flaxtpu.validation.config import ConfigError
 
 
 def _opt_config(**overrides):

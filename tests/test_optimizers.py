@@ -8,9 +8,11 @@ import numpy as np
 import optax
 import pytest
 
-from flaxtpu import config as config_lib
-from flaxtpu import defaults, lengths, models, optim
-from flaxtpu.config import ConfigError
+from flaxtpu import models
+from flaxtpu.optimizers import optim
+from flaxtpu.settings import defaults, lengths
+from flaxtpu.validation import config as config_lib
+from flaxtpu.validation.config import ConfigError
 
 EXAMPLES = 64  # at batch 8: 8 steps an epoch
 KERNELS = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # what weight decay and trust ratios see

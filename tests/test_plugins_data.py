@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from configs import cifar10
-from flaxtpu import config as config_lib
-from flaxtpu import train
-from flaxtpu.config import ConfigError
 from flaxtpu.data import pipeline, sources
 from flaxtpu.data.sources import base, embedded
+from flaxtpu.loop import train
+from flaxtpu.validation import config as config_lib
+from flaxtpu.validation.config import ConfigError
 
 CLASSES = ('dark', 'middle', 'light')
 

@@ -16,10 +16,14 @@ import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 from safetensors.numpy import save_file
 
-from flaxtpu import defaults, finetune, models, optim, pretrained
-from flaxtpu.errors import UserError, join_or
+from flaxtpu import models
 from flaxtpu.models import layouts
 from flaxtpu.models.family import Family, Layout, Spec
+from flaxtpu.optimizers import optim
+from flaxtpu.settings import defaults
+from flaxtpu.settings.errors import UserError, join_or
+from flaxtpu.transfer import finetune
+from flaxtpu.weights import pretrained
 
 # --- the toy family: a network and its plug-in ----------------------------------------------------
 
@@ -176,7 +180,7 @@ def test_every_model_places_every_parameter_in_its_layer_map():
 
 
 def test_the_registry_and_the_published_weights_import_no_jax():
-  code = ('import sys, flaxtpu.models, flaxtpu.pretrained; '
+  code = ('import sys, flaxtpu.models, flaxtpu.weights.pretrained; '
           'print(sorted({"jax", "flax"} & set(sys.modules)), flaxtpu.models.get_spec("vit_ti").options)')
   result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
   assert result.stdout.split('\n')[0] == "[] ('patch_size', 'pool', 'dropout', 'drop_path', 'gelu')"

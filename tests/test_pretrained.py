@@ -20,10 +20,14 @@ import pytest
 from flax import traverse_util
 from PIL import Image
 
-from flaxtpu import config as config_lib
-from flaxtpu import defaults, finetune, models, pretrained, workdir_config
-from flaxtpu.errors import UserError, join_or
+from flaxtpu import models
 from flaxtpu.models import layouts, resnet, vit
+from flaxtpu.settings import defaults
+from flaxtpu.settings.errors import UserError, join_or
+from flaxtpu.transfer import finetune
+from flaxtpu.validation import config as config_lib
+from flaxtpu.validation import workdir_config
+from flaxtpu.weights import pretrained
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

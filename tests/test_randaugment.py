@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageEnhance, ImageOps
 
-from flaxtpu import randaugment as ra
+from flaxtpu.augmentation import randaugment as ra
 
 RNG = np.random.default_rng(0)
 RGB = RNG.integers(0, 256, (16, 16, 3)).astype(np.uint8)

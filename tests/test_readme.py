@@ -66,7 +66,7 @@ def parse_main(argv: list[str]):
     # eval/predict/export without --config read the run's config.json, which has every key of defaults.py.
     mode = main_lib._flag_value(argv, 'mode')  # pylint: disable=protected-access
     assert mode in RESTORING_MODES, f'{argv}: --config is missing'
-    config_path = str(ROOT / 'flaxtpu' / 'defaults.py')
+    config_path = str(ROOT / 'flaxtpu' / 'settings' / 'defaults.py')
     argv = [argv[0], f'--config={config_path}', *argv[1:]]
   assert (ROOT / config_path.split(':', 1)[0]).is_file(), f'--config={config_path} does not exist'
   argv = [re.sub(r'^--config=(?!/)', f'--config={ROOT}/', arg) for arg in argv]
@@ -82,7 +82,7 @@ def parse_main(argv: list[str]):
 
 
 def check_main(words: list[str]) -> None:
-  from flaxtpu import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxtpu.validation import config as config_lib  # pylint: disable=g-import-not-at-top
   argv = ['flaxtpu.main', *words[3:]]
   if str(ROOT) not in sys.path:  # experiments import recipes (`from configs import ...`)
     sys.path.insert(0, str(ROOT))

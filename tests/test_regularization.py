@@ -11,12 +11,16 @@ import optax
 import pytest
 
 from conftest import restore_checkpoint, tiny_dataset
-from flaxtpu import augment, defaults, lengths, metric_names, optim, steps, train
-from flaxtpu import config as config_lib
-from flaxtpu.config import ConfigError
+from flaxtpu.augmentation import augment
 from flaxtpu.data import loaders
-from flaxtpu.errors import UserError
+from flaxtpu.loop import train
 from flaxtpu.modes import eval as eval_mode
+from flaxtpu.optimizers import optim
+from flaxtpu.settings import defaults, lengths, metric_names
+from flaxtpu.settings.errors import UserError
+from flaxtpu.step import steps
+from flaxtpu.validation import config as config_lib
+from flaxtpu.validation.config import ConfigError
 
 
 def _config(**overrides):
@@ -475,7 +479,7 @@ def test_the_mnist_recipe_learns_the_embedded_digits(tmp_path):
 
 
 def test_a_run_can_turn_its_ema_off_but_not_on_when_resuming(tmp_path):
-  from flaxtpu.checkpoint import CheckpointError
+  from flaxtpu.weights.checkpoint import CheckpointError
   base = {'dataset.name': 'digits', 'dataset.train_split': 'train[:256]', 'batch_size': 32,
           'checkpoint_every_steps': 3, 'eval_every_steps': 100}
   with_ema = str(tmp_path / 'with_ema')
@@ -508,7 +512,7 @@ def test_fine_tuning_with_ema_starts_the_average_at_the_loaded_weights(tmp_path)
 
 
 def test_resuming_with_another_accumulation_is_one_line(tmp_path):
-  from flaxtpu.checkpoint import CheckpointError
+  from flaxtpu.weights.checkpoint import CheckpointError
   base = {'dataset.name': 'digits', 'dataset.train_split': 'train[:256]', 'batch_size': 32,
           'eval_every_steps': 100, 'checkpoint_every_steps': 2}
   workdir = str(tmp_path)
@@ -519,7 +523,7 @@ def test_resuming_with_another_accumulation_is_one_line(tmp_path):
 
 
 def test_a_checkpoint_written_before_the_ema_existed_resumes(tmp_path):
-  from flaxtpu import checkpoint
+  from flaxtpu.weights import checkpoint
   config = _config(**{'dataset.name': 'digits', 'dataset.train_split': 'train[:256]', 'batch_size': 32,
                       'eval_every_steps': 100, 'num_train_steps': 2})
   new = str(tmp_path / 'new')

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flaxtpu.errors import UserError
 from flaxtpu.report import metrics, plots, writer
+from flaxtpu.settings.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NAMES = ['cat', 'dog', 'frog']

@@ -10,9 +10,14 @@ import numpy as np
 import pytest
 
 from conftest import make_image_folder
-from flaxtpu import checkpoint, defaults, files, main, metric_names, resolution, saved, train, workdir_config
-from flaxtpu import config as config_lib
-from flaxtpu.errors import UserError
+from flaxtpu import main
+from flaxtpu.io import files
+from flaxtpu.loop import train
+from flaxtpu.settings import defaults, metric_names
+from flaxtpu.settings.errors import UserError
+from flaxtpu.validation import config as config_lib
+from flaxtpu.validation import resolution, workdir_config
+from flaxtpu.weights import checkpoint, saved
 
 
 def _config(folder, **overrides):
@@ -169,14 +174,14 @@ def test_training_an_unresolved_fine_tune_is_one_line(source, folders, tmp_path)
   config = _config(folders[1], **{'init_from.checkpoint': source})
   with pytest.raises(UserError, match=r'config.dataset.normalize/mean/std left open for init_from '
                                       r'.*/checkpoints/2; resolve the config before training: '
-                                      r'flaxtpu.resolution.resolve\('):
+                                      r'flaxtpu.validation.resolution.resolve\('):
     train.train_and_evaluate(config, str(tmp_path / 'unresolved'))
 
 
 def test_a_run_saved_before_model_padding_keeps_its_function_when_a_new_recipe_resumes_it(tmp_path):
   """Issue 43, class 8: config.json without model.padding computed 'same'; a recipe that leaves padding
   at its default resumes (or evaluates) it with 'same', and one that asks for another is one line."""
-  from flaxtpu.errors import ConfigError
+  from flaxtpu.settings.errors import ConfigError
   saved = defaults.get_config().to_dict()
   saved['model'].update(name='resnet20')
   del saved['model']['padding']

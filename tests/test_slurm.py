@@ -204,7 +204,8 @@ def slurm():
 # --- without a cluster: the command line, the script, and what is submitted when --------------
 
 TWO_RUNS = """
-from flaxtpu import defaults, sweep
+from flaxtpu import sweep
+from flaxtpu.settings import defaults
 
 def get_config():
   return defaults.get_config()

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxtpu import config as config_lib
 from flaxtpu import models
-from flaxtpu.defaults import get_config
-from flaxtpu.errors import UserError
 from flaxtpu.models.nets import resnet
+from flaxtpu.settings.defaults import get_config
+from flaxtpu.settings.errors import UserError
+from flaxtpu.validation import config as config_lib
 
 
 @pytest.mark.parametrize('height,width', [(32, 32), (33, 30), (29, 35)])

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import ROOT
-from flaxtpu import progress
+from flaxtpu.loop import progress
 
 # The CLI with jax.monitoring listeners: each backend compile (a persistent-cache hit included) and each
 # compilation-cache event is written to $EVENTS when the process exits.
@@ -78,7 +78,7 @@ def test_second_run_compiles_nothing_and_eval_or_a_partial_batch_compiles_once(t
 
 
 def test_process_start_time_is_when_the_command_started():
-  script = ('import time; typed = time.time(); from flaxtpu import progress; '
+  script = ('import time; typed = time.time(); from flaxtpu.loop import progress; '
             'print(typed - progress.process_start_time(fallback=0.0))')
   result = subprocess.run([sys.executable, '-c', script], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, check=True)
@@ -123,7 +123,7 @@ loads = []
 original = pipeline.load
 def watched(config, *args, **kwargs):
   import threading
-  began = {'thread': threading.current_thread().name, 'trainer_imported': 'flaxtpu.train' in sys.modules}
+  began = {'thread': threading.current_thread().name, 'trainer_imported': 'flaxtpu.loop.train' in sys.modules}
   dataset = original(config, *args, **kwargs)
   time.sleep(1.0)
   loads.append(began)

@@ -11,9 +11,10 @@ import pytest
 
 from configs import digits
 from conftest import ROOT, assert_same_state, metric_rows, restore_checkpoint, signal_at_step
-from flaxtpu import config as config_lib
-from flaxtpu import defaults, train
-from flaxtpu.plateau import Plateau
+from flaxtpu.loop import train
+from flaxtpu.optimizers.plateau import Plateau
+from flaxtpu.settings import defaults
+from flaxtpu.validation import config as config_lib
 
 # Every 4 steps an evaluation; eval_loss never improves by min_delta=1, so with patience 3 the run
 # stops at the 4th evaluation (step 16), its best the first (step 4).

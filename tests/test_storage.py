@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from conftest import ROOT, assert_same_state, make_image_folder, restore_checkpoint
-from flaxtpu import files, lock, storage
+from flaxtpu.io import files, lock, storage
 
 # The digits CNN, short: a checkpoint every 8 steps, so a kill lands between two of them.
 STEPS = 120
@@ -83,7 +83,7 @@ def _cli(*args):
 
 
 def _complete_steps(workdir):
-  from flaxtpu import checkpoint
+  from flaxtpu.weights import checkpoint
   return sorted(checkpoint._complete_steps(os.path.join(workdir, 'checkpoints')))
 
 
@@ -425,7 +425,7 @@ def test_a_save_the_bucket_did_not_answer_names_the_connection(tmp_path, monkeyp
   and the restart resumes from the newest complete step)."""
   from types import SimpleNamespace
 
-  from flaxtpu import checkpoint
+  from flaxtpu.weights import checkpoint
   fake = SimpleNamespace(directory=str(tmp_path / 'checkpoints'), _saving_step=4)
   monkeypatch.setattr(storage, 'is_remote', lambda path: True)
   with pytest.raises(checkpoint.CheckpointError, match=(

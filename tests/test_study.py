@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 
 from configs import digits
-from flaxtpu import pruning, tracking, train
 from flaxtpu.data import loaders
-from flaxtpu.progress import Progress
+from flaxtpu.io import tracking
+from flaxtpu.loop import pruning, train
+from flaxtpu.loop.progress import Progress
 from flaxtpu.sweep import __main__ as cli
 from flaxtpu.sweep import runner
 from flaxtpu.sweep import study as studies
@@ -117,7 +118,8 @@ def test_a_mistake_in_get_search_is_one_line_naming_the_trial(tmp_path, body, me
   """Issue 52 part 3: get_search raising, returning the wrong type or drawing a config that validation
   refuses is one line naming the file and the trial with its draws; no traceback, no study created."""
   bad = tmp_path / 'bad.py'
-  bad.write_text('from flaxtpu import defaults\nget_config = defaults.get_config\n\ndef get_search(trial):\n'
+  bad.write_text('from flaxtpu.settings import defaults\nget_config = defaults.get_config\n\ndef '
+                 'get_search(trial):\n'
                  + body)
   for dry_run in ((), ('--dry-run',)):
     result = subprocess.run([sys.executable, '-m', 'flaxtpu.sweep', str(bad), f'--workdir={tmp_path / "s"}',

@@ -22,7 +22,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # A tiny experiment over two keys (4 runs); the report test fakes its run directories.
 TWO_KEY_EXPERIMENT = '''
-from flaxtpu import defaults, sweep
+from flaxtpu import sweep
+from flaxtpu.settings import defaults
 
 def get_config():
   return defaults.get_config()
@@ -140,7 +141,8 @@ def test_dry_run_prints_the_exact_commands_and_runs_nothing(tmp_path, in_repo_ro
 def test_a_bad_sweep_key_is_one_error_line_before_anything_runs(tmp_path, in_repo_root, capsys,
                                                                  sweep_source, message):
   experiment = write_experiment(tmp_path, f'''
-      from flaxtpu import defaults, sweep
+      from flaxtpu import sweep
+      from flaxtpu.settings import defaults
       get_config = defaults.get_config
       def get_sweep():
         return {sweep_source}
@@ -156,14 +158,16 @@ def test_a_bad_sweep_key_is_one_error_line_before_anything_runs(tmp_path, in_rep
 # line it gets: FILE is the file's path, LINE the line number that failed.
 BROKEN_EXPERIMENTS = {
     'syntax error': ("""
-        from flaxtpu import defaults, sweep
+        from flaxtpu import sweep
+        from flaxtpu.settings import defaults
         get_config = defaults.get_config
         def get_sweep(:
           return []
         """, 'FILE, line 4: SyntaxError: invalid syntax (while importing it); fix the experiment file '
              '(nothing ran)'),
     'name error at import': ("""
-        from flaxtpu import defaults, sweep
+        from flaxtpu import sweep
+        from flaxtpu.settings import defaults
         get_config = defaults.get_config
         LEARNING_RATES = [0.1, learning_rate]
         def get_sweep():
@@ -171,7 +175,8 @@ BROKEN_EXPERIMENTS = {
         """, "FILE, line 4: NameError: name 'learning_rate' is not defined (while importing it); fix the "
              'experiment file (nothing ran)'),
     'get_sweep raises': ("""
-        from flaxtpu import defaults, sweep
+        from flaxtpu import sweep
+        from flaxtpu.settings import defaults
         get_config = defaults.get_config
         def rates():
           raise ValueError('no rates for this budget')
@@ -180,7 +185,8 @@ BROKEN_EXPERIMENTS = {
         """, 'FILE, line 5: ValueError: no rates for this budget (while get_sweep() listed the runs); fix '
              'the experiment file (nothing ran)'),
     'get_config sets a key that does not exist': ("""
-        from flaxtpu import defaults, sweep
+        from flaxtpu import sweep
+        from flaxtpu.settings import defaults
         def get_config():
           config = defaults.get_config()
           config.model.nmae = 'resnet20'
@@ -190,35 +196,40 @@ BROKEN_EXPERIMENTS = {
         """, "FILE, line 5: sets config key 'nmae', which does not exist (did you mean 'name'?) (while "
              'get_config() built the base config); fix the experiment file (nothing ran)'),
     'get_config returns nothing': ("""
-        from flaxtpu import defaults, sweep
+        from flaxtpu import sweep
+        from flaxtpu.settings import defaults
         def get_config():
           config = defaults.get_config()
         def get_sweep():
           return sweep.sweep('seed', [0, 1])
         """, 'FILE: get_config() returned None (no return statement?), not an ml_collections ConfigDict; '
-             'return flaxtpu.defaults.get_config() with your changes'),
+             'return flaxtpu.settings.defaults.get_config() with your changes'),
     'get_sweep returns a dict': ("""
-        from flaxtpu import defaults, sweep
+        from flaxtpu import sweep
+        from flaxtpu.settings import defaults
         get_config = defaults.get_config
         def get_sweep():
           return {'seed': [0, 1]}
         """, "FILE: get_sweep() returned a dict ({'seed': [0, 1]}), not a list of {config key: value} dicts "
              '(one per run)'),
     'a run that is not a dict': ("""
-        from flaxtpu import defaults, sweep
+        from flaxtpu import sweep
+        from flaxtpu.settings import defaults
         get_config = defaults.get_config
         def get_sweep():
           return [{'seed': 0}, 'seed=1']
         """, "FILE: get_sweep() item 1 is a str ('seed=1'), not a {config key: value} dict"),
     'a key that does not exist': ("""
-        from flaxtpu import defaults, sweep
+        from flaxtpu import sweep
+        from flaxtpu.settings import defaults
         get_config = defaults.get_config
         def get_sweep():
           return sweep.product(sweep.sweep('seed', [0]), sweep.sweep('model.nmae', ['cnn', 'resnet20']))
         """, "FILE: run 1 of 2 (seed=0,model.nmae=cnn): sweep key 'model.nmae' is not a config key (did you "
              "mean 'model.name'?)"),
     'a value of the wrong type': ("""
-        from flaxtpu import defaults, sweep
+        from flaxtpu import sweep
+        from flaxtpu.settings import defaults
         get_config = defaults.get_config
         def get_sweep():
           return sweep.sweep('batch_size', [64, 'large'])
@@ -226,7 +237,8 @@ BROKEN_EXPERIMENTS = {
              "type (Could not override field 'batch_size' (reference). large is of original type "
              "<class 'str'> and cannot be casted to type <class 'int'>)"),
     'a value config validation refuses': ("""
-        from flaxtpu import defaults, sweep
+        from flaxtpu import sweep
+        from flaxtpu.settings import defaults
         get_config = defaults.get_config
         def get_sweep():
           return sweep.product(sweep.sweep('optimizer.learning_rate', [0.1, 0.2]),
@@ -235,7 +247,8 @@ BROKEN_EXPERIMENTS = {
              "config.schedule.name='cosin' is not valid; choose one of: 'constant', 'cosine', 'linear', "
              "'onecycle', 'step', 'exponential', 'rsqrt', 'plateau'"),
     'values that cannot work together': ("""
-        from flaxtpu import defaults, sweep
+        from flaxtpu import sweep
+        from flaxtpu.settings import defaults
         get_config = defaults.get_config
         def get_sweep():
           return sweep.chain(sweep.sweep('optimizer.name', ['sgd']), [{'optimizer.nesterov': True}])
@@ -288,7 +301,8 @@ def test_runs_are_checked_with_their_init_from_source_resolved(tmp_path, in_repo
   """A run's config is checked as its trainer resolves it: a source it cannot read is one line naming
   the run, before any run starts; a dry run, which reads no weights, lists it."""
   experiment = write_experiment(tmp_path, """
-      from flaxtpu import defaults, sweep
+      from flaxtpu import sweep
+      from flaxtpu.settings import defaults
       get_config = defaults.get_config
       def get_sweep():
         return sweep.sweep('init_from.checkpoint', ['', '/no/such/run'])
@@ -433,7 +447,8 @@ def test_ranking_puts_the_best_run_on_top_and_keeps_long_names_apart():
 
 def test_the_ranking_of_a_big_sweep_shows_its_best_runs(tmp_path, in_repo_root):
   experiment = write_experiment(tmp_path, '''
-      from flaxtpu import defaults, sweep
+      from flaxtpu import sweep
+      from flaxtpu.settings import defaults
 
       def get_config():
         return defaults.get_config()
@@ -454,7 +469,7 @@ def test_report_plots_runs_whose_overrides_hold_dollar_signs(tmp_path, in_repo_r
   # A regex override ('^stem/bias$') in a legend label or tick was read as TeX math, which failed to
   # parse: the sweep's 13 runs finished and the sweep still exited 1, without plots.
   experiment = write_experiment(tmp_path, '''
-      from flaxtpu import defaults
+      from flaxtpu.settings import defaults
 
       def get_config():
         return defaults.get_config()
@@ -491,7 +506,8 @@ def launches(run_dir: Path) -> int:
 
 def test_tiny_sweep_end_to_end_records_a_failure_and_skips_finished_runs_on_rerun(tmp_path, image_folder):
   experiment = write_experiment(tmp_path, '''
-      from flaxtpu import defaults, sweep
+      from flaxtpu import sweep
+      from flaxtpu.settings import defaults
 
       def get_config():
         config = defaults.get_config()
@@ -561,7 +577,7 @@ def test_a_missing_data_folder_stops_the_sweep_before_any_run(tmp_path, in_repo_
 def test_a_second_sweep_on_one_directory_is_refused_and_changes_nothing(tmp_path, in_repo_root, capsys,
                                                                        image_folder, monkeypatch):
   """Issue 43, class 5: the sweep directory has its own lock; the second sweep is one line, exit 2."""
-  from flaxtpu import lock
+  from flaxtpu.io import lock
   experiment = write_experiment(tmp_path, TWO_KEY_EXPERIMENT)
   workdir = tmp_path / 'sweep'
   workdir.mkdir()

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from conftest import assert_same_state, metric_rows, restore_checkpoint, signal_at_step
-from flaxtpu import config as config_lib
-from flaxtpu import defaults, lengths, optim, time_budget, train
+from flaxtpu.loop import time_budget, train
+from flaxtpu.optimizers import optim
+from flaxtpu.settings import defaults, lengths
+from flaxtpu.validation import config as config_lib
 
 # The costs a probe might measure on the digits (1,438 train images, batch 32: 44 steps an epoch, evaluated
 # and saved after each): the first evaluation compiles (0.7 s), a warm one takes 0.2 s.

@@ -8,9 +8,11 @@ import pytest
 
 from configs import cifar10_resnet
 from conftest import tiny_dataset
-from flaxtpu import lengths, parallel, progress, steps
 from flaxtpu.data import loaders, pipeline
-from flaxtpu.errors import UserError
+from flaxtpu.loop import progress
+from flaxtpu.settings import lengths
+from flaxtpu.settings.errors import UserError
+from flaxtpu.step import parallel, steps
 
 STEPS = 5
 
@@ -132,7 +134,7 @@ def test_batch_that_does_not_divide_over_devices_is_named(key):
 
 
 def test_eta_counts_the_evaluations_and_saves_still_to_come(monkeypatch):
-  from flaxtpu.lengths import RunLength
+  from flaxtpu.settings.lengths import RunLength
   clock_time = [1000.0]
   monkeypatch.setattr(progress.time, 'time', lambda: clock_time[0])
   clock = progress.TrainClock(first_step=0, progress=progress.Progress())

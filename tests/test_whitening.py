@@ -7,11 +7,15 @@ import numpy as np
 import pytest
 
 from conftest import make_image_folder, make_mixed_folder, restore_checkpoint
-from flaxtpu import augment, defaults, models, steps, train
-from flaxtpu import config as config_lib
+from flaxtpu import models
+from flaxtpu.augmentation import augment
 from flaxtpu.data import loaders, pipeline
-from flaxtpu.errors import UserError
+from flaxtpu.loop import train
 from flaxtpu.models.nets import fastnet
+from flaxtpu.settings import defaults
+from flaxtpu.settings.errors import UserError
+from flaxtpu.step import steps
+from flaxtpu.validation import config as config_lib
 
 
 def _patches(images, side=2):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from flaxtpu.errors import ConfigError
+from flaxtpu.settings.errors import ConfigError
 
 LOSSES = ('softmax', 'bce')
 MAX_AUGMIX_SEVERITY = 10

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from flaxtpu import augmix, photometric, randaugment
+from flaxtpu.augmentation import augmix, photometric, randaugment
 
 # Streams apart from the crop/flip/cutout draws, so that turning one of these on leaves the
 # others' draws (and earlier runs' augmentation) unchanged: the policy's is folded into an

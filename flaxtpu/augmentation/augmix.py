@@ -9,7 +9,7 @@ weights, clipped to 0..255 and truncated to uint8, then blended with the
 original image: (1 - m) * image + m * mix with m ~ Beta(alpha, alpha),
 truncated (timm's `_apply_basic` and PIL's blend).
 
-The ops are flaxtpu/randaugment.py's (torchvision's formulas and
+The ops are flaxtpu/augmentation/randaugment.py's (torchvision's formulas and
 RandAugment's full levels): timm's augmix list, with Brightness, Color,
 Contrast and Sharpness as its *Increasing variants (factor 1 +- up to 0.9),
 and translations up to 150/331 of the side where timm's augmix uses 0.3.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flaxtpu import randaugment
+from flaxtpu.augmentation import randaugment
 
 AUGMIX_OPS = ('AutoContrast', 'Color', 'Contrast', 'Brightness', 'Sharpness', 'Equalize', 'Rotate',
               'Posterize', 'Solarize', 'ShearX', 'ShearY', 'TranslateX', 'TranslateY')

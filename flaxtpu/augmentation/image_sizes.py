@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import ml_collections
 
 from flaxtpu import models
-from flaxtpu.errors import ConfigError
+from flaxtpu.settings.errors import ConfigError
 
 MIN_SIZE = 8  # the smallest side a schedule or eval.image_size may ask for
 

@@ -9,7 +9,7 @@ principle two hashes that close agree exactly on one of `near_distance + 1` band
 only images sharing a band are compared.
 
 Wrong labels are found by confident learning (Northcutt, Jiang and Chuang 2021) from out-of-sample
-probabilities (`flaxtpu/audit_folds.py` makes them: each image scored by a model that never saw it):
+probabilities (`flaxtpu/modes/audit_folds.py` makes them: each image scored by a model that never saw it):
 per-class thresholds (the mean probability of a class over the images labelled with it), a confident
 joint of given and likely labels, and cleanlab's rules for which images to flag (`find_label_issues`,
 `RULES`), ranked by the normalised margin of their label. Implemented here in numpy, step for step as
@@ -26,7 +26,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from flaxtpu import files, storage
+from flaxtpu.io import files, storage
 
 CHUNK = 512  # files handed to the threads at a time: memory holds one chunk's bytes, never a split's
 HASH_SIDE = 64  # a JPEG decodes at the smallest DCT scale that still covers this (pHash reads 32x32)
@@ -390,7 +390,7 @@ def summary(report: dict) -> str:
 
 def check_config(config) -> None:
   """config.audit's keys, for config.validate."""
-  from flaxtpu.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings.errors import ConfigError  # pylint: disable=g-import-not-at-top
   settings = config.audit
   if not 0 <= settings.near_distance <= 32:
     raise ConfigError(f'config.audit.near_distance={settings.near_distance} must lie in [0, 32] bits '

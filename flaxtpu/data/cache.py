@@ -14,7 +14,7 @@ from flaxtpu.data.dataset import Examples, image_shape, label_batch
 from flaxtpu.data.decoded_store import Decoded, DecodedChunk
 from flaxtpu.data.preprocess import Transform
 from flaxtpu.data.sources.base import Split, unreadable, without_unreadable
-from flaxtpu.errors import ConfigError
+from flaxtpu.settings.errors import ConfigError
 
 # The decoded splits may take this share of host memory before `dataset.cache=auto` streams.
 CACHE_MEMORY_FRACTION = 1 / 8
@@ -29,7 +29,7 @@ def use_cache(cache: str, count: int, image_shape: tuple[int, int, int], transfo
   side = cache_side(transform) or max(image_shape[:2])
   needed = count * side * side * image_shape[2]  # at least: a cached image keeps its shorter side
   if cache == 'memory':
-    from flaxtpu import memory  # pylint: disable=g-import-not-at-top  # memory reads the spec module
+    from flaxtpu.data import memory  # pylint: disable=g-import-not-at-top  # memory reads the spec module
     if needed > (available := memory.available_bytes()):
       raise ConfigError(
           f'config.dataset.cache=memory cannot fit: the {count} images decode to about '

@@ -15,7 +15,7 @@ import numpy as np
 
 from flaxtpu.data.dataset import Examples, listed_train_labels
 from flaxtpu.data.sources.base import DataError
-from flaxtpu.errors import printable
+from flaxtpu.settings.errors import printable
 
 
 def class_counts(labels: np.ndarray, num_classes: int) -> np.ndarray:

@@ -23,9 +23,9 @@ import cv2
 import numpy as np
 import simplejpeg
 
-from flaxtpu import storage
 from flaxtpu.data.sources.base import Split
 from flaxtpu.data.sources.folder import FileRecords
+from flaxtpu.io import storage
 
 FORMAT = 1  # bump when what a stored file holds, or how an image is decoded, changes
 UNUSED_DAYS = 30  # a stored split no run has read for this long is deleted (a dataset since edited)

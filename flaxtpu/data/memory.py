@@ -16,8 +16,8 @@ from typing import Optional
 import ml_collections
 
 from flaxtpu.data.spec import DatasetSpec, input_workers
-from flaxtpu.errors import ConfigError
-from flaxtpu.lengths import resolved_eval_batch_size
+from flaxtpu.settings.errors import ConfigError
+from flaxtpu.settings.lengths import resolved_eval_batch_size
 
 # A grain worker's own memory (a fresh interpreter with numpy, OpenCV, Pillow and grain): 97 MiB
 # measured (USS; its RSS of 215 MiB includes the shared libraries every worker shares).

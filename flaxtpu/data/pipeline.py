@@ -29,14 +29,14 @@ from typing import Optional, Sequence
 import ml_collections
 import numpy as np
 
-from flaxtpu import image_sizes
+from flaxtpu.augmentation import image_sizes
 from flaxtpu.data import cache, class_weights, loaders, sources
 from flaxtpu.data.dataset import Dataset, Examples, image_shape
 from flaxtpu.data.preprocess import Transform
 from flaxtpu.data.sources.base import DataError as DataError  # tests and callers catch it from here
 from flaxtpu.data.sources.base import Source, Split
 from flaxtpu.data.spec import DatasetSpec, fixed_normalization
-from flaxtpu.errors import UserError
+from flaxtpu.settings.errors import UserError
 
 DEFAULT_CROP_FRACTION = 0.875  # dataset.crop_fraction=0 without an init_from that says otherwise
 STATISTICS_SAMPLE = 2_000  # images that estimate the per-channel mean/std of a streamed split

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flaxtpu.data.sampling import Sampler
+from flaxtpu.data.samplers import Sampler
 
 
 class RepeatedSampler(Sampler):

@@ -10,6 +10,9 @@
 A new sampler is a `Sampler` subclass and a factory registered under its name
 (`register`). Every sampler is a pure function of (seed, step), so a resumed
 run or another worker count sees exactly the same batches.
+
+`sampling.py` picks the sampler a dataset names; this module holds the samplers and their registry,
+below the source kinds that add their own.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from flaxtpu.data.dataset import Dataset, listed_train_labels
 from flaxtpu.data.sources.base import DataError
 
 # Spawn keys of the seed sequences drawn from `seed`, one per stream, so no two ever coincide
@@ -36,13 +38,6 @@ def register(name: str) -> Callable:
     SAMPLERS[name] = factory
     return factory
   return add
-
-
-def names() -> tuple[str, ...]:
-  """The registered sampler names, the kinds' own included."""
-  from flaxtpu.data import sources  # pylint: disable=g-import-not-at-top
-  sources.ordered()  # loads the kinds, which register their own samplers
-  return tuple(SAMPLERS)
 
 
 def process_slice(global_batch_size: int, process_index: int, process_count: int) -> slice:
@@ -190,25 +185,3 @@ def balanced_probabilities(labels: np.ndarray) -> np.ndarray:
 @register('shuffle')
 def _shuffle(train, seed: int, batch_size: int, **layout) -> Sampler:
   return ShuffleSampler(seed, len(train), batch_size, **layout)
-
-
-@register('balanced')
-def _balanced(train, seed: int, batch_size: int, **layout) -> Sampler:
-  return BalancedSampler(seed, listed_train_labels(train, 'sampling=balanced'), batch_size, **layout)
-
-
-def sampler(dataset: Dataset, *, seed: int, batch_size: int, process_index: int = 0,
-            process_count: int = 1) -> Sampler:
-  """The `Sampler` that `dataset.sampling` names, over the train split."""
-  from flaxtpu.data import repeated  # pylint: disable=g-import-not-at-top  # it subclasses Sampler
-  chosen = SAMPLERS[dataset.sampling if dataset.sampling in names() else 'shuffle'](
-      dataset.train, seed, batch_size, process_index=process_index, process_count=process_count)
-  return repeated.repeated(chosen, dataset.repeats)  # augment.repeats
-
-
-def examples_per_epoch(dataset: Dataset, batch_size: int, process_count: int = 1) -> int:
-  """The train examples an epoch uses, in whole global batches: what the run length counts. Under
-  shards the smallest process's share sets it; it raises the sampler's errors (too few shards)
-  before anything compiles."""
-  chosen = sampler(dataset, seed=0, batch_size=batch_size, process_count=process_count)
-  return chosen.steps_per_epoch * batch_size

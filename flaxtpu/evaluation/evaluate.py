@@ -15,11 +15,13 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flaxtpu import files, parallel, steps, swa
 from flaxtpu.data import loaders, pipeline
-from flaxtpu.metric_names import eval_metric_prefix
+from flaxtpu.io import files
+from flaxtpu.optimizers import swa
 from flaxtpu.report import metrics as report_metrics
 from flaxtpu.report import writer
+from flaxtpu.settings.metric_names import eval_metric_prefix
+from flaxtpu.step import parallel, steps
 
 
 class Predictions(NamedTuple):

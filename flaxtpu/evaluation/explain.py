@@ -25,10 +25,13 @@ import ml_collections
 import numpy as np
 from PIL import Image
 
-from flaxtpu import augment, files, image_sizes, models, steps
+from flaxtpu import models
+from flaxtpu.augmentation import augment, image_sizes
 from flaxtpu.data import preprocess
 from flaxtpu.data.preprocess import Transform
-from flaxtpu.errors import UserError
+from flaxtpu.io import files
+from flaxtpu.settings.errors import UserError
+from flaxtpu.step import steps
 
 MAX_PREFIX_TOKENS = 8  # class, distillation and register tokens before a ViT's patches
 

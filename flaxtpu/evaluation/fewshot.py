@@ -25,10 +25,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from flaxtpu import augment, finetune, parallel, steps
+from flaxtpu.augmentation import augment
 from flaxtpu.data import loaders, pipeline
 from flaxtpu.data.spec import DatasetSpec
-from flaxtpu.errors import UserError
+from flaxtpu.settings.errors import UserError
+from flaxtpu.step import parallel, steps
+from flaxtpu.transfer import finetune
 
 
 @dataclasses.dataclass

@@ -5,8 +5,8 @@
     WORKDIR/export/
       saved_model/      saved_model.pb + variables/ + assets/class_names.txt
       model.tflite      the same model for TFLite / LiteRT (when the converter can produce it)
-      model.onnx        the same function for onnxruntime & co. (flaxtpu/onnx_export.py; when jax2onnx is
-                        installed), the same `images` -> `logits`, `probabilities` signature
+      model.onnx        the same function for onnxruntime & co. (flaxtpu/exporters/onnx_export.py; when
+                        jax2onnx is installed), the same `images` -> `logits`, `probabilities` signature
       class_names.txt   one class name a line, in logit order (also next to a deployed model.tflite)
       timm/             ResNets, ViTs, ConvNeXt: model.safetensors in timm's keys + timm's config.json;
                         timm.create_model('local-dir:WORKDIR/export/timm', pretrained=True) gives the
@@ -54,30 +54,36 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from flaxtpu import (
-  files,
+from flaxtpu import models
+from flaxtpu.augmentation import image_sizes
+from flaxtpu.data import loaders, pipeline
+from flaxtpu.exporters import (
   hub,
-  image_sizes,
   model_card,
-  models,
   onnx_export,
-  optim,
-  parallel,
-  pretrained,
-  steps,
-  storage,
-  swa,
   tflite_export,
 )
-from flaxtpu.data import loaders, pipeline
-from flaxtpu.errors import UserError
-from flaxtpu.lengths import resolved_eval_batch_size
+from flaxtpu.exporters.tflite_export import tflite_runner as _tflite_runner
+from flaxtpu.exporters.tflite_export import write_tflite as _write_tflite
+from flaxtpu.io import (
+  files,
+  storage,
+)
 from flaxtpu.models import layouts
 from flaxtpu.modes.predict import predict_logits
 from flaxtpu.modes.restore import restore
 from flaxtpu.modes.thresholds import tag_thresholds
-from flaxtpu.tflite_export import tflite_runner as _tflite_runner
-from flaxtpu.tflite_export import write_tflite as _write_tflite
+from flaxtpu.optimizers import (
+  optim,
+  swa,
+)
+from flaxtpu.settings.errors import UserError
+from flaxtpu.settings.lengths import resolved_eval_batch_size
+from flaxtpu.step import (
+  parallel,
+  steps,
+)
+from flaxtpu.weights import pretrained
 
 EXPORT_DIR = 'export'
 # What a killed export leaves next to EXPORT_DIR; earlier versions staged in '.export-<12 hex>'.

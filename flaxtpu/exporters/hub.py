@@ -16,8 +16,8 @@ import threading
 import urllib.parse
 from typing import Optional
 
-from flaxtpu import files
-from flaxtpu.errors import UserError
+from flaxtpu.io import files
+from flaxtpu.settings.errors import UserError
 
 CONNECT_SECONDS = 3.0  # the reachability probe, DNS included
 DEFAULT_ENDPOINT = 'https://huggingface.co'

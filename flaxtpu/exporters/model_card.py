@@ -18,7 +18,8 @@ from typing import Any, Optional
 import ml_collections
 import numpy as np
 
-from flaxtpu import files, swa
+from flaxtpu.io import files
+from flaxtpu.optimizers import swa
 
 EXTREMES = 3  # best and worst classes listed
 

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxtpu import steps
+from flaxtpu.step import steps
 
 FILE = 'model.onnx'
 EXTERNAL_DATA = 'model.onnx.data'  # weights beside the graph once they near protobuf's 2 GiB cap

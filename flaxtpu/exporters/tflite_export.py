@@ -89,7 +89,7 @@ def _logits(path: str, images: np.ndarray) -> np.ndarray:
   return np.concatenate([run(images[start:start + RUN_BATCH]) for start in range(0, len(images), RUN_BATCH)])
 
 
-CHILD_CODE = ('import sys; from flaxtpu.tflite_export import quantize_and_score; '
+CHILD_CODE = ('import sys; from flaxtpu.exporters.tflite_export import quantize_and_score; '
               'quantize_and_score(*sys.argv[1:])')
 
 
@@ -118,7 +118,7 @@ def _quantized_in_a_child(saved_model_dir: str, path: str, kind: str, representa
     np.save(given['representative'], representative)
     np.save(given['images'], images)
     returned, refused = os.path.join(directory, 'logits.npy'), os.path.join(directory, 'error.txt')
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [root, os.environ.get('PYTHONPATH')]))}
     done = subprocess.run([sys.executable, '-c', CHILD_CODE, saved_model_dir, path, kind,
                            given['representative'], given['images'], returned, refused], env=env,
@@ -209,7 +209,7 @@ def eval_data(config, class_names: list[str]) -> dict[str, Any]:
   """What the quantized models need from the run's data, through its own pipeline: calibration images
   (train), eval images with their labels, and the split sizes the model card gives."""
   from flaxtpu.data import loaders, pipeline  # pylint: disable=g-import-not-at-top
-  from flaxtpu.errors import UserError  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings.errors import UserError  # pylint: disable=g-import-not-at-top
   try:
     dataset = pipeline.load(config, need_train=True, class_names=class_names)
     representative = np.stack(loaders.train_sample(dataset, config.export.calibration_images))

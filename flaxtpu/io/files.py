@@ -21,8 +21,8 @@ import tempfile
 import threading
 from typing import Any, Iterator, Mapping, Optional
 
-from flaxtpu.errors import UserError
-from flaxtpu.storage import is_remote
+from flaxtpu.io.storage import is_remote
+from flaxtpu.settings.errors import UserError
 
 # Failures of the storage rather than of flaxtpu, by errno and by the words TensorStore and orbax wrap
 # them in (their messages carry a spec of ~2,000 characters around the OSError's text).

@@ -28,8 +28,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from flaxtpu import files, storage
-from flaxtpu.errors import UserError
+from flaxtpu.io import files, storage
+from flaxtpu.settings.errors import UserError
 
 LOCK_FILE = 'train.lock'
 # A lease not renewed for this long belongs to a dead run. Renewed every third of it, so a slow store

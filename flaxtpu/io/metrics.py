@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from clu import metrics
 
-from flaxtpu import events, files, storage
+from flaxtpu.io import events, files, storage
 
 
 @metrics.flax.struct.dataclass
@@ -348,11 +348,11 @@ class WandbWriter(ScalarWriter):
 
 
 class MlflowWriter(ScalarWriter):
-  """MLflow as one more metric writer (flaxtpu/tracking.py): the config as parameters, scalars at their
+  """MLflow as one more metric writer (flaxtpu/io/tracking.py): the config as parameters, scalars at their
   step. Images and texts go to TensorBoard only; the end's pictures become artifacts."""
 
   def __init__(self, workdir: str, tracking_uri: str, experiment: str):
-    from flaxtpu import tracking  # pylint: disable=g-import-not-at-top
+    from flaxtpu.io import tracking  # pylint: disable=g-import-not-at-top
     self._tracking = tracking
     self._tracker = tracking.tracker(tracking_uri, experiment)
     self._run_id, self._resumed = tracking.open_run(self._tracker, workdir,

@@ -6,14 +6,14 @@ Who reads and writes a `gs://` path in flaxtpu, and how each finds an emulator:
 - checkpoint arrays and the lease: TensorStore's `gcs` kvstore (through orbax). TENSORSTORE_GCS_HTTP_URL,
   and a fixed token (GOOGLE_AUTH_TOKEN_FOR_TESTING) so it never asks the GCE metadata server for one.
 - checkpoint directories, JSON, metrics, pictures, SavedModels, image folders, TFDS: `etils.epath`
-  (orbax, TFDS and flaxtpu.files use it). EPATH_USE_TF=false: epath then uses fsspec's gcsfs, which
+  (orbax, TFDS and flaxtpu.io.files use it). EPATH_USE_TF=false: epath then uses fsspec's gcsfs, which
   reads STORAGE_EMULATOR_HOST itself; FSSPEC_GCS (no token, no cached listings);
   GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false
   (its bucket-type probe is a gRPC call to the real control plane).
 - TFDS's ArrayRecord files: array_record's C++ reader, through google-cloud-cpp, which reads
   CLOUD_STORAGE_EMULATOR_ENDPOINT (without it, it waits on the real endpoints and the metadata server).
 - TensorBoard events: TensorFlow's GCS filesystem (clu's SummaryWriter) cannot be pointed at an
-  emulator: its endpoints are fixed (https://www.googleapis.com). flaxtpu.metrics writes events to a
+  emulator: its endpoints are fixed (https://www.googleapis.com). flaxtpu.io.metrics writes events to a
   local directory and copies them with epath.
 
 Nothing here imports those libraries: `configure()` runs before any of them is used. Without

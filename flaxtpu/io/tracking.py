@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
-from flaxtpu import files
+from flaxtpu.io import files
 
 TRACKER_NAMES = {'wandb': 'Weights & Biases', 'mlflow': 'MLflow', 'optuna': 'Optuna'}
 
@@ -184,7 +184,7 @@ def end_parent(config, extra_overrides: Sequence[str], workdir: str, summary: Ma
 
 def check_config(config) -> None:
   """config.wandb, config.mlflow and config.search: a tracker or a study asked for is installed."""
-  from flaxtpu.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings.errors import ConfigError  # pylint: disable=g-import-not-at-top
   if config.wandb.mode not in ('online', 'offline'):
     raise ConfigError(f'config.wandb.mode={config.wandb.mode!r} is not valid; choose one of: \'online\', '
                       "'offline'")

@@ -8,8 +8,8 @@ from typing import Optional
 
 import ml_collections
 
-from flaxtpu import steps
-from flaxtpu.errors import UserError
+from flaxtpu.settings.errors import UserError
+from flaxtpu.step import steps
 
 
 class TrainingDiverged(UserError):

@@ -8,9 +8,9 @@ import logging
 
 import ml_collections
 
-from flaxtpu.errors import UserError
-from flaxtpu.metric_names import best_metric, metric_mode
-from flaxtpu.progress import Progress
+from flaxtpu.loop.progress import Progress
+from flaxtpu.settings.errors import UserError
+from flaxtpu.settings.metric_names import best_metric, metric_mode
 
 
 def update(config: ml_collections.ConfigDict, progress: Progress, step: int, metric: str,

@@ -7,8 +7,8 @@ import os
 
 import jax
 
-from flaxtpu import files
-from flaxtpu.progress import TrainClock
+from flaxtpu.io import files
+from flaxtpu.loop.progress import TrainClock
 
 
 class StepProfiler:

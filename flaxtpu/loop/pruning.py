@@ -16,8 +16,8 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flaxtpu.metric_names import best_metric
-from flaxtpu.progress import Progress
+from flaxtpu.loop.progress import Progress
+from flaxtpu.settings.metric_names import best_metric
 
 
 class Pruning:

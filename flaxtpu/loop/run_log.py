@@ -9,10 +9,12 @@ import jax
 import ml_collections
 from clu import parameter_overview
 
-from flaxtpu import metrics, optim, steps
 from flaxtpu.data import loaders, pipeline
 from flaxtpu.data.spec import saved_config
-from flaxtpu.lengths import RunLength
+from flaxtpu.io import metrics
+from flaxtpu.optimizers import optim
+from flaxtpu.settings.lengths import RunLength
+from flaxtpu.step import steps
 
 
 def log_run_overview(writer, config: ml_collections.ConfigDict, task: steps.Task, placement,

@@ -1,5 +1,5 @@
 """SIGTERM and Ctrl-C become a request to stop at the next safe point, not a lost run; a lost workdir
-lease (flaxtpu.lock), a request to stop there without saving.
+lease (flaxtpu.io.lock), a request to stop there without saving.
 
 JAX-free, so the CLI can install it before JAX starts: a preemption during
 start-up, data loading, compilation or the final writes is honoured like one
@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 
-from flaxtpu.errors import UserError
+from flaxtpu.settings.errors import UserError
 
 
 class StopRequest:

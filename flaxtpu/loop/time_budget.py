@@ -72,12 +72,15 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from flaxtpu import checkpoint, files, optim, parallel, steps, swa
 from flaxtpu.data import loaders, workers
-from flaxtpu.errors import ConfigError
-from flaxtpu.evaluate import evaluate_splits, report_about, write_report
-from flaxtpu.lengths import resolved_eval_batch_size, run_length
-from flaxtpu.optim_checks import parse_duration
+from flaxtpu.evaluation.evaluate import evaluate_splits, report_about, write_report
+from flaxtpu.io import files
+from flaxtpu.optimizers import optim, swa
+from flaxtpu.optimizers.optim_checks import parse_duration
+from flaxtpu.settings.errors import ConfigError
+from flaxtpu.settings.lengths import resolved_eval_batch_size, run_length
+from flaxtpu.step import parallel, steps
+from flaxtpu.weights import checkpoint
 
 PLAN_FILE = 'time_budget.json'
 PROBE_STEPS = 12  # timed warm steps at least (fewer where they would take over 3% of the budget) ...
@@ -451,7 +454,7 @@ def probe(config: ml_collections.ConfigDict, dataset, mesh, eval_sets: list, sta
 
   def evaluate():  # as the loop evaluates; keeping the logits, as its last evaluation does
     state = swa.before_evaluation(config, task, placement, dataset, live['state'])
-    from flaxtpu import bn_recompute  # pylint: disable=g-import-not-at-top
+    from flaxtpu.step import bn_recompute  # pylint: disable=g-import-not-at-top
     state = bn_recompute.for_schedule_free(config, task, placement, dataset, state)
     _, live['predictions'] = evaluate_splits(placement, state, eval_sets, resolved_eval_batch_size(config),
                                              'raw', config.eval.threshold)

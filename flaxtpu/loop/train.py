@@ -27,41 +27,49 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flaxtpu import (
-  bn_recompute,
-  checkpoint,
-  compile_plan,
-  distill,
-  divergence,
-  early_stopping,
-  fewshot,
+from flaxtpu.augmentation import image_sizes
+from flaxtpu.data import loaders, pipeline, sampling, workers
+from flaxtpu.data.memory import check_device, check_host
+from flaxtpu.data.spec import saved_config
+from flaxtpu.evaluation import fewshot
+from flaxtpu.evaluation.evaluate import evaluate_splits, report_about, write_report
+from flaxtpu.io import (
   files,
-  finetune,
-  image_sizes,
   lock,
   metrics,
+  tracking,
+)
+from flaxtpu.loop import (
+  divergence,
+  early_stopping,
+  time_budget,
+)
+from flaxtpu.loop.divergence import Diverged, TrainingDiverged
+from flaxtpu.loop.profiling import StepProfiler
+from flaxtpu.loop.progress import Progress, TrainClock
+from flaxtpu.loop.pruning import Pruning, log_pruned
+from flaxtpu.loop.run_log import log_plan, log_run_overview
+from flaxtpu.loop.signals import StopRequest
+from flaxtpu.optimizers import (
   optim,
+  swa,
+)
+from flaxtpu.optimizers.plateau import Plateau
+from flaxtpu.report import plots
+from flaxtpu.settings.lengths import RunLength, resolved_eval_batch_size, run_length
+from flaxtpu.settings.metric_names import early_stopping_metric
+from flaxtpu.step import (
+  bn_recompute,
+  compile_plan,
   parallel,
   steps,
-  swa,
-  time_budget,
-  tracking,
-  workdir_config,
 )
-from flaxtpu.data import loaders, pipeline, sampling, workers
-from flaxtpu.data.spec import saved_config
-from flaxtpu.divergence import Diverged, TrainingDiverged
-from flaxtpu.evaluate import evaluate_splits, report_about, write_report
-from flaxtpu.lengths import RunLength, resolved_eval_batch_size, run_length
-from flaxtpu.memory import check_device, check_host
-from flaxtpu.metric_names import early_stopping_metric
-from flaxtpu.plateau import Plateau
-from flaxtpu.profiling import StepProfiler
-from flaxtpu.progress import Progress, TrainClock
-from flaxtpu.pruning import Pruning, log_pruned
-from flaxtpu.report import plots
-from flaxtpu.run_log import log_plan, log_run_overview
-from flaxtpu.signals import StopRequest
+from flaxtpu.transfer import (
+  distill,
+  finetune,
+)
+from flaxtpu.validation import workdir_config
+from flaxtpu.weights import checkpoint
 
 
 def stop_requested(stop: StopRequest, check_all_processes: bool) -> bool:
@@ -356,7 +364,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        dataset: Optional[pipeline.Dataset] = None) -> dict:
   """Trains `config` in `workdir` (resuming from its latest checkpoint) and returns results.json.
 
-  `config` comes resolved (flaxtpu/resolution.py) and validated, as from the CLI; nothing edits it.
+  `config` comes resolved (flaxtpu/validation/resolution.py) and validated, as from the CLI; nothing edits it.
   A SIGTERM/SIGINT at any point ends it cleanly: the state reached is saved
   and `{'stopped_at_step': N}` is returned. The CLI passes the `stop` it
   installed before JAX started; otherwise one is installed here. It also passes

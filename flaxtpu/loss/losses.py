@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from flaxtpu import bce as bce_loss
+from flaxtpu.loss import bce as bce_loss
 
 
 def label_targets(labels: jax.Array, task) -> jax.Array:
@@ -35,7 +35,7 @@ def loss_per_example(logits: jax.Array, targets: jax.Array, hard_targets: jax.Ar
   cross-entropy, `bce.loss_per_example`.
   """
   logits = logits.astype(jnp.float32)
-  if bce is not None and not multilabel:  # loss=bce: timm's BinaryCrossEntropy (flaxtpu/bce.py)
+  if bce is not None and not multilabel:  # loss=bce: timm's BinaryCrossEntropy (flaxtpu/loss/bce.py)
     return bce_loss.loss_per_example(logits, targets, bce, class_weights)
   if multilabel:
     terms = optax.sigmoid_binary_cross_entropy(logits, targets)

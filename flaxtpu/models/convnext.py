@@ -10,10 +10,10 @@ ConvNeXt never read, so only the missing key tells them apart).
 
 from __future__ import annotations
 
-from flaxtpu.errors import UserError
 from flaxtpu.models import layouts
 from flaxtpu.models.family import Family, Layout, Spec
 from flaxtpu.models.layouts import Rule, conv, dense, layer_norm, vector
+from flaxtpu.settings.errors import UserError
 
 _TIMM_NAMES = {'convnext_t': 'convnext_tiny', 'convnext_s': 'convnext_small', 'convnext_b': 'convnext_base',
                'convnext_l': 'convnext_large'}

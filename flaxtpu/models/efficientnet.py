@@ -9,10 +9,10 @@ a bare file of a tf_ model needs model.padding=same.
 
 from __future__ import annotations
 
-from flaxtpu.errors import UserError
 from flaxtpu.models import layouts, mbconv
 from flaxtpu.models.family import Family, Layout, Preprocessing
 from flaxtpu.models.mbconv import MBConvSpec
+from flaxtpu.settings.errors import UserError
 
 # timm's _gen_efficientnet (and torchvision's _efficientnet_conf): stage rows of the B0 base network.
 _STAGES = (

@@ -14,8 +14,8 @@ from typing import Any, Callable, Collection, Mapping, Optional
 
 import numpy as np
 
-from flaxtpu.errors import UserError
 from flaxtpu.models.layouts import torch_counters
+from flaxtpu.settings.errors import UserError
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 INCEPTION_MEAN, INCEPTION_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)  # pixels to [-1, 1]: big_vision, AugReg
@@ -35,8 +35,8 @@ class Spec:
   @property
   def options(self) -> tuple[str, ...]:
     """The `create` options (config.model.* keys) this model reads; the others must keep their defaults."""
-    from flaxtpu import models  # pylint: disable=g-import-not-at-top
-    return next(family for family in models.families() if family.name == self.family).options
+    from flaxtpu.models import registry  # pylint: disable=g-import-not-at-top
+    return next(family for family in registry.families() if family.name == self.family).options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +114,8 @@ class Family:
   # spec -> None, or a function {parameter name: value} of normalised train images [N, H, W, C] that a
   # fresh run sets before step 1 (FastNet's whitening stem)
   data_fit: Callable[[Spec], Optional[Callable[[np.ndarray], dict]]] = _no_data_fit
-  # spec -> the module path (('block12', 'norm1')) whose output Grad-CAM explains (`flaxtpu.explain`);
+  # spec -> the module path (('block12', 'norm1')) whose output Grad-CAM explains
+  # (`flaxtpu.evaluation.explain`);
   # () = the last module that returns a [batch, H, W, C] map (every convolutional family)
   feature_map: Callable[[Spec], tuple[str, ...]] = _last_spatial_map
 

@@ -19,7 +19,7 @@ from typing import Callable, Collection, Mapping, Optional
 
 import numpy as np
 
-from flaxtpu.errors import UserError
+from flaxtpu.settings.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)

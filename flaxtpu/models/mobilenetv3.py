@@ -9,10 +9,10 @@ BatchNorm, hard-swish, the classifier.
 
 from __future__ import annotations
 
-from flaxtpu.errors import UserError
 from flaxtpu.models import layouts, mbconv
 from flaxtpu.models.family import INCEPTION_MEAN, INCEPTION_STD, Family, Layout, Preprocessing
 from flaxtpu.models.mbconv import MBConvSpec
+from flaxtpu.settings.errors import UserError
 
 # timm's _gen_mobilenet_v3 (torchvision's _mobilenet_v3_conf lists the same blocks one by one).
 _LARGE = (

@@ -1,22 +1,21 @@
-"""The model registry: `create(name, num_classes=..., ...)` builds any model by name.
+"""The model registry: `register`, `NAMES`, `get_spec`, `get_family`, `create(name, ...)` and
+the layer depths.
 
-Each family is a plug-in, `flaxtpu/models/<family>.py` (a `family.Family`:
-its models, the options they read, the layer-depth map, the published weight
-layouts it reads and writes, its hooks), registered here with one line; its
-Flax network lives in `flaxtpu/models/nets/`. `NAMES` is the one list of
-valid model names. This file imports no JAX or Flax at module level, so the
-CLI validates `model.name` (and which options a model takes) before JAX
-starts; `create` imports the model code.
+The families register in `flaxtpu/models/__init__.py`, one line each; this module imports
+none of them, so `family.py` asks it about a family without an import circle. No JAX
+or Flax at module level: the CLI validates `model.name` before JAX starts.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from flaxtpu.errors import UserError, join_or
-from flaxtpu.models import cnn, convnext, efficientnet, fastnet, mobilenetv3, regnet, resnet, swin, vit
-from flaxtpu.models.family import Family, Layout, Spec
+from flaxtpu.settings.errors import UserError, join_or
+
+if TYPE_CHECKING:  # annotations only: family.py imports this module
+  from flaxtpu.models.family import Family, Layout, Spec
+
 
 _FAMILIES: dict[str, Family] = {}  # family name -> plug-in
 _SPECS: dict[str, Spec] = {}  # model name -> architecture
@@ -157,8 +156,3 @@ def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 
              'padding': padding, 'gelu': gelu, 'downsample': downsample, 'space_to_depth': space_to_depth}
   return family.build(spec, num_classes=num_classes, dtype=jnp.dtype(dtype), wrap=wrap,
                       bn_axis_name=bn_axis_name, **{key: options[key] for key in family.options})
-
-
-for _family in (cnn.FAMILY, fastnet.FAMILY, resnet.CIFAR, resnet.IMAGENET, vit.FAMILY, convnext.FAMILY,
-                swin.FAMILY, efficientnet.FAMILY, mobilenetv3.FAMILY, regnet.FAMILY):
-  register(_family)

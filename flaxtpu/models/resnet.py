@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from flaxtpu.errors import UserError
 from flaxtpu.models import layouts
 from flaxtpu.models.family import Family, Layout, Spec
 from flaxtpu.models.layouts import Rule, batch_norm, conv, dense
+from flaxtpu.settings.errors import UserError
 
 OPTIONS = ('drop_path', 'padding')
 IMAGENET_OPTIONS = (*OPTIONS, 'space_to_depth')  # the 7x7 stem's form (nets/resnet.SpaceToDepthStem)

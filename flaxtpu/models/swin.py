@@ -16,10 +16,10 @@ import dataclasses
 
 import numpy as np
 
-from flaxtpu.errors import UserError
 from flaxtpu.models import layouts
 from flaxtpu.models.family import Family, Layout, Preprocessing, Spec
 from flaxtpu.models.layouts import Rule, conv, dense, layer_norm, linear, vector
+from flaxtpu.settings.errors import UserError
 
 _TIMM_NAMES = {'swin_t': 'swin_tiny_patch4_window7_224', 'swin_s': 'swin_small_patch4_window7_224',
                'swin_b': 'swin_base_patch4_window7_224'}

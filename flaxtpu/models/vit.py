@@ -26,10 +26,10 @@ import re
 
 import numpy as np
 
-from flaxtpu.errors import UserError
 from flaxtpu.models import family, layouts
 from flaxtpu.models.family import Family, Layout, Preprocessing, Spec
 from flaxtpu.models.layouts import Rule, conv, dense, layer_norm, one, vector
+from flaxtpu.settings.errors import UserError
 
 INCEPTION = (family.INCEPTION_MEAN, family.INCEPTION_STD)  # pixels to [-1, 1]: AugReg, big_vision, SigLIP
 IMAGENET = (family.IMAGENET_MEAN, family.IMAGENET_STD)

@@ -6,6 +6,10 @@
 - `thresholds`: the per-tag thresholds predict and the export apply, from an evaluation's thresholds*.json.
 - `restore`: the checkpoint's model on these devices, parameters only (every mode starts here).
 
-The in-training evaluation (also the end-of-run report) is `flaxtpu.evaluate`; `--mode=export` is
-`flaxtpu.export`. A new mode is a new file here with its line in main.py's dispatch.
+The in-training evaluation (also the end-of-run report) is `flaxtpu.evaluation.evaluate`; `--mode=export` is
+`flaxtpu.exporters.export`. A new mode is a new file here with its line in main.py's dispatch.
+
+Also here: `soup.py`: `python -m flaxtpu.average`'s arrays side: ingredients restored, averaged,
+scored; `audit_folds.py`: out-of-fold probabilities for the audit's mislabel search (fold runs or
+features).
 """

@@ -1,8 +1,8 @@
 """--mode=audit: a dataset's duplicates, leaks across splits, unreadable files and suspected wrong labels
 -> WORKDIR/audit.json, audit.png and a summary in the log.
 
-The findings are computed by `flaxtpu.audit` from hashes, streamed file by file, and from out-of-fold
-probabilities (`flaxtpu.audit_folds`: short runs of the recipe on K - 1 folds, or a linear probe per
+The findings are computed by `flaxtpu.data.audit` from hashes, streamed file by file, and from out-of-fold
+probabilities (`flaxtpu.modes.audit_folds`: short runs of the recipe on K - 1 folds, or a linear probe per
 fold on frozen embeddings). It reads datasets of image files with one class each: image folders and
 label files (local or in a bucket); other kinds (TFDS, Parquet, tar shards, arrays) are refused in one
 line.
@@ -17,10 +17,11 @@ import jax
 import ml_collections
 import numpy as np
 
-from flaxtpu import audit, audit_folds, files
-from flaxtpu.data import preprocess, sources
+from flaxtpu.data import audit, preprocess, sources
 from flaxtpu.data.sources.folder import FileRecords
-from flaxtpu.errors import UserError
+from flaxtpu.io import files
+from flaxtpu.modes import audit_folds
+from flaxtpu.settings.errors import UserError
 
 AUDIT_FILE, PLOT_FILE = 'audit.json', 'audit.png'
 AUDITED_KINDS = ('folder', 'labels')  # sources of image files (FileRecords), local or in a bucket
@@ -70,7 +71,7 @@ def _trained_class_names(config: ml_collections.ConfigDict, workdir: str):
   """The classes of the run trained in `workdir` (its labels' order), or None without one."""
   if not files.isdir(os.path.join(workdir, 'checkpoints')):
     return None
-  from flaxtpu import checkpoint  # pylint: disable=g-import-not-at-top
+  from flaxtpu.weights import checkpoint  # pylint: disable=g-import-not-at-top
   checkpoints = checkpoint.Checkpoints(workdir, config, read_only=True)
   try:
     latest = checkpoints.latest_step()
@@ -87,7 +88,7 @@ def _mislabels(config: ml_collections.ConfigDict, workdir: str, scanned: audit.S
   first, and how they were looked for (audit.json's mislabel_search)."""
   settings = config.audit
   if settings.folds and config.init_from.checkpoint:  # fold runs and the backbone read data as training does
-    from flaxtpu import resolution  # pylint: disable=g-import-not-at-top
+    from flaxtpu.validation import resolution  # pylint: disable=g-import-not-at-top
     config = config.copy_and_resolve_references()
     resolution.apply_source_defaults(config)
   backbone = None

@@ -39,14 +39,14 @@ import ml_collections
 import numpy as np
 import optax
 
-from flaxtpu import audit, files
-from flaxtpu.data import cache, class_weights, loaders, pipeline
+from flaxtpu.data import audit, cache, class_weights, loaders, pipeline
 from flaxtpu.data.dataset import Dataset, Examples, image_shape
 from flaxtpu.data.sources import base
 from flaxtpu.data.sources.folder import FileRecords
 from flaxtpu.data.spec import DatasetSpec
-from flaxtpu.errors import UserError
-from flaxtpu.lengths import resolved_eval_batch_size, run_length
+from flaxtpu.io import files
+from flaxtpu.settings.errors import UserError
+from flaxtpu.settings.lengths import resolved_eval_batch_size, run_length
 
 FOLDS_DIR = 'audit_folds'  # in the workdir
 PROBABILITIES = 'probabilities.npz'
@@ -163,8 +163,8 @@ def _train_folds(fold_config: ml_collections.ConfigDict, directory: str, pool: P
                  folds: np.ndarray, class_names, channels: int) -> tuple[np.ndarray, dict]:
   """K fold runs (each resumes or finds itself finished where a previous audit stopped), each then
   scoring its held-out fold."""
-  from flaxtpu import train  # pylint: disable=g-import-not-at-top
-  from flaxtpu.evaluate import evaluate  # pylint: disable=g-import-not-at-top
+  from flaxtpu.evaluation.evaluate import evaluate  # pylint: disable=g-import-not-at-top
+  from flaxtpu.loop import train  # pylint: disable=g-import-not-at-top
   from flaxtpu.modes.restore import restore  # pylint: disable=g-import-not-at-top
   template, examples = _pool_dataset(fold_config, [pool.paths[i] for i in scored], pool.labels[scored],
                                      class_names, channels)
@@ -260,7 +260,7 @@ def backbone_of(config: ml_collections.ConfigDict, workdir: str) -> Optional[Bac
                                                              'image_size': config.dataset.image_size},
                     functools.partial(_init_from_backbone, config))
   if files.isdir(os.path.join(workdir, 'checkpoints')):
-    from flaxtpu import checkpoint  # pylint: disable=g-import-not-at-top
+    from flaxtpu.weights import checkpoint  # pylint: disable=g-import-not-at-top
     checkpoints = checkpoint.Checkpoints(workdir, config, read_only=True)
     latest = checkpoints.latest_step()
     checkpoints.close()
@@ -275,8 +275,8 @@ def backbone_of(config: ml_collections.ConfigDict, workdir: str) -> Optional[Bac
 def _trained_backbone(config: ml_collections.ConfigDict, workdir: str, num_classes: int, shape, mean, std):
   """The run in `workdir` (eval.checkpoint's step), as it was trained (its classes, size, normalisation)."""
   del num_classes, shape, mean, std  # the checkpoint's own
-  from flaxtpu import steps  # pylint: disable=g-import-not-at-top
   from flaxtpu.modes.restore import restore  # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import steps  # pylint: disable=g-import-not-at-top
   placement, state, _, record = restore(config, workdir, calibrated=False)
   task = steps.create_task(config, num_classes=record['num_classes'],
                            image_shape=tuple(record['image_shape']), mean=record['normalization']['mean'],
@@ -286,7 +286,9 @@ def _trained_backbone(config: ml_collections.ConfigDict, workdir: str, num_class
 
 def _init_from_backbone(config: ml_collections.ConfigDict, num_classes: int, shape, mean, std):
   """A fresh model with init_from's arrays read in, as a run starts (its head, never used, as it comes)."""
-  from flaxtpu import finetune, lengths, parallel, steps  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import lengths  # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import parallel, steps  # pylint: disable=g-import-not-at-top
+  from flaxtpu.transfer import finetune  # pylint: disable=g-import-not-at-top
   length = lengths.RunLength(steps_per_epoch=1, total_steps=1, eval_every_steps=1,
                              checkpoint_every_steps=1, warmup_steps=0)
   task = steps.create_task(config, num_classes=num_classes, image_shape=shape, mean=mean, std=std,
@@ -300,7 +302,8 @@ def _init_from_backbone(config: ml_collections.ConfigDict, num_classes: int, sha
 def embeddings(config: ml_collections.ConfigDict, pool: Pool, scored: np.ndarray, class_names, channels: int,
                backbone: Backbone) -> np.ndarray:
   """float32 [S, D]: what the backbone's classifier reads for each scored image (eval preprocessing)."""
-  from flaxtpu import fewshot, parallel, steps  # pylint: disable=g-import-not-at-top
+  from flaxtpu.evaluation import fewshot  # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import parallel, steps  # pylint: disable=g-import-not-at-top
   template, _ = _pool_dataset(config, [pool.paths[i] for i in scored], pool.labels[scored], class_names,
                               channels)
   dataset = pipeline._normalized(template, DatasetSpec.of(config))  # pylint: disable=protected-access

@@ -15,16 +15,16 @@ import jax
 import ml_collections
 import numpy as np
 
-from flaxtpu import calibration, files
 from flaxtpu.data import pipeline
 from flaxtpu.data.sources import base
 from flaxtpu.data.spec import DatasetSpec
-from flaxtpu.errors import UserError
-from flaxtpu.evaluate import evaluate, report_about
-from flaxtpu.lengths import resolved_eval_batch_size
+from flaxtpu.evaluation.evaluate import evaluate, report_about
+from flaxtpu.io import files
 from flaxtpu.modes.restore import restore
-from flaxtpu.report import conformal
+from flaxtpu.report import calibration, conformal
 from flaxtpu.report import metrics as report_metrics
+from flaxtpu.settings.errors import UserError
+from flaxtpu.settings.lengths import resolved_eval_batch_size
 
 
 def _overlaps(train: tuple[str, str, str], other: tuple[str, str, str]) -> bool:

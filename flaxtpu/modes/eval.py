@@ -9,12 +9,15 @@ import re
 import jax
 import ml_collections
 
-from flaxtpu import explain, fewshot, files, steps, swa
 from flaxtpu.data import pipeline
-from flaxtpu.errors import UserError
-from flaxtpu.evaluate import evaluate, report_about, tta_name, write_report
-from flaxtpu.lengths import resolved_eval_batch_size
+from flaxtpu.evaluation import explain, fewshot
+from flaxtpu.evaluation.evaluate import evaluate, report_about, tta_name, write_report
+from flaxtpu.io import files
 from flaxtpu.modes.restore import restore
+from flaxtpu.optimizers import swa
+from flaxtpu.settings.errors import UserError
+from flaxtpu.settings.lengths import resolved_eval_batch_size
+from flaxtpu.step import steps
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:

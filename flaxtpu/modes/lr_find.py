@@ -23,10 +23,12 @@ import jax
 import ml_collections
 import numpy as np
 
-from flaxtpu import files, finetune, parallel, steps
 from flaxtpu.data import loaders, pipeline, sampling
-from flaxtpu.lengths import run_length
+from flaxtpu.io import files
 from flaxtpu.report import plots
+from flaxtpu.settings.lengths import run_length
+from flaxtpu.step import parallel, steps
+from flaxtpu.transfer import finetune
 
 RESULT, PICTURE = 'lr_find.json', 'lr_find.png'
 

@@ -10,14 +10,17 @@ import jax
 import ml_collections
 import numpy as np
 
-from flaxtpu import calibration, explain, files, image_sizes, steps, storage
+from flaxtpu.augmentation import image_sizes
 from flaxtpu.data import pipeline, predict_inputs
-from flaxtpu.errors import UserError, printable
-from flaxtpu.lengths import resolved_eval_batch_size
+from flaxtpu.evaluation import explain
+from flaxtpu.io import files, storage
 from flaxtpu.modes.restore import restore
 from flaxtpu.modes.thresholds import tag_thresholds
-from flaxtpu.report import conformal
+from flaxtpu.report import calibration, conformal
 from flaxtpu.report import metrics as report_metrics
+from flaxtpu.settings.errors import UserError, printable
+from flaxtpu.settings.lengths import resolved_eval_batch_size
+from flaxtpu.step import steps
 
 
 def _multiclass_row(path: str, probabilities: np.ndarray, class_names: list[str], top_k: int) -> dict:

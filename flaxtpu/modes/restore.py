@@ -13,9 +13,14 @@ from typing import Optional, Sequence
 
 import ml_collections
 
-from flaxtpu import calibration, checkpoint, files, finetune, parallel, pretrained, steps, swa
-from flaxtpu.errors import UserError
-from flaxtpu.evaluate import tta_name
+from flaxtpu.evaluation.evaluate import tta_name
+from flaxtpu.io import files
+from flaxtpu.optimizers import swa
+from flaxtpu.report import calibration
+from flaxtpu.settings.errors import UserError
+from flaxtpu.step import parallel, steps
+from flaxtpu.transfer import finetune
+from flaxtpu.weights import checkpoint, pretrained
 
 
 def restore(config: ml_collections.ConfigDict, workdir: str, replaces: Sequence[str] = (),

@@ -14,12 +14,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from flaxtpu import bn_recompute, optim, steps
 from flaxtpu.data import pipeline
-from flaxtpu.errors import UserError
-from flaxtpu.evaluate import evaluate
-from flaxtpu.lengths import resolved_eval_batch_size
+from flaxtpu.evaluation.evaluate import evaluate
 from flaxtpu.modes.restore import restore
+from flaxtpu.optimizers import optim
+from flaxtpu.settings.errors import UserError
+from flaxtpu.settings.lengths import resolved_eval_batch_size
+from flaxtpu.step import bn_recompute, steps
 
 
 def mean_state(states: Sequence[steps.ModelState]) -> steps.ModelState:

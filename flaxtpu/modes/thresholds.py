@@ -11,8 +11,8 @@ import os
 import ml_collections
 import numpy as np
 
-from flaxtpu import files
-from flaxtpu.evaluate import report_about
+from flaxtpu.evaluation.evaluate import report_about
+from flaxtpu.io import files
 from flaxtpu.report import metrics as report_metrics
 from flaxtpu.report import tables
 

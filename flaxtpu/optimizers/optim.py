@@ -12,10 +12,9 @@ import ml_collections
 import numpy as np
 import optax
 
-from flaxtpu import loss_scale, models, optim_contrib
-from flaxtpu.errors import UserError
-from flaxtpu.lengths import RunLength
-from flaxtpu.optim_wrappers import (  # noqa: F401  (re-exported: optim is where callers look)
+from flaxtpu import models
+from flaxtpu.optimizers import loss_scale, optim_contrib
+from flaxtpu.optimizers.optim_wrappers import (  # noqa: F401  (re-exported: optim is where callers look)
   FreezeAfterState,
   LookaheadState,
   freeze_after,
@@ -23,7 +22,9 @@ from flaxtpu.optim_wrappers import (  # noqa: F401  (re-exported: optim is where
   path_name,
   updated,
 )
-from flaxtpu.param_patterns import parse_freeze_after, parse_lr_multipliers
+from flaxtpu.optimizers.param_patterns import parse_freeze_after, parse_lr_multipliers
+from flaxtpu.settings.errors import UserError
+from flaxtpu.settings.lengths import RunLength
 
 FROZEN = 'frozen'  # the label of parameters that get no update and no optimizer state
 DEFAULT = repr(1.0)  # the label of parameters at the peak learning rate

@@ -7,7 +7,7 @@ import re
 
 import ml_collections
 
-from flaxtpu.errors import ConfigError
+from flaxtpu.settings.errors import ConfigError
 
 SCHEDULE_FREE = ('schedule_free_adamw', 'schedule_free_sgd')
 _DURATION = re.compile(r'^\s*(\d+(?:\.\d+)?)\s*([smh])\s*$')

@@ -33,7 +33,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers, ScheduleFreeState, schedule_free_eval_params
 
 from flaxtpu import models
-from flaxtpu.optim_wrappers import updated
+from flaxtpu.optimizers.optim_wrappers import updated
 
 SCHEDULE_FREE = ('schedule_free_adamw', 'schedule_free_sgd')
 CONTRIB = ('muon', *SCHEDULE_FREE)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 
-from flaxtpu.errors import ConfigError
+from flaxtpu.settings.errors import ConfigError
 
 
 def check_patterns(key: str, patterns) -> None:

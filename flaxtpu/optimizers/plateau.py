@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from flaxtpu.errors import UserError
-from flaxtpu.metric_names import metric_mode
+from flaxtpu.settings.errors import UserError
+from flaxtpu.settings.metric_names import metric_mode
 
 
 class Plateau:

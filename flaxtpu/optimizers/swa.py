@@ -19,7 +19,7 @@ from typing import Any
 
 import ml_collections
 
-from flaxtpu.errors import ConfigError
+from flaxtpu.settings.errors import ConfigError
 
 
 def check(config: ml_collections.ConfigDict) -> None:
@@ -103,7 +103,7 @@ def has_average(state) -> bool:
 
 def with_recomputed_statistics(state, task, placement, batches) -> Any:
   """`state` whose SWA BatchNorm statistics are those of its averaged weights over `batches`."""
-  from flaxtpu import bn_recompute  # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import bn_recompute  # pylint: disable=g-import-not-at-top
   statistics = bn_recompute.recompute(task, placement, state.swa['params'], state.swa['batch_stats'],
                                       batches)
   return state.replace(swa={**state.swa, 'batch_stats': statistics})
@@ -120,6 +120,6 @@ def before_evaluation(config: ml_collections.ConfigDict, task, placement, datase
   before an evaluation scores it; `state` itself where there is no SWA (yet) or no BatchNorm."""
   if not task.swa_every or not has_average(state):
     return state
-  from flaxtpu import bn_recompute  # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import bn_recompute  # pylint: disable=g-import-not-at-top
   return with_recomputed_statistics(state, task, placement,
                                     bn_recompute.train_batches(config, dataset, config.swa.bn_batches))

@@ -16,4 +16,7 @@ One job per module:
 - `__main__`: the command line.
 
 Nothing is imported here, so `import flaxtpu.report.metrics` stays as light as numpy.
+
+Also here: `calibration.py`: WORKDIR/calibration.json: the temperature and prediction-set threshold
+(scipy).
 """

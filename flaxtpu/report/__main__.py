@@ -6,9 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from flaxtpu import storage
-from flaxtpu.errors import UserError
+from flaxtpu.io import storage
 from flaxtpu.report import plots
+from flaxtpu.settings.errors import UserError
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,9 +17,9 @@ from typing import Any, Optional
 import ml_collections
 import numpy as np
 
-from flaxtpu import files
-from flaxtpu.errors import ConfigError, UserError
+from flaxtpu.io import files
 from flaxtpu.report import conformal
+from flaxtpu.settings.errors import ConfigError, UserError
 
 CALIBRATION_FILE = 'calibration.json'
 LOG_T_BOUNDS = (math.log(1e-2), math.log(1e2))  # temperatures searched: 0.01 .. 100

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from flaxtpu import files
-from flaxtpu.errors import UserError
+from flaxtpu.io import files
+from flaxtpu.settings.errors import UserError
 
 MAX_TABLE_ROWS = 200  # per-class rows shown (the CSV holds them all)
 MAX_AUDIT_ITEMS = 20  # findings listed per kind (audit.json holds them all)

@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from flaxtpu import files
-from flaxtpu.errors import UserError
+from flaxtpu.io import files
 from flaxtpu.report.metrics import NUM_CALIBRATION_BINS, top_confusions
+from flaxtpu.settings.errors import UserError
 
 METRICS_FILE = 'metrics.jsonl'
 CURVES_FILE = 'curves.png'

@@ -12,9 +12,9 @@ import math
 from collections.abc import Mapping
 from typing import Any, Sequence
 
-from flaxtpu import files
-from flaxtpu.errors import UserError, printable
+from flaxtpu.io import files
 from flaxtpu.report import metrics
+from flaxtpu.settings.errors import UserError, printable
 
 THRESHOLDS_FILE = 'thresholds.json'
 

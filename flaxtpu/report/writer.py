@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from flaxtpu import files
+from flaxtpu.io import files
 from flaxtpu.report import conformal, html, metrics, plots, tables
 
 
@@ -81,7 +81,7 @@ def write_eval_report(directory: str, logits: np.ndarray, labels: np.ndarray, cl
 def _add_calibration(report: dict[str, Any], logits: np.ndarray, calibration: Mapping[str, Any]) -> None:
   """The calibrated evaluation's extra numbers in `report`: ECE and reliability before the temperature
   (the logits times it), and each example's prediction set (`report.conformal`)."""
-  from flaxtpu import calibration as calibration_file  # pylint: disable=g-import-not-at-top
+  from flaxtpu.report import calibration as calibration_file  # pylint: disable=g-import-not-at-top
   temperature = float(calibration['temperature'])
   report['temperature'] = temperature
   report['ece_uncalibrated'], report['reliability_uncalibrated'] = metrics.confidence_calibration(

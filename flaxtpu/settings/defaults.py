@@ -1,10 +1,10 @@
 """Every config key flaxtpu knows, with its default and what it means.
 
 Recipes (`configs/cifar10.py`, your own config anywhere) start from
-`flaxtpu.defaults.get_config()` and change only what differs, so a key exists
+`flaxtpu.settings.defaults.get_config()` and change only what differs, so a key exists
 in every recipe and `--config.KEY=VALUE` works for all of them:
 
-    from flaxtpu import defaults
+    from flaxtpu.settings import defaults
 
     def get_config():
       config = defaults.get_config()
@@ -131,18 +131,19 @@ def get_config() -> ml_collections.ConfigDict:
   # With both alphas set: probability of CutMix instead of mixup.
   config.augment.mix_switch_prob = 0.5
 
-  # --- repeated augmentation, AugMix, colour jitter, blur; the BCE loss (flaxtpu/aug_checks.py) ---
+  # --- repeated augmentation, AugMix, colour jitter, blur; the BCE loss (flaxtpu/augmentation/aug_checks.py)
+  # ---
   # Copies of each sampled image per batch, each augmented on its own (DeiT/timm's RASampler; 1 = off,
   # DeiT: 3). An epoch keeps its number of steps, so it shows 1/repeats of the split (data/repeated.py).
   config.augment.repeats = 1
-  # policy=augmix (flaxtpu/augmix.py, timm's augmix-m3-w3-d-1): op strength severity/10 at most,
+  # policy=augmix (flaxtpu/augmentation/augmix.py, timm's augmix-m3-w3-d-1): op strength severity/10 at most,
   # `width` chains of `depth` ops (-1 = 1..3 at random) mixed with Dirichlet(alpha), blended by
   # Beta(alpha, alpha).
   config.augment.augmix_severity = 3
   config.augment.augmix_width = 3
   config.augment.augmix_depth = -1
   config.augment.augmix_alpha = 1.0
-  # torchvision's ColorJitter after the policy (flaxtpu/photometric.py): brightness, contrast and
+  # torchvision's ColorJitter after the policy (flaxtpu/augmentation/photometric.py): brightness, contrast and
   # saturation factors in [1 - s, 1 + s] (0 = off; timm: 0.4), hue shift in [-h, h] (<= 0.5), in a
   # random order per image, the whole jitter with probability color_jitter_prob.
   config.augment.color_jitter = 0.0
@@ -154,7 +155,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.augment.blur_sigma = (0.1, 2.0)
   config.augment.blur_kernel = 23
   # softmax (cross-entropy) | bce (a sigmoid per class for single-label training, timm's
-  # BinaryCrossEntropy; eval accuracy from the argmax, eval_loss stays the softmax's; flaxtpu/bce.py).
+  # BinaryCrossEntropy; eval accuracy from the argmax, eval_loss stays the softmax's; flaxtpu/loss/bce.py).
   config.loss = 'softmax'
   # bce: targets above this become 1, the rest 0 (0 = off; timm's recipes 0.2).
   config.bce_target_threshold = 0.0
@@ -513,7 +514,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.lr_find.smoothing = 0.98  # The loss's exponential smoothing (bias-corrected, as fastai's).
   config.lr_find.diverge_factor = 4.0  # Stop once the smoothed loss exceeds this x its minimum.
 
-  # --- resolution (issue 41; flaxtpu/image_sizes.py, docs/recipes.md#resolution) ---------------
+  # --- resolution (issue 41; flaxtpu/augmentation/image_sizes.py, docs/recipes.md#resolution) ---------------
   # Progressive resizing: (fraction of the training steps where it starts, size) pairs, the first at
   # 0, e.g. ((0.0, 24), (0.5, 28), (0.75, 32)): the train step resizes each augmented batch on the
   # device (antialiased) to its step's size, one compiled step per size; () = the pipeline's size
@@ -526,7 +527,7 @@ def get_config() -> ml_collections.ConfigDict:
   # The eval crop at eval.image_size (0 = dataset.crop_fraction's, or 1.0 for native-size data).
   config.eval.crop_fraction = 0.0
 
-  # Stochastic weight averaging (flaxtpu/swa.py): from swa.start on, every swa.every steps the
+  # Stochastic weight averaging (flaxtpu/optimizers/swa.py): from swa.start on, every swa.every steps the
   # weights join a running mean, saved in checkpoints and scored at each evaluation as
   # eval_accuracy_swa, ... after its BatchNorm statistics are recomputed over train batches.
   config.swa = ml_collections.ConfigDict()

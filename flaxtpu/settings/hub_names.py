@@ -19,7 +19,7 @@ import re
 import string
 from typing import Optional
 
-from flaxtpu.errors import ConfigError, printable
+from flaxtpu.settings.errors import ConfigError, printable
 
 HUB_PREFIX = 'hf-hub:'
 EXAMPLE = 'hf-hub:timm/resnet50.a1_in1k'

@@ -10,7 +10,7 @@ import math
 
 import ml_collections
 
-from flaxtpu.errors import ConfigError
+from flaxtpu.settings.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

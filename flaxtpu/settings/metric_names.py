@@ -11,7 +11,7 @@ import re
 
 import ml_collections
 
-from flaxtpu.errors import ConfigError
+from flaxtpu.settings.errors import ConfigError
 
 
 def eval_metric_prefix(split: str, first: bool) -> str:

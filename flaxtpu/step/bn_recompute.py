@@ -23,7 +23,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxtpu import augment, parallel
+from flaxtpu.augmentation import augment
+from flaxtpu.step import parallel
 
 
 def _batch_statistics_only(next_fun, args, kwargs, context):
@@ -97,7 +98,7 @@ def for_schedule_free(config, task, placement, dataset, state) -> Any:
   evaluation scores) over `swa.bn_batches` train batches, as Defazio et al. do; the running ones come from
   the forward passes at y, where the gradients are taken. Other optimizers, and models without
   BatchNorm: `state` itself."""
-  from flaxtpu import optim_contrib  # pylint: disable=g-import-not-at-top
+  from flaxtpu.optimizers import optim_contrib  # pylint: disable=g-import-not-at-top
   if config.optimizer.name not in optim_contrib.SCHEDULE_FREE or not jax.tree.leaves(state.batch_stats):
     return state
   batches = train_batches(config, dataset, config.swa.bn_batches)

@@ -7,8 +7,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from flaxtpu import image_sizes, parallel, steps
-from flaxtpu.lengths import run_length
+from flaxtpu.augmentation import image_sizes
+from flaxtpu.settings.lengths import run_length
+from flaxtpu.step import parallel, steps
 
 
 def compile_on_zeros(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, int],

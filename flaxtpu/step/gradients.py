@@ -8,7 +8,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from flaxtpu import loss_scale, optim, sam
+from flaxtpu.optimizers import loss_scale, optim, sam
 
 
 class Gradient(NamedTuple):

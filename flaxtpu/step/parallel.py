@@ -17,7 +17,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flaxtpu.errors import UserError
+from flaxtpu.settings.errors import UserError
 
 BATCH_AXES = ('data', 'fsdp')  # the batch is split over every device
 PMAP_AXIS = 'batch'

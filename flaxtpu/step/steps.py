@@ -22,12 +22,17 @@ import ml_collections
 import numpy as np
 import optax
 
-from flaxtpu import augment, bce, gradients, loss_scale, metrics, models, optim, optim_contrib, parallel, swa
-from flaxtpu.config import check_against_data
-from flaxtpu.errors import UserError
-from flaxtpu.image_sizes import resize_batch
-from flaxtpu.lengths import RunLength, resolved_eval_batch_size
-from flaxtpu.losses import batch_accuracy, label_targets, loss_per_example  # noqa: F401  (re-exported)
+from flaxtpu import models
+from flaxtpu.augmentation import augment
+from flaxtpu.augmentation.image_sizes import resize_batch
+from flaxtpu.io import metrics
+from flaxtpu.loss import bce
+from flaxtpu.loss.losses import batch_accuracy, label_targets, loss_per_example  # noqa: F401  (re-exported)
+from flaxtpu.optimizers import loss_scale, optim, optim_contrib, swa
+from flaxtpu.settings.errors import UserError
+from flaxtpu.settings.lengths import RunLength, resolved_eval_batch_size
+from flaxtpu.step import gradients, parallel
+from flaxtpu.validation.config import check_against_data
 
 # --- the task and its state ---------------------------------------------------
 
@@ -70,7 +75,8 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
                 length: Optional[RunLength] = None, class_weights: Optional[np.ndarray] = None,
                 teacher=None, temperature: float = 1.0, schedule: Optional[optax.Schedule] = None) -> Task:
   """The model and preprocessing a config describes; with a run `length`, also its optimizer.
-  `temperature`: calibration's (`flaxtpu.calibration`), applied by `logits_fn` for eval, predict and export.
+  `temperature`: calibration's (`flaxtpu.report.calibration`), applied by `logits_fn` for eval, predict and
+  export.
 
   `class_weights` (the dataset's, float32 [classes]) weigh the train loss; evaluation is unweighted.
   `teacher` (a `distill.Teacher`) distils into the model. `schedule` replaces the config's (lr_find).

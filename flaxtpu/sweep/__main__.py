@@ -13,7 +13,8 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from flaxtpu import files, lock, storage, sweep, tracking
+from flaxtpu import sweep
+from flaxtpu.io import files, lock, storage, tracking
 from flaxtpu.sweep import report, runner, slurm
 from flaxtpu.sweep import study as studies
 

@@ -1,6 +1,6 @@
 """Read what a sweep's runs left behind and summarise it: DIR/results.md, DIR/results.csv, DIR/plots/*.png.
 
-DIR may be a bucket (gs://): everything is read and written through flaxtpu.files (each file whole).
+DIR may be a bucket (gs://): everything is read and written through flaxtpu.io.files (each file whole).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import ml_collections
 
-from flaxtpu import files
+from flaxtpu.io import files
 from flaxtpu.report import html
 from flaxtpu.report import plots as run_plots
 from flaxtpu.sweep.runner import DONE, PENDING, RESULTS_FILE, RUNNING, Run, format_value, read_sweep_record

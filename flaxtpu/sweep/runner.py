@@ -1,7 +1,7 @@
 """Turn an experiment into runs and run them: names, commands, checks, DIR/sweep.json, processes, progress.
 
 DIR may be a bucket (gs://): runs train there, and sweep.json, results and reports go there through
-flaxtpu.files. A run's log.txt cannot be appended to in a bucket: it is written locally while the run
+flaxtpu.io.files. A run's log.txt cannot be appended to in a bucket: it is written locally while the run
 runs (--log-dir, by default under ~/.cache/flaxtpu/sweep-logs) and copied to DIR/<run>/log.txt when it
 ends.
 """
@@ -25,16 +25,16 @@ from typing import Any
 
 import ml_collections
 
-from flaxtpu import files, storage
-from flaxtpu.config import config_keys, did_you_mean
-from flaxtpu.errors import UserError, raised_in
+from flaxtpu.io import files, storage
+from flaxtpu.settings.errors import UserError, raised_in
 from flaxtpu.sweep import Overrides, Sweep, SweepError
+from flaxtpu.validation.config import config_keys, did_you_mean
 
 # Statuses a run moves through; 'interrupted' = the sweep itself was stopped.
 PENDING, RUNNING, DONE, FAILED, INTERRUPTED = 'pending', 'running', 'done', 'failed', 'interrupted'
 
 SWEEP_FILE = 'sweep.json'
-LOCK_FILE = 'sweep.lock'  # held by the sweep command that runs or submits the runs (flaxtpu.lock)
+LOCK_FILE = 'sweep.lock'  # held by the sweep command that runs or submits the runs (flaxtpu.io.lock)
 LOG_FILE = 'log.txt'
 RESULTS_FILE = 'results.json'
 # Heads each attempt in a run's log.txt, so errors are read from the latest attempt only.
@@ -168,13 +168,13 @@ def base_config(module: Any, path: str) -> ml_collections.ConfigDict:
   if not isinstance(config, ml_collections.ConfigDict):
     returned = 'None (no return statement?)' if config is None else f'a {type(config).__name__}'
     raise SweepError(f'{path}: get_config() returned {returned}, not an ml_collections ConfigDict; return '
-                     'flaxtpu.defaults.get_config() with your changes')
-  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+                     'flaxtpu.settings.defaults.get_config() with your changes')
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
   present = set(config_keys(config))
   if missing := [key for key in config_keys(defaults.get_config()) if key not in present]:
     shown = ', '.join(missing[:3]) + (f' and {len(missing) - 3} more' if len(missing) > 3 else '')
     raise SweepError(f'{path}: get_config() returned a config without the keys {shown}; build it on '
-                     'flaxtpu.defaults.get_config()')
+                     'flaxtpu.settings.defaults.get_config()')
   return config
 
 
@@ -249,8 +249,8 @@ def check_run_config(config: ml_collections.ConfigDict, overrides: Mapping[str, 
 
   `resolve_sources=False` (a dry run): a run whose init_from names a source is not checked, as its
   defaults come from the source's files (a download from the hub)."""
-  from flaxtpu import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxtpu import resolution  # pylint: disable=g-import-not-at-top
+  from flaxtpu.validation import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxtpu.validation import resolution  # pylint: disable=g-import-not-at-top
   trial = copy.deepcopy(config)
   apply_overrides(trial, overrides)
   if trial.init_from.checkpoint and not resolve_sources:

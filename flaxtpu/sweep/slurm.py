@@ -25,7 +25,7 @@ import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
-from flaxtpu import files
+from flaxtpu.io import files
 from flaxtpu.sweep import SweepError, runner
 from flaxtpu.sweep.runner import DONE, FAILED, PENDING, RUNNING, Run
 

@@ -7,7 +7,7 @@ the search: its samplers (TPE, random, QMC), pruners (median, successive
 halving, Hyperband) and storages (SQLite, PostgreSQL, a journal file).
 
 How a trial reaches the pruner: the trainer reports each evaluation to the
-study's storage itself (flaxtpu/pruning.py, given config.search.*), as Optuna's
+study's storage itself (flaxtpu/loop/pruning.py, given config.search.*), as Optuna's
 own integrations do. The storage is the one place every worker already shares,
 on one machine or on many SLURM nodes, so nothing else is passed between
 processes, and a pruned run stops at its next step with a checkpoint.
@@ -33,9 +33,9 @@ from typing import Any
 
 import ml_collections
 
-from flaxtpu import files
-from flaxtpu.errors import UserError, raised_in
-from flaxtpu.metric_names import best_metric
+from flaxtpu.io import files
+from flaxtpu.settings.errors import UserError, raised_in
+from flaxtpu.settings.metric_names import best_metric
 from flaxtpu.sweep import Overrides, SweepError, runner
 
 SAMPLERS = ('tpe', 'random', 'qmc')

@@ -39,9 +39,14 @@ import numpy as np
 from clu import metrics as clu_metrics
 from jax.scipy.special import xlogy
 
-from flaxtpu import checkpoint, defaults, finetune, image_sizes, pretrained, resolution, steps
-from flaxtpu.errors import UserError
-from flaxtpu.workdir_config import from_saved
+from flaxtpu.augmentation import image_sizes
+from flaxtpu.settings import defaults
+from flaxtpu.settings.errors import UserError
+from flaxtpu.step import steps
+from flaxtpu.transfer import finetune
+from flaxtpu.validation import resolution
+from flaxtpu.validation.workdir_config import from_saved
+from flaxtpu.weights import checkpoint, pretrained
 
 
 @clu_metrics.flax.struct.dataclass

@@ -1,5 +1,5 @@
 """Fine-tuning: a fresh run starts from the parameters and BatchNorm statistics of another run,
-or of a published model (timm, torchvision, the Hugging Face hub, big_vision: flaxtpu/pretrained.py).
+or of a published model (timm, torchvision, the Hugging Face hub, big_vision: flaxtpu/weights/pretrained.py).
 
 `init_from.checkpoint` names a workdir (its `init_from.step`: latest | best |
 STEP) or one checkpoint directory, WORKDIR/checkpoints/STEP, of any flaxtpu
@@ -13,7 +13,7 @@ Published weights are mapped onto the model by the tables of its family's
 plug-in (flaxtpu/models/<family>.py); a ViT at another image size gets its position
 embeddings resampled (bicubic, antialiased, as timm does). The source's
 normalisation, image size and crop fraction become the run's defaults
-before the config is validated (flaxtpu/resolution.py), so the run, its
+before the config is validated (flaxtpu/validation/resolution.py), so the run, its
 eval, predict and export prepare images as the weights expect.
 """
 
@@ -32,10 +32,14 @@ import ml_collections
 import numpy as np
 from flax import traverse_util
 
-from flaxtpu import checkpoint, models, optim, parallel, pretrained, resolution, steps
-from flaxtpu.checkpoint import CheckpointError
-from flaxtpu.errors import UserError
+from flaxtpu import models
 from flaxtpu.models import layouts
+from flaxtpu.optimizers import optim
+from flaxtpu.settings.errors import UserError
+from flaxtpu.step import parallel, steps
+from flaxtpu.validation import resolution
+from flaxtpu.weights import checkpoint, pretrained
+from flaxtpu.weights.checkpoint import CheckpointError
 
 COLLECTIONS = ('params', 'batch_stats')  # what is read; never the optimizer state, step or data key
 
@@ -83,7 +87,8 @@ def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: st
         config.dataset, record.get('config', {}).get('dataset', {}), record['normalization']['mean'],
         record['normalization']['std']):
       raise UserError(f'config.dataset.{"/".join(left_open)} left open for init_from {path}; resolve the '
-                      "config before training: flaxtpu.resolution.resolve(config, workdir, 'train') (as the "
+                      "config before training: flaxtpu.validation.resolution.resolve(config, workdir, "
+                      "'train') (as the "
                       'CLI does)')
     saved = source.array_shapes(step, COLLECTIONS)
     target = {collection: optim.named_leaves(getattr(placement.abstract_state, collection))
@@ -288,7 +293,7 @@ def published_model(config: ml_collections.ConfigDict):
   """--mode=predict/eval/export straight from published weights, without training: (placement,
   model state, step 0, a checkpoint-like record). The published head and its classes are kept.
 
-  `config` is resolved already (`pretrained.apply_defaults`: flaxtpu/resolution.py)."""
+  `config` is resolved already (`pretrained.apply_defaults`: flaxtpu/validation/resolution.py)."""
   if not (config.init_from.checkpoint and pretrained.is_published(config.init_from.checkpoint)):
     raise UserError(f'config.init_from.checkpoint={config.init_from.checkpoint!r} is not published weights')
   published = pretrained.describe(config.init_from.checkpoint)

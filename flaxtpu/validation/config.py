@@ -13,22 +13,26 @@ from typing import Sequence
 
 import ml_collections
 
-from flaxtpu import (  # no JAX at import
-  audit,
+from flaxtpu import models  # no JAX at import
+from flaxtpu.augmentation import (  # no JAX at import
   aug_checks,
-  calibration,
-  files,
-  hub_names,
   image_sizes,
-  models,
-  optim_checks,
-  swa,
+)
+from flaxtpu.data import audit  # no JAX at import
+from flaxtpu.io import (  # no JAX at import
+  files,
   tracking,
 )
-from flaxtpu.errors import ConfigError
-from flaxtpu.export_options import check_export as _check_export
-from flaxtpu.metric_names import check_eval_split_names, early_stopping_metric
-from flaxtpu.param_patterns import check_patterns, parse_freeze_after, parse_lr_multipliers
+from flaxtpu.optimizers import (  # no JAX at import
+  optim_checks,
+  swa,
+)
+from flaxtpu.optimizers.param_patterns import check_patterns, parse_freeze_after, parse_lr_multipliers
+from flaxtpu.report import calibration  # no JAX at import
+from flaxtpu.settings import hub_names  # no JAX at import
+from flaxtpu.settings.errors import ConfigError
+from flaxtpu.settings.metric_names import check_eval_split_names, early_stopping_metric
+from flaxtpu.validation.export_options import check_export as _check_export
 
 # The optimizer.* keys each optimizer reads, besides those all of them do (learning rate, weight
 # decay, clipping, accumulation, freezing, lr multipliers, layer decay, Lookahead).
@@ -205,7 +209,7 @@ def _check_augment(config: ml_collections.ConfigDict) -> None:
 
 def _check_erase(augment: ml_collections.ConfigDict) -> None:
   """Random erasing: a probability, a mode, a box count; its other keys only matter when it is on."""
-  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
   if not 0.0 <= augment.erase_prob <= 1.0:
     raise ConfigError(f'config.augment.erase_prob={augment.erase_prob!r} must be a probability in [0, 1] '
                       '(0 = off; timm uses 0.25)')
@@ -222,7 +226,7 @@ def _check_erase(augment: ml_collections.ConfigDict) -> None:
 def _check_model(config: ml_collections.ConfigDict) -> None:
   """The model's name and remat, and its ViT/ConvNeXt/ResNet options: valid values, left at their
   defaults for models that ignore them; the compute dtype."""
-  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
   model = config.model
   _one_of('model.name', model.name, models.NAMES)
   _one_of('model.remat', model.remat, REMAT_POLICIES)
@@ -327,7 +331,7 @@ def _check_schedule(config: ml_collections.ConfigDict) -> None:
 def _check_read(section: str, values: ml_collections.ConfigDict, readers: dict[str, tuple[str, ...]]) -> None:
   """The keys of `readers` that `values.name` (the chosen optimizer or schedule) does not read must
   keep their defaults, as model options do."""
-  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
   name, default = values.name, defaults.get_config()[section]
   for key in dict.fromkeys(key for keys in readers.values() for key in keys):
     if key not in readers[name] and values[key] != default[key]:

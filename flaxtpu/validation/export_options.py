@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import ml_collections
 
-from flaxtpu import hub_names
-from flaxtpu.errors import ConfigError, printable
+from flaxtpu.settings import hub_names
+from flaxtpu.settings.errors import ConfigError, printable
 
 QUANTIZED = ('fp16', 'int8')  # tflite_export's quantized models
 

@@ -8,7 +8,7 @@ steps before it left open:
      where it predates them), refused where the config asks for another
      (`keep_saved_function`);
   1. the saved run's config: eval/predict/export of a trained run start from
-     its config.json (flaxtpu/workdir_config.py -> `from_saved`, which
+     its config.json (flaxtpu/validation/workdir_config.py -> `from_saved`, which
      fills options a run saved before they existed), read while the flags are
      parsed so that `--config.KEY=VALUE` overrides apply on top;
   2. published weights named by `init_from.checkpoint` (a run that starts from
@@ -21,7 +21,7 @@ A run in a workdir that already started keeps what its config.json resolved,
 without reading the source again. Then `config.validate` sees the config the
 run uses, and nothing edits it afterwards. No JAX here: the CLI resolves and
 validates before JAX starts; a flaxtpu source's record is read as the JSON
-orbax keeps beside its arrays (flaxtpu/saved.py).
+orbax keeps beside its arrays (flaxtpu/weights/saved.py).
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ import os
 
 import ml_collections
 
-from flaxtpu import files, hub_names, pretrained, saved
-from flaxtpu.errors import CheckpointError, ConfigError, UserError
-from flaxtpu.metric_names import best_metric
-from flaxtpu.workdir_config import CONFIG_FILE  # what a run resolved, written when it starts
+from flaxtpu.io import files
+from flaxtpu.settings import hub_names
+from flaxtpu.settings.errors import CheckpointError, ConfigError, UserError
+from flaxtpu.settings.metric_names import best_metric
+from flaxtpu.validation.workdir_config import CONFIG_FILE  # what a run resolved, written when it starts
+from flaxtpu.weights import pretrained, saved
 
 TRAINING_MODES = ('train', 'plan')  # a run that starts in the workdir (plan: what train would compile)
 
@@ -66,7 +68,9 @@ def keep_saved_function(config: ml_collections.ConfigDict, workdir: str) -> None
   started = files.read_json(os.path.join(workdir, CONFIG_FILE)) if workdir else None
   if not started or started.get('model', {}).get('name') != config.model.name:
     return  # a new run, or another model (the checkpoint's own checks name that)
-  from flaxtpu import defaults, models, workdir_config  # pylint: disable=g-import-not-at-top
+  from flaxtpu import models  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
+  from flaxtpu.validation import workdir_config  # pylint: disable=g-import-not-at-top
   trained, default = workdir_config.from_saved(started).model, defaults.get_config().model
   for key in models.LEGACY_OPTIONS:
     if key not in trained or config.model[key] == trained[key]:
@@ -115,7 +119,7 @@ def check_teacher(config: ml_collections.ConfigDict) -> None:
   teacher = config.distill.teacher
   if not teacher:
     return
-  from flaxtpu import defaults  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
   try:
     if pretrained.is_published(teacher):
       pretrained.describe(teacher)

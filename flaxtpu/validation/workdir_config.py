@@ -2,7 +2,7 @@
 `config`) on top of today's defaults: `from_saved`.
 
 `--mode=eval/predict/export` without `--config` load this file as
-`--config=flaxtpu/workdir_config.py:WORKDIR`, so `--config.KEY=VALUE`
+`--config=flaxtpu/validation/workdir_config.py:WORKDIR`, so `--config.KEY=VALUE`
 overrides (another eval split, a predict input) apply on top of the
 training config exactly as they would on a recipe.
 """
@@ -11,8 +11,10 @@ import os
 
 import ml_collections
 
-from flaxtpu import config as config_lib
-from flaxtpu import defaults, files, models
+from flaxtpu import models
+from flaxtpu.io import files
+from flaxtpu.settings import defaults
+from flaxtpu.validation import config as config_lib
 
 CONFIG_FILE = 'config.json'
 

@@ -22,11 +22,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src import asyncio_utils as _asyncio_utils
 
-from flaxtpu import files, storage
-from flaxtpu.errors import CheckpointError
-from flaxtpu.metric_names import best_metric
-from flaxtpu.saved import complete_steps as _complete_steps
-from flaxtpu.saved import pick_step
+from flaxtpu.io import files, storage
+from flaxtpu.settings.errors import CheckpointError
+from flaxtpu.settings.metric_names import best_metric
+from flaxtpu.weights.saved import complete_steps as _complete_steps
+from flaxtpu.weights.saved import pick_step
 
 policies = ocp.checkpoint_managers
 
@@ -401,7 +401,7 @@ def changed_keys(saved: dict, current: dict, prefix: str = '', defaults: Optiona
   from the default.
   """
   if defaults is None:
-    from flaxtpu import defaults as defaults_module  # pylint: disable=g-import-not-at-top
+    from flaxtpu.settings import defaults as defaults_module  # pylint: disable=g-import-not-at-top
     defaults = defaults_module.get_config().to_dict()
   changes = []
   for key in sorted(set(saved) | set(current)):

@@ -32,9 +32,10 @@ from typing import Optional
 
 import numpy as np
 
-from flaxtpu import hub_names, models
-from flaxtpu.errors import UserError, join_or, printable
+from flaxtpu import models
 from flaxtpu.models import foreign, layouts
+from flaxtpu.settings import hub_names
+from flaxtpu.settings.errors import UserError, join_or, printable
 
 HUB_PREFIX = hub_names.HUB_PREFIX
 WEIGHT_SUFFIXES = ('.safetensors', '.pth', '.pt', '.bin', '.npz')
@@ -82,7 +83,7 @@ def _hub_problem() -> Optional[str]:
   from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
   if constants.HF_HUB_OFFLINE:
     return 'HF_HUB_OFFLINE is set'
-  from flaxtpu import network  # pylint: disable=g-import-not-at-top
+  from flaxtpu.io import network  # pylint: disable=g-import-not-at-top
   endpoint = urllib.parse.urlsplit(constants.ENDPOINT)
   address = (endpoint.hostname or 'huggingface.co',
              endpoint.port or (443 if endpoint.scheme == 'https' else 80))
@@ -321,7 +322,7 @@ def describe(spec: str) -> Published:
 
 def imagenet_class_names() -> tuple[str, ...]:
   """The 1,000 ImageNet-1k class names in label order."""
-  path = os.path.join(os.path.dirname(__file__), 'datasets', 'imagenet_classes.txt')
+  path = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'datasets', 'imagenet_classes.txt')
   with open(path, encoding='utf-8') as f:
     return tuple(line.rstrip('\n') for line in f)
 
@@ -343,7 +344,8 @@ def apply_defaults(config, workdir: str = '') -> bool:
   (a resume never reads the weights again). Returns whether init_from names
   published weights. Idempotent.
   """
-  from flaxtpu import defaults, files  # pylint: disable=g-import-not-at-top
+  from flaxtpu.io import files  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
   spec = config.init_from.checkpoint
   if not spec or not is_published(spec):
     return False

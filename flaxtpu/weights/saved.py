@@ -3,7 +3,7 @@ and the JSON record kept beside each step's arrays.
 
 orbax writes a step's record (`STEP/record/metadata`) and its metrics (`STEP/metrics/metrics`) as plain
 JSON; reading them here lets the CLI resolve a config from another run before JAX starts
-(flaxtpu/resolution.py). flaxtpu/checkpoint.py reads and writes the arrays through orbax.
+(flaxtpu/validation/resolution.py). flaxtpu/weights/checkpoint.py reads and writes the arrays through orbax.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from typing import Callable, Optional, Sequence
 
-from flaxtpu import files, storage
-from flaxtpu.errors import CheckpointError
+from flaxtpu.io import files, storage
+from flaxtpu.settings.errors import CheckpointError
 
 COMMIT_MARKER = 'commit_success.txt'  # orbax's mark of a complete step on an object store
 

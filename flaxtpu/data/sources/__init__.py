@@ -13,7 +13,7 @@ from __future__ import annotations
 from flaxtpu.data.sources.base import DataError as DataError
 from flaxtpu.data.sources.base import Source
 from flaxtpu.data.sources.base import Split as Split
-from flaxtpu.errors import ConfigError, join_or
+from flaxtpu.settings.errors import ConfigError, join_or
 
 KINDS: list[type[Source]] = []  # in registration order; `ordered` puts the fallbacks last
 

@@ -24,8 +24,8 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 
 from flaxtpu.data import preprocess, workers
-from flaxtpu.errors import UserError
-from flaxtpu.errors import printable as printable  # the sources name files and classes with it
+from flaxtpu.settings.errors import UserError
+from flaxtpu.settings.errors import printable as printable  # the sources name files and classes with it
 
 ALL = 'all'  # the split name for a folder laid out as root/class/image, without split folders
 FOLDER_ORDER_SEED = 0  # the fixed shuffle within each class; changing it reshuffles every slice

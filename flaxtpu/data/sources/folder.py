@@ -13,7 +13,6 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from flaxtpu import files, storage
 from flaxtpu.data.preprocess import IMAGE_EXTENSIONS
 from flaxtpu.data.sources import remote
 from flaxtpu.data.sources.base import (
@@ -29,6 +28,7 @@ from flaxtpu.data.sources.base import (
   stratified_order,
   warn_missing_classes,
 )
+from flaxtpu.io import files, storage
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import posixpath
 
-from flaxtpu import files
 from flaxtpu.data.preprocess import IMAGE_EXTENSIONS
 from flaxtpu.data.sources.base import ALL, DataError
+from flaxtpu.io import files
 
 
 def class_dirs(root: str, split: str) -> tuple[str, dict[str, str]]:

@@ -19,7 +19,7 @@ from typing import Sequence
 import ml_collections
 import numpy as np
 
-from flaxtpu.data import sampling, workers
+from flaxtpu.data import samplers, workers
 from flaxtpu.data.preprocess import IMAGE_EXTENSIONS
 from flaxtpu.data.sources.base import ALL, DataError, IndexedRecords, Split
 from flaxtpu.data.sources.tagged import (
@@ -30,7 +30,7 @@ from flaxtpu.data.sources.tagged import (
   pattern_files,
   tags_of_files,
 )
-from flaxtpu.errors import ConfigError
+from flaxtpu.settings.errors import ConfigError
 
 SHARD_CLASSES = 'classes.txt'  # beside the shards: one class name per line, indexed by KEY.cls
 SHARD_LABEL_SUFFIXES = ('cls', 'json')
@@ -268,7 +268,7 @@ class ShardSource(TaggedSource):
         ', '.join(present))
 
 
-class ShardSampler(sampling.Sampler):
+class ShardSampler(samplers.Sampler):
   """WebDataset-style streaming: process p of P reads only the shards k with k % P == p.
 
   k is a shard's place among the split's shards (its index when every shard
@@ -302,11 +302,11 @@ class ShardSampler(sampling.Sampler):
 
   def _epoch_order(self, epoch):
     """This process's rows of the epoch's batches, one after the other."""
-    shard_order = sampling.generator(self.seed, sampling.SHARD_ORDER_STREAM, epoch).permutation(
+    shard_order = samplers.generator(self.seed, samplers.SHARD_ORDER_STREAM, epoch).permutation(
         self.num_shards)
     turn = np.argsort(shard_order)  # when each shard comes this epoch
     stream = self.mine[np.argsort(turn[self.shard_of[self.mine]], kind='stable')]  # tar order within
-    windows = sampling.generator(self.seed, sampling.SHARD_WINDOW_STREAM, epoch, self.process_index)
+    windows = samplers.generator(self.seed, samplers.SHARD_WINDOW_STREAM, epoch, self.process_index)
     for start in range(0, len(stream), SHUFFLE_WINDOW):
       stream[start:start + SHUFFLE_WINDOW] = windows.permutation(stream[start:start + SHUFFLE_WINDOW])
     return stream[:self.steps_per_epoch * self.local_batch_size]
@@ -316,7 +316,7 @@ class ShardSampler(sampling.Sampler):
 
 
 
-@sampling.register('shards')
+@samplers.register('shards')
 def _shard_sampler(train, seed: int, batch_size: int, process_index: int = 0,
                    process_count: int = 1) -> ShardSampler:
   if train.example_groups is None:

@@ -9,8 +9,8 @@ import os
 
 import numpy as np
 
-from flaxtpu import network
 from flaxtpu.data.sources.base import DataError, IndexedRecords, Source, Split, parse_spec
+from flaxtpu.io import network
 
 DOWNLOAD_HOST = ('storage.googleapis.com', 443)  # where TFDS looks first for prepared datasets
 

@@ -17,9 +17,9 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
-from flaxtpu.errors import UserError
 from flaxtpu.models.nets import grouped_conv
 from flaxtpu.models.nets.vit import stochastic_depth
+from flaxtpu.settings.errors import UserError
 
 # Convolutions and dense layers start as timm's trunc_normal_(std=.02), biases at zero.
 _KERNEL_INIT = nn.initializers.truncated_normal(stddev=0.02)
