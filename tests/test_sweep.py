@@ -163,7 +163,7 @@ BROKEN_EXPERIMENTS = {
         get_config = defaults.get_config
         def get_sweep(:
           return []
-        """, 'FILE, line 4: SyntaxError: invalid syntax (while importing it); fix the experiment file '
+        """, 'FILE, line 5: SyntaxError: invalid syntax (while importing it); fix the experiment file '
              '(nothing ran)'),
     'name error at import': ("""
         from flaxtpu import sweep
@@ -172,7 +172,7 @@ BROKEN_EXPERIMENTS = {
         LEARNING_RATES = [0.1, learning_rate]
         def get_sweep():
           return sweep.sweep('optimizer.learning_rate', LEARNING_RATES)
-        """, "FILE, line 4: NameError: name 'learning_rate' is not defined (while importing it); fix the "
+        """, "FILE, line 5: NameError: name 'learning_rate' is not defined (while importing it); fix the "
              'experiment file (nothing ran)'),
     'get_sweep raises': ("""
         from flaxtpu import sweep
@@ -182,7 +182,7 @@ BROKEN_EXPERIMENTS = {
           raise ValueError('no rates for this budget')
         def get_sweep():
           return sweep.sweep('optimizer.learning_rate', rates())
-        """, 'FILE, line 5: ValueError: no rates for this budget (while get_sweep() listed the runs); fix '
+        """, 'FILE, line 6: ValueError: no rates for this budget (while get_sweep() listed the runs); fix '
              'the experiment file (nothing ran)'),
     'get_config sets a key that does not exist': ("""
         from flaxtpu import sweep
@@ -193,7 +193,7 @@ BROKEN_EXPERIMENTS = {
           return config
         def get_sweep():
           return sweep.sweep('seed', [0, 1])
-        """, "FILE, line 5: sets config key 'nmae', which does not exist (did you mean 'name'?) (while "
+        """, "FILE, line 6: sets config key 'nmae', which does not exist (did you mean 'name'?) (while "
              'get_config() built the base config); fix the experiment file (nothing ran)'),
     'get_config returns nothing': ("""
         from flaxtpu import sweep
