@@ -95,8 +95,9 @@ def stage_times(paths: list[str], size: int = 224) -> dict:
     pixels = preprocess._decoded(source, 3, target)  # pylint: disable=protected-access
     decoded = time.perf_counter()
     scale_x, scale_y = pixels.shape[1] / width, pixels.shape[0] / height
-    crop = pixels[int(box[1] * scale_y):max(int(box[3] * scale_y), int(box[1] * scale_y) + 1),
-                  int(box[0] * scale_x):max(int(box[2] * scale_x), int(box[0] * scale_x) + 1)]
+    left, right = preprocess._pixel_span(box[0] * scale_x, box[2] * scale_x, pixels.shape[1])  # pylint: disable=protected-access
+    top, bottom = preprocess._pixel_span(box[1] * scale_y, box[3] * scale_y, pixels.shape[0])  # pylint: disable=protected-access
+    crop = pixels[top:bottom, left:right]
     cv2.resize(crop, (size, size), interpolation=cv2.INTER_LINEAR)
     resized = time.perf_counter()
     for stage, seconds in zip(STAGES, (read - started, parsed - read, decoded - parsed, resized - decoded)):
