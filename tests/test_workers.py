@@ -63,7 +63,7 @@ def test_open_files_and_blocks_stay_flat_over_many_batches(made_blocks):
   counts = []
   for step, batch in enumerate(workers.run(big_batch, range(200), workers=2, buffer=1)):
     assert batch.labels[0] == step
-    if step % 20 == 0:
+    if step % 20 == 0 and step:  # from when every block has come back once (each is mapped here then)
       counts.append(len(os.listdir('/proc/self/fd')))
   assert max(counts) - min(counts) <= 1, counts
   assert len(made_blocks) == 1 and made_blocks[0]._all == []  # closed: 3 blocks were made, all unlinked
@@ -156,3 +156,44 @@ def test_batches_past_32_mib_reuse_the_heap_in_the_workers_and_the_trainer():
   assert in_worker[0] >= size  # before the worker had attached its first block
   assert max(in_worker[1:]) < size, in_worker
   assert max(in_trainer) < size, in_trainer
+
+
+def resident_bytes(buffer) -> int:
+  """How much of the mapping behind `buffer` is in this process's page tables (/proc/self/smaps)."""
+  import ctypes
+  address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+  with open('/proc/self/smaps', encoding='ascii') as smaps:
+    inside = False
+    for line in smaps:
+      head = line.split()[0]
+      if '-' in head and ':' not in head:
+        start, stop = (int(part, 16) for part in head.split('-'))
+        inside = start <= address < stop
+      elif inside and head == 'Rss:':
+        return int(line.split()[1]) * 1024
+  raise AssertionError('mapping not found in /proc/self/smaps')
+
+
+@pytest.mark.skipif(not hasattr(__import__('mmap'), 'MAP_POPULATE') or not os.path.isdir('/dev/shm'),
+                    reason="MAP_POPULATE and /dev/shm are Linux's")
+def test_blocks_are_mapped_with_every_page_in_place():
+  """A block a worker (or the trainer) maps has all its pages in place before the first write: under
+  gVisor each page faulted on first touch, 127 ms a batch (workers._attach)."""
+  from multiprocessing import shared_memory
+  size = 8 << 20
+  block = shared_memory.SharedMemory(create=True, size=size)
+  try:
+    plain = shared_memory.SharedMemory(block.name)  # as multiprocessing attaches: nothing mapped yet
+    populated = workers._attach(block.name)
+    try:
+      assert resident_bytes(plain.buf) == 0
+      assert resident_bytes(populated.buf) == size
+      assert populated.size == size
+      np.ndarray(16, np.uint8, buffer=populated.buf)[:] = 7  # one memory: the creator sees the write
+      assert bytes(block.buf[:16]) == bytes([7] * 16)
+    finally:
+      plain.close()
+      populated.close()
+  finally:
+    block.close()
+    block.unlink()
