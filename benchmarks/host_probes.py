@@ -3,6 +3,7 @@
     python -m benchmarks.host_probes pages   # a fresh 38 MiB batch array against a reused one
     python -m benchmarks.host_probes gil     # whether starting the devices holds Python's GIL
     python -m benchmarks.host_probes stages --folder DIR   # a training crop's stages, 1 process vs all cores
+    python -m benchmarks.host_probes batches --folder DIR  # whole training batches, 1 process vs all cores
 
 `pages`: filling a new array the size of a batch (256 crops of 224 px) against refilling one
 already touched, before and after `workers.keep_freed_memory`. Under gVisor (Cloud TPU hosts) every
@@ -17,6 +18,11 @@ the crop needs, resize the crop to 224 px) in one process, then in one process p
 A stage that slows with every core busy points at the host (shared cores, the sandbox's system
 calls), one slow alone at the code. On a TPU v5e host an image cost 1.3-1.5 ms alone and 2.5-2.8
 CPU-ms with 13 workers busy, tf.data's 1.4-1.7 (docs/performance.md, the third round).
+
+`batches`: the input workers' whole job, a training batch of 256 crops (`loaders._TrainLoader`) and
+its copy into a shared-memory block, in one process and then in one per core at once, CPU and wall
+time per image; then `workers.run` with one worker per core as training runs it, with the trainer's
+copy out of the blocks. Set beside `stages`, it says what a batch costs beyond its images' stages.
 """
 
 from __future__ import annotations
@@ -74,15 +80,24 @@ def gil() -> dict:
 
 
 STAGES = ('read', 'header', 'decode', 'resize')
+# tf.data's training crop of the same box (the Flax ImageNet example's): libjpeg-turbo decoding only
+# the crop's rows and columns (`decode_and_crop_jpeg`), then the same resize.
+TF_STAGES = ('tf_decode_and_crop', 'tf_resize')
 
 
-def stage_times(paths: list[str], size: int = 224) -> dict:
-  """Seconds per stage for each of `paths`, cropped as training crops them (seeded)."""
+def stage_times(paths: list[str], size: int = 224, with_tf: bool = False) -> dict:
+  """Seconds per stage for each of `paths`, cropped as training crops them (seeded); `with_tf`:
+  the same boxes through TensorFlow's crop-region decode too, image by image in the same process."""
   import cv2  # pylint: disable=g-import-not-at-top
 
   from flaxtpu.data import preprocess  # pylint: disable=g-import-not-at-top
   cv2.setNumThreads(1)  # as in the input workers
-  rng, times = np.random.default_rng(0), {stage: [] for stage in STAGES}
+  if with_tf:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+  rng = np.random.default_rng(0)
+  times = {stage: [] for stage in STAGES + (TF_STAGES if with_tf else ())}
   for path in paths:
     started = time.perf_counter()
     data = preprocess.read_file(path)
@@ -102,10 +117,18 @@ def stage_times(paths: list[str], size: int = 224) -> dict:
     resized = time.perf_counter()
     for stage, seconds in zip(STAGES, (read - started, parsed - read, decoded - parsed, resized - decoded)):
       times[stage].append(seconds)
+    if with_tf:
+      started = time.perf_counter()
+      window = [box[1], box[0], box[3] - box[1], box[2] - box[0]]
+      crop = tf.io.decode_and_crop_jpeg(data, window, channels=3).numpy()
+      decoded = time.perf_counter()
+      cv2.resize(crop, (size, size), interpolation=cv2.INTER_LINEAR)
+      times['tf_decode_and_crop'].append(decoded - started)
+      times['tf_resize'].append(time.perf_counter() - decoded)
   return times
 
 
-def stages(folder: str, images: int, processes: list[int]) -> dict:
+def stages(folder: str, images: int, processes: list[int], with_tf: bool = False) -> dict:
   paths = sorted(os.path.join(root, name) for root, _, names in os.walk(folder) for name in names
                  if name.lower().endswith(('.jpg', '.jpeg')))[:images]
   if not paths:
@@ -116,31 +139,136 @@ def stages(folder: str, images: int, processes: list[int]) -> dict:
   result = {}
   for count in processes:
     with multiprocessing.get_context('spawn').Pool(count) as pool:
-      pool.map(stage_times, [paths[:8]] * count)  # started and warm
-      runs = pool.map(stage_times, [paths] * count)
-    result[f'{count}_processes_ms'] = {
-        stage: 1e3 * statistics.median(seconds for run in runs for seconds in run[stage]) for stage in STAGES}
-    result[f'{count}_processes_ms']['total'] = sum(result[f'{count}_processes_ms'].values())
+      pool.starmap(stage_times, [(paths[:8], 224, with_tf)] * count)  # started and warm
+      runs = pool.starmap(stage_times, [(paths, 224, with_tf)] * count)
+    medians = {stage: 1e3 * statistics.median(seconds for run in runs for seconds in run[stage])
+               for stage in runs[0]}
+    medians['total'] = sum(medians[stage] for stage in STAGES)
+    if with_tf:
+      medians['tf_total'] = medians['read'] + sum(medians[stage] for stage in TF_STAGES)
+    result[f'{count}_processes_ms'] = medians
+  return result
+
+
+def _folder_loader(folder: str, batch_size: int):
+  """The train loader training builds for a JPEG folder at 224 px, `cache=none`."""
+  from configs import cifar10  # pylint: disable=g-import-not-at-top
+  from flaxtpu.data import loaders, pipeline, sampling  # pylint: disable=g-import-not-at-top
+  config = cifar10.get_config()
+  config.dataset.folder, config.dataset.image_size, config.dataset.cache = folder, 224, 'none'
+  dataset = pipeline.load(config)
+  chosen = sampling.sampler(dataset, seed=0, batch_size=batch_size, process_index=0, process_count=1)
+  return loaders._TrainLoader(dataset.train, dataset.transform, chosen, dataset.skip_corrupt)  # pylint: disable=protected-access
+
+
+def batch_times(loader, steps: range) -> dict:
+  """Per batch of `steps`: the wall and CPU seconds of building it, then of copying it into a
+  shared-memory block (a worker's `_packed`)."""
+  from multiprocessing import shared_memory  # pylint: disable=g-import-not-at-top
+
+  import cv2  # pylint: disable=g-import-not-at-top
+
+  from flaxtpu.data import workers  # pylint: disable=g-import-not-at-top
+  cv2.setNumThreads(1)
+  times = {'build_wall': [], 'build_cpu': [], 'pack_wall': [], 'pack_cpu': []}
+  block = None
+  try:
+    for step in steps:
+      wall, cpu = time.perf_counter(), time.process_time()
+      batch = loader(step)
+      built_wall, built_cpu = time.perf_counter(), time.process_time()
+      if block is None:
+        size = workers._packed_size(batch)  # pylint: disable=protected-access
+        block = shared_memory.SharedMemory(create=True, size=size + size // 8)
+        workers.keep_freed_memory(block.size)
+      workers._packed(batch, block)  # pylint: disable=protected-access
+      times['build_wall'].append(built_wall - wall)
+      times['build_cpu'].append(built_cpu - cpu)
+      times['pack_wall'].append(time.perf_counter() - built_wall)
+      times['pack_cpu'].append(time.process_time() - built_cpu)
+  finally:
+    if block is not None:
+      block.close()
+      block.unlink()
+  return times
+
+
+def batches(folder: str, processes: list[int], batch_size: int = 256, steps: int = 6,
+            buffer: int = 4) -> dict:
+  from flaxtpu.data import workers  # pylint: disable=g-import-not-at-top
+  loader = _folder_loader(folder, batch_size)
+  result = {}
+  for count in processes:
+    with multiprocessing.get_context('spawn').Pool(count) as pool:
+      pool.starmap(batch_times, [(loader, range(1))] * count)  # started and warm
+      runs = pool.starmap(batch_times, [(loader, range(1 + i * steps, 1 + (i + 1) * steps))
+                                        for i in range(count)])
+    result[f'{count}_processes_ms_per_image'] = {
+        key: 1e3 * statistics.median(seconds for run in runs for seconds in run[key]) / batch_size
+        for key in runs[0]}
+  # As training runs it: one worker per core, the trainer copying each batch out of its block; the
+  # rate and the workers' CPU per image in successive windows of one batch per worker from the first.
+  import psutil  # pylint: disable=g-import-not-at-top
+  count, windows = max(processes), 10
+  me = psutil.Process()
+
+  def cpu(processes_now) -> float:
+    total = 0.0
+    for process in processes_now:
+      try:
+        total += sum(process.cpu_times()[:2])
+      except psutil.Error:
+        pass
+    return total
+
+  iterator = workers.run(loader, range((windows + 1) * count), count, buffer=buffer,
+                         result_bytes=batch_size * 224 * 224 * 3)
+  next(iterator)
+  children = me.children(recursive=True)
+  rows = []
+  for _ in range(windows):
+    wall, main, used = time.perf_counter(), time.process_time(), cpu(children)
+    for _ in range(count):
+      next(iterator)
+    images = count * batch_size
+    rows.append({'images_per_sec': images / (time.perf_counter() - wall),
+                 'workers_cpu_ms_per_image': 1e3 * (cpu(children) - used) / images,
+                 'trainer_cpu_ms_per_image': 1e3 * (time.process_time() - main) / images})
+  iterator.close()
+  result[f'workers.run_{count}_buffer_{buffer}_windows'] = rows
   return result
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('probe', choices=('pages', 'gil', 'stages'))
-  parser.add_argument('--folder', help='stages: a folder of JPEGs (the first --images, sorted)')
+  parser.add_argument('probe', choices=('pages', 'gil', 'stages', 'batches'))
+  parser.add_argument('--folder', help='stages: a folder of JPEGs (the first --images, sorted); '
+                      'batches: an image folder DIR/train/<class>/*.jpg')
   parser.add_argument('--images', type=int, default=400)
   parser.add_argument('--processes', default=f'1,{os.cpu_count() or 1}',
                       help='stages: process counts, comma-separated')
+  parser.add_argument('--buffer', type=int, default=4,
+                      help='batches: results in flight beyond one per worker (input.prefetch)')
+  parser.add_argument('--tf', action='store_true',
+                      help="stages: beside each image, tf.data's crop-region decode of the same box")
   args = parser.parse_args()
   if args.probe == 'stages':
     if not args.folder:
       parser.error('stages needs --folder')
-    result = stages(args.folder, args.images, [int(count) for count in args.processes.split(',')])
+    result = stages(args.folder, args.images, [int(count) for count in args.processes.split(',')],
+                    with_tf=args.tf)
+  elif args.probe == 'batches':
+    if not args.folder:
+      parser.error('batches needs --folder')
+    result = batches(args.folder, [int(count) for count in args.processes.split(',')], buffer=args.buffer)
   else:
     result = pages() if args.probe == 'pages' else gil()
   for key, value in result.items():
     if isinstance(value, dict):
       value = ', '.join(f'{stage} {ms:.3f}' for stage, ms in value.items())
+    elif isinstance(value, list) and value and isinstance(value[0], dict):
+      value = '\n  ' + '\n  '.join(', '.join(f'{key} {number:,.3f}' for key, number in row.items())
+                                    for row in value)
     print(f'{key}: {[round(v, 3) for v in value] if isinstance(value, list) else value}')
 
 
