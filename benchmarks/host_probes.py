@@ -4,6 +4,7 @@
     python -m benchmarks.host_probes gil     # whether starting the devices holds Python's GIL
     python -m benchmarks.host_probes stages --folder DIR   # a training crop's stages, 1 process vs all cores
     python -m benchmarks.host_probes batches --folder DIR  # whole training batches, 1 process vs all cores
+    python -m benchmarks.host_probes shm     # writing a batch into a shared-memory block: plain vs populated
 
 `pages`: filling a new array the size of a batch (256 crops of 224 px) against refilling one
 already touched, before and after `workers.keep_freed_memory`. Under gVisor (Cloud TPU hosts) every
@@ -23,6 +24,11 @@ CPU-ms with 13 workers busy, tf.data's 1.4-1.7 (docs/performance.md, the third r
 its copy into a shared-memory block, in one process and then in one per core at once, CPU and wall
 time per image; then `workers.run` with one worker per core as training runs it, with the trainer's
 copy out of the blocks. Set beside `stages`, it says what a batch costs beyond its images' stages.
+
+`shm`: one process, then one per core at once, each writing a batch twice into shared-memory blocks
+the parent made and touched: mapped as `multiprocessing` maps them, and mapped with every page in
+place (`workers._attach`, MAP_POPULATE). On a TPU v5e host with 13 processes: the first write 127 ms
+plain against 7 ms to map populated and 4 ms to write (docs/performance.md, the fourth round).
 """
 
 from __future__ import annotations
@@ -239,14 +245,57 @@ def batches(folder: str, processes: list[int], batch_size: int = 256, steps: int
   return result
 
 
+def shm_writes(names: list[str]) -> dict:
+  """Milliseconds to map, write once and write again a batch into the blocks `names` (two mapped
+  plain, two populated)."""
+  from multiprocessing import shared_memory  # pylint: disable=g-import-not-at-top
+
+  from flaxtpu.data import workers  # pylint: disable=g-import-not-at-top
+  source = np.ones(int(np.prod(BATCH_SHAPE)), np.uint8)
+  result = {}
+  for how, name in zip(('plain', 'populated', 'plain', 'populated'), names):
+    started = time.perf_counter()
+    block = shared_memory.SharedMemory(name) if how == 'plain' else workers._attach(name)  # pylint: disable=protected-access
+    mapped = time.perf_counter()
+    np.ndarray(source.shape, np.uint8, buffer=block.buf)[:] = source
+    written = time.perf_counter()
+    np.ndarray(source.shape, np.uint8, buffer=block.buf)[:] = source
+    again = time.perf_counter()
+    block.close()
+    for key, seconds in (('map', mapped - started), ('first_write', written - mapped),
+                         ('second_write', again - written)):
+      result.setdefault(f'{how}_{key}', []).append(1e3 * seconds)
+  return result
+
+
+def shm(processes: list[int]) -> dict:
+  from multiprocessing import shared_memory  # pylint: disable=g-import-not-at-top
+  size = int(np.prod(BATCH_SHAPE)) * 9 // 8  # as the input workers size their blocks
+  result = {}
+  for count in processes:
+    blocks = [shared_memory.SharedMemory(create=True, size=size) for _ in range(4 * count)]
+    try:
+      for block in blocks:  # the parent's pages exist, as after the first batches of a pass
+        np.ndarray(size, np.uint8, buffer=block.buf)[:] = 0
+      with multiprocessing.get_context('spawn').Pool(count) as pool:
+        runs = pool.map(shm_writes, [[block.name for block in blocks[4 * i:4 * i + 4]] for i in range(count)])
+    finally:
+      for block in blocks:
+        block.close()
+        block.unlink()
+    result[f'{count}_processes_ms'] = {key: statistics.median(ms for run in runs for ms in run[key])
+                                       for key in runs[0]}
+  return result
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('probe', choices=('pages', 'gil', 'stages', 'batches'))
+  parser.add_argument('probe', choices=('pages', 'gil', 'stages', 'batches', 'shm'))
   parser.add_argument('--folder', help='stages: a folder of JPEGs (the first --images, sorted); '
                       'batches: an image folder DIR/train/<class>/*.jpg')
   parser.add_argument('--images', type=int, default=400)
   parser.add_argument('--processes', default=f'1,{os.cpu_count() or 1}',
-                      help='stages: process counts, comma-separated')
+                      help='stages, batches, shm: process counts, comma-separated')
   parser.add_argument('--buffer', type=int, default=4,
                       help='batches: results in flight beyond one per worker (input.prefetch)')
   parser.add_argument('--tf', action='store_true',
@@ -261,6 +310,8 @@ def main() -> None:
     if not args.folder:
       parser.error('batches needs --folder')
     result = batches(args.folder, [int(count) for count in args.processes.split(',')], buffer=args.buffer)
+  elif args.probe == 'shm':
+    result = shm([int(count) for count in args.processes.split(',')])
   else:
     result = pages() if args.probe == 'pages' else gil()
   for key, value in result.items():
