@@ -91,6 +91,16 @@ def _positive(key: str, value, allow: tuple = ()) -> None:
     raise ConfigError(f'config.{key}={value!r} must be > 0{extra}')
 
 
+def _within(group: str, node, keys: tuple, interval: str) -> None:
+  """Each of config.`group`'s `keys` in `interval`: '>= 0', '[0, 1)' or '[0, 1]'."""
+  inside = {'>= 0': lambda value: value >= 0, '[0, 1)': lambda value: 0.0 <= value < 1.0,
+            '[0, 1]': lambda value: 0.0 <= value <= 1.0}[interval]
+  for key in keys:
+    if not inside(node[key]):
+      raise ConfigError(f'config.{group}.{key}={node[key]!r} must '
+                        + (f'be {interval}' if interval.startswith('>') else f'be in {interval}'))
+
+
 # Modes that read no dataset (predict reads predict.input): their dataset source is not checked, so a
 # recipe's training folder (or none) is not asked for.
 DATALESS_MODES = ('predict',)
@@ -182,9 +192,7 @@ def _check_augment(config: ml_collections.ConfigDict) -> None:
     if len(value) != 2 or not low < value[0] <= value[1] <= high:
       raise ConfigError(f'config.augment.{key}={value!r} must be a (min, max) pair with '
                         f'{low} < min <= max <= {high}')
-  for key in ('crop_padding', 'cutout'):
-    if augment[key] < 0:
-      raise ConfigError(f'config.augment.{key}={augment[key]!r} must be >= 0')
+  _within('augment', augment, ('crop_padding', 'cutout'), '>= 0')
   _one_of('augment.crop_pad_mode', augment.crop_pad_mode, ('zeros', 'reflect', 'edge'))
   if augment.alternate_flip and not augment.flip:
     raise ConfigError('config.augment.alternate_flip=True alternates the flip, which is off; set '
@@ -236,9 +244,7 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
   _one_of('model.padding', model.padding, models.PADDINGS)
   _one_of('model.gelu', model.gelu, models.GELUS)
   _one_of('model.downsample', model.downsample, models.DOWNSAMPLES)
-  for key in ('dropout', 'drop_path'):
-    if not 0.0 <= model[key] < 1.0:
-      raise ConfigError(f'config.model.{key}={model[key]!r} must be in [0, 1)')
+  _within('model', model, ('dropout', 'drop_path'), '[0, 1)')
   options = models.get_spec(model.name).options
   default = defaults.get_config().model
   for key in ('patch_size', 'pool', 'dropout', 'drop_path', 'padding', 'gelu', 'downsample',
@@ -270,19 +276,13 @@ def _check_optimizer(config: ml_collections.ConfigDict) -> None:
   optimizer = config.optimizer
   _one_of('optimizer.name', optimizer.name, OPTIMIZERS)
   _positive('optimizer.learning_rate', optimizer.learning_rate)
-  for key in ('momentum', 'b1', 'decay', 'lookahead_decay'):
-    if not 0.0 <= optimizer[key] < 1.0:
-      raise ConfigError(f'config.optimizer.{key}={optimizer[key]!r} must be in [0, 1)')
+  _within('optimizer', optimizer, ('momentum', 'b1', 'decay', 'lookahead_decay'), '[0, 1)')
   if optimizer.b2 != -1 and not 0.0 <= optimizer.b2 < 1.0:
     raise ConfigError(f'config.optimizer.b2={optimizer.b2!r} must be in [0, 1) (or -1 = the optimizer\'s '
                       'own: 0.999, lion 0.99)')
-  for key in ('weight_decay', 'bias_weight_decay', 'grad_clip_norm', 'lookahead_every',
-              'lookahead_decay_power', 'eps', 'clipping_threshold'):
-    if optimizer[key] < 0:
-      raise ConfigError(f'config.optimizer.{key}={optimizer[key]!r} must be >= 0')
-  for key in ('decay_rate', 'layer_decay'):
-    if not 0.0 <= optimizer[key] <= 1.0:
-      raise ConfigError(f'config.optimizer.{key}={optimizer[key]!r} must be in [0, 1]')
+  _within('optimizer', optimizer, ('weight_decay', 'bias_weight_decay', 'grad_clip_norm', 'lookahead_every',
+                                   'lookahead_decay_power', 'eps', 'clipping_threshold'), '>= 0')
+  _within('optimizer', optimizer, ('decay_rate', 'layer_decay'), '[0, 1]')
   _positive('optimizer.trust_coefficient', optimizer.trust_coefficient)
   _positive('optimizer.min_dim_size_to_factor', optimizer.min_dim_size_to_factor)
   _positive('optimizer.accumulate_steps', optimizer.accumulate_steps)
@@ -299,12 +299,8 @@ def _check_schedule(config: ml_collections.ConfigDict) -> None:
   """The schedule's name and keys: valid values, and left at their defaults where it does not read them."""
   schedule = config.schedule
   _one_of('schedule.name', schedule.name, SCHEDULES)
-  for key in ('warmup_epochs', 'cooldown_epochs'):
-    if schedule[key] < 0:
-      raise ConfigError(f'config.schedule.{key}={schedule[key]!r} must be >= 0')
-  for key in ('final_lr_fraction', 'decay_rate'):
-    if not 0.0 <= schedule[key] <= 1.0:
-      raise ConfigError(f'config.schedule.{key}={schedule[key]!r} must be in [0, 1]')
+  _within('schedule', schedule, ('warmup_epochs', 'cooldown_epochs'), '>= 0')
+  _within('schedule', schedule, ('final_lr_fraction', 'decay_rate'), '[0, 1]')
   _positive('schedule.factor', schedule.factor)
   _positive('schedule.timescale', schedule.timescale)
   _check_read('schedule', schedule, SCHEDULE_KEYS)
