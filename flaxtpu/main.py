@@ -347,7 +347,7 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   # pylint: disable=g-import-not-at-top
   from flaxtpu.data import pipeline
   from flaxtpu.loop import progress, train
-  from flaxtpu.step import compile_plan, parallel
+  from flaxtpu.step import compile_plan, parallel, remat_choice
   command_started = progress.process_start_time(IMPORTED_AT)
   dataset = None
   if reading is not None:
@@ -360,7 +360,10 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
     train.train_and_evaluate(config, workdir, stop, command_started=command_started, dataset=dataset)
   elif mode == 'plan':
     dataset = pipeline.load(config, need_train=False)  # only the image shape and class count
-    plan = compile_plan.plan_memory(config, image_shape=dataset.image_shape, num_classes=dataset.num_classes)
+    shape = {'image_shape': dataset.image_shape, 'num_classes': dataset.num_classes}
+    chosen, tried = remat_choice.resolve(config, **shape)  # model.remat=auto: each policy's plan
+    plan = ({**tried[-1], 'remat_auto': remat_choice.summary(tried)} if tried
+            else compile_plan.plan_memory(chosen, **shape))
     if jax.process_index() == 0:
       files.write_json(os.path.join(workdir, 'plan.json'), plan)
     print(json.dumps(plan, indent=2))

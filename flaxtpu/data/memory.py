@@ -151,24 +151,32 @@ def check_before_start(config: ml_collections.ConfigDict, mode: str) -> None:
              training=mode == 'train')
 
 
-def check_device(config: ml_collections.ConfigDict, plan: dict) -> None:
-  """Raises ConfigError when XLA's per-device memory plan of the train step exceeds a device's memory.
+def device_need(plan: dict) -> Optional[tuple[int, int, str]]:
+  """(bytes the compiled train step of XLA's per-device memory `plan` needs, bytes it may take, where
+  those are), or None where the backend plans nothing.
 
   Accelerators report their limit (memory_stats()['bytes_limit']); CPU devices share host memory.
   """
   import jax  # pylint: disable=g-import-not-at-top  # only once JAX has started
   if 'total_bytes' not in plan:
-    return
+    return None
   devices = jax.local_devices()
   stats = devices[0].memory_stats() or {}
   if 'bytes_limit' in stats:  # the state and batches live on the device too
-    needed, limit = plan['total_bytes'], stats['bytes_limit']
-    where = f'the {format_bytes(limit)} of one {devices[0].device_kind}'
-  else:  # CPU devices: the state and batch are allocated already; the step adds its temporaries
-    needed, limit = plan['temp_bytes'] * len(devices), available_bytes()
-    where = f'the {format_bytes(limit)} of host memory available'
-  if needed > limit:
+    limit = stats['bytes_limit']
+    return plan['total_bytes'], limit, f'the {format_bytes(limit)} of one {devices[0].device_kind}'
+  # CPU devices: the state and batch are allocated already; the step adds its temporaries
+  limit = available_bytes()
+  return plan['temp_bytes'] * len(devices), limit, f'the {format_bytes(limit)} of host memory available'
+
+
+def check_device(config: ml_collections.ConfigDict, plan: dict) -> None:
+  """Raises ConfigError when XLA's per-device memory plan of the train step exceeds a device's memory."""
+  need = device_need(plan)
+  if need and need[0] > need[1]:
+    needed, _, where = need
     raise ConfigError(
         f'config.batch_size={config.batch_size} cannot fit: the compiled train step of model.name='
         f'{config.model.name!r} needs {format_bytes(needed)} ({needed} bytes) of device memory, more than '
-        f'{where}; lower config.batch_size or the image size, or set config.model.remat')
+        f'{where}; lower config.batch_size or the image size, or set config.model.remat (auto picks the '
+        'fastest policy that fits)')

@@ -62,6 +62,7 @@ from flaxtpu.step import (
   bn_recompute,
   compile_plan,
   parallel,
+  remat_choice,
   steps,
 )
 from flaxtpu.transfer import (
@@ -390,6 +391,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   dataset = dataset or pipeline.load(config)
   # A run's epoch is its sampler's: sampling=shards takes the smallest process's share.
   examples = sampling.examples_per_epoch(dataset, config.batch_size, jax.process_count())
+  # model.remat=auto: a copy of the config with the fastest policy that fits, saved in config.json.
+  config, _ = remat_choice.resolve(config, image_shape=dataset.image_shape, num_classes=dataset.num_classes,
+                                   num_train_examples=examples)
   length = run_length(config, examples)
   check_host(config, dataset.image_shape, streamed=not (dataset.train.cached and dataset.eval.cached))
   eval_sets = [(config.dataset.eval_split, dataset)] + pipeline.load_eval_splits(config, dataset)

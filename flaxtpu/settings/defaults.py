@@ -167,7 +167,9 @@ def get_config() -> ml_collections.ConfigDict:
   # vit_ti/s/b/l | deit_ti/s/b_distilled | dinov2_s/b/l(_reg) | clip_b/l | convnext_t/s/b/l | swin_t/s/b |
   # efficientnet_b0-b7 | mobilenetv3_l/s | resnet18d-152d | resnext* | wide_resnet* | regnetx_* | regnety_*.
   config.model.name = 'cnn'
-  config.model.remat = 'none'  # none | full | a jax.checkpoint_policies name (dots_saveable, ...).
+  # none | full | a jax.checkpoint_policies name (dots_saveable, ...) | auto: the fastest of none,
+  # dots_saveable, full whose compiled train step fits one device's memory (flaxtpu/step/remat_choice.py).
+  config.model.remat = 'none'
   # vit/convnext: patch side (convnext: stem stride); 0 = published, 16/4 (on 32x32: 4/2).
   config.model.patch_size = 0
   # vit: gap (mean of the tokens; big_vision's default) | tok (a class token, as in the paper) |

@@ -37,10 +37,11 @@ def compile_on_zeros(config: ml_collections.ConfigDict, *, image_shape: tuple[in
 
 
 def plan_memory(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, int],
-                num_classes: int) -> dict:
-  """Compiles the train step for this config without training: what --mode=plan reports."""
-  placement, _, _, _, plan = compile_on_zeros(config, image_shape=image_shape,
-                                              num_classes=num_classes)
+                num_classes: int, num_train_examples: int = 50_000) -> dict:
+  """Compiles the train step for this config without training: what --mode=plan reports.
+  `num_train_examples` sets the run's length, which the schedule in the step depends on."""
+  placement, _, _, _, plan = compile_on_zeros(config, image_shape=image_shape, num_classes=num_classes,
+                                              num_train_examples=num_train_examples)
   return {'model': config.model.name, 'remat': config.model.remat, 'dtype': config.dtype,
           'batch_size': config.batch_size, 'parallelism': config.parallelism,
           'mesh': dict(placement.mesh.shape), 'image_shape': list(image_shape),

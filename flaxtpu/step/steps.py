@@ -70,6 +70,12 @@ class Task:
   swa_start: int = 0
 
 
+def _remat(config: ml_collections.ConfigDict) -> str:
+  """model.remat as the model wraps its blocks: 'auto' is chosen before training
+  (`remat_choice.resolve`); elsewhere (evaluation, export) nothing is differentiated, so none."""
+  return 'none' if config.model.remat == 'auto' else config.model.remat
+
+
 def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
                 image_shape: tuple[int, int, int], mean, std,
                 length: Optional[RunLength] = None, class_weights: Optional[np.ndarray] = None,
@@ -83,7 +89,7 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
   """
   check_against_data(config, image_shape, num_classes)
   model = models.create(
-      config.model.name, num_classes=num_classes, dtype=config.dtype, remat=config.model.remat,
+      config.model.name, num_classes=num_classes, dtype=config.dtype, remat=_remat(config),
       bn_axis_name=parallel.PMAP_AXIS if config.parallelism == 'pmap' else None,
       patch_size=config.model.patch_size, pool=config.model.pool, dropout=config.model.dropout,
       drop_path=config.model.drop_path, padding=config.model.padding, gelu=config.model.gelu,

@@ -65,7 +65,7 @@ SCHEDULES = tuple(SCHEDULE_KEYS)
 POLICIES = ('', 'randaugment', 'trivialaugment', 'autoaugment', 'augmix')  # augment.policy ('' = none)
 ERASE_MODES = ('pixel', 'rand', 'const')  # augment.erase_mode, timm's --remode
 REMAT_POLICIES = ('none', 'full', 'nothing_saveable', 'everything_saveable',
-                  'dots_saveable', 'dots_with_no_batch_dims_saveable')
+                  'dots_saveable', 'dots_with_no_batch_dims_saveable', 'auto')
 DTYPES = ('float32', 'bfloat16', 'float16')
 PARALLELISMS = ('jit', 'pmap')
 PLATFORMS = ('', 'cpu', 'gpu', 'tpu')

@@ -1,0 +1,66 @@
+"""model.remat='auto': the fastest remat policy whose compiled train step fits one device's memory.
+
+The policies, fastest first: 'none' keeps every activation for the backward pass;
+'dots_saveable' keeps the outputs of matmuls and convolutions and recomputes the
+elementwise work between them (normalisations, activations); 'full' recomputes each
+block whole from its input. Each is compiled on a zero batch (`compile_plan`) until
+XLA's per-device memory plan fits (`memory.device_need`, the check every run makes
+after its compile). The winner's train step is the one training compiles next: with
+the persistent compilation cache on, a cache hit.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import ml_collections
+from absl import logging
+
+from flaxtpu.data import memory
+from flaxtpu.settings.errors import ConfigError
+from flaxtpu.step import compile_plan
+
+AUTO = 'auto'
+ORDER = ('none', 'dots_saveable', 'full')  # fastest first; each needs less memory than the one before
+
+
+def with_remat(config: ml_collections.ConfigDict, policy: str) -> ml_collections.ConfigDict:
+  """A copy of `config` with model.remat=`policy` (the caller's config is never edited)."""
+  copy = config.copy_and_resolve_references()
+  copy.model.remat = policy
+  return copy
+
+
+def resolve(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, int], num_classes: int,
+            num_train_examples: Optional[int] = None) -> tuple[ml_collections.ConfigDict, list[dict]]:
+  """(`config` with model.remat='auto' replaced by the fastest policy that fits, the memory plans
+  compiled to find it, in order); `config` itself and [] for any other model.remat.
+
+  Raises ConfigError when not even 'full' fits, naming what each policy needs.
+  """
+  if config.model.remat != AUTO:
+    return config, []
+  plans, needs = [], []
+  sizes = {} if num_train_examples is None else {'num_train_examples': num_train_examples}
+  for policy in ORDER:
+    candidate = with_remat(config, policy)
+    plan = compile_plan.plan_memory(candidate, image_shape=image_shape, num_classes=num_classes, **sizes)
+    need = memory.device_need(plan)
+    plans.append({**plan, 'fits': need is None or need[0] <= need[1]})
+    if plans[-1]['fits']:
+      tried = ', '.join(f'{p["remat"]} {memory.format_bytes(n)}' for p, (n, _, _) in zip(plans, needs))
+      logging.info('model.remat=auto: %s%s', policy,
+                   f' ({tried} did not fit in {needs[0][2]})' if needs else
+                   f' (it fits{" in " + need[2] if need else ""}: nothing to recompute)')
+      return candidate, plans
+    needs.append(need)
+  needed = ', '.join(f'{policy} {memory.format_bytes(n)}' for policy, (n, _, _) in zip(ORDER, needs))
+  raise ConfigError(f'config.model.remat=auto: no policy fits config.batch_size={config.batch_size} of '
+                    f'model.name={config.model.name!r} in {needs[0][2]} (the train step needs {needed}); '
+                    'lower config.batch_size or the image size')
+
+
+def summary(plans: list[dict]) -> list[dict]:
+  """What --mode=plan reports of each policy `resolve` compiled."""
+  return [{key: plan[key] for key in ('remat', 'fits', 'total_bytes', 'temp_bytes', 'compile_seconds')
+           if key in plan} for plan in plans]
