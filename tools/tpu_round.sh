@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The on-chip measurements of docs/performance.md, in parts that each fit a 10-minute command on a
+# TPU v5e host (13 cores), each under its own time limit, printing as it goes; results and logs go
+# to OUT (default ./tpu_round), the JSON files merged across parts as the benchmarks merge them.
+#
+#   tools/tpu_round.sh PART [PART ...]
+#
+# PARTs (measured minutes on a v5e host, where known):
+#   input     the input pipeline alone vs tf.data (row c; ~2 min), then `host_probes batches` (~1 min)
+#   e2e       ResNet-50 end to end from a JPEG folder vs tf.data + the Flax example (row b; ~5 min)
+#   startup   cifar10.py's first step cold and warm, cifar10_fast.py's whole run (row e; needs CIFAR)
+#   decode    CIFAR-10 decoded into memory vs tf.data (row d; needs CIFAR; ~1 min)
+#   resnets, modern, mobile, tuned   benchmarks/chip.py's groups (~7, 7, 5 and 4 min)
+#   remat-a, remat-b, remat-c        the remat table, two families each (~6 min each)
+#
+# CIFAR: a CIFAR-10 JPEG folder (train/<class>/*.jpg, test/...) in $CIFAR, or a tar.gz of one in
+# $CIFAR_TAR (unpacked into /tmp/data). Without internet, install first:
+#   source tools/offline_install.sh WHEELS
+set -u
+out=${OUT:-$PWD/tpu_round}
+mkdir -p "$out" /tmp/bench
+# The committed results: a part measures its rows again and keeps the others (same kind of device).
+for name in tpu chip; do
+  [ -f "$out/$name.json" ] || cp "benchmarks/results/$name.json" "$out/$name.json" 2>/dev/null || true
+done
+began=$SECONDS
+say() { echo "[tpu_round $((SECONDS - began)) s] $*"; }
+
+cifar() {
+  if [ -z "${CIFAR:-}" ] && [ -n "${CIFAR_TAR:-}" ]; then
+    mkdir -p /tmp/data && tar xzf "$CIFAR_TAR" -C /tmp/data && CIFAR=/tmp/data/$(tar tzf "$CIFAR_TAR" | head -1 | cut -d/ -f1)
+  fi
+  [ -n "${CIFAR:-}" ] || { say "no CIFAR folder (set CIFAR or CIFAR_TAR)"; return 1; }
+}
+
+# NAME SECONDS COMMAND...: runs COMMAND under a limit, its output in OUT/NAME.log, the end of it shown.
+part() {
+  local name=$1 limit=$2; shift 2
+  say "$name: $* (limit ${limit} s)"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  say "$name: exit $?"
+  grep -v '^WARNING\|^I0\|^W0\|Transparent hugepages\|warnings.warn' "$out/$name.log" | tail -n 30
+}
+
+tpu() { python -m benchmarks.tpu --out "$out/tpu.json" --workdir /tmp/bench "$@"; }
+chip() { python -m benchmarks.chip --out "$out/chip.json" "$@"; }
+
+for which in "$@"; do
+  case $which in
+    input)
+      part input 240 tpu --only input
+      part batches 120 python -m benchmarks.host_probes batches --folder /tmp/bench/photos_100x64_375-500 --processes 13 ;;
+    e2e) part e2e 560 tpu --only e2e ;;
+    startup) cifar && part startup 580 tpu --cifar "$CIFAR" --only startup ;;
+    decode) cifar && part decode 200 tpu --cifar "$CIFAR" --only decode ;;
+    resnets|modern|mobile|tuned) part "chip_$which" 580 chip --only "$which" ;;
+    remat-a) part remat_a 580 chip --remat-table --only resnet50,mobilenetv3_l ;;
+    remat-b) part remat_b 580 chip --remat-table --only vit_b16,efficientnet_b0 ;;
+    remat-c) part remat_c 580 chip --remat-table --only convnext_t,swin_t ;;
+    *) say "unknown part $which"; exit 2 ;;
+  esac
+done
