@@ -10,6 +10,8 @@
 #   e2e       ResNet-50 end to end from a JPEG folder vs tf.data + the Flax example (row b; ~5 min)
 #   startup   cifar10.py's first step cold and warm, cifar10_fast.py's whole run (row e; needs CIFAR)
 #   decode    CIFAR-10 decoded into memory vs tf.data (row d; needs CIFAR; ~1 min)
+#   imports   cifar10.py's first step twice (cold, then warm) under `python -X importtime`: the
+#             slowest imports of the warm run (needs CIFAR; ~1.5 min)
 #   resnets, modern, mobile, tuned   benchmarks/chip.py's groups (~7, 7, 5 and 4 min)
 #   remat-a, remat-b, remat-c        the remat table, two families each (~6 min each)
 #
@@ -53,6 +55,15 @@ for which in "$@"; do
     e2e) part e2e 560 tpu --only e2e ;;
     startup) cifar && part startup 580 tpu --cifar "$CIFAR" --only startup ;;
     decode) cifar && part decode 200 tpu --cifar "$CIFAR" --only decode ;;
+    imports)
+      cifar || continue
+      for run in cold warm; do
+        part "imports_$run" 200 python -X importtime -m flaxtpu.main --config=configs/cifar10.py \
+          --config.dataset.folder="$CIFAR" --workdir="/tmp/bench/imports_$run" --config.num_train_steps=20 \
+          --config.compilation_cache_dir=/tmp/bench/imports_cache
+      done
+      say "slowest imports (cumulative us) of the warm run:"
+      grep '^import time:' "$out/imports_warm.log" | sort -t'|' -k2 -n -r | head -n 15 ;;
     resnets|modern|mobile|tuned) part "chip_$which" 580 chip --only "$which" ;;
     remat-a) part remat_a 580 chip --remat-table --only resnet50,mobilenetv3_l ;;
     remat-b) part remat_b 580 chip --remat-table --only vit_b16,efficientnet_b0 ;;
