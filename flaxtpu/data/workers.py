@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import ctypes
 import dataclasses
 import itertools
@@ -217,7 +218,8 @@ class _Populated:
     return len(self.buf)
 
   def close(self) -> None:
-    self.buf.close()
+    with contextlib.suppress(BufferError):  # an array still viewing it: unmapped when collected
+      self.buf.close()
 
 
 def _attach(name: str, block=None):

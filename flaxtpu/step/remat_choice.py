@@ -13,15 +13,18 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax
 import ml_collections
+import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from flaxtpu.data import memory
 from flaxtpu.settings.errors import ConfigError
 from flaxtpu.step import compile_plan
 
 AUTO = 'auto'
-ORDER = ('none', 'dots_saveable', 'full')  # fastest first; each needs less memory than the one before
+ORDER = ('none', 'dots_saveable', 'full')  # fastest first; each usually needs less memory than the last
 
 
 def with_remat(config: ml_collections.ConfigDict, policy: str) -> ml_collections.ConfigDict:
@@ -46,7 +49,7 @@ def resolve(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, i
     candidate = with_remat(config, policy)
     plan = compile_plan.plan_memory(candidate, image_shape=image_shape, num_classes=num_classes, **sizes)
     need = memory.device_need(plan)
-    plans.append({**plan, 'fits': need is None or need[0] <= need[1]})
+    plans.append({**plan, 'fits': _everywhere(need is None or need[0] <= need[1])})
     if plans[-1]['fits']:
       tried = ', '.join(f'{p["remat"]} {memory.format_bytes(n)}' for p, (n, _, _) in zip(plans, needs))
       logging.info('model.remat=auto: %s%s', policy,
@@ -58,6 +61,13 @@ def resolve(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, i
   raise ConfigError(f'config.model.remat=auto: no policy fits config.batch_size={config.batch_size} of '
                     f'model.name={config.model.name!r} in {needs[0][2]} (the train step needs {needed}); '
                     'lower config.batch_size or the image size')
+
+
+def _everywhere(fits: bool) -> bool:
+  """Whether the plan fits on every process: all of them compile the same policies, in step."""
+  if jax.process_count() == 1:
+    return fits
+  return bool(np.all(multihost_utils.process_allgather(np.array(fits))))
 
 
 def summary(plans: list[dict]) -> list[dict]:
