@@ -23,7 +23,9 @@ CPU-ms with 13 workers busy, tf.data's 1.4-1.7 (docs/performance.md, the third r
 `batches`: the input workers' whole job, a training batch of 256 crops (`loaders._TrainLoader`) and
 its copy into a shared-memory block, in one process and then in one per core at once, CPU and wall
 time per image; then `workers.run` with one worker per core as training runs it, with the trainer's
-copy out of the blocks. Set beside `stages`, it says what a batch costs beyond its images' stages.
+copy out of the blocks, window by window (the workers' CPU, and the share of their wall time spent
+building the window's batches), and when each worker began its first batch. Set beside `stages`, it
+says what a batch costs beyond its images' stages.
 
 `shm`: one process, then one per core at once, each writing a batch twice into shared-memory blocks
 the parent made and touched: mapped as `multiprocessing` maps them, and mapped with every page in
@@ -227,22 +229,43 @@ def batches(folder: str, processes: list[int], batch_size: int = 256, steps: int
         pass
     return total
 
-  iterator = workers.run(loader, range((windows + 1) * count), count, buffer=buffer,
-                         result_bytes=batch_size * 224 * 224 * 3)
-  next(iterator)
+  started = time.time()
+  iterator = workers.run(_Stamped(loader), range((windows + 1) * count), count, buffer=buffer,
+                         result_bytes=batch_size * 224 * 224 * 3 + 64)
+  stamps = [next(iterator)[-1]]
   children = me.children(recursive=True)
   rows = []
   for _ in range(windows):
     wall, main, used = time.perf_counter(), time.process_time(), cpu(children)
     for _ in range(count):
-      next(iterator)
+      stamps.append(next(iterator)[-1])
     images = count * batch_size
-    rows.append({'images_per_sec': images / (time.perf_counter() - wall),
+    seconds = time.perf_counter() - wall
+    rows.append({'images_per_sec': images / seconds,
                  'workers_cpu_ms_per_image': 1e3 * (cpu(children) - used) / images,
-                 'trainer_cpu_ms_per_image': 1e3 * (time.process_time() - main) / images})
+                 'trainer_cpu_ms_per_image': 1e3 * (time.process_time() - main) / images,
+                 # the window's batches: the share of the workers' wall time spent building them
+                 'workers_busy': sum(end - start for _, start, end in stamps[-count:]) / (count * seconds)})
   iterator.close()
   result[f'workers.run_{count}_buffer_{buffer}_windows'] = rows
+  # When each worker began its first batch, from the pool's start: the workers' own start-up.
+  first = {}
+  for pid, start, _ in stamps:
+    first.setdefault(int(pid), float(start - started))
+  result[f'workers.run_{count}_first_batch_start_s'] = sorted(first.values())
   return result
+
+
+class _Stamped:
+  """The loader, each batch followed by [pid, start, end] of its building in the worker (wall clock)."""
+
+  def __init__(self, loader):
+    self.loader = loader
+
+  def __call__(self, step):
+    start = time.time()
+    batch = self.loader(step)
+    return (*batch, np.array([os.getpid(), start, time.time()]))
 
 
 def shm_writes(names: list[str]) -> dict:
