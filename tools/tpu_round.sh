@@ -44,17 +44,17 @@ part() {
   grep -v '^WARNING\|^I0\|^W0\|Transparent hugepages\|warnings.warn' "$out/$name.log" | tail -n 30
 }
 
-tpu() { python -m benchmarks.tpu --out "$out/tpu.json" --workdir /tmp/bench "$@"; }
-chip() { python -m benchmarks.chip --out "$out/chip.json" "$@"; }
+tpu=(python -m benchmarks.tpu --out "$out/tpu.json" --workdir /tmp/bench)
+chip=(python -m benchmarks.chip --out "$out/chip.json")
 
 for which in "$@"; do
   case $which in
     input)
-      part input 240 tpu --only input
+      part input 240 "${tpu[@]}" --only input
       part batches 120 python -m benchmarks.host_probes batches --folder /tmp/bench/photos_100x64_375-500 --processes 13 ;;
-    e2e) part e2e 560 tpu --only e2e ;;
-    startup) cifar && part startup 580 tpu --cifar "$CIFAR" --only startup ;;
-    decode) cifar && part decode 200 tpu --cifar "$CIFAR" --only decode ;;
+    e2e) part e2e 560 "${tpu[@]}" --only e2e ;;
+    startup) cifar && part startup 580 "${tpu[@]}" --cifar "$CIFAR" --only startup ;;
+    decode) cifar && part decode 200 "${tpu[@]}" --cifar "$CIFAR" --only decode ;;
     imports)
       cifar || continue
       for run in cold warm; do
@@ -64,10 +64,10 @@ for which in "$@"; do
       done
       say "slowest imports (cumulative us) of the warm run:"
       grep '^import time:' "$out/imports_warm.log" | sort -t'|' -k2 -n -r | head -n 15 ;;
-    resnets|modern|mobile|tuned) part "chip_$which" 580 chip --only "$which" ;;
-    remat-a) part remat_a 580 chip --remat-table --only resnet50,mobilenetv3_l ;;
-    remat-b) part remat_b 580 chip --remat-table --only vit_b16,efficientnet_b0 ;;
-    remat-c) part remat_c 580 chip --remat-table --only convnext_t,swin_t ;;
+    resnets|modern|mobile|tuned) part "chip_$which" 580 "${chip[@]}" --only "$which" ;;
+    remat-a) part remat_a 580 "${chip[@]}" --remat-table --only resnet50,mobilenetv3_l ;;
+    remat-b) part remat_b 580 "${chip[@]}" --remat-table --only vit_b16,efficientnet_b0 ;;
+    remat-c) part remat_c 580 "${chip[@]}" --remat-table --only convnext_t,swin_t ;;
     *) say "unknown part $which"; exit 2 ;;
   esac
 done
