@@ -241,22 +241,9 @@ def _attach(name: str, block=None):
     finally:
       os.close(fd)
   if block is not None:
-    return _Borrowed(block)
+    return block  # closing it twice is harmless
   from multiprocessing import shared_memory  # pylint: disable=g-import-not-at-top
   return shared_memory.SharedMemory(name)
-
-
-@dataclasses.dataclass
-class _Borrowed:
-  """The parent's own `SharedMemory` where it cannot be mapped populated: closed with the block."""
-  block: object
-
-  @property
-  def buf(self):
-    return self.block.buf
-
-  def close(self) -> None:
-    pass
 
 
 def keep_freed_memory(nbytes: int) -> None:

@@ -43,7 +43,7 @@ def resolve(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, i
   """
   if config.model.remat != AUTO:
     return config, []
-  plans, needs = [], []
+  plans, too_large = [], []  # too_large: (policy, its need) of each policy that did not fit
   sizes = {} if num_train_examples is None else {'num_train_examples': num_train_examples}
   for policy in ORDER:
     candidate = with_remat(config, policy)
@@ -51,16 +51,20 @@ def resolve(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, i
     need = memory.device_need(plan)
     plans.append({**plan, 'fits': _everywhere(need is None or need[0] <= need[1])})
     if plans[-1]['fits']:
-      tried = ', '.join(f'{p["remat"]} {memory.format_bytes(n)}' for p, (n, _, _) in zip(plans, needs))
-      logging.info('model.remat=auto: %s%s', policy,
-                   f' ({tried} did not fit in {needs[0][2]})' if needs else
-                   f' (it fits{" in " + need[2] if need else ""}: nothing to recompute)')
+      if too_large:
+        why = f'{_needs(too_large)} did not fit in {too_large[0][1][2]}'
+      else:
+        why = f'it fits in {need[2]}: nothing to recompute' if need else 'it fits: nothing to recompute'
+      logging.info('model.remat=auto: %s (%s)', policy, why)
       return candidate, plans
-    needs.append(need)
-  needed = ', '.join(f'{policy} {memory.format_bytes(n)}' for policy, (n, _, _) in zip(ORDER, needs))
+    too_large.append((policy, need))
   raise ConfigError(f'config.model.remat=auto: no policy fits config.batch_size={config.batch_size} of '
-                    f'model.name={config.model.name!r} in {needs[0][2]} (the train step needs {needed}); '
-                    'lower config.batch_size or the image size')
+                    f'model.name={config.model.name!r} in {too_large[0][1][2]} (the train step needs '
+                    f'{_needs(too_large)}); lower config.batch_size or the image size')
+
+
+def _needs(too_large: list) -> str:
+  return ', '.join(f'{policy} {memory.format_bytes(need[0])}' for policy, need in too_large)
 
 
 def _everywhere(fits: bool) -> bool:
