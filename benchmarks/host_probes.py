@@ -5,6 +5,7 @@
     python -m benchmarks.host_probes stages --folder DIR   # a training crop's stages, 1 process vs all cores
     python -m benchmarks.host_probes batches --folder DIR  # whole training batches, 1 process vs all cores
     python -m benchmarks.host_probes shm     # writing a batch into a shared-memory block: plain vs populated
+    python -m benchmarks.host_probes runtime # starting the accelerator's runtime under each setting
 
 `pages`: filling a new array the size of a batch (256 crops of 224 px) against refilling one
 already touched, before and after `workers.keep_freed_memory`. Under gVisor (Cloud TPU hosts) every
@@ -31,14 +32,22 @@ says what a batch costs beyond its images' stages.
 the parent made and touched: mapped as `multiprocessing` maps them, and mapped with every page in
 place (`workers._attach`, MAP_POPULATE). On a TPU v5e host with 13 processes: the first write 127 ms
 plain against 7 ms to map populated and 4 ms to write (docs/performance.md, the fourth round).
+
+`runtime`: fresh interpreters that import JAX and start its devices, timed by part, under settings
+that might skip work at the start (the TPU runtime's query of the cloud metadata server, the search
+for other platforms' plugins), alternating over rounds; then one start with the TPU runtime's own
+log at its most verbose, to see where its time goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -311,9 +320,64 @@ def shm(processes: list[int]) -> dict:
   return result
 
 
+# Settings that might shorten the start (each on top of the inherited environment). The TPU runtime
+# maps a 4 GiB host buffer for transfers at its start by default (TPU_PREMAPPED_BUFFER_SIZE).
+def _premapped(mib: int) -> dict:
+  return {'TPU_PREMAPPED_BUFFER_SIZE': str(mib << 20), 'TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES': str(mib << 20)}
+
+
+# (On a TPU v5e host TPU_SKIP_MDS_QUERY=1 and JAX_PLATFORMS=tpu changed nothing: 6.5-8.4 s each.)
+RUNTIME_SETTINGS = {'default': {}, 'premapped_1024m': _premapped(1024), 'premapped_256m': _premapped(256),
+                    'premapped_64m': _premapped(64)}
+# Then a batch (256 crops of 224 px, uint8) to the device: alone, and two at once, as training
+# keeps one batch in flight beside the one being put.
+_START = (
+    "import time; began = time.time(); import jax; imported = time.time(); devices = jax.devices(); "
+    "ready = time.time(); import json, statistics, numpy as np; "
+    "batch = np.ones((256, 224, 224, 3), np.uint8); jax.device_put(batch).block_until_ready(); "
+    "one, two = [], []\n"
+    "for _ in range(7):\n"
+    "  t = time.perf_counter(); jax.device_put(batch).block_until_ready(); one.append(time.perf_counter() - t)\n"
+    "  t = time.perf_counter(); [x.block_until_ready() for x in [jax.device_put(batch), jax.device_put(batch + 1)]]; "
+    "two.append(time.perf_counter() - t)\n"
+    "print(json.dumps({'import_jax_s': imported - began, 'devices_s': ready - imported, "
+    "'platform': devices[0].platform, 'put_batch_ms': 1e3 * statistics.median(one), "
+    "'put_two_batches_ms': 1e3 * statistics.median(two)}))")
+
+
+def runtime(rounds: int = 2, log: str | None = None) -> dict:
+  result = {}
+  for _ in range(rounds):
+    for name, setting in RUNTIME_SETTINGS.items():
+      began = time.time()
+      done = subprocess.run([sys.executable, '-c', _START], env={**os.environ, **setting},
+                            capture_output=True, text=True, timeout=300, check=False)
+      wall = time.time() - began
+      if done.returncode:
+        result.setdefault(name, []).append({'failed': done.stderr.strip().splitlines()[-1:]})
+        continue
+      parts = next(json.loads(line) for line in done.stdout.splitlines() if line.startswith('{'))
+      result.setdefault(name, []).append({'wall_s': round(wall, 2), **{
+          key: round(value, 2) if isinstance(value, float) else value for key, value in parts.items()}})
+  verbose = {'TPU_STDERR_LOG_LEVEL': '0', 'TPU_MIN_LOG_LEVEL': '0', 'TF_CPP_MIN_LOG_LEVEL': '0',
+             'TF_CPP_MAX_VLOG_LEVEL': '1'}
+  began = time.time()
+  done = subprocess.run([sys.executable, '-c', _START], env={**os.environ, **verbose},
+                        capture_output=True, text=True, timeout=300, check=False)
+  result['verbose_wall_s'] = round(time.time() - began, 2)
+  if log:
+    with open(log, 'w') as f:
+      f.write(done.stderr)
+  return result
+
+
+def _shown(value) -> str:
+  return f'{value:,.3f}' if isinstance(value, float) else str(value)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('probe', choices=('pages', 'gil', 'stages', 'batches', 'shm'))
+  parser.add_argument('probe', choices=('pages', 'gil', 'stages', 'batches', 'shm', 'runtime'))
   parser.add_argument('--folder', help='stages: a folder of JPEGs (the first --images, sorted); '
                       'batches: an image folder DIR/train/<class>/*.jpg')
   parser.add_argument('--images', type=int, default=400)
@@ -323,6 +387,7 @@ def main() -> None:
                       help='batches: results in flight beyond one per worker (input.prefetch)')
   parser.add_argument('--tf', action='store_true',
                       help="stages: beside each image, tf.data's crop-region decode of the same box")
+  parser.add_argument('--log', help="runtime: where to write the verbose start's log")
   args = parser.parse_args()
   if args.probe == 'stages':
     if not args.folder:
@@ -333,6 +398,8 @@ def main() -> None:
     if not args.folder:
       parser.error('batches needs --folder')
     result = batches(args.folder, [int(count) for count in args.processes.split(',')], buffer=args.buffer)
+  elif args.probe == 'runtime':
+    result = runtime(log=args.log)
   elif args.probe == 'shm':
     result = shm([int(count) for count in args.processes.split(',')])
   else:
@@ -341,7 +408,7 @@ def main() -> None:
     if isinstance(value, dict):
       value = ', '.join(f'{stage} {ms:.3f}' for stage, ms in value.items())
     elif isinstance(value, list) and value and isinstance(value[0], dict):
-      value = '\n  ' + '\n  '.join(', '.join(f'{key} {number:,.3f}' for key, number in row.items())
+      value = '\n  ' + '\n  '.join(', '.join(f'{key} {_shown(number)}' for key, number in row.items())
                                     for row in value)
     print(f'{key}: {[round(v, 3) for v in value] if isinstance(value, list) else value}')
 

@@ -246,11 +246,18 @@ def cpu_xla_flags(config, mode: str, xla_flags: str) -> tuple[str, str]:
 
 
 def _set_xla_flags(config, mode: str) -> None:
-  """XLA's CPU device count and kernels, read when JAX starts: set before anything imports it."""
+  """XLA's CPU device count and kernels and the TPU runtime's transfer buffer, read when JAX starts:
+  set before anything imports it."""
   os.environ['XLA_FLAGS'], note = cpu_xla_flags(config, mode, os.environ.get('XLA_FLAGS', ''))
   if note:
     logging.info(note)
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  if config.tpu_premapped_buffer_mib and 'TPU_PREMAPPED_BUFFER_SIZE' not in os.environ:
+    # Transfers up to the buffer's size go through it (the runtime's default threshold is its
+    # default size, 4 GiB, which a smaller buffer could not serve).
+    size = str(config.tpu_premapped_buffer_mib << 20)
+    os.environ['TPU_PREMAPPED_BUFFER_SIZE'] = size
+    os.environ.setdefault('TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES', size)
 
 
 def _start_jax(config):

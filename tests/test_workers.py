@@ -197,3 +197,32 @@ def test_blocks_are_mapped_with_every_page_in_place():
   finally:
     block.close()
     block.unlink()
+
+
+class Heavy:
+  """A worker's function that carries 1 MiB with it, as a loader carries its list of files."""
+
+  def __init__(self):
+    self.payload = np.arange(1 << 18, dtype=np.int32)
+
+  def __call__(self, step: int) -> int:
+    return int(self.payload[step]) * 2
+
+
+def test_workers_start_without_the_parent_waiting_on_each(monkeypatch):
+  """What a worker's spawn writes into its pipe stays under the pipe's 64 KiB, however large the
+  function: else the parent waits for each new interpreter to read it before starting the next
+  (13 workers began one by one over 9.5 s on a TPU host), and the function still arrives whole."""
+  from multiprocessing import popen_spawn_posix
+  written = []
+  original = popen_spawn_posix.reduction.dump
+
+  def dump(obj, file, protocol=None):
+    before = file.tell()
+    original(obj, file, protocol)
+    written.append(file.tell() - before)
+  monkeypatch.setattr(popen_spawn_posix.reduction, 'dump', dump)
+  assert list(workers.run(Heavy(), range(0, 40000, 1000), workers=2, buffer=2)) == list(range(0, 80000, 2000))
+  assert len(written) == 4  # each worker: its preparation data, then its process object
+  assert max(written) < 64 << 10
+  assert not [name for name in os.listdir(__import__('tempfile').gettempdir()) if name.startswith('flaxtpu-work-')]

@@ -12,6 +12,8 @@
 #   decode    CIFAR-10 decoded into memory vs tf.data (row d; needs CIFAR; ~1 min)
 #   imports   cifar10.py's first step twice (cold, then warm) under `python -X importtime`: the
 #             slowest imports of the warm run (needs CIFAR; ~1.5 min)
+#   runtime   `host_probes runtime`: importing JAX and starting the TPU runtime, under settings that
+#             might skip work, and one verbose start's log (OUT/runtime_verbose.log; ~2 min)
 #   resnets, modern, mobile, tuned   benchmarks/chip.py's groups (~7, 7, 5 and 4 min)
 #   remat-a, remat-b, remat-c        the remat table, two families each (~6 min each)
 #
@@ -64,6 +66,7 @@ for which in "$@"; do
       done
       say "slowest imports (cumulative us) of the warm run:"
       grep '^import time:' "$out/imports_warm.log" | sort -t'|' -k2 -n -r | head -n 15 ;;
+    runtime) part runtime 200 python -m benchmarks.host_probes runtime --log "$out/runtime_verbose.log" ;;
     resnets|modern|mobile|tuned) part "chip_$which" 580 "${chip[@]}" --only "$which" ;;
     remat-a) part remat_a 580 "${chip[@]}" --remat-table --only resnet50,mobilenetv3_l ;;
     remat-b) part remat_b 580 "${chip[@]}" --remat-table --only vit_b16,efficientnet_b0 ;;

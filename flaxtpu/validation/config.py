@@ -473,11 +473,16 @@ def _check_predict(config: ml_collections.ConfigDict) -> None:
 
 def _check_compilation_cache(config: ml_collections.ConfigDict) -> None:
   """A compilation_cache_dir the user named must take files: JAX would warn at every program it cannot
-  keep, and compile each again next run. The default (~/.cache/flaxtpu/jax) is not asked."""
+  keep, and compile each again next run. The default (~/.cache/flaxtpu/jax) is not asked. The start's
+  other setting, the TPU runtime's transfer buffer, is a size."""
   folder = config.compilation_cache_dir
   if folder and folder != 'none' and (reason := files.creatable(folder)):
     raise ConfigError(f'config.compilation_cache_dir={folder!r} cannot be written ({reason}); choose a '
                       "directory you can write, '' (~/.cache/flaxtpu/jax) or none (no cache)")
+  buffer = config.tpu_premapped_buffer_mib
+  if not isinstance(buffer, int) or not 0 <= buffer < 1 << 20:
+    raise ConfigError(f'config.tpu_premapped_buffer_mib={buffer!r} must be a whole number of MiB below '
+                      "1 TiB (0 = the TPU runtime's default, 4096)")
 
 
 # The sections of defaults.py, in its order.
