@@ -5,6 +5,7 @@ in /dev/shm, and without room there the pipe carries them."""
 import collections
 import logging
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -225,4 +226,4 @@ def test_workers_start_without_the_parent_waiting_on_each(monkeypatch):
   assert list(workers.run(Heavy(), range(0, 40000, 1000), workers=2, buffer=2)) == list(range(0, 80000, 2000))
   assert len(written) == 4  # each worker: its preparation data, then its process object
   assert max(written) < 64 << 10
-  assert not [name for name in os.listdir(__import__('tempfile').gettempdir()) if name.startswith('flaxtpu-work-')]
+  assert not [name for name in os.listdir(tempfile.gettempdir()) if name.startswith('flaxtpu-work-')]

@@ -54,8 +54,8 @@ KEY_VERSION = 'audit-folds-1'  # changing what the probabilities mean changes ev
 # Keys of a config that change nothing a fold model learns: left out of the recipe's part of the key.
 UNTRAINED_KEYS = ('audit', 'predict', 'export', 'calibrate', 'lr_find', 'wandb', 'mlflow', 'search', 'input',
                   'log_every_steps', 'log_every_secs', 'profile_steps', 'compilation_cache_dir',
-                  'tpu_premapped_buffer_mib', 'eval_every_steps', 'checkpoint_every_steps', 'checkpoint', 'early_stopping',
-                  'require_platform', 'time_budget')
+                  'tpu_premapped_buffer_mib', 'eval_every_steps', 'checkpoint_every_steps', 'checkpoint',
+                  'early_stopping', 'require_platform', 'time_budget')
 # The data is keyed by content: where it lies (and how it was split) does not matter.
 SOURCE_KEYS = ('name', 'folder', 'data_dir', 'labels', 'shards', 'parquet', 'train_split', 'eval_split',
                'eval_splits', 'decoded_cache_dir', 'skip_corrupt', 'unknown_classes', 'cache')
