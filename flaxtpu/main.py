@@ -301,9 +301,13 @@ def _read_in_background(config) -> concurrent.futures.Future:
   return future
 
 
+_devices_ready_at: list[float] = []  # when the background start of the devices ended (time.time())
+
+
 def _start_backend(jax) -> None:
   try:
     jax.devices()
+    _devices_ready_at.append(time.time())
   except Exception:  # pylint: disable=broad-except  # the main thread's own call raises it, in context
     pass
 
@@ -356,13 +360,18 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   from flaxtpu.loop import progress, train
   from flaxtpu.step import compile_plan, parallel, remat_choice
   command_started = progress.process_start_time(IMPORTED_AT)
+  imported = time.time() - command_started
   dataset = None
   if reading is not None:
     dataset, started, took = reading.result()
     logging.info('data read in %.1f s, from %.1f s after the command on', took, started - command_started)
   parallel.check_platform(config.require_platform)
-  logging.info('JAX %s on %s (devices ready %.1f s after the command)', jax.__version__,
-               parallel.describe_devices(), time.time() - command_started)
+  devices = parallel.describe_devices()
+  # What the first step waited for: the last of these three.
+  logging.info('JAX %s on %s (after the command: trainer imported %.1f s, devices ready %.1f s%s)',
+               jax.__version__, devices, imported,
+               (_devices_ready_at or [time.time()])[0] - command_started,
+               f', data read {started + took - command_started:.1f} s' if reading is not None else '')
   if mode == 'train':
     train.train_and_evaluate(config, workdir, stop, command_started=command_started, dataset=dataset)
   elif mode == 'plan':

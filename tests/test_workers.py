@@ -5,7 +5,6 @@ in /dev/shm, and without room there the pipe carries them."""
 import collections
 import logging
 import os
-import tempfile
 
 import numpy as np
 import pytest
@@ -223,7 +222,14 @@ def test_workers_start_without_the_parent_waiting_on_each(monkeypatch):
     original(obj, file, protocol)
     written.append(file.tell() - before)
   monkeypatch.setattr(popen_spawn_posix.reduction, 'dump', dump)
+  handed, hand_over = [], workers._hand_over
+
+  def recorded(function):
+    handed.append(hand_over(function))
+    return handed[-1]
+  monkeypatch.setattr(workers, '_hand_over', recorded)
   assert list(workers.run(Heavy(), range(0, 40000, 1000), workers=2, buffer=2)) == list(range(0, 80000, 2000))
   assert len(written) == 4  # each worker: its preparation data, then its process object
   assert max(written) < 64 << 10
-  assert not [name for name in os.listdir(tempfile.gettempdir()) if name.startswith('flaxtpu-work-')]
+  assert len(handed) == 1
+  assert not os.path.exists(handed[0])  # removed with the pool

@@ -14,6 +14,10 @@
 #             slowest imports of the warm run (needs CIFAR; ~1.5 min)
 #   runtime   `host_probes runtime`: importing JAX and starting the TPU runtime, under settings that
 #             might skip work, and one verbose start's log (OUT/runtime_verbose.log; ~2 min)
+#   configs-a, configs-b   every config in configs/ with the data folder set (configs-a: the CIFAR-10
+#             ones, mnist's on that folder, digits; configs-b: photos, imagenet_resnet50 and finetune on
+#             the generated photos, finetune from imagenet_resnet50's run: no hub here); cifar10,
+#             cifar10_fast and digits whole, the others --config.num_train_steps=150 (needs CIFAR)
 #   resnets, modern, mobile, tuned   benchmarks/chip.py's groups (~7, 7, 5 and 4 min)
 #   remat-a, remat-b, remat-c        the remat table, two families each (~6 min each)
 #
@@ -46,6 +50,31 @@ part() {
   grep -v '^WARNING\|^I0\|^W0\|Transparent hugepages\|warnings.warn' "$out/$name.log" | tail -n 30
 }
 
+photos=/tmp/bench/photos_100x64_375-500  # what benchmarks/tpu.py generates for rows b and c
+make_photos() {
+  [ -d "$photos" ] || python -m benchmarks.data.make_image_folder --out "$photos" --classes 100 \
+    --train-per-class 64 --test-per-class 2 --min-side 375 --max-side 500 > "$out/photos.log" 2>&1
+}
+
+# NAME SECONDS ARGS...: one training run of configs/NAME.py (ARGS: its overrides), then what it
+# reached and when its first step came.
+config_run() {
+  local name=$1 limit=$2; shift 2
+  part "config_$name" "$limit" python -m flaxtpu.main --config="configs/$name.py" \
+    --workdir="/tmp/bench/configs/$name" "$@"
+  python - "$name" <<'PY'
+import json, sys
+name = sys.argv[1]
+try:
+  results = json.load(open(f'/tmp/bench/configs/{name}/results.json'))
+except OSError as e:
+  print(f'{name}: no results.json ({e.strerror})')
+else:
+  print(f"{name}: accuracy {results.get('eval_accuracy')}, step {results.get('step')}, first step after "
+        f"{results.get('time_to_first_step_s')} s, {results.get('train_images_per_sec')} img/s")
+PY
+}
+
 tpu=(python -m benchmarks.tpu --out "$out/tpu.json" --workdir /tmp/bench)
 chip=(python -m benchmarks.chip --out "$out/chip.json")
 
@@ -67,6 +96,19 @@ for which in "$@"; do
       say "slowest imports (cumulative us) of the warm run:"
       grep '^import time:' "$out/imports_warm.log" | sort -t'|' -k2 -n -r | head -n 15 ;;
     runtime) part runtime 200 python -m benchmarks.host_probes runtime --log "$out/runtime_verbose.log" ;;
+    configs-a)
+      cifar || continue
+      config_run cifar10 200 --config.dataset.folder="$CIFAR"
+      config_run cifar10_fast 200 --config.dataset.folder="$CIFAR"
+      config_run cifar10_resnet 200 --config.dataset.folder="$CIFAR" --config.num_train_steps=150
+      config_run mnist 150 --config.dataset.folder="$CIFAR" --config.num_train_steps=150
+      config_run digits 100 ;;
+    configs-b)
+      make_photos
+      config_run photos 200 --config.dataset.folder="$photos" --config.num_train_steps=150
+      config_run imagenet_resnet50 280 --config.dataset.folder="$photos" --config.num_train_steps=150
+      config_run finetune 200 --config.dataset.folder="$photos" --config.num_train_steps=150 \
+        --config.init_from.checkpoint=/tmp/bench/configs/imagenet_resnet50 ;;
     resnets|modern|mobile|tuned) part "chip_$which" 580 "${chip[@]}" --only "$which" ;;
     remat-a) part remat_a 580 "${chip[@]}" --remat-table --only resnet50,mobilenetv3_l ;;
     remat-b) part remat_b 580 "${chip[@]}" --remat-table --only vit_b16,efficientnet_b0 ;;
