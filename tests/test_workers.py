@@ -212,7 +212,8 @@ class Heavy:
 def test_workers_start_without_the_parent_waiting_on_each(monkeypatch):
   """What a worker's spawn writes into its pipe stays under the pipe's 64 KiB, however large the
   function: else the parent waits for each new interpreter to read it before starting the next
-  (13 workers began one by one over 9.5 s on a TPU host), and the function still arrives whole."""
+  (13 workers began one by one over 9.5 s on a TPU host). The function still arrives whole, from a
+  shared-memory block (or a file where /dev/shm has no room), and nothing stays behind."""
   from multiprocessing import popen_spawn_posix
   written = []
   original = popen_spawn_posix.reduction.dump
@@ -222,14 +223,18 @@ def test_workers_start_without_the_parent_waiting_on_each(monkeypatch):
     original(obj, file, protocol)
     written.append(file.tell() - before)
   monkeypatch.setattr(popen_spawn_posix.reduction, 'dump', dump)
-  handed, hand_over = [], workers._hand_over
+  handed, hand_over = [], workers._HandOver
 
   def recorded(function):
     handed.append(hand_over(function))
     return handed[-1]
-  monkeypatch.setattr(workers, '_hand_over', recorded)
-  assert list(workers.run(Heavy(), range(0, 40000, 1000), workers=2, buffer=2)) == list(range(0, 80000, 2000))
-  assert len(written) == 4  # each worker: its preparation data, then its process object
+  monkeypatch.setattr(workers, '_HandOver', recorded)
+  for room in (None, 1024):  # /dev/shm as it is, then (as in a small container) without room
+    monkeypatch.setattr(workers, '_shm_room', lambda room=room: room)
+    results = workers.run(Heavy(), range(0, 40000, 1000), workers=2, buffer=2)
+    assert list(results) == list(range(0, 80000, 2000))
+    kind, name, size = handed[-1].where
+    assert (kind, size > 1 << 20) == (('shared_memory' if room is None else 'file'), True)
+    assert not os.path.exists(name if kind == 'file' else os.path.join('/dev/shm', name.lstrip('/')))
+  assert len(written) == 8  # each worker: its preparation data, then its process object
   assert max(written) < 64 << 10
-  assert len(handed) == 1
-  assert not os.path.exists(handed[0])  # removed with the pool

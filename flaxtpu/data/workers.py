@@ -108,14 +108,13 @@ def _in_processes(function, items: Iterable, workers: int, ahead: int, result_by
   Results of tuples of arrays (batches) of 1 MiB or more come back through `ahead` shared-memory
   blocks (`_Blocks`) of `result_bytes`, or sized by the first result; the rest through the pool's pipe.
   """
-  handed = _hand_over(function)
-  pool = concurrent.futures.ProcessPoolExecutor(
+  handed, blocks = _HandOver(function), _Blocks(ahead)
+  pool = concurrent.futures.ProcessPoolExecutor(  # its processes start with the first items
       workers, mp_context=multiprocessing.get_context('spawn'), initializer=_start_worker,
-      initargs=(handed,))
-  blocks = _Blocks(ahead)
-  if result_bytes:
-    blocks.make(result_bytes)
+      initargs=(handed.where,))
   try:
+    if result_bytes:
+      blocks.make(result_bytes)
     pending, items = collections.deque(), iter(items)
 
     def submit(count: int) -> None:
@@ -136,7 +135,7 @@ def _in_processes(function, items: Iterable, workers: int, ahead: int, result_by
   finally:
     pool.shutdown(wait=True, cancel_futures=True)
     blocks.close()
-    os.unlink(handed)
+    handed.remove()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,8 +322,10 @@ def _closing_threads(iterator) -> Iterator:
     iterator.close()
 
 
-def _hand_over(function) -> str:
-  """A file holding `function` pickled, for the workers to load as they start.
+class _HandOver:
+  """`function` pickled where the workers read it as they start: a shared-memory block (which the
+  resource tracker removes even if this process is killed), or a temporary file where /dev/shm has
+  no room for it.
 
   Sent with each worker's start instead (`initargs`), it would travel through the pipe that
   multiprocessing's spawn writes and the parent waits on: past the pipe's 64 KiB (a loader's list
@@ -333,19 +334,50 @@ def _hand_over(function) -> str:
   one by one, 0.64 s to 9.5 s after the pool was made, and the input ran at half its rate for its
   first ~80 batches (`python -m benchmarks.host_probes batches`).
   """
-  with tempfile.NamedTemporaryFile('wb', prefix='flaxtpu-work-', suffix='.pickle', delete=False) as f:
-    f.write(multiprocessing.reduction.ForkingPickler.dumps(function))
-  return f.name
+
+  def __init__(self, function):
+    data = multiprocessing.reduction.ForkingPickler.dumps(function)
+    self._block = None
+    room = _shm_room()
+    if room is None or room >= 2 * len(data):
+      from multiprocessing import shared_memory  # pylint: disable=g-import-not-at-top
+      self._block = shared_memory.SharedMemory(create=True, size=max(len(data), 1))
+      self._block.buf[:len(data)] = data
+      self.where = ('shared_memory', self._block.name, len(data))
+      return
+    with tempfile.NamedTemporaryFile('wb', prefix='flaxtpu-work-', suffix='.pickle', delete=False) as f:
+      f.write(data)
+    self.where = ('file', f.name, len(data))
+
+  @staticmethod
+  def load(where):
+    """In a worker: the function."""
+    kind, name, size = where
+    if kind == 'file':
+      with open(name, 'rb') as f:
+        return pickle.load(f)
+    from multiprocessing import shared_memory  # pylint: disable=g-import-not-at-top
+    block = shared_memory.SharedMemory(name)
+    try:
+      return pickle.loads(bytes(block.buf[:size]))
+    finally:
+      block.close()
+
+  def remove(self) -> None:
+    if self._block is not None:
+      self._block.close()
+      self._block.unlink()
+    else:
+      os.unlink(self.where[1])
 
 
 _worker_function = None  # in a worker process: what `_work` calls
 
 
-def _start_worker(handed: str) -> None:
+def _start_worker(handed: tuple) -> None:
   global _worker_function
   _die_with_parent()
-  with open(handed, 'rb') as f:
-    function = pickle.load(f)
+  function = _HandOver.load(handed)
   try:  # one OpenCV thread per worker: the workers are the parallelism (as PyTorch's DataLoader does)
     import cv2  # pylint: disable=g-import-not-at-top
     cv2.setNumThreads(1)
