@@ -545,9 +545,9 @@ def get_config() -> ml_collections.ConfigDict:
   # XLA's persistent compilation cache, per user: every program a run compiles is kept, so a second run
   # of the same config compiles nothing ('' = ~/.cache/flaxtpu/jax; 'none' = off).
   config.compilation_cache_dir = ''
-  # The host buffer a TPU runtime maps at its start for transfers to and from the chips, in MiB. The
-  # runtime's own default, 4 GiB, took 6.8 s of its 7.2 s start on a TPU v5e host; a batch is 38 MiB
-  # (0 = the runtime's default; TPU_PREMAPPED_BUFFER_SIZE in the environment wins).
+  # The host buffer a TPU runtime maps at its start for transfers to and from the chips, in MiB per
+  # chip of the host. The runtime's own default, 4 GiB, took 6.8 s of its 7.2 s start on a TPU v5e
+  # host; a batch is 38 MiB (0 = the runtime's default; TPU_PREMAPPED_BUFFER_SIZE in the environment wins).
   config.tpu_premapped_buffer_mib = 256
   config.lock()
   return config

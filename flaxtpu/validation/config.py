@@ -481,8 +481,8 @@ def _check_compilation_cache(config: ml_collections.ConfigDict) -> None:
                       "directory you can write, '' (~/.cache/flaxtpu/jax) or none (no cache)")
   buffer = config.tpu_premapped_buffer_mib
   if not isinstance(buffer, int) or not 0 <= buffer < 1 << 20:
-    raise ConfigError(f'config.tpu_premapped_buffer_mib={buffer!r} must be a whole number of MiB below '
-                      "1 TiB (0 = the TPU runtime's default, 4096)")
+    raise ConfigError(f'config.tpu_premapped_buffer_mib={buffer!r} must be a whole number of MiB per chip '
+                      "below 1 TiB (0 = the TPU runtime's default, 4096 a host)")
 
 
 # The sections of defaults.py, in its order.
