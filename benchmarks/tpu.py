@@ -60,6 +60,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -261,6 +262,23 @@ def run_cli(config: str, workdir: pathlib.Path, overrides: list[str], *, env: di
   rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text(encoding='utf-8').splitlines()
           if line.strip()]
   return {'results': results, 'metrics': rows, 'process_wall_s': wall, 'log': str(log)}
+
+
+# The CLI's start-up line: when (after the command) the trainer was imported, the devices were ready and
+# the data was read; the first step waited for the last of them.
+STARTUP_PARTS = ('trainer_imported_s', 'devices_ready_s', 'data_read_s')
+STARTUP_LINE = re.compile(r'trainer imported ([\d.]+) s, devices ready ([\d.]+) s(?:, data read ([\d.]+) s)?')
+
+
+def startup_parts(log: str) -> dict:
+  """{'trainer_imported_s', 'devices_ready_s', 'data_read_s'} from a CLI run's log (those it says)."""
+  try:
+    found = STARTUP_LINE.search(pathlib.Path(log).read_text(encoding='utf-8', errors='replace'))
+  except OSError:
+    return {}
+  if not found:
+    return {}
+  return {name: float(value) for name, value in zip(STARTUP_PARTS, found.groups()) if value is not None}
 
 
 def chip_pause() -> None:
@@ -688,9 +706,11 @@ def row_startup(args, sizes: Sizes, report: Callable[[dict], None]) -> dict:
     results = run['results']
     measured = {'time_to_first_step_s': results.get('time_to_first_step_s'),
                 'compile_seconds': (results.get('memory_plan') or {}).get('compile_seconds'),
-                'process_wall_s': run['process_wall_s']}
+                'process_wall_s': run['process_wall_s'], **startup_parts(run['log'])}
     say(f'  cifar10.py {name:5s} first step after {measured["time_to_first_step_s"] or 0:6.1f} s (train-step '
-        f'compile {measured["compile_seconds"] or 0:5.1f} s), process {measured["process_wall_s"]:6.1f} s')
+        f'compile {measured["compile_seconds"] or 0:5.1f} s), process {measured["process_wall_s"]:6.1f} s; '
+        + ', '.join(f'{part[:-2].replace("_", " ")} {measured[part]:.1f} s' for part in STARTUP_PARTS
+                    if part in measured))
     return measured
 
   def whole_run(name: str, cache: pathlib.Path) -> dict:

@@ -120,3 +120,19 @@ def test_docs_section_is_replaced_in_place(tmp_path):
   assert ('| a. device-resident train step: ResNet-50, bf16, batch 256 at 224 px | 2,750 img/s, MFU 33.0% '
           '| Flax ImageNet example: 2,500 img/s, MFU 30.0% | 1.10x | >= 1.0 |') in text
   assert 'Measured on TPU v5 lite x1 (tpu' in text and '(197 TFLOP/s)' in text
+
+
+def test_startup_row_reads_what_the_first_step_waited_for_from_a_real_run(tmp_path):
+  """The CLI's start-up line, parsed as the startup row parses it: three times after the command."""
+  from benchmarks import tpu  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / 'digits'
+  log = tmp_path / 'digits.log'
+  command = [sys.executable, '-m', 'flaxtpu.main', '--config=configs/digits.py', f'--workdir={workdir}',
+             '--config.num_train_steps=2', '--config.compilation_cache_dir=none']
+  with open(log, 'w') as out:
+    subprocess.run(command, cwd=ROOT, check=True, stdout=out, stderr=subprocess.STDOUT, timeout=300)
+  parts = tpu.startup_parts(str(log))
+  assert set(parts) == {'trainer_imported_s', 'devices_ready_s', 'data_read_s'}
+  first_step = json.loads((workdir / 'results.json').read_text())['time_to_first_step_s']
+  assert 0 < max(parts.values()) < first_step < 300
+  assert tpu.startup_parts(str(tmp_path / 'missing.log')) == {}
