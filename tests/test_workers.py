@@ -238,3 +238,55 @@ def test_workers_start_without_the_parent_waiting_on_each(monkeypatch):
     assert not os.path.exists(name if kind == 'file' else os.path.join('/dev/shm', name.lstrip('/')))
   assert len(written) == 8  # each worker: its preparation data, then its process object
   assert max(written) < 64 << 10
+
+
+_SLOW_TO_START = '''
+import sys, time
+if __name__ != '__main__':  # in a worker: spawn imports this file again before the worker runs
+  time.sleep(3)
+if __name__ == '__main__':
+  sys.path.insert(0, sys.argv[1])
+  from flaxtpu.data import workers
+  print(sum(workers.run(abs, range(-50, 0), workers=2, buffer=1)), flush=True)
+'''
+
+
+def test_workers_whose_parent_is_killed_while_they_start_end_too(tmp_path):
+  """A trainer killed by kill -9 while its input workers were still starting (a second or more on a
+  TPU host) left them waiting on their queue for ever, and multiprocessing's resource tracker with
+  them: they now see that their parent is gone and end."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+
+  import psutil  # pylint: disable=g-import-not-at-top
+
+  def command(process) -> str:
+    try:
+      return ' '.join(process.cmdline())
+    except psutil.Error as e:
+      return type(e).__name__
+
+  def running(process) -> bool:  # a zombie has ended (nobody reaped it yet)
+    try:
+      return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+      return False
+
+  script = tmp_path / 'slow_to_start.py'
+  script.write_text(_SLOW_TO_START)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  parent = subprocess.Popen([sys.executable, str(script), root], stdout=subprocess.PIPE)
+  deadline, starting = time.time() + 60, []
+  while len(starting) < 2 and time.time() < deadline:  # both workers made, asleep before their start
+    children = psutil.Process(parent.pid).children(recursive=True)
+    starting = [child for child in children if 'spawn_main' in command(child)]
+    time.sleep(0.01)
+  assert len(starting) == 2
+  parent.kill()
+  parent.wait()
+  _, alive = psutil.wait_procs(children, timeout=15)
+  alive = [process for process in alive if running(process)]
+  for process in alive:
+    process.kill()
+  assert not alive, [command(process) for process in alive]

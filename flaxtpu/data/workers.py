@@ -111,7 +111,7 @@ def _in_processes(function, items: Iterable, workers: int, ahead: int, result_by
   handed, blocks = _HandOver(function), _Blocks(ahead)
   pool = concurrent.futures.ProcessPoolExecutor(  # its processes start with the first items
       workers, mp_context=multiprocessing.get_context('spawn'), initializer=_start_worker,
-      initargs=(handed.where,))
+      initargs=(handed.where, os.getpid()))
   try:
     if result_bytes:
       blocks.make(result_bytes)
@@ -374,9 +374,9 @@ class _HandOver:
 _worker_function = None  # in a worker process: what `_work` calls
 
 
-def _start_worker(handed: tuple) -> None:
+def _start_worker(handed: tuple, parent: int) -> None:
   global _worker_function
-  _die_with_parent()
+  _die_with_parent(parent)
   function = _HandOver.load(handed)
   try:  # one OpenCV thread per worker: the workers are the parallelism (as PyTorch's DataLoader does)
     import cv2  # pylint: disable=g-import-not-at-top
@@ -401,15 +401,21 @@ def _work(item, block_name: str | None = None):
   return _packed(result, _attached[block_name])
 
 
-def _die_with_parent() -> None:
-  """Runs first in each worker: on Linux, the kernel kills the worker when its parent dies.
+def _die_with_parent(parent: int) -> None:
+  """Runs first in each worker: on Linux, the kernel kills the worker when its parent (pid `parent`)
+  dies, and a worker whose parent died while it was starting ends at once.
 
-  Without it, a trainer stopped by kill -9 (or the OOM killer) leaves its
-  workers behind, holding memory and file handles until the machine reboots.
+  Without it, a trainer stopped by kill -9 (or the OOM killer) leaves its workers behind, holding
+  memory and file handles until the machine reboots. A fresh interpreter takes a second or more to
+  get here (on a TPU host's gVisor sandbox), and a parent killed in that time has already given the
+  worker to another (its parent id changed): such workers waited on their queue for ever, and kept
+  multiprocessing's resource tracker alive with them.
   """
   if sys.platform.startswith('linux'):
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+  if os.getppid() != parent:
+    os._exit(1)  # pylint: disable=protected-access  # nothing of the parent's to clean up here
 
 
 class prefetch:  # pylint: disable=invalid-name  (used like a function: prefetch(iterator))
