@@ -358,26 +358,27 @@ print(json.dumps({'import_jax_s': imported - began, 'devices_s': ready - importe
 """
 
 
+def _start(setting: dict) -> tuple[subprocess.CompletedProcess, float]:
+  """`_START` in a fresh interpreter under `setting`: the finished process and its wall seconds."""
+  began = time.time()
+  done = subprocess.run([sys.executable, '-c', _START], env={**os.environ, **setting},
+                        capture_output=True, text=True, timeout=300, check=False)
+  return done, round(time.time() - began, 2)
+
+
 def runtime(rounds: int = 2, log: str | None = None) -> dict:
   result = {}
   for _ in range(rounds):
     for name, setting in RUNTIME_SETTINGS.items():
-      began = time.time()
-      done = subprocess.run([sys.executable, '-c', _START], env={**os.environ, **setting},
-                            capture_output=True, text=True, timeout=300, check=False)
-      wall = time.time() - began
+      done, wall = _start(setting)
       if done.returncode:
         result.setdefault(name, []).append({'failed': done.stderr.strip().splitlines()[-1:]})
         continue
       parts = next(json.loads(line) for line in done.stdout.splitlines() if line.startswith('{'))
-      result.setdefault(name, []).append({'wall_s': round(wall, 2), **{
+      result.setdefault(name, []).append({'wall_s': wall, **{
           key: round(value, 2) if isinstance(value, float) else value for key, value in parts.items()}})
-  verbose = {'TPU_STDERR_LOG_LEVEL': '0', 'TPU_MIN_LOG_LEVEL': '0', 'TF_CPP_MIN_LOG_LEVEL': '0',
-             'TF_CPP_MAX_VLOG_LEVEL': '1'}
-  began = time.time()
-  done = subprocess.run([sys.executable, '-c', _START], env={**os.environ, **verbose},
-                        capture_output=True, text=True, timeout=300, check=False)
-  result['verbose_wall_s'] = round(time.time() - began, 2)
+  done, result['verbose_wall_s'] = _start({'TPU_STDERR_LOG_LEVEL': '0', 'TPU_MIN_LOG_LEVEL': '0',
+                                           'TF_CPP_MIN_LOG_LEVEL': '0', 'TF_CPP_MAX_VLOG_LEVEL': '1'})
   if log:
     with open(log, 'w') as f:
       f.write(done.stderr)

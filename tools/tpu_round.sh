@@ -82,7 +82,7 @@ for which in "$@"; do
   case $which in
     input)
       part input 240 "${tpu[@]}" --only input
-      part batches 120 python -m benchmarks.host_probes batches --folder /tmp/bench/photos_100x64_375-500 --processes 13 ;;
+      part batches 120 python -m benchmarks.host_probes batches --folder "$photos" --processes 13 ;;
     e2e) part e2e 560 "${tpu[@]}" --only e2e ;;
     startup) cifar && part startup 580 "${tpu[@]}" --cifar "$CIFAR" --only startup ;;
     decode) cifar && part decode 200 "${tpu[@]}" --cifar "$CIFAR" --only decode ;;

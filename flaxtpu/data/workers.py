@@ -356,8 +356,7 @@ class _HandOver:
     if kind == 'file':
       with open(name, 'rb') as f:
         return pickle.load(f)
-    from multiprocessing import shared_memory  # pylint: disable=g-import-not-at-top
-    block = shared_memory.SharedMemory(name)
+    block = _attach(name)
     try:
       return pickle.loads(bytes(block.buf[:size]))
     finally:
