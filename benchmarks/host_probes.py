@@ -6,6 +6,7 @@
     python -m benchmarks.host_probes batches --folder DIR  # whole training batches, 1 process vs all cores
     python -m benchmarks.host_probes shm     # writing a batch into a shared-memory block: plain vs populated
     python -m benchmarks.host_probes runtime # starting the accelerator's runtime under each setting
+    python -m benchmarks.host_probes profile --folder DIR  # a training batch's time by function
 
 `pages`: filling a new array the size of a batch (256 crops of 224 px) against refilling one
 already touched, before and after `workers.keep_freed_memory`. Under gVisor (Cloud TPU hosts) every
@@ -32,6 +33,10 @@ says what a batch costs beyond its images' stages.
 the parent made and touched: mapped as `multiprocessing` maps them, and mapped with every page in
 place (`workers._attach`, MAP_POPULATE). On a TPU v5e host with 13 processes: the first write 127 ms
 plain against 7 ms to map populated and 4 ms to write (docs/performance.md, the fourth round).
+
+`profile`: what `batches` times whole, by function: training batches built under cProfile in one
+process per core at once, each function's own time per image (the median over the processes);
+the costs that a batch adds to its images' stages show here by name.
 
 `runtime`: fresh interpreters that import JAX and start its devices, timed by part, under settings
 that might skip work at the start (the TPU runtime's query of the cloud metadata server, the search
@@ -277,6 +282,41 @@ class _Stamped:
     return (*batch, np.array([os.getpid(), start, time.time()]))
 
 
+def profiled_batches(loader, steps: range) -> dict:
+  """Each function's own seconds building `steps` of `loader` under cProfile, and the batches' images."""
+  import cProfile  # pylint: disable=g-import-not-at-top
+  import pstats  # pylint: disable=g-import-not-at-top
+
+  import cv2  # pylint: disable=g-import-not-at-top
+  cv2.setNumThreads(1)
+  loader(steps[0])  # warm: the first batch's pages and imports
+  profiler = cProfile.Profile()
+  images = 0
+  profiler.enable()
+  for step in steps[1:]:
+    images += len(loader(step).labels)
+  profiler.disable()
+  own = {}
+  for (path, line, name), (_, _, tottime, _, _) in pstats.Stats(profiler).stats.items():
+    where = f'{name} ({os.path.basename(path)}:{line})' if line else name
+    own[where] = own.get(where, 0.0) + tottime
+  return {'images': images, 'own_seconds': own}
+
+
+def profile(folder: str, processes: int, batch_size: int = 256, steps: int = 5, top: int = 15) -> dict:
+  loader = _folder_loader(folder, batch_size)
+  with multiprocessing.get_context('spawn').Pool(processes) as pool:
+    runs = pool.starmap(profiled_batches, [(loader, range(1 + i * (steps + 1), 1 + (i + 1) * (steps + 1)))
+                                           for i in range(processes)])
+  per_image = {}
+  for where in set().union(*(run['own_seconds'] for run in runs)):
+    per_image[where] = 1e3 * statistics.median(run['own_seconds'].get(where, 0.0) / run['images']
+                                               for run in runs)
+  ranked = sorted(per_image.items(), key=lambda item: -item[1])
+  return {f'{processes}_processes_ms_per_image_total': sum(per_image.values()),
+          f'{processes}_processes_ms_per_image_by_function': dict(ranked[:top])}
+
+
 def shm_writes(names: list[str]) -> dict:
   """Milliseconds to map, write once and write again a batch into the blocks `names` (two mapped
   plain, two populated)."""
@@ -391,9 +431,9 @@ def _shown(value) -> str:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('probe', choices=('pages', 'gil', 'stages', 'batches', 'shm', 'runtime'))
+  parser.add_argument('probe', choices=('pages', 'gil', 'stages', 'batches', 'shm', 'runtime', 'profile'))
   parser.add_argument('--folder', help='stages: a folder of JPEGs (the first --images, sorted); '
-                      'batches: an image folder DIR/train/<class>/*.jpg')
+                      'batches, profile: an image folder DIR/train/<class>/*.jpg')
   parser.add_argument('--images', type=int, default=400)
   parser.add_argument('--processes', default=f'1,{os.cpu_count() or 1}',
                       help='stages, batches, shm: process counts, comma-separated')
@@ -412,6 +452,10 @@ def main() -> None:
     if not args.folder:
       parser.error('batches needs --folder')
     result = batches(args.folder, [int(count) for count in args.processes.split(',')], buffer=args.buffer)
+  elif args.probe == 'profile':
+    if not args.folder:
+      parser.error('profile needs --folder')
+    result = profile(args.folder, max(int(count) for count in args.processes.split(',')))
   elif args.probe == 'runtime':
     result = runtime(log=args.log)
   elif args.probe == 'shm':
@@ -420,7 +464,8 @@ def main() -> None:
     result = pages() if args.probe == 'pages' else gil()
   for key, value in result.items():
     if isinstance(value, dict):
-      value = ', '.join(f'{stage} {ms:.3f}' for stage, ms in value.items())
+      value = ('\n  ' if len(value) > 6 else '') + ('\n  ' if len(value) > 6 else ', ').join(
+          f'{stage} {ms:.3f}' for stage, ms in value.items())
     elif isinstance(value, list) and value and isinstance(value[0], dict):
       value = '\n  ' + '\n  '.join(', '.join(f'{key} {_shown(number)}' for key, number in row.items())
                                     for row in value)

@@ -121,8 +121,13 @@ def test_fast_jpeg_crops_match_a_full_decode_then_crop_and_resize(size):
     fast = preprocess.train_image(data, transform, np.random.default_rng(seed))
     errors.append(np.abs(fast.astype(int) - _reference_crop(data, box, size).astype(int)))
   errors = np.stack(errors)
-  if size == 448:  # both libraries wrap libjpeg-turbo with the same settings: the same pixels
-    assert errors.max() <= 1, errors.max()
+  if size == 448:  # no DCT scaling: only the fast IDCT of training crops differs (1 level on average)
+    assert errors.mean() < 1.2 and np.percentile(errors, 99.9) <= 4, (errors.mean(), np.percentile(errors, 99.9))
+    for seed in range(5):  # the accurate IDCT (evaluation, images kept in memory): Pillow's pixels
+      box = preprocess.random_crop_box(np.random.default_rng(seed), 800, 600, transform.crop_area,
+                                       transform.crop_aspect)
+      accurate = preprocess._cropped(preprocess.open_source(data), box, size, 3, area_below=0.5)  # pylint: disable=protected-access
+      assert np.abs(accurate.astype(int) - _reference_crop(data, box, size).astype(int)).max() <= 1
   else:  # decoded at a reduced scale (libjpeg's scaled IDCT), the box rounded to its coarser pixels
     # (up to 4 full-size pixels off at 1/8): within a few levels on average (measured: 4.2, p99 19)
     assert errors.mean() < 5 and np.percentile(errors, 99) < 24, (errors.mean(), np.percentile(errors, 99))
@@ -134,7 +139,9 @@ def test_fast_and_pillow_paths_give_the_same_crop():
   for seed in range(10):
     fast = preprocess.train_image(data, transform, np.random.default_rng(seed))
     pillow = preprocess.train_image(preprocess.open_image(data), transform, np.random.default_rng(seed))
-    assert np.abs(fast.astype(int) - pillow.astype(int)).max() <= 1
+    # A training crop through the fast IDCT (as tf.data decodes): within 4 levels, ~1 on average.
+    errors = np.abs(fast.astype(int) - pillow.astype(int))
+    assert errors.max() <= 4 and errors.mean() < 1.2, (errors.max(), errors.mean())
     fast, pillow = preprocess.eval_image(data, transform), preprocess.eval_image(preprocess.open_image(data),
                                                                                  transform)
     assert np.abs(fast.astype(int) - pillow.astype(int)).max() <= 1
