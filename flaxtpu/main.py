@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import NamedTuple
 
 import ml_collections
 from absl import app, flags, logging
@@ -297,24 +298,33 @@ def _start_jax(config):
   return jax
 
 
-def _read_in_background(config) -> concurrent.futures.Future:
-  """The training data, read in a thread: (dataset, when the read started, how long it took).
+class _Reading(NamedTuple):
+  listed: concurrent.futures.Future  # the dataset as listed, before decoding (None where not given)
+  read: concurrent.futures.Future  # (dataset, when the read started, how long it took)
+
+
+def _read_in_background(config) -> _Reading:
+  """The training data, read in a thread: the dataset as listed as soon as it is (`pipeline.load`'s
+  `on_listed`), then as read.
 
   Reading needs no device, and its file reads, stat calls and decoding processes leave the GIL to
   the main thread's imports (JAX's, the trainer's) and to the devices' start. A daemon thread: a
   run stopped before it is done does not wait for it.
   """
   from flaxtpu.data import pipeline  # pylint: disable=g-import-not-at-top  # no JAX inside
-  future = concurrent.futures.Future()
+  reading = _Reading(concurrent.futures.Future(), concurrent.futures.Future())
 
   def read() -> None:
     started = time.time()
     try:
-      future.set_result((pipeline.load(config), started, time.time() - started))
+      dataset = pipeline.load(config, on_listed=reading.listed.set_result)
+      reading.read.set_result((dataset, started, time.time() - started))
     except BaseException as e:  # pylint: disable=broad-except  # re-raised in the main thread
-      future.set_exception(e)
+      reading.read.set_exception(e)
+    if not reading.listed.done():
+      reading.listed.set_result(None)
   threading.Thread(target=read, name='flaxtpu-data-read', daemon=True).start()
-  return future
+  return reading
 
 
 _devices_ready_at: list[float] = []  # when the background start of the devices ended (time.time())
@@ -379,7 +389,11 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   imported = time.time() - command_started
   dataset = None
   if reading is not None:
-    dataset, started, took = reading.result()
+    # While the images are decoded, the programs the first step needs compile into the persistent
+    # cache, from the data as listed (where the listing says all the step is built from).
+    if (listed := reading.listed.result()) is not None and not reading.read.done():
+      compile_plan.compile_ahead(config, listed)
+    dataset, started, took = reading.read.result()
     logging.info('data read in %.1f s, from %.1f s after the command on', took, started - command_started)
   parallel.check_platform(config.require_platform)
   devices = parallel.describe_devices()

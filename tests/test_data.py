@@ -43,6 +43,27 @@ def test_uniform_folder_is_cached_as_one_uint8_array(image_folder):
   assert dataset.image_shape == (8, 8, 3)
 
 
+def test_the_dataset_as_listed_comes_before_any_image_is_decoded(image_folder, monkeypatch):
+  events = []
+  decode = pipeline.cache.examples
+  monkeypatch.setattr(pipeline.cache, 'examples', lambda *a, **k: events.append('decode') or decode(*a, **k))
+  dataset = pipeline.load(_config(image_folder, **{'dataset.decoded_cache_dir': 'none'}),
+                          on_listed=lambda listed: events.append(listed))
+  listed = events[0]
+  assert events[1:] == ['decode', 'decode'] and dataset.train.cached
+  # What the train step is built from, as the read dataset has it; the splits not yet decoded.
+  assert not listed.train.cached and not listed.eval.cached
+  assert (listed.class_names, listed.image_shape, len(listed.train), len(listed.eval)) == (
+      dataset.class_names, dataset.image_shape, len(dataset.train), len(dataset.eval))
+  assert sampling.examples_per_epoch(listed, 16) == sampling.examples_per_epoch(dataset, 16) == 48
+  np.testing.assert_array_equal(listed.train.listed_labels, dataset.train.labels)
+  # Not where the step's numbers come from the pixels or the labels.
+  for overrides in ({'dataset.normalize': 'standardize'}, {'dataset.class_weights': 'balanced'}):
+    listed = []
+    pipeline.load(_config(image_folder, **overrides), on_listed=listed.append)
+    assert listed == [], overrides
+
+
 def test_grayscale_folder_decodes_to_three_equal_channels(tmp_path):
   folder = make_image_folder(tmp_path, classes=('a', 'b'), mode='L', train_per_class=4, test_per_class=2)
   images = pipeline.load(_config(folder)).train.images

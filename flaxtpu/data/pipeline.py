@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import ml_collections
 import numpy as np
@@ -43,7 +43,8 @@ STATISTICS_SAMPLE = 2_000  # images that estimate the per-channel mean/std of a 
 
 
 def load(config: ml_collections.ConfigDict | DatasetSpec, *, need_train: bool = True,
-         class_names: Optional[Sequence[str]] = None) -> Dataset:
+         class_names: Optional[Sequence[str]] = None,
+         on_listed: Optional[Callable[[Dataset], None]] = None) -> Dataset:
   """The splits a config (or a `DatasetSpec`) names, listed (and, when cached, decoded) and checked.
 
   Whatever the source (`sources.get`), the classes are the training split's,
@@ -52,6 +53,10 @@ def load(config: ml_collections.ConfigDict | DatasetSpec, *, need_train: bool = 
   The class weights come from the train split, so only when training. The
   config is only read: the numbers the data is normalised with are the
   returned Dataset's `mean`/`std`.
+
+  `on_listed` is called with the Dataset as listed, before any image is decoded into memory: its
+  splits streamed (`Examples(source)`), everything else as returned later. Not where numbers come
+  from the pixels or the labels (`normalize=standardize`, `class_weights`).
   """
   spec = DatasetSpec.of(config)
   source = sources.get(spec)
@@ -59,30 +64,38 @@ def load(config: ml_collections.ConfigDict | DatasetSpec, *, need_train: bool = 
                                                        spec.eval_split, class_names)
   transform = image_transform(spec, source.channels)
   eval_transform = image_sizes.eval_transform(transform, spec.eval_image_size, spec.eval_crop_fraction)
+
+  def dataset_of(train: Optional[Examples], eval_examples: Examples, shape: tuple[int, int, int]) -> Dataset:
+    return _normalized(Dataset(
+        train=train, eval=eval_examples, class_names=tuple(class_names), image_shape=shape,
+        mean=np.zeros(source.channels, np.float32), std=np.ones(source.channels, np.float32),
+        transform=transform, workers=spec.workers, prefetch=spec.prefetch, worker_threads=spec.threads,
+        skip_corrupt=spec.skip_corrupt, multilabel=spec.task == 'multilabel',
+        class_weights=None if train is None else class_weights.class_weights(spec.class_weights, train,
+                                                                               class_names),
+        sampling=spec.sampling, repeats=spec.repeats,
+        eval_transform=None if eval_transform is transform else eval_transform), spec)
+
+  def listed(shape: tuple[int, int, int]) -> None:
+    if on_listed is not None and spec.normalize != 'standardize' and spec.class_weights == 'none':
+      on_listed(dataset_of(None if train_split is None else Examples(train_split), Examples(eval_split), shape))
   examples, shape = _read(source, [split for split in (train_split, eval_split) if split is not None],
-                          spec, transform, eval_transform)
-  train = examples[0] if need_train else None
-  dataset = Dataset(
-      train=train, eval=examples[-1], class_names=tuple(class_names), image_shape=shape,
-      mean=np.zeros(source.channels, np.float32), std=np.ones(source.channels, np.float32),
-      transform=transform, workers=spec.workers, prefetch=spec.prefetch, worker_threads=spec.threads,
-      skip_corrupt=spec.skip_corrupt, multilabel=spec.task == 'multilabel',
-      class_weights=None if train is None else class_weights.class_weights(spec.class_weights, train,
-                                                                             class_names),
-      sampling=spec.sampling, repeats=spec.repeats,
-      eval_transform=None if eval_transform is transform else eval_transform)
-  return _normalized(dataset, spec)
+                          spec, transform, eval_transform, listed)
+  return dataset_of(examples[0] if need_train else None, examples[-1], shape)
 
 
 def _read(source: Source, splits: list[Split], spec: DatasetSpec, transform: Transform,
-          eval_transform: Transform) -> tuple[list[Examples], tuple[int, int, int]]:
+          eval_transform: Transform,
+          listed: Callable[[tuple[int, int, int]], None]) -> tuple[list[Examples], tuple[int, int, int]]:
   """Each split decoded into memory or ready to stream (`dataset.cache`; the eval split, the last,
-  cached for `eval_transform`), and the shape the model sees in training."""
+  cached for `eval_transform`), and the shape the model sees in training; `listed(shape)` once the
+  shape is known, before any decoding."""
   channels = source.channels
   native = source.native_sizes(splits)
   if source.in_memory:
     fits = None not in native and cache.use_cache(spec.cache, _count(*splits),
                                                   (*next(iter(native)), channels), transform)
+    listed(image_shape(native, transform, channels))
     examples = [Examples(None, *source.arrays(split, fits), groups=split.groups) for split in splits]
     return examples, image_shape(native, transform, channels)
   use = cache.use_cache(spec.cache, _count(*splits), image_shape(native, transform, channels), transform)
@@ -90,6 +103,8 @@ def _read(source: Source, splits: list[Split], spec: DatasetSpec, transform: Tra
     checked = [source.checked(split, spec.workers, spec.skip_corrupt) for split in splits]
     splits, native = [split for split, _ in checked], set().union(*(sizes for _, sizes in checked))
   shape = image_shape(native, transform, channels)
+  if use:
+    listed(shape)
   transforms = [transform] * (len(splits) - 1) + [eval_transform if transform.size else transform]
   store = spec.settings.get('decoded_cache_dir', '')  # absent from the configs of older runs
   return [cache.examples(split, cache=use, transform=each, num_workers=spec.workers,

@@ -1,28 +1,37 @@
 """The train step compiled ahead of time on a zero batch, without a dataset, and its per-device
-memory plan: what `--mode=plan` reports, what the training log shows, what the benchmarks time."""
+memory plan: what `--mode=plan` reports, what the training log shows, what the benchmarks time;
+and, while a run's data is decoded, its first programs compiled into the persistent compilation
+cache (`compile_ahead`)."""
 
 from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
 
 import jax
 import ml_collections
 import numpy as np
 
 from flaxtpu.augmentation import image_sizes
+from flaxtpu.data import sampling
 from flaxtpu.settings.lengths import run_length
 from flaxtpu.step import parallel, steps
 
 
 def compile_on_zeros(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, int],
-                     num_classes: int, num_train_examples: int = 50_000):
-  """The config's train step compiled for data of this shape, with a zero batch and no dataset.
+                     num_classes: int, num_train_examples: int = 50_000, mean=None, std=None):
+  """The config's train step compiled for data of this shape, with a zero batch and no dataset
+  (normalised with `mean`/`std` where the config standardises; 0 and 1 if not given).
 
   Returns (placement, state, batch, compiled step, memory plan): what
   --mode=plan reports and what the benchmarks time.
   """
   length = run_length(config, num_train_examples)
-  zeros = np.zeros(len(image_shape), np.float32)
-  task = steps.create_task(config, num_classes=num_classes, image_shape=image_shape, mean=zeros,
-                           std=zeros + 1, length=length)
+  zeros = np.zeros(image_shape[-1], np.float32)
+  task = steps.create_task(config, num_classes=num_classes, image_shape=image_shape,
+                           mean=zeros if mean is None else mean, std=zeros + 1 if std is None else std,
+                           length=length)
   # augment.train_sizes: the largest size the step resizes to is the one that needs the most memory.
   task = image_sizes.sized_task(task, image_sizes.largest(config, image_shape))
   placement = steps.place(task, parallel.make_mesh(config), config)
@@ -34,6 +43,43 @@ def compile_on_zeros(config: ml_collections.ConfigDict, *, image_shape: tuple[in
   batch = placement.put_train_batch((images, labels))
   step, plan = placement.compile_train_step(state, batch)
   return placement, state, batch, step, plan
+
+
+def compile_ahead(config: ml_collections.ConfigDict, listed) -> Optional[float]:
+  """Compiles the run's first programs (its state's initialisation, its train step) for the data as
+  listed (`pipeline.load`'s `on_listed`), before its images are decoded; returns the seconds taken,
+  or None where nothing is compiled ahead.
+
+  The compiled programs go into the persistent compilation cache, where the run finds them once
+  the data is read: they are the same programs, built from the same config, shapes and run length.
+  Not where the run builds its step from more than that (see `ahead_reason`), nor without the
+  cache. A cold `configs/cifar10.py` on a TPU v5e decoded for 8 s after its imports and then
+  compiled for 10 s (docs/performance.md).
+  """
+  if reason := ahead_reason(config):
+    logging.info('the train step compiles after the data is read (%s)', reason)
+    return None
+  started = time.time()
+  # As the run counts its length (train.py), from the listed split: the schedule is in the step.
+  examples = sampling.examples_per_epoch(listed, config.batch_size, jax.process_count())
+  compile_on_zeros(config, image_shape=listed.image_shape, num_classes=listed.num_classes,
+                   num_train_examples=examples, mean=listed.mean, std=listed.std)
+  seconds = time.time() - started
+  logging.info('compiled the train step ahead, while the data is read, in %.1f s', seconds)
+  return seconds
+
+
+def ahead_reason(config: ml_collections.ConfigDict) -> str:
+  """Why the run's train step cannot be compiled before its data is read ('' where it can): what
+  the step is built from beyond the config and the listing."""
+  if not jax.config.jax_compilation_cache_dir:
+    return 'no persistent compilation cache: compilation_cache_dir=none'
+  reasons = {'several processes': jax.process_count() > 1,
+             'remat=auto chooses a policy by compiling each': config.model.remat == 'auto',
+             'augment.train_sizes': bool(config.augment.train_sizes),
+             'a time budget plans the schedule': bool(config.time_budget),
+             'a distillation teacher': bool(config.distill.teacher)}
+  return ', '.join(reason for reason, applies in reasons.items() if applies)
 
 
 def plan_memory(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, int],
