@@ -127,7 +127,8 @@ def stage_times(paths: list[str], size: int = 224, with_tf: bool = False) -> dic
     source = preprocess.open_source(data)
     parsed = time.perf_counter()
     width, height = preprocess.source_size(source)
-    box = preprocess.random_crop_box(rng, width, height, (0.08, 1.0), (3 / 4, 4 / 3))
+    box = preprocess.random_crop_box(preprocess.crop_draws(rng, 1)[0], width, height, (0.08, 1.0),
+                                     (3 / 4, 4 / 3))
     target = (int(np.ceil(size * width / (box[2] - box[0]))), int(np.ceil(size * height / (box[3] - box[1]))))
     pixels = preprocess._decoded(source, 3, target)  # pylint: disable=protected-access
     decoded = time.perf_counter()

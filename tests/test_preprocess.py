@@ -11,11 +11,15 @@ from flaxtpu.data import preprocess
 from flaxtpu.data.preprocess import Transform
 
 
+def _draws(seed):
+  """One image's crop draws."""
+  return preprocess.crop_draws(np.random.default_rng(seed), 1)[0]
+
+
 def test_random_crop_boxes_stay_inside_and_in_range():
-  rng = np.random.default_rng(0)
   areas, aspects = [], []
-  for _ in range(2000):
-    left, top, right, bottom = preprocess.random_crop_box(rng, 300, 200, (0.08, 1.0), (3 / 4, 4 / 3))
+  for draws in preprocess.crop_draws(np.random.default_rng(0), 2000):
+    left, top, right, bottom = preprocess.random_crop_box(draws, 300, 200, (0.08, 1.0), (3 / 4, 4 / 3))
     assert 0 <= left < right <= 300 and 0 <= top < bottom <= 200
     areas.append((right - left) * (bottom - top) / (300 * 200))
     aspects.append((right - left) / (bottom - top))
@@ -27,7 +31,7 @@ def test_random_crop_boxes_stay_inside_and_in_range():
 
 def test_crop_falls_back_to_the_centre_when_nothing_fits():
   # A 1000x10 strip cannot hold a 3/4..4/3 crop of 50% of its area: centre crop, aspect clipped.
-  box = preprocess.random_crop_box(np.random.default_rng(0), 1000, 10, (0.5, 1.0), (3 / 4, 4 / 3))
+  box = preprocess.random_crop_box(_draws(0), 1000, 10, (0.5, 1.0), (3 / 4, 4 / 3))
   assert box == (493, 0, 506, 10)
 
 
@@ -116,15 +120,15 @@ def test_fast_jpeg_crops_match_a_full_decode_then_crop_and_resize(size):
   transform = Transform(size=size)
   errors = []
   for seed in range(20):
-    box = preprocess.random_crop_box(np.random.default_rng(seed), 800, 600, transform.crop_area,
+    box = preprocess.random_crop_box(_draws(seed), 800, 600, transform.crop_area,
                                      transform.crop_aspect)
-    fast = preprocess.train_image(data, transform, np.random.default_rng(seed))
+    fast = preprocess.train_image(data, transform, _draws(seed))
     errors.append(np.abs(fast.astype(int) - _reference_crop(data, box, size).astype(int)))
   errors = np.stack(errors)
   if size == 448:  # no DCT scaling: only the fast IDCT of training crops differs (1 level on average)
     assert errors.mean() < 1.2 and np.percentile(errors, 99.9) <= 4, (errors.mean(), np.percentile(errors, 99.9))
     for seed in range(5):  # the accurate IDCT (evaluation, images kept in memory): Pillow's pixels
-      box = preprocess.random_crop_box(np.random.default_rng(seed), 800, 600, transform.crop_area,
+      box = preprocess.random_crop_box(_draws(seed), 800, 600, transform.crop_area,
                                        transform.crop_aspect)
       accurate = preprocess._cropped(preprocess.open_source(data), box, size, 3, area_below=0.5)  # pylint: disable=protected-access
       assert np.abs(accurate.astype(int) - _reference_crop(data, box, size).astype(int)).max() <= 1
@@ -137,11 +141,12 @@ def test_fast_and_pillow_paths_give_the_same_crop():
   data = _jpeg(Image.fromarray(_blurred_photo(300, 400)))
   transform = Transform(size=96)
   for seed in range(10):
-    fast = preprocess.train_image(data, transform, np.random.default_rng(seed))
-    pillow = preprocess.train_image(preprocess.open_image(data), transform, np.random.default_rng(seed))
-    # A training crop through the fast IDCT (as tf.data decodes): within 4 levels, ~1 on average.
+    fast = preprocess.train_image(data, transform, _draws(seed))
+    pillow = preprocess.train_image(preprocess.open_image(data), transform, _draws(seed))
+    # A training crop through the fast IDCT (as tf.data decodes): ~1 level off on average, rarely 5.
     errors = np.abs(fast.astype(int) - pillow.astype(int))
-    assert errors.max() <= 4 and errors.mean() < 1.2, (errors.max(), errors.mean())
+    assert errors.max() <= 6 and np.percentile(errors, 99.9) <= 4 and errors.mean() < 1.2, (
+        errors.max(), errors.mean())
     fast, pillow = preprocess.eval_image(data, transform), preprocess.eval_image(preprocess.open_image(data),
                                                                                  transform)
     assert np.abs(fast.astype(int) - pillow.astype(int)).max() <= 1
@@ -177,9 +182,9 @@ def test_crops_are_written_into_the_given_row(channels):
   data = _jpeg(Image.fromarray(_blurred_photo(60, 80)))
   transform = Transform(size=24, channels=channels)
   batch = np.zeros((2, 24, 24, channels), np.uint8)
-  returned = preprocess.train_image(data, transform, np.random.default_rng(0), out=batch[1])
+  returned = preprocess.train_image(data, transform, _draws(0), out=batch[1])
   assert np.shares_memory(returned, batch) and batch[0].max() == 0
-  np.testing.assert_array_equal(batch[1], preprocess.train_image(data, transform, np.random.default_rng(0)))
+  np.testing.assert_array_equal(batch[1], preprocess.train_image(data, transform, _draws(0)))
 
 
 def test_training_crops_average_only_when_shrunk_2x_or_more_evaluation_always():
@@ -190,7 +195,7 @@ def test_training_crops_average_only_when_shrunk_2x_or_more_evaluation_always():
   transform = Transform(size=100, crop_area=(1.0, 1.0), crop_aspect=(1.0, 1.0))  # the whole image
   for side, method in ((150, cv2.INTER_LINEAR), (250, cv2.INTER_AREA)):  # 1.5x and 2.5x shrinks
     small = cv2.resize(pixels, (side, side), interpolation=cv2.INTER_AREA)
-    trained = preprocess.train_image(preprocess.open_image(small), transform, np.random.default_rng(0))
+    trained = preprocess.train_image(preprocess.open_image(small), transform, _draws(0))
     np.testing.assert_array_equal(trained, cv2.resize(small, (100, 100), interpolation=method))
   evaluated = preprocess.eval_image(png, Transform(size=100, crop_fraction=1.0))
   np.testing.assert_array_equal(evaluated, cv2.resize(pixels, (100, 100), interpolation=cv2.INTER_AREA))

@@ -16,7 +16,8 @@
 #             might skip work, and one verbose start's log (OUT/runtime_verbose.log; ~2 min)
 #   configs-a, configs-b   every config in configs/ with the data folder set (configs-a: the CIFAR-10
 #             ones, mnist's on that folder, digits; configs-b: photos, imagenet_resnet50 and finetune on
-#             the generated photos, finetune from imagenet_resnet50's run: no hub here); cifar10,
+#             the generated photos (imagenet_resnet50's with ImageNet's split names), finetune from
+#             imagenet_resnet50's run: no hub here); cifar10,
 #             cifar10_fast and digits whole, the others --config.num_train_steps=150 (needs CIFAR)
 #   resnets, modern, mobile, tuned   benchmarks/chip.py's groups (~7, 7, 5 and 4 min)
 #   remat-a, remat-b, remat-c        the remat table, two families each (~6 min each)
@@ -106,7 +107,10 @@ for which in "$@"; do
     configs-b)
       make_photos
       config_run photos 200 --config.dataset.folder="$photos" --config.num_train_steps=150
-      config_run imagenet_resnet50 280 --config.dataset.folder="$photos" --config.num_train_steps=150
+      # ImageNet's layout names its eval split `validation`: the same photos, linked so.
+      imagenet=/tmp/bench/photos_imagenet_layout
+      mkdir -p "$imagenet" && ln -sfn "$photos/train" "$imagenet/train" && ln -sfn "$photos/test" "$imagenet/validation"
+      config_run imagenet_resnet50 280 --config.dataset.folder="$imagenet" --config.num_train_steps=150
       config_run finetune 200 --config.dataset.folder="$photos" --config.num_train_steps=150 \
         --config.init_from.checkpoint=/tmp/bench/configs/imagenet_resnet50 ;;
     resnets|modern|mobile|tuned) part "chip_$which" 580 "${chip[@]}" --only "$which" ;;

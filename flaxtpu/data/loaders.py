@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from flaxtpu.data import preprocess, sampling, workers
+from flaxtpu.data import preprocess, samplers, sampling, workers
 from flaxtpu.data.dataset import Batch, Dataset, Examples, label_batch, label_of
 from flaxtpu.data.preprocess import Transform
 from flaxtpu.data.sampling import Sampler, process_slice
@@ -189,12 +189,15 @@ class _TrainLoader(_ExampleReader):
     indices = self.sampler.indices(step)
     mirror = self.sampler.mirrored(step, indices) if self.alternate_flip else np.zeros(len(indices), bool)
     images, labels = _batch_images(len(indices), self.transform), []
-    for row, (position, index) in enumerate(zip(range(self.sampler.rows.start, self.sampler.rows.stop),
-                                                indices)):
-      rng = np.random.default_rng([self.sampler.seed, step, position])
+    # Each row's crop from the global batch's draws for `step`: the same whichever process or worker
+    # builds it.
+    rows = self.sampler.rows
+    draws = preprocess.crop_draws(samplers.generator(self.sampler.seed, samplers.CROPS_STREAM, step),
+                                  rows.stop)[rows]
+    for row, index in enumerate(indices):
       out = images[row] if isinstance(images, np.ndarray) else None
       image, label = self.read(int(index), functools.partial(preprocess.train_image, transform=self.transform,
-                                                             rng=rng, out=out))
+                                                             draws=draws[row], out=out))
       if isinstance(image, _Failure):
         return image
       if out is None:

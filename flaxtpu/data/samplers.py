@@ -26,7 +26,7 @@ from flaxtpu.data.sources.base import DataError
 
 # Spawn keys of the seed sequences drawn from `seed`, one per stream, so no two ever coincide
 # (the shuffle permutations use the plain sequence [seed, epoch]).
-FLIPS_STREAM, BALANCED_STREAM, SHARD_ORDER_STREAM, SHARD_WINDOW_STREAM = 1, 2, 3, 4
+FLIPS_STREAM, BALANCED_STREAM, SHARD_ORDER_STREAM, SHARD_WINDOW_STREAM, CROPS_STREAM = 1, 2, 3, 4, 5
 
 # name -> factory(train Examples, seed, batch_size, process_index=, process_count=) -> Sampler
 SAMPLERS: dict[str, Callable] = {}
