@@ -285,9 +285,11 @@ def with_param_groups(inner: optax.GradientTransformation,
     return inner
   rates = groups.rates()
   if rates != {DEFAULT}:
-    # The labels are recomputed from the (masked) tree the inner chain receives.
+    # The labels are recomputed from the (masked) tree the inner chain receives. In sorted order: the
+    # set's order changes with each process's string hashing, and so would the train step's program
+    # (a persistent-cache miss in every other run).
     inner = optax.chain(inner, optax.multi_transform(
-        {label: optax.scale(float(label)) for label in rates}, groups.labels))
+        {label: optax.scale(float(label)) for label in sorted(rates)}, groups.labels))
   trainable = lambda params: jax.tree.map(lambda label: FROZEN if label == FROZEN else 'trainable',
                                           groups.labels(params))
   return optax.multi_transform({'trainable': inner, FROZEN: optax.set_to_zero()}, trainable)
