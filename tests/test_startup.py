@@ -27,9 +27,16 @@ def on_event(event, **kwargs):
     cache_events[event] = cache_events.get(event, 0) + 1
 monitoring.register_event_duration_secs_listener(on_duration)
 monitoring.register_event_listener(on_event)
+import logging
+ahead = []  # how many programs had compiled when the CLI said it had compiled ahead
+class Ahead(logging.Handler):
+  def emit(self, record):
+    if record.getMessage().startswith('compiled the train step ahead'):
+      ahead.append(len(compiles))
+logging.getLogger().addHandler(Ahead())
 def write_events():
   with open(os.environ['EVENTS'], 'w') as f:
-    json.dump({'compiles': compiles, 'cache': cache_events}, f)
+    json.dump({'compiles': compiles, 'cache': cache_events, 'ahead': ahead[0] if ahead else 0}, f)
 atexit.register(write_events)
 sys.argv[0] = 'flaxtpu.main'
 runpy.run_module('flaxtpu.main', run_name='__main__')
@@ -49,7 +56,6 @@ OWN_PROGRAMS = {'jit(init_state)': 1, 'jit(train_step)': 1, 'jit(eval_step)': 1,
 
 # Where the data read is still going once the trainer is imported, the CLI compiles the first step's programs
 # ahead (compile_plan.compile_ahead) and the run reads them back from the cache: once more each, as hits.
-AHEAD = {'jit(init_state)': 1, 'jit(train_step)': 1}
 AHEAD_LINE = 'compiled the train step ahead'
 
 # The data read held back, once listed, until the train step has been compiled ahead (at most WAIT s):
@@ -88,12 +94,12 @@ def run_counting_compiles(workdir, cache_dir, events, *overrides, hold_read_s=0)
 def test_second_run_compiles_nothing_and_eval_or_a_partial_batch_compiles_once(tmp_path):
   cache_dir = tmp_path / 'cache'
   first, log = run_counting_compiles(tmp_path / 'first', cache_dir, tmp_path / 'first.json')
-  compiled = collections.Counter(first['compiles'])
-  ahead = AHEAD if AHEAD_LINE in log else {}  # the data read outlasted the imports here
+  # Compiled ahead where the data read outlasted the imports here: each of those once more, as a hit.
+  compiled = collections.Counter(first['compiles'][first['ahead']:])
   # Whatever the last train or eval batch, or the length of a log window: each program once.
-  assert {name: compiled[name] - ahead.get(name, 0) for name in OWN_PROGRAMS} == OWN_PROGRAMS, compiled
+  assert {name: compiled[name] for name in OWN_PROGRAMS} == OWN_PROGRAMS, compiled
   # Every program went into the cache, however small or quick to compile.
-  assert first['cache'].get('/jax/compilation_cache/cache_misses') == len(first['compiles']) - len(ahead), first
+  assert first['cache'].get('/jax/compilation_cache/cache_misses') == len(first['compiles']) - first['ahead'], first
   assert 'first step done' in log and 'after the command' in log
   with open(tmp_path / 'first' / 'results.json') as f:
     assert json.load(f)['time_to_first_step_s'] > 0
@@ -109,12 +115,15 @@ def test_the_first_step_compiles_while_the_data_is_read_and_the_run_reads_it_bac
   first, log = run_counting_compiles(tmp_path / 'run', tmp_path / 'cache', tmp_path / 'events.json',
                                      hold_read_s=60)
   assert AHEAD_LINE in log, log[-3000:]
-  compiled = collections.Counter(first['compiles'])
-  assert {name: compiled[name] for name in OWN_PROGRAMS} == {
-      name: count + AHEAD.get(name, 0) for name, count in OWN_PROGRAMS.items()}, compiled
-  # The run's state initialisation and train step were the programs compiled ahead: read from the cache.
-  assert first['cache'].get('/jax/compilation_cache/cache_hits') == len(AHEAD), first
-  assert first['cache'].get('/jax/compilation_cache/cache_misses') == len(first['compiles']) - len(AHEAD)
+  ahead, run = first['compiles'][:first['ahead']], first['compiles'][first['ahead']:]
+  assert {'jit(init_state)', 'jit(train_step)'} <= set(ahead), ahead
+  assert {name: collections.Counter(run)[name] for name in OWN_PROGRAMS} == OWN_PROGRAMS, run
+  # Up to its first step the run compiled nothing new: what it compiled there (its state's init and train
+  # step) it read from the cache, the rest (the sample's augmentation) it had in memory already. Every
+  # program after it (the eval step, the metrics) is new.
+  before_first_step = run.index('jit(train_step)') + 1
+  assert first['cache'].get('/jax/compilation_cache/cache_hits') == before_first_step, (first, run)
+  assert first['cache'].get('/jax/compilation_cache/cache_misses') == len(first['compiles']) - before_first_step
   lines = log.splitlines()
   ahead = next(i for i, line in enumerate(lines) if AHEAD_LINE in line)
   assert ahead < next(i for i, line in enumerate(lines) if 'data read in' in line)

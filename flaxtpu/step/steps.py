@@ -311,13 +311,15 @@ def train_step(state: TrainState, batch, teacher_variables: Optional[ModelState]
   return new_state, step_metrics
 
 
-def augmented_sample(task: Task, seed: int, step: int, images: np.ndarray) -> np.ndarray:
-  """The first images of step `step`'s batch as its train step augments them, before mixup/CutMix
-  (for TensorBoard)."""
+AUGMENTED_SAMPLE_IMAGES = 16  # the first images of a run's first batch, augmented for TensorBoard
+
+
+def augmented_sample(settings: ml_collections.ConfigDict, seed: int, step: int, images: np.ndarray) -> np.ndarray:
+  """The first images of step `step`'s batch as its train step augments them (`settings`:
+  config.augment), before mixup/CutMix (for TensorBoard)."""
   _, data_key = jax.random.split(jax.random.PRNGKey(seed))  # TrainState.rng, as init_state draws it
   key = jax.random.fold_in(data_key, step)
-  return np.asarray(augment.augment_batch(key, jnp.asarray(images), jnp.arange(len(images)),
-                                          task.augment))
+  return np.asarray(augment.augment_batch(key, jnp.asarray(images), jnp.arange(len(images)), settings))
 
 
 def logits_fn(state: TrainState | ModelState, images, *, task: Task):
