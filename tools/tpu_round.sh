@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The on-chip measurements of docs/performance.md, in parts that each fit a 10-minute command on a
-# TPU v5e host (13 cores), each under its own time limit, printing as it goes; results and logs go
-# to OUT (default ./tpu_round), the JSON files merged across parts as the benchmarks merge them.
+# TPU v5e host (13 cores), each under its own time limit, printing as it goes; results go to OUT
+# (default ./tpu_round), the JSON files merged across parts as the benchmarks merge them, and the
+# parts' logs into OUT/logs.tar.gz at the end (a device call brings back at most 8 files).
 #
 #   tools/tpu_round.sh PART [PART ...]
 #
@@ -27,7 +28,10 @@
 #   source tools/offline_install.sh WHEELS
 set -u
 out=${OUT:-$PWD/tpu_round}
+logs=$(mktemp -d /tmp/tpu_round_logs.XXXXXX)
 mkdir -p "$out" /tmp/bench
+trap 'tar czf "$out/logs.tar.gz" -C "$logs" . 2>/dev/null' EXIT
+trap 'exit 143' TERM INT
 # The committed results: a part measures its rows again and keeps the others (same kind of device).
 for name in tpu chip; do
   [ -f "$out/$name.json" ] || cp "benchmarks/results/$name.json" "$out/$name.json" 2>/dev/null || true
@@ -46,15 +50,15 @@ cifar() {
 part() {
   local name=$1 limit=$2; shift 2
   say "$name: $* (limit ${limit} s)"
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  timeout "$limit" "$@" > "$logs/$name.log" 2>&1
   say "$name: exit $?"
-  grep -v '^WARNING\|^I0\|^W0\|Transparent hugepages\|warnings.warn' "$out/$name.log" | tail -n 30
+  grep -v '^WARNING\|^I0\|^W0\|Transparent hugepages\|warnings.warn' "$logs/$name.log" | tail -n 30
 }
 
 photos=/tmp/bench/photos_100x64_375-500  # what benchmarks/tpu.py generates for rows b and c
 make_photos() {
   [ -d "$photos" ] || python -m benchmarks.data.make_image_folder --out "$photos" --classes 100 \
-    --train-per-class 64 --test-per-class 2 --min-side 375 --max-side 500 > "$out/photos.log" 2>&1
+    --train-per-class 64 --test-per-class 2 --min-side 375 --max-side 500 > "$logs/photos.log" 2>&1
 }
 
 # NAME SECONDS ARGS...: one training run of configs/NAME.py (ARGS: its overrides), then what it
@@ -95,8 +99,8 @@ for which in "$@"; do
           --config.compilation_cache_dir=/tmp/bench/imports_cache
       done
       say "slowest imports (cumulative us) of the warm run:"
-      grep '^import time:' "$out/imports_warm.log" | sort -t'|' -k2 -n -r | head -n 15 ;;
-    runtime) part runtime 200 python -m benchmarks.host_probes runtime --log "$out/runtime_verbose.log" ;;
+      grep '^import time:' "$logs/imports_warm.log" | sort -t'|' -k2 -n -r | head -n 15 ;;
+    runtime) part runtime 200 python -m benchmarks.host_probes runtime --log "$logs/runtime_verbose.log" ;;
     configs-a)
       cifar || continue
       config_run cifar10 200 --config.dataset.folder="$CIFAR"
