@@ -126,7 +126,8 @@ def test_the_first_step_compiles_while_the_data_is_read_and_the_run_reads_it_bac
   # program after it (the eval step, the metrics) is new.
   before_first_step = run.index('jit(train_step)') + 1
   assert first['cache'].get('/jax/compilation_cache/cache_hits') == before_first_step, (first, run)
-  assert first['cache'].get('/jax/compilation_cache/cache_misses') == len(first['compiles']) - before_first_step
+  misses = first['cache'].get('/jax/compilation_cache/cache_misses')
+  assert misses == len(first['compiles']) - before_first_step, first
   lines = log.splitlines()
   ahead = next(i for i, line in enumerate(lines) if AHEAD_LINE in line)
   assert ahead < next(i for i, line in enumerate(lines) if 'data read in' in line)
@@ -277,8 +278,9 @@ def test_every_config_lowers_to_the_same_programs_in_every_process():
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   hashes = []
   for seed in ('1', '2', '3'):
-    result = subprocess.run([sys.executable, '-c', LOWER_EVERY_CONFIG], cwd=ROOT, capture_output=True, text=True,
-                            env={**env, 'PYTHONHASHSEED': seed, 'JAX_PLATFORMS': 'cpu'}, timeout=600)
+    result = subprocess.run([sys.executable, '-c', LOWER_EVERY_CONFIG], cwd=ROOT, capture_output=True,
+                            text=True, env={**env, 'PYTHONHASHSEED': seed, 'JAX_PLATFORMS': 'cpu'},
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     hashes.append(json.loads(result.stdout.strip().splitlines()[-1]))
   assert len(hashes[0]) >= 8, hashes[0]  # every config in configs/

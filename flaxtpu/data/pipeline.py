@@ -78,7 +78,8 @@ def load(config: ml_collections.ConfigDict | DatasetSpec, *, need_train: bool = 
 
   def listed(shape: tuple[int, int, int]) -> None:
     if on_listed is not None and spec.normalize != 'standardize' and spec.class_weights == 'none':
-      on_listed(dataset_of(None if train_split is None else Examples(train_split), Examples(eval_split), shape))
+      train = None if train_split is None else Examples(train_split)
+      on_listed(dataset_of(train, Examples(eval_split), shape))
   examples, shape = _read(source, [split for split in (train_split, eval_split) if split is not None],
                           spec, transform, eval_transform, listed)
   return dataset_of(examples[0] if need_train else None, examples[-1], shape)
@@ -95,9 +96,10 @@ def _read(source: Source, splits: list[Split], spec: DatasetSpec, transform: Tra
   if source.in_memory:
     fits = None not in native and cache.use_cache(spec.cache, _count(*splits),
                                                   (*next(iter(native)), channels), transform)
-    listed(image_shape(native, transform, channels))
+    shape = image_shape(native, transform, channels)
+    listed(shape)
     examples = [Examples(None, *source.arrays(split, fits), groups=split.groups) for split in splits]
-    return examples, image_shape(native, transform, channels)
+    return examples, shape
   use = cache.use_cache(spec.cache, _count(*splits), image_shape(native, transform, channels), transform)
   if not use:  # streamed: every header now, so sizes and unreadable files show before step 1
     checked = [source.checked(split, spec.workers, spec.skip_corrupt) for split in splits]

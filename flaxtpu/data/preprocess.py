@@ -219,8 +219,9 @@ def centre_crop_box(width: int, height: int, size: int, crop_fraction: float) ->
   return left, top, left + side, top + side
 
 
-def _cropped(source: Source, box: tuple[float, ...], size: int, channels: int, out: Optional[np.ndarray] = None,
-             area_below: float = 1.0, fast_idct: bool = False) -> np.ndarray:
+def _cropped(source: Source, box: tuple[float, ...], size: int, channels: int,
+             out: Optional[np.ndarray] = None, area_below: float = 1.0,
+             fast_idct: bool = False) -> np.ndarray:
   """Decodes only as finely as the crop needs, then resizes the crop `box` (upright pixels) to size,
   into `out` (a [size, size, channels] uint8 view, e.g. a row of the batch) when given.
 

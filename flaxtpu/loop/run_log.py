@@ -30,7 +30,8 @@ def log_run_overview(writer, config: ml_collections.ConfigDict, task: steps.Task
     first = next(iter(loaders.train_batches(dataset, seed=config.seed, batch_size=config.batch_size,
                                             first_step=first_step, last_step=first_step + 1,
                                             alternate_flip=config.augment.alternate_flip)))
-    sample = steps.augmented_sample(task.augment, config.seed, first_step, first.images[:steps.AUGMENTED_SAMPLE_IMAGES])
+    sample = steps.augmented_sample(task.augment, config.seed, first_step,
+                                    first.images[:steps.AUGMENTED_SAMPLE_IMAGES])
     writer.write_images(first_step, {'train_images': sample})
 
 

@@ -314,7 +314,8 @@ def train_step(state: TrainState, batch, teacher_variables: Optional[ModelState]
 AUGMENTED_SAMPLE_IMAGES = 16  # the first images of a run's first batch, augmented for TensorBoard
 
 
-def augmented_sample(settings: ml_collections.ConfigDict, seed: int, step: int, images: np.ndarray) -> np.ndarray:
+def augmented_sample(settings: ml_collections.ConfigDict, seed: int, step: int,
+                     images: np.ndarray) -> np.ndarray:
   """The first images of step `step`'s batch as its train step augments them (`settings`:
   config.augment), before mixup/CutMix (for TensorBoard)."""
   _, data_key = jax.random.split(jax.random.PRNGKey(seed))  # TrainState.rng, as init_state draws it
