@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
 
 import jax
 import ml_collections
@@ -45,10 +44,10 @@ def compile_on_zeros(config: ml_collections.ConfigDict, *, image_shape: tuple[in
   return placement, state, batch, step, plan
 
 
-def compile_ahead(config: ml_collections.ConfigDict, listed) -> Optional[float]:
+def compile_ahead(config: ml_collections.ConfigDict, listed) -> None:
   """Compiles the run's first programs (its state's initialisation, its train step, the augmentation
   of its first images for TensorBoard) for the data as listed (`pipeline.load`'s `on_listed`),
-  before its images are decoded; returns the seconds taken, or None where nothing is compiled ahead.
+  before its images are decoded (logging how long that took, or why nothing is compiled ahead).
 
   The compiled programs go into the persistent compilation cache, where the run finds them once
   the data is read: they are the same programs, built from the same config, shapes and run length.
@@ -58,7 +57,7 @@ def compile_ahead(config: ml_collections.ConfigDict, listed) -> Optional[float]:
   """
   if reason := ahead_reason(config):
     logging.info('the train step compiles after the data is read (%s)', reason)
-    return None
+    return
   started = time.time()
   # As the run counts its length (train.py), from the listed split: the schedule is in the step.
   examples = sampling.examples_per_epoch(listed, config.batch_size, jax.process_count())
@@ -67,9 +66,7 @@ def compile_ahead(config: ml_collections.ConfigDict, listed) -> Optional[float]:
   # Before its first step a run also augments the first images of its first batch (run_log.py).
   sample = np.zeros((min(steps.AUGMENTED_SAMPLE_IMAGES, config.batch_size), *listed.image_shape), np.uint8)
   steps.augmented_sample(config.augment, config.seed, 0, sample)
-  seconds = time.time() - started
-  logging.info('compiled the train step ahead, while the data is read, in %.1f s', seconds)
-  return seconds
+  logging.info('compiled the train step ahead, while the data is read, in %.1f s', time.time() - started)
 
 
 def ahead_reason(config: ml_collections.ConfigDict) -> str:
