@@ -465,8 +465,8 @@ def main() -> None:
     result = pages() if args.probe == 'pages' else gil()
   for key, value in result.items():
     if isinstance(value, dict):
-      value = ('\n  ' if len(value) > 6 else '') + ('\n  ' if len(value) > 6 else ', ').join(
-          f'{stage} {ms:.3f}' for stage, ms in value.items())
+      shown = [f'{stage} {ms:.3f}' for stage, ms in value.items()]  # a long ranking: a line each
+      value = ''.join(f'\n  {item}' for item in shown) if len(shown) > 6 else ', '.join(shown)
     elif isinstance(value, list) and value and isinstance(value[0], dict):
       value = '\n  ' + '\n  '.join(', '.join(f'{key} {_shown(number)}' for key, number in row.items())
                                     for row in value)
