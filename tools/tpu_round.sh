@@ -14,12 +14,12 @@
 #   imports   cifar10.py's first step twice (cold, then warm) under `python -X importtime`: the
 #             slowest imports of the warm run (needs CIFAR; ~1.5 min)
 #   runtime   `host_probes runtime`: importing JAX and starting the TPU runtime, under settings that
-#             might skip work, and one verbose start's log (OUT/runtime_verbose.log; ~2 min)
+#             might skip work, and one verbose start's log (runtime_verbose.log in the logs; ~2 min)
 #   configs-a, configs-b   every config in configs/ with the data folder set (configs-a: the CIFAR-10
 #             ones, mnist's on that folder, digits; configs-b: photos, imagenet_resnet50 and finetune on
 #             the generated photos (imagenet_resnet50's with ImageNet's split names), finetune from
-#             imagenet_resnet50's run: no hub here); cifar10,
-#             cifar10_fast and digits whole, the others --config.num_train_steps=150 (needs CIFAR)
+#             imagenet_resnet50's run: no hub here); cifar10, cifar10_fast and digits whole, the
+#             others --config.num_train_steps=150 (needs CIFAR)
 #   resnets, modern, mobile, tuned   benchmarks/chip.py's groups (~7, 7, 5 and 4 min)
 #   remat-a, remat-b, remat-c        the remat table, two families each (~6 min each)
 #
