@@ -5,8 +5,8 @@
 
 The backbone starts from `init_from.checkpoint` (timm's ResNet-50 A1 by
 default; any `hf-hub:timm/...` ResNet, ViT or ConvNeXt, a timm/torchvision
-.safetensors/.pth or a big_vision ViT .npz works, and the model follows the
-weights). The weights bring their preprocessing: their mean/std, input size
+.safetensors/.pth, a big_vision ViT .npz or another flaxtpu run's --workdir
+works, and the model follows the weights). The weights bring their preprocessing: their mean/std, input size
 (224) and crop fraction become this run's (`dataset.normalize=auto`,
 `image_size=0`, `crop_fraction=0`); on a CPU, `--config.dataset.image_size=128`
 (or 96) trains several times faster at some cost in accuracy. A ViT at

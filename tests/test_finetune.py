@@ -133,6 +133,26 @@ def test_a_fine_tuning_run_takes_its_sources_normalisation_and_keeps_it_on_resum
   assert (tuple(resumed.dataset.mean), tuple(resumed.dataset.std)) == ((0.5,) * 3, (0.25,) * 3)
 
 
+def test_a_config_that_leaves_the_model_open_fine_tunes_the_sources_model(source, folders, tmp_path):
+  """configs/finetune.py names no model: from a flaxtpu run, it trains that run's (as from published
+  weights), with the options that shape its weights; a config that names one keeps it (the
+  checkpoint's shapes then decide). A resumed run reads the model from its config.json."""
+  open_model = _config(folders[1], **{'init_from.checkpoint': source, 'model.name': 'cnn'})
+  resolution.apply_source_defaults(open_model)
+  assert open_model.model.name == 'resnet20'
+  named = _config(folders[1], **{'init_from.checkpoint': source, 'model.name': 'resnet32'})
+  resolution.apply_source_defaults(named)
+  assert named.model.name == 'resnet32'
+
+  started = tmp_path / 'started'
+  started.mkdir()
+  (started / 'config.json').write_text(json.dumps({**open_model.to_dict(), 'model': {
+      **open_model.model.to_dict(), 'name': 'resnet44', 'padding': 'same'}}))
+  resumed = _config(folders[1], **{'init_from.checkpoint': source, 'model.name': 'cnn'})
+  resolution.apply_source_defaults(resumed, str(started))
+  assert (resumed.model.name, resumed.model.padding) == ('resnet44', 'same')
+
+
 def test_skip_reinitialises_the_matched_arrays_and_a_step_directory_picks_its_step(source, five_class):
   step_1 = os.path.join(source, 'checkpoints', '1')
   loaded, info = _init_from(five_class, step_1, **{'init_from.skip': ('^stage3_',)})

@@ -14,8 +14,9 @@ steps before it left open:
   2. published weights named by `init_from.checkpoint` (a run that starts from
      them, or eval/predict/export straight from them): their model, options,
      normalisation, image size and crop fraction (`pretrained.apply_defaults`);
-  3. a flaxtpu run named by `init_from.checkpoint`: its normalisation numbers,
-     image size and crop fraction (`apply_source_defaults`).
+  3. a flaxtpu run named by `init_from.checkpoint`: its model (where model.name
+     is left at its default), normalisation numbers, image size and crop
+     fraction (`apply_source_defaults`).
 
 A run in a workdir that already started keeps what its config.json resolved,
 without reading the source again. Then `config.validate` sees the config the
@@ -88,25 +89,37 @@ def keep_saved_function(config: ml_collections.ConfigDict, workdir: str) -> None
 def apply_source_defaults(config: ml_collections.ConfigDict, workdir: str = '') -> None:
   """The init_from source's preprocessing (and, for published weights, model) as the run's defaults.
 
-  Published weights: `pretrained.apply_defaults`. A flaxtpu run: its
-  normalisation numbers (where dataset.normalize is auto), image size (0)
-  and crop fraction (0), so a fine-tuned run sees images as its source did.
-  A run in `workdir` that already started from the same source keeps what
-  its config.json says, without reading the source again.
+  Published weights: `pretrained.apply_defaults`. A flaxtpu run: its model
+  and the model options that shape its weights (where model.name is left at
+  its default, as for published weights: `configs/finetune.py` on a ResNet-50
+  run fine-tunes a ResNet-50), its normalisation numbers (where
+  dataset.normalize is auto), image size (0) and crop fraction (0), so a
+  fine-tuned run sees images as its source did. A run in `workdir` that
+  already started from the same source keeps what its config.json says,
+  without reading the source again.
   """
   spec = config.init_from.checkpoint
   if not spec or pretrained.apply_defaults(config, workdir):
     return
-  if config.dataset.normalize != 'auto' and config.dataset.image_size and config.dataset.crop_fraction:
+  from flaxtpu.settings import defaults  # pylint: disable=g-import-not-at-top
+  default_model = defaults.get_config().model
+  if (config.model.name != default_model.name and config.dataset.normalize != 'auto'
+      and config.dataset.image_size and config.dataset.crop_fraction):
     return  # nothing left open
   started = files.read_json(os.path.join(workdir, CONFIG_FILE)) if workdir else None
   if started and started.get('init_from', {}).get('checkpoint') == spec:
-    trained = started['dataset']
+    model, trained = started.get('model', {}), started['dataset']
     mean, std = trained.get('mean'), trained.get('std')
   else:
     record = source_record(config)
-    trained = record.get('config', {}).get('dataset', {})
+    model, trained = record.get('config', {}).get('model', {}), record.get('config', {}).get('dataset', {})
     mean, std = record['normalization']['mean'], record['normalization']['std']
+  if config.model.name == default_model.name and model.get('name', config.model.name) != config.model.name:
+    config.model.name = model['name']
+    for key in pretrained.MODEL_OPTIONS:  # those left at their defaults: the source's
+      if key in model and config.model[key] == default_model[key]:
+        config.model[key] = model[key]
+    logging.info('model.name=%s: the model of init_from.checkpoint=%s', config.model.name, spec)
   for key, value in source_dataset_defaults(config.dataset, trained, mean, std).items():
     config.dataset[key] = value
 

@@ -351,7 +351,7 @@ def apply_defaults(config, workdir: str = '') -> bool:
     return False
   started = files.read_json(os.path.join(workdir, 'config.json')) if workdir else None
   if started and started.get('init_from', {}).get('checkpoint') == spec:
-    resolved = {('model', key): started['model'].get(key) for key in ('name', *_MODEL_OPTIONS)}
+    resolved = {('model', key): started['model'].get(key) for key in ('name', *MODEL_OPTIONS)}
     resolved.update({('dataset', key): started['dataset'].get(key) for key in
                      ('normalize', 'mean', 'std', 'image_size', 'crop_fraction')})
   else:
@@ -379,7 +379,8 @@ def apply_defaults(config, workdir: str = '') -> bool:
   return True
 
 
-_MODEL_OPTIONS = ('patch_size', 'pool', 'gelu', 'padding', 'downsample')
+# The model options that change what a model's weights are or compute: they follow the weights.
+MODEL_OPTIONS = ('patch_size', 'pool', 'gelu', 'padding', 'downsample')
 _GELUS = {'gelu_tanh': 'tanh', 'quick_gelu': 'quick'}  # timm's act_layer -> model.gelu
 
 
