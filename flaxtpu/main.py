@@ -327,6 +327,23 @@ def _read_in_background(config) -> _Reading:
   return reading
 
 
+def _compile_ahead_in_background(config, reading: _Reading, compile_plan) -> concurrent.futures.Future:
+  """`compile_plan.compile_ahead` in a thread, from the data as listed, where the data is still being
+  read then (where the listing says all the step is built from). XLA compiles without the GIL: the
+  main thread imports the rest of the trainer meanwhile."""
+  done = concurrent.futures.Future()
+
+  def compile_ahead() -> None:
+    try:
+      if (listed := reading.listed.result()) is not None and not reading.read.done():
+        compile_plan.compile_ahead(config, listed)
+      done.set_result(None)
+    except BaseException as e:  # pylint: disable=broad-except  # re-raised in the main thread
+      done.set_exception(e)
+  threading.Thread(target=compile_ahead, name='flaxtpu-compile-ahead', daemon=True).start()
+  return done
+
+
 _devices_ready_at: list[float] = []  # when the background start of the devices ended (time.time())
 
 
@@ -382,17 +399,18 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   jax = _start_jax(config)
   # Imported after JAX has started with the right flags.
   # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import compile_plan
+  # While the images are decoded and the rest of the trainer imports, the programs the first step needs
+  # compile into the persistent cache.
+  ahead = _compile_ahead_in_background(config, reading, compile_plan) if reading is not None else None
   from flaxtpu.data import pipeline
   from flaxtpu.loop import progress, train
-  from flaxtpu.step import compile_plan, parallel, remat_choice
+  from flaxtpu.step import parallel, remat_choice
   command_started = progress.process_start_time(IMPORTED_AT)
   imported = time.time() - command_started
   dataset = None
   if reading is not None:
-    # While the images are decoded, the programs the first step needs compile into the persistent
-    # cache, from the data as listed (where the listing says all the step is built from).
-    if (listed := reading.listed.result()) is not None and not reading.read.done():
-      compile_plan.compile_ahead(config, listed)
+    ahead.result()
     dataset, started, took = reading.read.result()
     logging.info('data read in %.1f s, from %.1f s after the command on', took, started - command_started)
   parallel.check_platform(config.require_platform)

@@ -11,8 +11,8 @@
 #   e2e       ResNet-50 end to end from a JPEG folder vs tf.data + the Flax example (row b; ~5 min)
 #   startup   cifar10.py's first step cold and warm, cifar10_fast.py's whole run (row e; needs CIFAR)
 #   decode    CIFAR-10 decoded into memory vs tf.data (row d; needs CIFAR; ~1 min)
-#   imports   cifar10.py's first step twice (cold, then warm) under `python -X importtime`: the
-#             slowest imports of the warm run (needs CIFAR; ~1.5 min)
+#   imports   cifar10.py twice (cold, then warm) under `python -X importtime` and JAX_LOG_COMPILES: its
+#             slowest programs to trace, lower and compile, and its slowest imports (needs CIFAR; ~1.5 min)
 #   runtime   `host_probes runtime`: importing JAX and starting the TPU runtime, under settings that
 #             might skip work, and one verbose start's log (runtime_verbose.log in the logs; ~2 min)
 #   configs-a, configs-b   every config in configs/ with the data folder set (configs-a: the CIFAR-10
@@ -94,12 +94,18 @@ for which in "$@"; do
     imports)
       cifar || continue
       for run in cold warm; do
-        part "imports_$run" 200 python -X importtime -m flaxtpu.main --config=configs/cifar10.py \
-          --config.dataset.folder="$CIFAR" --workdir="/tmp/bench/imports_$run" --config.num_train_steps=20 \
-          --config.compilation_cache_dir=/tmp/bench/imports_cache
+        JAX_LOG_COMPILES=1 part "imports_$run" 200 python -X importtime -m flaxtpu.main \
+          --config=configs/cifar10.py --config.dataset.folder="$CIFAR" --workdir="/tmp/bench/imports_$run" \
+          --config.num_train_steps=20 --config.compilation_cache_dir=/tmp/bench/imports_cache
+        say "imports_$run: its start-up lines, and each program that took over 0.2 s to trace, lower or compile:"
+        grep -E 'trainer imported|compiled the train step|data read in|first step done' "$logs/imports_$run.log" \
+          | sed 's/^.*\] //'
+        grep -E '^[IW].*Finished .* in [0-9.]+ sec' "$logs/imports_$run.log" | sed 's/^.*Finished //' \
+          | awk '$(NF-1) > 0.2'
       done
-      say "slowest imports (cumulative us) of the warm run:"
-      grep '^import time:' "$logs/imports_warm.log" | sort -t'|' -k2 -n -r | head -n 15 ;;
+      say "slowest imports (cumulative us) of the warm run, then by their own time:"
+      grep '^import time:' "$logs/imports_warm.log" | sort -t'|' -k2 -n -r | head -n 25
+      grep '^import time:' "$logs/imports_warm.log" | sort -t'|' -k1.13 -n -r | head -n 15 ;;
     runtime) part runtime 200 python -m benchmarks.host_probes runtime --log "$logs/runtime_verbose.log" ;;
     configs-a)
       cifar || continue
