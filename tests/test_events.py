@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from conftest import ROOT
-from flaxtpu.io import events, metrics
+from flaxtpu.io import events, writers
 
 
 def read_events(logdir):
@@ -93,7 +93,7 @@ def write_everything(writer):
 
 
 def test_importing_the_writers_imports_no_tensorflow():
-  script = ('import sys, flaxtpu.io.events, flaxtpu.io.metrics; '
+  script = ('import sys, flaxtpu.io.events, flaxtpu.io.writers; '
             'print(sorted(m for m in sys.modules if m.split(".")[0] in ("tensorflow", "keras")))')
   result = subprocess.run([sys.executable, '-c', script], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, check=True)
@@ -182,7 +182,7 @@ def test_the_same_events_as_clus_tensorflow_summary_writer(tmp_path):
 def test_metric_writers_are_the_interface_and_a_multiwriter_calls_each_in_order(tmp_path):
   calls = []
 
-  class Recorder(metrics.ScalarWriter):
+  class Recorder(writers.ScalarWriter):
     def __init__(self, name):
       self.name = name
 
@@ -195,24 +195,24 @@ def test_metric_writers_are_the_interface_and_a_multiwriter_calls_each_in_order(
     def close(self):
       calls.append((self.name, 'close'))
 
-  writer = metrics.MultiWriter([Recorder('a'), Recorder('b')])
+  writer = writers.MultiWriter([Recorder('a'), Recorder('b')])
   writer.write_scalars(3, {'loss': 1.5})
   writer.write_hparams({'x': 1})
   writer.write_images(3, {'i': np.zeros((1, 2, 2, 3), np.uint8)})  # a no-op for both
   writer.close()
   assert calls == [('a', 3, {'loss': 1.5}), ('b', 3, {'loss': 1.5}), ('a', 'hparams'), ('b', 'hparams'),
                    ('a', 'close'), ('b', 'close')]
-  for writer_class in (events.SummaryWriter, metrics.StagedSummaryWriter, metrics.JsonlWriter,
-                       metrics.OptionalWriter, metrics.MultiWriter, metrics.WandbWriter):
-    assert issubclass(writer_class, metrics.MetricWriter), writer_class
+  for writer_class in (events.SummaryWriter, writers.StagedSummaryWriter, writers.JsonlWriter,
+                       writers.OptionalWriter, writers.MultiWriter, writers.WandbWriter):
+    assert issubclass(writer_class, writers.MetricWriter), writer_class
   with pytest.raises(TypeError):  # abstract: a writer missing a method cannot be made
-    type('Incomplete', (metrics.MetricWriter,), {'write_scalars': lambda self, step, scalars: None})()
+    type('Incomplete', (writers.MetricWriter,), {'write_scalars': lambda self, step, scalars: None})()
 
 
 def test_staged_writer_copies_whole_event_files_to_the_workdir_on_each_flush(tmp_path):
   workdir = tmp_path / 'workdir'
   workdir.mkdir()
-  writer = metrics.StagedSummaryWriter(str(workdir))
+  writer = writers.StagedSummaryWriter(str(workdir))
   staging = writer._staging  # pylint: disable=protected-access
   writer.write_scalars(1, {'train_loss': 0.5})
   writer.flush()

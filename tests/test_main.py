@@ -373,7 +373,7 @@ def test_eigen_convolutions_leave_ynnpack_and_keep_the_numbers():
 def test_a_failing_tensorboard_or_wandb_writer_never_stops_training(tmp_path, monkeypatch, caplog):
   """Issue 43, class 7: TensorBoard failing at a write, W&B failing to start: one warning each, the
   writes go on into metrics.jsonl."""
-  from flaxtpu.io import events, metrics
+  from flaxtpu.io import events, writers
   from flaxtpu.settings import defaults
 
   def full_disk(self, step, scalars):
@@ -383,10 +383,10 @@ def test_a_failing_tensorboard_or_wandb_writer_never_stops_training(tmp_path, mo
     raise RuntimeError('wandb.init() timed out: the W&B server cannot be reached')
 
   monkeypatch.setattr(events.SummaryWriter, 'write_scalars', full_disk)
-  monkeypatch.setattr(metrics.WandbWriter, '__init__', offline)
+  monkeypatch.setattr(writers.WandbWriter, '__init__', offline)
   config = defaults.get_config()
   config.wandb.project = 'p'
-  writer = metrics.create_writer(str(tmp_path), is_main_process=True, config=config)
+  writer = writers.create_writer(str(tmp_path), is_main_process=True, config=config)
   for step in (1, 2):
     writer.write_scalars(step, {'train_loss': 0.5 / step})
   writer.flush()

@@ -7,7 +7,7 @@ the plugins' `*_pb` functions. Each `write_*` method writes what clu's SummaryWr
 (`clu/metric_writers/tf/summary_writer.py`): one event per tag and step, holding the tensor and the
 plugin's metadata as `tf.summary` writes them; the hparams at step 0; every image of a batch.
 
-It has every method of clu's `MetricWriter`; `flaxtpu.io.metrics` registers it as its `MetricWriter`.
+It has every method of clu's `MetricWriter`; `flaxtpu.io.writers` registers it as its `MetricWriter`.
 Nothing here imports TensorFlow, JAX or clu.
 """
 

@@ -13,7 +13,7 @@ Who reads and writes a `gs://` path in flaxtpu, and how each finds an emulator:
 - TFDS's ArrayRecord files: array_record's C++ reader, through google-cloud-cpp, which reads
   CLOUD_STORAGE_EMULATOR_ENDPOINT (without it, it waits on the real endpoints and the metadata server).
 - TensorBoard events: TensorFlow's GCS filesystem (clu's SummaryWriter) cannot be pointed at an
-  emulator: its endpoints are fixed (https://www.googleapis.com). flaxtpu.io.metrics writes events to a
+  emulator: its endpoints are fixed (https://www.googleapis.com). flaxtpu.io.writers writes events to a
   local directory and copies them with epath.
 
 Nothing here imports those libraries: `configure()` runs before any of them is used. Without

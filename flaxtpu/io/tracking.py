@@ -1,6 +1,6 @@
 """MLflow tracking (config.mlflow.tracking_uri): which MLflow run a workdir logs to, and its end.
 
-The metric writer itself (`metrics.MlflowWriter`) sits beside TensorBoard's and
+The metric writer itself (`writers.MlflowWriter`) sits beside TensorBoard's and
 W&B's; this module holds what it shares with the sweep command, and no JAX:
 
 - One MLflow run per workdir, its id kept in WORKDIR/mlflow_run.json, so a

@@ -11,7 +11,7 @@ from clu import parameter_overview
 
 from flaxtpu.data import loaders, pipeline
 from flaxtpu.data.spec import saved_config
-from flaxtpu.io import metrics
+from flaxtpu.io import writers
 from flaxtpu.optimizers import optim
 from flaxtpu.settings.lengths import RunLength
 from flaxtpu.step import steps
@@ -21,7 +21,7 @@ def log_run_overview(writer, config: ml_collections.ConfigDict, task: steps.Task
                      state, dataset: pipeline.Dataset, first_step: int) -> None:
   """TensorBoard (and W&B) extras at the start: the config as HParams, the parameter
   table, and the first training images as the train step augments them."""
-  writer.write_hparams(metrics.flat_hparams(saved_config(config, dataset.image_shape[-1])))
+  writer.write_hparams(writers.flat_hparams(saved_config(config, dataset.image_shape[-1])))
   overview = parameter_overview.get_parameter_overview(placement.to_saveable(state).params,
                                                        include_stats=False)
   logging.info('parameters:\n%s', overview)

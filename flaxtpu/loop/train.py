@@ -38,6 +38,7 @@ from flaxtpu.io import (
   lock,
   metrics,
   tracking,
+  writers,
 )
 from flaxtpu.loop import (
   divergence,
@@ -416,7 +417,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   if is_main:  # only once the checkpoint has proven to belong to this config
     files.write_json(os.path.join(workdir, 'config.json'), saved_config(config, dataset.image_shape[-1]))
     files.truncate_jsonl(os.path.join(workdir, 'metrics.jsonl'), start.step)
-  writer = metrics.create_writer(workdir, is_main_process=is_main, config=config)
+  writer = writers.create_writer(workdir, is_main_process=is_main, config=config)
   if is_main:
     log_run_overview(writer, config, task, placement, start.state, dataset, start.step)
 
