@@ -163,6 +163,30 @@ def test_decoded_split_is_read_back_until_a_file_changes(tmp_path, monkeypatch):
   assert len(decodes) == 4 and all(np.array_equal(a, b) for a, b in zip(again, smaller))
 
 
+def test_the_stat_pass_gives_the_same_lines_in_a_child_process_as_in_this_one(tmp_path, monkeypatch):
+  """The key's stat() lines come from a child process (its threads then wait on no GIL); they equal the
+  in-process ones, which stand in where no child can run: in order, a missing file and a name that is
+  not UTF-8 included."""
+  names = [b'a.jpg', b'caf\xe9.jpg', b'gone.jpg', b'b.jpg']
+  for name in names[:2] + names[3:]:
+    with open(os.path.join(os.fsencode(tmp_path), name), 'wb') as f:
+      f.write(b'x' * len(name))
+  paths = [os.path.join(os.fsencode(tmp_path), name) for name in names] * 300  # several chunks
+  here = decoded_store.file_stats.lines(paths, 4)
+  assert decoded_store.stat_lines(paths, 4) == here
+  rows = here.split(b'\n')[:4]
+  assert rows[0].endswith(b'\x005 %d' % os.stat(paths[0]).st_mtime_ns)
+  assert rows[1].startswith(paths[1] + b'\x00') and rows[2] == paths[2] + b'\x00unreadable 2'
+  children = []
+
+  def no_child(*args, **kwargs):
+    children.append(args)
+    raise OSError('no child')
+  monkeypatch.setattr(subprocess, 'run', no_child)
+  assert decoded_store.stat_lines(paths, 4) == here and len(children) == 1
+  assert decoded_store.stat_lines([], 4) == b''
+
+
 def test_corrupt_stored_split_is_rebuilt_not_trusted(tmp_path, caplog):
   folder = _jpeg_folder(tmp_path / 'data', per_class=30)
   store = str(tmp_path / 'store')

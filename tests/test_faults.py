@@ -103,6 +103,7 @@ def test_a_missing_manifest_falls_back_without_event_loop_noise(tmp_path, capfd,
 def test_orbax_closes_its_event_loop_after_the_reads_in_flight(monkeypatch):
   """The mechanism of the noise, made certain: one read fails while others still run in TensorStore's
   threads, which hand their results to the loop with call_soon_threadsafe as TensorStore does."""
+  checkpoint.orbax_checkpoint()  # orbax, as flaxtpu imports it: with its event loop drained
   from orbax.checkpoint._src import asyncio_utils
   thread_errors = []
   monkeypatch.setattr(threading, 'excepthook', lambda args: thread_errors.append(str(args.exc_value)))

@@ -486,6 +486,8 @@ def _train(loop: _Loop, batches, profiler: StepProfiler, stop: StopRequest) -> i
     with clock.timing('step'):
       state, step_metrics = train_step(state, batch)
       clock.step_done(step_metrics, wait=one_step_in_flight)
+    if step == loop.start.step + 1:  # the first save needs orbax; the first step did not
+      loop.checkpoints.prepare_in_background()
     profiler.after_step(step, state, clock)
     loop.window.append(step_metrics)
 

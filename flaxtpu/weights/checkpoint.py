@@ -11,16 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable, Optional, TypeVar
 
 import jax
 import ml_collections
-import orbax.checkpoint as ocp
-from etils import epath
-from orbax.checkpoint._src import asyncio_utils as _asyncio_utils
 
 from flaxtpu.io import files, storage
 from flaxtpu.settings.errors import CheckpointError
@@ -28,14 +27,25 @@ from flaxtpu.settings.metric_names import best_metric
 from flaxtpu.weights.saved import complete_steps as _complete_steps
 from flaxtpu.weights.saved import pick_step
 
-policies = ocp.checkpoint_managers
 
-# orbax cuts every replicated array into one slice per device to spread the
-# writes ("replica parallel"): one small device op per slice, on the training
-# thread. For classification-sized states that makes save() block for seconds
-# (benchmarks/checkpoint_cost.py); one writer per array blocks for milliseconds.
-ocp.type_handlers.register_type_handler(
-    jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+@functools.cache
+def orbax_checkpoint():
+  """`orbax.checkpoint`, imported on first use with flaxtpu's two adjustments below.
+
+  Its import took 1.8 s on a TPU v5e host: a new run needs it only for its first save, so it is
+  imported after the first step (`Checkpoints.prepare_in_background`).
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src import asyncio_utils  # pylint: disable=g-import-not-at-top
+  # orbax cuts every replicated array into one slice per device to spread the
+  # writes ("replica parallel"): one small device op per slice, on the training
+  # thread. For classification-sized states that makes save() block for seconds
+  # (benchmarks/checkpoint_cost.py); one writer per array blocks for milliseconds.
+  ocp.type_handlers.register_type_handler(
+      jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+  if hasattr(asyncio_utils, '_run_sync_via_new_loop'):  # the orbax version this was written for
+    asyncio_utils._run_sync_via_new_loop = _run_sync_then_drain  # pylint: disable=protected-access
+  return ocp
 
 
 def _run_sync_then_drain(coroutine):
@@ -66,9 +76,6 @@ def _run_sync_then_drain(coroutine):
       loop.close()
 
 
-if hasattr(_asyncio_utils, '_run_sync_via_new_loop'):  # the orbax version this was written for
-  _asyncio_utils._run_sync_via_new_loop = _run_sync_then_drain  # pylint: disable=protected-access
-
 
 class UnreadableCheckpoint(CheckpointError):
   """A listed checkpoint whose files cannot be read (truncated, corrupted): an earlier one may be."""
@@ -93,26 +100,42 @@ class Checkpoints:
 
   def __init__(self, workdir: str, config: ml_collections.ConfigDict, *, read_only: bool = False):
     self.directory = files.absolute(os.path.join(workdir, 'checkpoints'))
-    preserve = [policies.LatestN(config.checkpoint.keep)]
-    metric = best_metric(config)
-    if metric:
-      # BestN sorts by the metric and keeps the end of the list: ascending for 'max'.
-      preserve.append(policies.BestN(get_metric_fn=lambda metrics: metrics[metric],
-                                     reverse=config.checkpoint.best_mode == 'min', n=1,
-                                     keep_checkpoints_without_metrics=False))
     if read_only and not files.isdir(self.directory):
       raise CheckpointError(f'no checkpoints in {self.directory}; train first with the same '
                             '--workdir (or point --workdir at a finished run)')
-    self._best_metric = metric
-    self._manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(
-            preservation_policy=policies.AnyPreservationPolicy(preserve),
-            best_fn=(lambda metrics: metrics[metric]) if metric else None,
-            best_mode=config.checkpoint.best_mode,
-            read_only=read_only,
-            enable_async_checkpointing=True,
-        ))
+    self._best_metric = best_metric(config)
+    self._keep, self._best_mode = config.checkpoint.keep, config.checkpoint.best_mode
+    self._read_only = read_only
+    self._made: Optional[Any] = None  # orbax's CheckpointManager, made on first use
+    self._making = threading.Lock()
+
+  @property
+  def _manager(self):
+    with self._making:
+      if self._made is None:
+        ocp = orbax_checkpoint()
+        policies, metric = ocp.checkpoint_managers, self._best_metric
+        preserve = [policies.LatestN(self._keep)]
+        if metric:
+          # BestN sorts by the metric and keeps the end of the list: ascending for 'max'.
+          preserve.append(policies.BestN(get_metric_fn=lambda metrics: metrics[metric],
+                                         reverse=self._best_mode == 'min', n=1,
+                                         keep_checkpoints_without_metrics=False))
+        self._made = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                preservation_policy=policies.AnyPreservationPolicy(preserve),
+                best_fn=(lambda metrics: metrics[metric]) if metric else None,
+                best_mode=self._best_mode,
+                read_only=self._read_only,
+                enable_async_checkpointing=True,
+            ))
+      return self._made
+
+  def prepare_in_background(self) -> None:
+    """Imports orbax and makes its manager in a thread, ahead of the first save (a run calls this once
+    its first step is done: until then nothing needs them)."""
+    threading.Thread(target=lambda: self._manager, name='flaxtpu-checkpoints', daemon=True).start()
 
   def save(self, step: int, state: Any, record: dict, metrics: Optional[dict] = None) -> None:
     """Starts an asynchronous save; training continues while it is written.
@@ -123,6 +146,7 @@ class Checkpoints:
     """
     if self._best_metric and metrics is not None and self._best_metric not in metrics:
       metrics = None
+    ocp = orbax_checkpoint()
     with self._save_errors(step):
       self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                        record=ocp.args.JsonSave(record)),
@@ -131,11 +155,13 @@ class Checkpoints:
 
   def is_saving(self) -> bool:
     """Whether an asynchronous save is still being written."""
-    return self._manager.is_saving_in_progress()
+    return self._made is not None and self._made.is_saving_in_progress()
 
   def wait(self) -> None:
+    if self._made is None:  # nothing was saved
+      return
     with self._save_errors(getattr(self, '_saving_step', None)):
-      self._manager.wait_until_finished()
+      self._made.wait_until_finished()
 
   @contextlib.contextmanager
   def _save_errors(self, step: Optional[int]):
@@ -161,13 +187,16 @@ class Checkpoints:
           f'{fix}, then run the same command to resume') from e
 
   def close(self) -> None:
-    self._manager.close()
+    if self._made is not None:  # nothing to close where nothing was made
+      self._made.close()
 
   def all_steps(self) -> list[int]:
     return list(self._manager.all_steps())
 
   def latest_step(self) -> Optional[int]:
-    return self._manager.latest_step()
+    if self._made is None:  # before the manager is made, it would read the same directory: no orbax yet
+      return max(_complete_steps(self.directory), default=None)
+    return self._made.latest_step()
 
   def best_step(self) -> Optional[int]:
     return self._manager.best_step()
@@ -179,6 +208,7 @@ class Checkpoints:
   def read_record(self, step: int) -> dict:
     """The JSON record saved with `step` (config, classes, data position, progress)."""
     try:
+      ocp = orbax_checkpoint()
       return self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))['record']
     except Exception as e:  # pylint: disable=broad-except
       self._raise_if_vanished(step, e)
@@ -202,6 +232,7 @@ class Checkpoints:
       if saved != value:
         raise CheckpointError(f'checkpoint {path} has {key}={saved!r} but the config '
                               f'gives {value!r}; use a matching config or another --workdir')
+    ocp = orbax_checkpoint()
     try:
       with ocp.PyTreeCheckpointer() as reader:
         arrays = reader.restore(os.path.join(path, 'state'), args=ocp.args.PyTreeRestore(
@@ -354,7 +385,8 @@ class Checkpoints:
   def _metadata(self, step: int):
     """The saved state's tree of array metadata (shapes, dtypes), read without the arrays."""
     path = os.path.join(self._path(step), 'state')
-    handler = ocp.PyTreeCheckpointHandler()
+    from etils import epath  # pylint: disable=g-import-not-at-top  # orbax's path type, with orbax
+    handler = orbax_checkpoint().PyTreeCheckpointHandler()
     try:
       return handler.metadata(epath.Path(path))
     except Exception as e:  # pylint: disable=broad-except
