@@ -1109,7 +1109,7 @@ def write_docs(results: dict, docs: pathlib.Path) -> None:
     text = text.rstrip('\n') + '\n\n' + section
   else:
     end = text.find('\n## ', start + 1)
-    text = text[:start + 1] + section + (text[end + 1:] if end >= 0 else '')
+    text = text[:start + 1] + section.rstrip('\n') + ('\n\n' + text[end + 1:] if end >= 0 else '')
   docs.write_text(text.rstrip('\n') + '\n', encoding='utf-8')
   say(f'wrote the "{DOCS_HEADING}" section of {docs}')
 

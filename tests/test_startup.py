@@ -29,14 +29,18 @@ monitoring.register_event_duration_secs_listener(on_duration)
 monitoring.register_event_listener(on_event)
 import logging
 ahead = []  # how many programs had compiled when the CLI said it had compiled ahead
+imported_at_first_step = []  # the libraries a run needs only later, imported by its first step
 class Ahead(logging.Handler):
   def emit(self, record):
     if record.getMessage().startswith('compiled the train step ahead'):
       ahead.append(len(compiles))
+    if record.getMessage().startswith('first step done'):
+      imported_at_first_step.extend(m for m in ('orbax.checkpoint',) if m in sys.modules)
 logging.getLogger().addHandler(Ahead())
 def write_events():
   with open(os.environ['EVENTS'], 'w') as f:
-    json.dump({'compiles': compiles, 'cache': cache_events, 'ahead': ahead[0] if ahead else 0}, f)
+    json.dump({'compiles': compiles, 'cache': cache_events, 'ahead': ahead[0] if ahead else 0,
+               'imported_at_first_step': imported_at_first_step}, f)
 atexit.register(write_events)
 sys.argv[0] = 'flaxtpu.main'
 runpy.run_module('flaxtpu.main', run_name='__main__')
@@ -104,6 +108,8 @@ def test_second_run_compiles_nothing_and_eval_or_a_partial_batch_compiles_once(t
   assert hits == (run.index('jit(train_step)') + 1 if first['ahead'] else 0), first
   assert first['cache'].get('/jax/compilation_cache/cache_misses') == len(first['compiles']) - hits, first
   assert 'first step done' in log and 'after the command' in log
+  assert first['imported_at_first_step'] == []  # orbax: imported after it, for the first save
+  assert sorted(os.listdir(tmp_path / 'first' / 'checkpoints')) == ['5', '7']
   with open(tmp_path / 'first' / 'results.json') as f:
     assert json.load(f)['time_to_first_step_s'] > 0
 

@@ -108,6 +108,8 @@ class Checkpoints:
     self._read_only = read_only
     self._made: Optional[Any] = None  # orbax's CheckpointManager, made on first use
     self._making = threading.Lock()
+    if jax.process_count() > 1:  # made where every process makes it: orbax's own steps stay in step
+      self._made = self._manager
 
   @property
   def _manager(self):
@@ -134,8 +136,9 @@ class Checkpoints:
 
   def prepare_in_background(self) -> None:
     """Imports orbax and makes its manager in a thread, ahead of the first save (a run calls this once
-    its first step is done: until then nothing needs them)."""
-    threading.Thread(target=lambda: self._manager, name='flaxtpu-checkpoints', daemon=True).start()
+    its first step is done: until then nothing needs them). Several processes made it already."""
+    if self._made is None:
+      threading.Thread(target=lambda: self._manager, name='flaxtpu-checkpoints', daemon=True).start()
 
   def save(self, step: int, state: Any, record: dict, metrics: Optional[dict] = None) -> None:
     """Starts an asynchronous save; training continues while it is written.
