@@ -133,7 +133,8 @@ def test_a_fine_tuning_run_takes_its_sources_normalisation_and_keeps_it_on_resum
   assert (tuple(resumed.dataset.mean), tuple(resumed.dataset.std)) == ((0.5,) * 3, (0.25,) * 3)
 
 
-def test_a_config_that_leaves_the_model_open_fine_tunes_the_sources_model(source, folders, tmp_path):
+def test_a_config_that_leaves_the_model_open_fine_tunes_the_sources_model(source, folders, tmp_path,
+                                                                            monkeypatch):
   """configs/finetune.py names no model: from a flaxtpu run, it trains that run's (as from published
   weights), with the options that shape its weights; a config that names one keeps it (the
   checkpoint's shapes then decide). A resumed run reads the model from its config.json."""
@@ -143,6 +144,13 @@ def test_a_config_that_leaves_the_model_open_fine_tunes_the_sources_model(source
   named = _config(folders[1], **{'init_from.checkpoint': source, 'model.name': 'resnet32'})
   resolution.apply_source_defaults(named)
   assert named.model.name == 'resnet32'
+  # A source saved before model.padding existed computed with its legacy value, 'same'.
+  record = resolution.source_record(open_model)
+  del record['config']['model']['padding']
+  monkeypatch.setattr(resolution, 'source_record', lambda config: record)
+  legacy = _config(folders[1], **{'init_from.checkpoint': source, 'model.name': 'cnn'})
+  resolution.apply_source_defaults(legacy)
+  assert (legacy.model.name, legacy.model.padding) == ('resnet20', 'same')
 
   started = tmp_path / 'started'
   started.mkdir()

@@ -94,11 +94,15 @@ def stat_lines(paths: list[bytes], threads: int) -> bytes:
   s on a TPU v5e host, 3.4 s without the imports). Where no child can run, in this process."""
   if not paths:
     return b''
-  try:
-    return subprocess.run([sys.executable, '-I', '-S', file_stats.__file__, str(threads)],
-                          input=b'\0'.join(paths), capture_output=True, check=True).stdout
-  except (OSError, subprocess.CalledProcessError):
-    return file_stats.lines(paths, threads)
+  if sys.executable:  # empty or None where the interpreter cannot tell
+    try:  # in its own session: a Ctrl-C at the terminal asks the run to stop cleanly, not the child
+      return subprocess.run([sys.executable, '-I', '-S', file_stats.__file__, str(threads)],
+                            input=b'\0'.join(paths), capture_output=True, check=True,
+                            start_new_session=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+      logging.debug('stat() in a child process failed (%s); in this one instead',
+                    getattr(e, 'stderr', b'').decode(errors='replace').strip()[-300:] or e)
+  return file_stats.lines(paths, threads)
 
 
 def folder(store: str) -> str:

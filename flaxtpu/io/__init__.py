@@ -6,7 +6,8 @@ TensorBoard events, the metric writers and MLflow tracking.
 - `network`: whether a host is reachable, asked before a library retries for minutes.
 - `lock`: one live trainer per workdir (and one sweep per sweep directory).
 - `events`: TensorBoard event files, written without TensorFlow.
-- `metrics`: clu metric collections and where they go (TensorBoard, metrics.jsonl, W&B, MLflow).
+- `metrics`: the clu metric collections the steps accumulate.
+- `writers`: where metrics go (TensorBoard, metrics.jsonl, W&B, MLflow).
 - `tracking`: which MLflow run a workdir or a sweep logs to, and its artifacts.
 
 Nothing is imported here: `import flaxtpu.io.<module>` loads that module and what it imports, no

@@ -461,6 +461,7 @@ def probe(config: ml_collections.ConfigDict, dataset, mesh, eval_sets: list, sta
 
   with tempfile.TemporaryDirectory(prefix='flaxtpu-budget-') as directory:
     saves = checkpoint.Checkpoints(os.path.join(directory, 'run'), config)
+    saves.prepare()  # as the run's saves find it: orbax imported, its manager made
 
     def save(step_number: int):
       saves.save(step_number, placement.to_saveable(live['state']), {'time_budget_probe': True})

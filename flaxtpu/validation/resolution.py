@@ -6,7 +6,8 @@ steps before it left open:
   0. a run that already started in the workdir keeps the function its weights
      compute: model.padding and model.gelu from its config.json (legacy values
      where it predates them), refused where the config asks for another
-     (`keep_saved_function`);
+     (`keep_saved_function`; for training, once the init_from source below has
+     named the model);
   1. the saved run's config: eval/predict/export of a trained run start from
      its config.json (flaxtpu/validation/workdir_config.py -> `from_saved`, which
      fills options a run saved before they existed), read while the flags are
@@ -49,11 +50,13 @@ def restores_published(workdir: str, mode: str) -> bool:
 
 def resolve(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
   """Fills, in place and in the order above, what `config` leaves open for a run of `mode` in `workdir`."""
-  keep_saved_function(config, workdir)
   if mode in TRAINING_MODES:
-    apply_source_defaults(config, workdir)
+    apply_source_defaults(config, workdir)  # the model a config leaves open: the started run's is checked
     check_teacher(config)
-  elif restores_published(workdir, mode) or not files.isdir(os.path.join(workdir or '', 'checkpoints')):
+    keep_saved_function(config, workdir)
+    return
+  keep_saved_function(config, workdir)
+  if restores_published(workdir, mode) or not files.isdir(os.path.join(workdir or '', 'checkpoints')):
     # evaluate.restore reads published weights wherever the workdir has no checkpoints.
     pretrained.apply_defaults(config)
 
@@ -112,7 +115,11 @@ def apply_source_defaults(config: ml_collections.ConfigDict, workdir: str = '') 
     mean, std = trained.get('mean'), trained.get('std')
   else:
     record = source_record(config)
-    model, trained = record.get('config', {}).get('model', {}), record.get('config', {}).get('dataset', {})
+    from flaxtpu.validation import workdir_config  # pylint: disable=g-import-not-at-top
+    saved_config = record.get('config', {})
+    # A source saved before an option existed computed with its legacy value.
+    model = {**workdir_config.legacy_options(saved_config), **saved_config.get('model', {})}
+    trained = saved_config.get('dataset', {})
     mean, std = record['normalization']['mean'], record['normalization']['std']
   if config.model.name == default_model.name and model.get('name', config.model.name) != config.model.name:
     config.model.name = model['name']

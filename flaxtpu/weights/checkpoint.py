@@ -109,10 +109,18 @@ class Checkpoints:
     self._made: Optional[Any] = None  # orbax's CheckpointManager, made on first use
     self._making = threading.Lock()
     if jax.process_count() > 1:  # made where every process makes it: orbax's own steps stay in step
-      self._made = self._manager
+      self._make()
+    elif not read_only:
+      # As orbax's manager would: a run that has started has its checkpoints folder (eval, predict
+      # and export tell a trained run from published weights by it).
+      files.makedirs(self.directory)
 
   @property
   def _manager(self):
+    return self._make()
+
+  def _make(self):
+    """orbax's CheckpointManager, made (and orbax imported) by the first caller."""
     with self._making:
       if self._made is None:
         ocp = orbax_checkpoint()
@@ -134,11 +142,15 @@ class Checkpoints:
             ))
       return self._made
 
+  def prepare(self) -> None:
+    """Imports orbax and makes its manager now."""
+    self._make()
+
   def prepare_in_background(self) -> None:
     """Imports orbax and makes its manager in a thread, ahead of the first save (a run calls this once
     its first step is done: until then nothing needs them). Several processes made it already."""
     if self._made is None:
-      threading.Thread(target=lambda: self._manager, name='flaxtpu-checkpoints', daemon=True).start()
+      threading.Thread(target=self._make, name='flaxtpu-checkpoints', daemon=True).start()
 
   def save(self, step: int, state: Any, record: dict, metrics: Optional[dict] = None) -> None:
     """Starts an asynchronous save; training continues while it is written.
@@ -149,9 +161,9 @@ class Checkpoints:
     """
     if self._best_metric and metrics is not None and self._best_metric not in metrics:
       metrics = None
-    ocp = orbax_checkpoint()
+    manager, ocp = self._manager, orbax_checkpoint()
     with self._save_errors(step):
-      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+      manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                        record=ocp.args.JsonSave(record)),
                          metrics=metrics, force=True)
     self._saving_step = step
@@ -161,10 +173,10 @@ class Checkpoints:
     return self._made is not None and self._made.is_saving_in_progress()
 
   def wait(self) -> None:
-    if self._made is None:  # nothing was saved
+    if (made := self._made_so_far()) is None:  # nothing was saved
       return
     with self._save_errors(getattr(self, '_saving_step', None)):
-      self._made.wait_until_finished()
+      made.wait_until_finished()
 
   @contextlib.contextmanager
   def _save_errors(self, step: Optional[int]):
@@ -190,8 +202,13 @@ class Checkpoints:
           f'{fix}, then run the same command to resume') from e
 
   def close(self) -> None:
-    if self._made is not None:  # nothing to close where nothing was made
-      self._made.close()
+    if (made := self._made_so_far()) is not None:  # nothing to close where nothing was made
+      made.close()
+
+  def _made_so_far(self):
+    """The manager, once a thread making it has (None where none was started)."""
+    with self._making:
+      return self._made
 
   def all_steps(self) -> list[int]:
     return list(self._manager.all_steps())
