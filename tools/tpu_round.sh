@@ -9,19 +9,23 @@
 # PARTs (measured minutes on a v5e host, where known):
 #   input     the input pipeline alone vs tf.data (row c; ~2 min), then `host_probes batches` (~1 min)
 #   e2e       ResNet-50 end to end from a JPEG folder vs tf.data + the Flax example (row b; ~5 min)
-#   startup   cifar10.py's first step cold and warm, cifar10_fast.py's whole run (row e; needs CIFAR)
+#   startup   cifar10.py's first step cold and warm, cifar10_fast.py's whole run (row e; needs CIFAR;
+#             ~3 min)
 #   decode    CIFAR-10 decoded into memory vs tf.data (row d; needs CIFAR; ~1 min)
 #   imports   cifar10.py twice (cold, then warm) under `python -X importtime` and JAX_LOG_COMPILES: its
-#             slowest programs to trace, lower and compile, and its slowest imports (needs CIFAR; ~1.5 min)
+#             slowest programs to trace, lower and compile, and its slowest imports (needs CIFAR; ~1 min)
 #   runtime   `host_probes runtime`: importing JAX and starting the TPU runtime, under settings that
 #             might skip work, and one verbose start's log (runtime_verbose.log in the logs; ~2 min)
 #   configs-a, configs-b   every config in configs/ with the data folder set (configs-a: the CIFAR-10
 #             ones, mnist's on that folder, digits; configs-b: photos, imagenet_resnet50 and finetune on
 #             the generated photos (imagenet_resnet50's with ImageNet's split names), finetune from
 #             imagenet_resnet50's run: no hub here); cifar10, cifar10_fast and digits whole, the
-#             others --config.num_train_steps=150 (needs CIFAR)
+#             others --config.num_train_steps=150 (needs CIFAR; configs-b ~7.5 min)
 #   resnets, modern, mobile, tuned   benchmarks/chip.py's groups (~7, 7, 5 and 4 min)
 #   remat-a, remat-b, remat-c        the remat table, two families each (~6 min each)
+#
+# A fresh device call also spends ~2 min starting the machine and installing (tools/offline_install.sh),
+# out of the same device budget: a part must fit what is left after them.
 #
 # CIFAR: a CIFAR-10 JPEG folder (train/<class>/*.jpg, test/...) in $CIFAR, or a tar.gz of one in
 # $CIFAR_TAR (unpacked into /tmp/data). Without internet, install first:
