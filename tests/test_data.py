@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import re
 import time
 
 import numpy as np
@@ -41,6 +42,26 @@ def test_uniform_folder_is_cached_as_one_uint8_array(image_folder):
   np.testing.assert_array_equal(dataset.train.images[5], np.asarray(Image.open(path)))
   assert dataset.train.labels[5] == label
   assert dataset.image_shape == (8, 8, 3)
+
+
+def test_a_split_of_files_that_are_not_images_is_one_line_naming_one(tmp_path):
+  """Every sampled header unreadable: no image size to train at. One DataError names a file (it was a
+  StopIteration traceback); a few bad files among images stay the decoder's to name or skip."""
+  for split in ('train', 'test'):
+    os.makedirs(tmp_path / split / 'a')
+    for i in range(40):
+      (tmp_path / split / 'a' / f'{i:02d}.jpg').write_bytes(b'not a jpeg')
+  with pytest.raises(DataError) as raised:
+    pipeline.load(_config(str(tmp_path)))
+  assert re.fullmatch(rf"none of the 32 files sampled across 'train' can be read as an image, e.g. cannot "
+                      rf"decode image {tmp_path}/train/a/\d\d\.jpg \(UnidentifiedImageError: .*\); point the "
+                      'dataset at images, or remove what is not one', str(raised.value)), raised.value
+  first = tmp_path / 'train' / 'a' / '00.jpg'
+  for i in range(1, 40):  # one bad file among images: the sample skips it, the decoder names it
+    Image.new('RGB', (8, 8)).save(tmp_path / 'train' / 'a' / f'{i:02d}.jpg')
+    Image.new('RGB', (8, 8)).save(tmp_path / 'test' / 'a' / f'{i:02d}.jpg')
+  with pytest.raises(DataError, match=rf'cannot decode image {first} .*skip_corrupt=true'):
+    pipeline.load(_config(str(tmp_path)))
 
 
 def test_the_dataset_as_listed_comes_before_any_image_is_decoded(image_folder, monkeypatch):

@@ -224,10 +224,19 @@ def scan(split: Split, num_workers: int, skip_corrupt: bool) -> tuple[Split, set
 def sample_sizes(split: Split, count: int = 32) -> set:
   """The sizes of `count` evenly spaced files: enough to size a cache without reading every header.
 
-  Files that cannot be read are left out here; decoding or the scan names them.
+  Files that cannot be read are left out here; decoding or the scan names them. Where none of them
+  can, the split is not images (or not ones this reads): a DataError naming the first.
   """
   positions = np.linspace(0, len(split) - 1, min(count, len(split))).astype(int)
-  return {size for size in (_header_size(split, i) for i in positions) if not isinstance(size, str)}
+  sizes = [_header_size(split, i) for i in positions]
+  readable = {size for size in sizes if not isinstance(size, str)}
+  if sizes and not readable:
+    first = sizes[0].rpartition('; ')[0] or sizes[0]  # what is wrong, less its fix for one file
+    which = (f'none of the {len(sizes)} files sampled across {split.name!r} can' if len(sizes) > 1
+             else f'the one file of {split.name!r} cannot')
+    raise DataError(f'{which} be read as an image, e.g. {first}; point the dataset at images, or remove '
+                    'what is not one')
+  return readable
 
 
 def without_unreadable(split: Split, problems: list, skip_corrupt: bool) -> tuple[Split, np.ndarray]:
