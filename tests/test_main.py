@@ -266,13 +266,18 @@ def test_bad_input_is_one_line_and_nonzero(args, message, tmp_path):
 
 @pytest.mark.parametrize('config_text, message', [
     (None, 'error: --config=MISSING does not exist; config files in'),
+    ('FOLDER',
+     'error: --config=MISSING is a folder, not a config file; config files in MISSING: MISSING/a.py'),
     ('from flaxtpu.settings import defaults\n\ndef get_config():\n  config = defaults.get_config()\n'
      '  config.model.nme = "resnet20"\n  return config\n',
      "sets config key 'nme', which does not exist (did you mean 'name'?)"),
 ])
 def test_bad_config_file_is_one_line(config_text, message, tmp_path):
-  path = tmp_path / ('missing.py' if config_text is None else 'typo.py')
-  if config_text is not None:
+  path = tmp_path / {None: 'missing.py', 'FOLDER': 'recipes'}.get(config_text, 'typo.py')
+  if config_text == 'FOLDER':  # --config=configs: the recipes in it are named
+    path.mkdir()
+    (path / 'a.py').write_text('')
+  elif config_text is not None:
     path.write_text(config_text)
   result = run_cli(f'--config={path}', f'--workdir={tmp_path / "run"}', check=False)
   errors = [line for line in result.stderr.splitlines() if line.startswith('error:')]
