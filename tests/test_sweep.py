@@ -282,6 +282,28 @@ def test_every_mistake_of_an_experiment_file_is_one_line_and_runs_nothing(tmp_pa
                     message.replace('FILE', str(experiment)), workdir)
 
 
+def test_a_folder_for_an_experiment_file_names_the_files_in_it(tmp_path):
+  (tmp_path / 'experiments').mkdir()
+  write_experiment(tmp_path / 'experiments', TWO_KEY_EXPERIMENT)
+  named = sorted(str(path) for path in (tmp_path / 'experiments').glob('*.py'))
+  workdir, folder = tmp_path / 'sweep', tmp_path / 'experiments'
+  assert_one_line(_run_sweep_command(str(folder), f'--workdir={workdir}'),
+                  f"'{folder}' is a folder, not an experiment file; experiment files in it: "
+                  + ', '.join(named), workdir)
+
+
+@pytest.mark.parametrize('trials, why', [('0', '0: a study runs at least 1 trial'),
+                                         ('-3', '-3: a study runs at least 1 trial'),
+                                         ('x', "'x' is not a whole number")])
+def test_a_study_of_no_trials_is_refused_as_such(tmp_path, trials, why):
+  """--trials=0 ran the grid (and asked for get_sweep), --trials=-3 said the study flags needed --trials."""
+  experiment = write_experiment(tmp_path, TWO_KEY_EXPERIMENT)
+  result = _run_sweep_command(str(experiment), f'--workdir={tmp_path / "sweep"}', f'--trials={trials}')
+  assert result.returncode == 2 and result.stderr.splitlines()[-1] == (
+      f'python -m flaxtpu.sweep: error: argument --trials: {why}'), result.stderr
+  assert not (tmp_path / 'sweep').exists()
+
+
 def test_a_command_line_value_of_the_wrong_type_is_one_line(tmp_path):
   experiment = write_experiment(tmp_path, TWO_KEY_EXPERIMENT)
   workdir = tmp_path / 'sweep'

@@ -19,6 +19,17 @@ from flaxtpu.sweep import report, runner, slurm
 from flaxtpu.sweep import study as studies
 
 
+def _at_least_one(text: str) -> int:
+  """--trials=N's N: a whole number of at least 1 (without the flag there is no study)."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'{text!r} is not a whole number') from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f'{value}: a study runs at least 1 trial')
+  return value
+
+
 def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
   parser = argparse.ArgumentParser(
       prog='python -m flaxtpu.sweep', description=sweep.__doc__.split('\n\n')[0],
@@ -37,7 +48,7 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
   parser.add_argument('--launcher', choices=('local', 'slurm'), default='local',
                       help='local: run here; slurm: submit the runs as one SLURM job array')
   search = parser.add_argument_group('--trials=N', 'an Optuna study over get_search(trial) instead of a grid')
-  search.add_argument('--trials', type=int, default=0, help='run the study until it holds N trials')
+  search.add_argument('--trials', type=_at_least_one, default=0, help='run the study until it holds N trials')
   search.add_argument('--sampler', choices=studies.SAMPLERS, default=None, help='how trials are drawn '
                       '(default tpe, seeded: --seed)')
   search.add_argument('--seed', type=int, default=None, help='the sampler\'s seed (default 0)')
