@@ -1,0 +1,157 @@
+"""Where a chip case's step spends its time: flaxtpu's compiled train step traced, its ops ranked.
+
+    python -m benchmarks.step_profile --case resnet50 [--override space_to_depth=true] [--steps 5]
+
+Builds the step as `benchmarks/chip.py` does (configs/imagenet_resnet50.py with the case's model, the
+batch already on the device), runs a few steps to warm up, traces `--steps` more with jax.profiler,
+and prints the device time per kind of op (convolution fusions, loop fusions, copies, reductions ...),
+the slowest ops with what XLA says of them, and how much of the wall time the device was busy. Not a
+measurement for the docs' tables: it says which optimisation to try next. `--quick` is a smoke run.
+"""
+
+import argparse
+import collections
+import pathlib
+import re
+import tempfile
+import time
+
+from benchmarks import chip, profile_ops
+from benchmarks.tpu import say
+
+
+def parse_override(text: str):
+  key, _, value = text.partition('=')
+  lowered = value.lower()
+  parsed = {'true': True, 'false': False}.get(lowered, value)
+  if parsed is value:
+    try:
+      parsed = int(value)
+    except ValueError:
+      try:
+        parsed = float(value)
+      except ValueError:
+        pass
+  return key, parsed
+
+
+# XLA:CPU's executor events around (or beside) the ops they run: not ops.
+CPU_RUNTIME_EVENTS = ('ThunkExecutor', 'SlinkyThreadPool', 'end: ')
+
+
+def op_kind(name: str, event_args: dict) -> str:
+  """XLA's category for the op where the trace has one, else its name without the numbers."""
+  for key in ('hlo_category', 'category'):
+    if event_args.get(key):
+      return str(event_args[key])
+  return re.sub(r'[._-]?\d+$', '', name) or name
+
+
+def device_op_events(events: list[dict]) -> tuple[list[dict], list[dict]]:
+  """(the ops, the module runs) on the first device's threads: 'XLA Ops' and 'XLA Modules' on an
+  accelerator, or XLA:CPU's thunk threads (no modules there)."""
+  threads = {(e.get('pid'), e.get('tid')): e['args']['name'] for e in events
+             if e.get('ph') == 'M' and e.get('name') == 'thread_name'}
+  processes = {e.get('pid'): e['args']['name'] for e in events
+               if e.get('ph') == 'M' and e.get('name') == 'process_name'}
+  device_pids = sorted(pid for pid, name in processes.items() if name.startswith('/device:'))
+  complete = [e for e in events if e.get('ph') == 'X' and 'dur' in e]
+  if device_pids:
+    pid = device_pids[0]
+    on = lambda e, thread: e.get('pid') == pid and threads.get((pid, e.get('tid')), '') == thread
+    ops = [e for e in complete if on(e, 'XLA Ops')]
+    if ops:
+      return ops, [e for e in complete if on(e, 'XLA Modules')]
+  ops = [e for e in complete if profile_ops.is_device_thread(processes.get(e.get('pid'), ''),
+                                                              threads.get((e.get('pid'), e.get('tid')), ''))
+         and not e['name'].startswith(CPU_RUNTIME_EVENTS)]
+  return ops, []
+
+
+def report(events: list[dict], steps: int, wall_seconds: float, top: int) -> None:
+  ops, modules = device_op_events(events)
+  if not ops:
+    say('no device op events in the trace (this backend does not itemise its ops)')
+    return
+  own = collections.Counter()
+  for name, micros in profile_ops.self_times(ops):
+    own[name] += micros
+  args_of = {e['name']: e.get('args') or {} for e in ops}
+  total = sum(own.values())
+  say(f'device ops: {total / 1e3:.1f} ms over {steps} steps = {total / 1e3 / steps:.2f} ms a step; '
+      f'wall {1e3 * wall_seconds / steps:.2f} ms a step')
+  train = [m for m in modules if 'train_step' in m['name'] or 'step' in m['name']]
+  if train:
+    busy = sum(m['dur'] for m in train) / 1e3
+    say(f'  {len(train)} module runs ({train[0]["name"][:60]}): {busy / len(train):.2f} ms each')
+  kinds, counts = collections.Counter(), collections.Counter()
+  for name, micros in own.items():
+    kind = op_kind(name, args_of.get(name, {}))
+    kinds[kind] += micros
+    counts[kind] += 1
+  say('by kind of op (device time a step, share, distinct ops):')
+  for kind, micros in kinds.most_common(20):
+    print(f'  {micros / 1e3 / steps:8.2f} ms  {100 * micros / total:5.1f}%  {counts[kind]:4d}  {kind}')
+  say(f'the {top} slowest ops (a step), with what the trace says of them:')
+  for name, micros in own.most_common(top):
+    details = {k: v for k, v in args_of.get(name, {}).items() if k not in ('long_name', '_src', 'run_id')}
+    long_name = str(args_of.get(name, {}).get('long_name', ''))
+    print(f'  {micros / 1e3 / steps:8.3f} ms  {100 * micros / total:5.1f}%  {name[:60]}  '
+          f'{str(details)[:240]}')
+    if long_name:
+      print(f'              {long_name[:300]}')
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--case', default='resnet50', choices=sorted(chip.CASES))
+  parser.add_argument('--override', action='append', default=[], type=parse_override,
+                      help='config.model KEY=VALUE, e.g. space_to_depth=true (repeatable)')
+  parser.add_argument('--remat', default=None, help='model.remat (default: the case\'s)')
+  parser.add_argument('--batch', type=int, default=None, help='default: the chip benchmark\'s (256)')
+  parser.add_argument('--steps', type=int, default=5, help='steps traced')
+  parser.add_argument('--top', type=int, default=25)
+  parser.add_argument('--trace-dir', type=pathlib.Path, default=None,
+                      help='keep the trace here (default: a temporary folder)')
+  parser.add_argument('--quick', action='store_true', help='tiny sizes (batch 8, 32 px): a smoke run')
+  args = parser.parse_args()
+
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from benchmarks import flax_imagenet_resnet  # pylint: disable=g-import-not-at-top
+  sizes = chip.QUICK if args.quick else chip.Sizes()
+  if args.batch:
+    sizes = dataclasses.replace(sizes, batch=args.batch)
+  case = chip.CASES[args.case]
+  case = dataclasses.replace(case, overrides=case.overrides + tuple(args.override))
+  config = chip.flaxtpu_config(case, sizes, args.remat)
+  sizes = chip.case_sizes(case, sizes)
+  say(f'{case.title} {dict(case.overrides)} remat={config.model.remat}, batch {sizes.batch} at '
+      f'{sizes.image_size} px on {jax.devices()[0].device_kind}')
+  images, labels = flax_imagenet_resnet.random_batch(sizes.batch, sizes.image_size)
+  started = time.perf_counter()
+  entry = chip.build_flaxtpu(config, sizes, images, labels)
+  say(f'built in {time.perf_counter() - started:.1f} s (compile {entry["compile_seconds"]} s), '
+      f'{entry["flops_per_step"] / 1e12:.2f} TFLOP a step')
+  state = entry['state']
+  for _ in range(3):
+    state, metrics = entry['call'](state)
+  jax.block_until_ready((state, metrics))
+  trace_dir = args.trace_dir or pathlib.Path(tempfile.mkdtemp(prefix='step_profile_'))
+  with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+    started = time.perf_counter()
+    for _ in range(args.steps):
+      state, metrics = entry['call'](state)
+    jax.block_until_ready((state, metrics))
+    wall = time.perf_counter() - started
+  peak = chip.tpu.PEAK_BF16_FLOPS.get(jax.devices()[0].device_kind)
+  rate = args.steps * sizes.batch / wall
+  mfu = f', MFU {100 * entry["flops_per_step"] * args.steps / wall / peak:.1f}%' if peak else ''
+  say(f'traced {args.steps} steps: {rate:.0f} img/s{mfu}')
+  report(profile_ops.load_events(str(trace_dir)), args.steps, wall, args.top)
+
+
+if __name__ == '__main__':
+  main()
