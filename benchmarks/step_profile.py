@@ -68,38 +68,64 @@ def device_op_events(events: list[dict]) -> tuple[list[dict], list[dict]]:
   return ops, []
 
 
+def _number(event_args: dict, key: str) -> float:
+  try:
+    return float(event_args.get(key, 0))
+  except (TypeError, ValueError):
+    return 0.0
+
+
+def _rates(micros: float, flops: float, nbytes: float) -> str:
+  """Achieved TFLOP/s and GB/s over `micros` of device time, and FLOPs per byte."""
+  if not micros or not (flops or nbytes):
+    return f'{"(no FLOPs or bytes in the trace)":38s}'
+  intensity = f'{flops / nbytes:6.0f}' if nbytes else '     -'
+  return f'{flops / micros / 1e6:6.1f} TF/s {nbytes / micros / 1e3:6.0f} GB/s {intensity} F/B'
+
+
 def report(events: list[dict], steps: int, wall_seconds: float, top: int) -> None:
+  """Device time by kind of op and the slowest ops, each with the FLOP/s and bytes/s it achieved (from
+  XLA's `model_flops` and `bytes_accessed` where the trace has them): an op near the chip's memory
+  bandwidth gains nothing from more FLOP/s, one near its peak FLOP/s nothing from fewer bytes."""
   ops, modules = device_op_events(events)
   if not ops:
     say('no device op events in the trace (this backend does not itemise its ops)')
     return
-  own = collections.Counter()
+  own, flops, nbytes = collections.Counter(), collections.Counter(), collections.Counter()
+  args_of = {}
+  for event in ops:
+    event_args = event.get('args') or {}
+    args_of[event['name']] = event_args
+    flops[event['name']] += _number(event_args, 'model_flops')
+    nbytes[event['name']] += _number(event_args, 'bytes_accessed')
   for name, micros in profile_ops.self_times(ops):
     own[name] += micros
-  args_of = {e['name']: e.get('args') or {} for e in ops}
   total = sum(own.values())
   say(f'device ops: {total / 1e3:.1f} ms over {steps} steps = {total / 1e3 / steps:.2f} ms a step; '
       f'wall {1e3 * wall_seconds / steps:.2f} ms a step')
-  train = [m for m in modules if 'train_step' in m['name'] or 'step' in m['name']]
+  train = [m for m in modules if 'step' in m['name']]
   if train:
     busy = sum(m['dur'] for m in train) / 1e3
     say(f'  {len(train)} module runs ({train[0]["name"][:60]}): {busy / len(train):.2f} ms each')
-  kinds, counts = collections.Counter(), collections.Counter()
+  kinds = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0])
   for name, micros in own.items():
-    kind = op_kind(name, args_of.get(name, {}))
-    kinds[kind] += micros
-    counts[kind] += 1
-  say('by kind of op (device time a step, share, distinct ops):')
-  for kind, micros in kinds.most_common(20):
-    print(f'  {micros / 1e3 / steps:8.2f} ms  {100 * micros / total:5.1f}%  {counts[kind]:4d}  {kind}')
-  say(f'the {top} slowest ops (a step), with what the trace says of them:')
+    kind = kinds[op_kind(name, args_of.get(name, {}))]
+    kind[0] += micros
+    kind[1] += flops[name]
+    kind[2] += nbytes[name]
+    kind[3] += 1
+  say('by kind of op: device time a step, share, achieved rates, distinct ops')
+  for kind, (micros, kind_flops, kind_bytes, count) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:20]:
+    rates = _rates(micros, kind_flops, kind_bytes)
+    print(f'  {micros / 1e3 / steps:8.2f} ms {100 * micros / total:5.1f}%  {rates}  {count:4d}  {kind}')
+  say(f'the {top} slowest ops: time a step, share, achieved rates, name, XLA\'s kind; its HLO')
   for name, micros in own.most_common(top):
-    details = {k: v for k, v in args_of.get(name, {}).items() if k not in ('long_name', '_src', 'run_id')}
-    long_name = str(args_of.get(name, {}).get('long_name', ''))
-    print(f'  {micros / 1e3 / steps:8.3f} ms  {100 * micros / total:5.1f}%  {name[:60]}  '
-          f'{str(details)[:240]}')
-    if long_name:
-      print(f'              {long_name[:300]}')
+    event_args = args_of.get(name, {})
+    rates = _rates(micros, flops[name], nbytes[name])
+    print(f'  {micros / 1e3 / steps:8.3f} ms {100 * micros / total:5.1f}%  {rates}  {name[:40]}  '
+          f'{op_kind(name, event_args)}')
+    if event_args.get('long_name'):
+      print(f'        {str(event_args["long_name"])[:260]}')
 
 
 def main() -> None:

@@ -14,7 +14,8 @@
 #   decode    CIFAR-10 decoded into memory vs tf.data (row d; needs CIFAR; ~1 min)
 #   imports   cifar10.py twice (cold, then warm) under `python -X importtime` and JAX_LOG_COMPILES: its
 #             slowest programs to trace, lower and compile, and its slowest imports (needs CIFAR; ~1 min)
-#   profile   benchmarks/step_profile.py: ResNet-50's step traced, its ops ranked by device time (~3 min)
+#   profile   benchmarks/step_profile.py: each chip case in $PROFILE_CASES (default resnet50) traced, its
+#             ops ranked by device time with the FLOP/s and bytes/s they reach (~1.5 min a case)
 #   runtime   `host_probes runtime`: importing JAX and starting the TPU runtime, under settings that
 #             might skip work, and one verbose start's log (runtime_verbose.log in the logs; ~2 min)
 #   configs-a, configs-b   every config in configs/ with the data folder set (configs-a: the CIFAR-10
@@ -94,7 +95,10 @@ for which in "$@"; do
       part input 240 "${tpu[@]}" --only input
       part batches 120 python -m benchmarks.host_probes batches --folder "$photos" --processes 13 ;;
     e2e) part e2e 560 "${tpu[@]}" --only e2e ;;
-    profile) part profile 400 python -m benchmarks.step_profile --case resnet50 --top 40 ;;
+    profile)
+      for case in ${PROFILE_CASES:-resnet50}; do
+        part "profile_$case" 300 python -m benchmarks.step_profile --case "$case" --top 30
+      done ;;
     startup) cifar && part startup 580 "${tpu[@]}" --cifar "$CIFAR" --only startup ;;
     decode) cifar && part decode 200 "${tpu[@]}" --cifar "$CIFAR" --only decode ;;
     imports)
