@@ -159,8 +159,10 @@ def main() -> None:
   images, labels = flax_imagenet_resnet.random_batch(sizes.batch, sizes.image_size)
   started = time.perf_counter()
   entry = chip.build_flaxtpu(config, sizes, images, labels)
+  plan = entry['memory_plan'].get('total_bytes')
   say(f'built in {time.perf_counter() - started:.1f} s (compile {entry["compile_seconds"]} s), '
-      f'{entry["flops_per_step"] / 1e12:.2f} TFLOP a step')
+      f'{entry["flops_per_step"] / 1e12:.2f} TFLOP a step, memory plan '
+      f'{f"{plan / 2**30:.2f} GiB" if plan else "unknown"}')
   state = entry['state']
   for _ in range(3):
     state, metrics = entry['call'](state)
