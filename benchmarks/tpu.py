@@ -864,17 +864,20 @@ def selected_rows(only: str) -> list[str]:
   return [row for row in ROWS if row in rows]
 
 
-def previous_rows(out: pathlib.Path, device: dict, selected: list[str]) -> dict:
+def previous_rows(out: pathlib.Path, device: dict, selected: list[str]) -> tuple[dict, dict]:
   """With --only: the other rows of an earlier run on the same kind of device, kept (a long run can be
-  split over several commands; each row says which command measured it)."""
+  split over several commands; each row says which command measured it), and the description of the
+  photos that its rows b and c read (none where this run measures them again)."""
   try:
     previous = json.loads(out.read_text(encoding='utf-8'))
   except (OSError, ValueError):
-    return {}
+    return {}, {}
   if (previous.get('device') or {}).get('device_kind') != device.get('device_kind'):
-    return {}
-  return {name: row for name, row in (previous.get('rows') or {}).items()
+    return {}, {}
+  rows = {name: row for name, row in (previous.get('rows') or {}).items()
           if name in ROWS and name not in selected}
+  photos = previous.get('photos') or {} if {'e2e', 'input'} & set(rows) else {}
+  return rows, photos
 
 
 def drive(args, sizes: Sizes) -> dict:
@@ -895,7 +898,9 @@ def drive(args, sizes: Sizes) -> dict:
       + (f'; device rows skipped: {reason}' if reason else ''))
   selected = selected_rows(args.only)
   if args.only:
-    results['rows'] = previous_rows(args.out, device, selected)
+    results['rows'], photos = previous_rows(args.out, device, selected)
+    if photos:
+      results['photos'] = photos
     if results['rows']:
       say(f'== keeping rows {", ".join(results["rows"])} of the earlier run in {args.out}')
   write_json(args.out, results)

@@ -122,6 +122,19 @@ def test_docs_section_is_replaced_in_place(tmp_path):
   assert 'Measured on TPU v5 lite x1 (tpu' in text and '(197 TFLOP/s)' in text
 
 
+def test_a_run_of_other_rows_keeps_the_photos_that_the_kept_rows_read(tmp_path):
+  from benchmarks import tpu
+  out = tmp_path / 'tpu.json'
+  device = {'platform': 'tpu', 'device_kind': 'TPU v5 lite'}
+  photos = {'folder': '/tmp/p', 'generated': True, 'sides': [375, 500], 'mean_kib': 28.0}
+  out.write_text(json.dumps({'device': device, 'photos': photos,
+                             'rows': {'input': {'ratio': 0.97}, 'startup': {'cold': {}}}}), encoding='utf-8')
+  assert tpu.previous_rows(out, device, ['startup']) == ({'input': {'ratio': 0.97}}, photos)
+  # Measured again (the photos with them), or on another kind of device: nothing of the earlier run.
+  assert tpu.previous_rows(out, device, ['input']) == ({'startup': {'cold': {}}}, {})
+  assert tpu.previous_rows(out, {'device_kind': 'TPU v4'}, ['startup']) == ({}, {})
+
+
 def test_startup_row_reads_what_the_first_step_waited_for_from_a_real_run(tmp_path):
   """The CLI's start-up line, parsed as the startup row parses it: three times after the command."""
   from benchmarks import tpu  # pylint: disable=g-import-not-at-top
