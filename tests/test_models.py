@@ -305,3 +305,24 @@ def test_train_step_dropout_is_a_function_of_seed_and_step():
   assert loss(state) == loss(restored)
   assert loss(state) != loss(state.replace(step=state.step + 1))
   assert loss(state) != loss(state.replace(rng=jax.random.PRNGKey(1)))
+
+
+def test_exact_gelu_is_the_erf_gelu_within_float32_rounding_and_rounds_once_in_bfloat16():
+  """vit.exact_gelu (ViT's gelu='exact', ConvNeXt's and Swin's GELU) against 0.5 x (1 + erf(x / sqrt 2)) in
+  float64, and against nn.gelu(approximate=False), which it replaced: values and gradients."""
+  import math  # pylint: disable=g-import-not-at-top
+  x = np.linspace(-9.0, 9.0, 36001).astype(np.float32)
+  exact = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x.astype(np.float64)])
+  got = np.asarray(vit.exact_gelu(jnp.asarray(x)), np.float64)
+  assert np.abs(got - exact).max() < 2e-6
+  assert np.abs(got - np.asarray(nn.gelu(jnp.asarray(x), approximate=False))).max() < 2e-6
+  slope = np.asarray(jax.vmap(jax.grad(vit.exact_gelu))(jnp.asarray(x)), np.float64)
+  exact_slope = np.array([0.5 * (1 + math.erf(v / math.sqrt(2)))
+                          + v * math.exp(-v * v / 2) / math.sqrt(2 * math.pi) for v in x.astype(np.float64)])
+  assert np.abs(slope - exact_slope).max() < 2e-5
+  # bfloat16 in, bfloat16 out: computed in float32 and rounded once (nn.gelu's bfloat16 erfc was 1 step off).
+  half = jnp.asarray(x, jnp.bfloat16)
+  out = vit.exact_gelu(half)
+  assert out.dtype == jnp.bfloat16
+  rounded = vit.exact_gelu(half.astype(jnp.float32)).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(rounded, np.float32))

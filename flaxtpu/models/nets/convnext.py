@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from flaxtpu.models.nets import grouped_conv
-from flaxtpu.models.nets.vit import stochastic_depth
+from flaxtpu.models.nets.vit import exact_gelu, stochastic_depth
 from flaxtpu.settings.errors import UserError
 
 # Convolutions and dense layers start as timm's trunc_normal_(std=.02), biases at zero.
@@ -40,7 +40,7 @@ class ConvNeXtBlock(nn.Module):
                 kernel_init=_KERNEL_INIT, name='dwconv',
                 conv_general_dilated=grouped_conv.conv_general_dilated)(x)
     y = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, name='norm')(y)
-    y = dense(features, 'pwconv2')(nn.gelu(dense(4 * features, 'pwconv1')(y), approximate=False))
+    y = dense(features, 'pwconv2')(exact_gelu(dense(4 * features, 'pwconv1')(y)))
     scale = self.param('layer_scale', nn.initializers.constant(self.layer_scale), (features,))
     return x + stochastic_depth(y * scale.astype(self.dtype), self.drop_path, self.train)
 

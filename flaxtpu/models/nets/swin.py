@@ -29,7 +29,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from flaxtpu.models.nets.vit import stochastic_depth
+from flaxtpu.models.nets.vit import exact_gelu, stochastic_depth
 
 # Linear layers and the bias table start as timm's trunc_normal_(std=.02), biases at zero.
 _KERNEL_INIT = nn.initializers.truncated_normal(stddev=0.02)
@@ -188,7 +188,7 @@ class SwinBlock(nn.Module):
          .reshape(batch, rows * window_h, cols * window_w, features)[:, :height, :width])
     y = jnp.roll(y, (shift_h, shift_w), axis=(1, 2))
     x = x + stochastic_depth(y, self.drop_path, self.train)
-    y = dense(features, 'mlp2')(nn.gelu(dense(4 * features, 'mlp1')(norm('norm2')(x)), approximate=False))
+    y = dense(features, 'mlp2')(exact_gelu(dense(4 * features, 'mlp1')(norm('norm2')(x))))
     return x + stochastic_depth(y, self.drop_path, self.train)
 
 
