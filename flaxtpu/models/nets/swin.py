@@ -110,26 +110,9 @@ def shift_mask(height: int, width: int, window: tuple[int, int],
   return np.where(windows[:, None, :] != windows[:, :, None], _MASKED, 0.0).astype(np.float32)
 
 
-class DenseParameters(nn.Module):
-  """nn.Dense's parameters, named and initialised as nn.Dense makes them (a `kernel` [inputs, outputs]
-  and a zero `bias`), for a layer that applies them per head in its own einsum."""
-  inputs: int
-  outputs: int
-
-  @nn.compact
-  def __call__(self):
-    return (self.param('kernel', _KERNEL_INIT, (self.inputs, self.outputs)),
-            self.param('bias', nn.initializers.zeros_init(), (self.outputs,)))
-
-
 class WindowAttention(nn.Module):
   """Multi-head self-attention within each window, plus the relative position bias (timm's layout:
-  one fused qkv projection, the table [(2 * table_window - 1)^2, heads]).
-
-  The projections are einsums straight to and from [windows, heads, tokens, head_dim], with nn.Dense's
-  kernels reshaped (the same parameters): splitting a [windows, tokens, 3 * features] result into
-  heads made XLA transpose every query, key and value between layouts, 31% of Swin-T's step on a TPU.
-  """
+  one fused qkv projection, the table [(2 * table_window - 1)^2, heads])."""
   num_heads: int
   window: tuple[int, int]  # the windows it attends in
   table_window: int = 7  # the window its table was made for
@@ -138,26 +121,23 @@ class WindowAttention(nn.Module):
   @nn.compact
   def __call__(self, x, mask: Optional[np.ndarray]):
     count, tokens, features = x.shape
-    heads, head_dim = self.num_heads, features // self.num_heads
-    x = x.astype(self.dtype)
-    kernel, bias = (p.astype(self.dtype) for p in DenseParameters(features, 3 * features, name='qkv')())
-    qkv = (jnp.einsum('btf,fshd->sbhtd', x, kernel.reshape(features, 3, heads, head_dim))
-           + bias.reshape(3, 1, heads, 1, head_dim))
-    query, key, value = qkv[0] * head_dim**-0.5, qkv[1], qkv[2]
-    logits = jnp.einsum('bhqd,bhkd->bhqk', query, key)
+    head_dim = features // self.num_heads
+    dense = lambda width, name: nn.Dense(width, dtype=self.dtype, kernel_init=_KERNEL_INIT, name=name)
+    qkv = dense(3 * features, 'qkv')(x).reshape(count, tokens, 3, self.num_heads, head_dim)
+    query, key, value = qkv[:, :, 0] * head_dim**-0.5, qkv[:, :, 1], qkv[:, :, 2]
+    logits = jnp.einsum('bqhd,bkhd->bhqk', query, key)
     table = self.param('relative_position_bias_table', _KERNEL_INIT,
-                       ((2 * self.table_window - 1) ** 2, heads)).astype(self.dtype)
+                       ((2 * self.table_window - 1) ** 2, self.num_heads)).astype(self.dtype)
     resize = table_resize(self.table_window, self.window)
     if resize is not None:
       table = jnp.asarray(resize, self.dtype) @ table
-    bias = table[relative_position_index(self.window).reshape(-1)].reshape(tokens, tokens, heads)
+    bias = table[relative_position_index(self.window).reshape(-1)].reshape(tokens, tokens, self.num_heads)
     logits = logits + bias.transpose(2, 0, 1)
     if mask is not None:  # the windows of one image follow each other: [images, windows, ...]
-      logits = (logits.reshape(-1, len(mask), heads, tokens, tokens)
+      logits = (logits.reshape(-1, len(mask), self.num_heads, tokens, tokens)
                 + jnp.asarray(mask, self.dtype)[None, :, None]).reshape(logits.shape)
-    y = jnp.einsum('bhqk,bhkd->bhqd', nn.softmax(logits, axis=-1), value)
-    kernel, bias = (p.astype(self.dtype) for p in DenseParameters(features, features, name='proj')())
-    return jnp.einsum('bhqd,hdf->bqf', y, kernel.reshape(heads, head_dim, features)) + bias
+    y = jnp.einsum('bhqk,bkhd->bqhd', nn.softmax(logits, axis=-1), value).reshape(count, tokens, features)
+    return dense(features, 'proj')(y)
 
 
 class SwinBlock(nn.Module):
