@@ -304,6 +304,15 @@ def test_a_study_of_no_trials_is_refused_as_such(tmp_path, trials, why):
   assert not (tmp_path / 'sweep').exists()
 
 
+def test_a_report_of_a_sweep_that_never_ran_is_one_line_and_writes_nothing(tmp_path):
+  """--report on a WORKDIR that does not exist made it and wrote an empty table there."""
+  experiment = write_experiment(tmp_path, TWO_KEY_EXPERIMENT)
+  workdir = tmp_path / 'sweep'
+  assert_one_line(_run_sweep_command(str(experiment), f'--workdir={workdir}', '--report'),
+                  f'--report: {workdir} holds no sweep yet (no such directory); run it first: the same '
+                  'command without --report', workdir)
+
+
 def test_a_command_line_value_of_the_wrong_type_is_one_line(tmp_path):
   experiment = write_experiment(tmp_path, TWO_KEY_EXPERIMENT)
   workdir = tmp_path / 'sweep'

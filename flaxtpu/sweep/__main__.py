@@ -185,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(args: argparse.Namespace, config_args: list[str], held: contextlib.ExitStack) -> int:
   try:
     _check_launcher_flags(args)
+    if args.report and not files.isdir(args.workdir):
+      raise sweep.SweepError(f'--report: {args.workdir} holds no sweep yet (no such directory); run it '
+                             'first: the same command without --report')
     config, runs_overrides = runner.load_experiment(args.experiment)
     swept_keys = {key for overrides in runs_overrides for key in overrides}
     extra_overrides = runner.parse_extra_overrides(config, config_args, swept_keys)
