@@ -199,11 +199,8 @@ def _check_config_path(path: str) -> None:
     return
   is_folder = os.path.isdir(path)  # --config=configs: the recipes in it
   folder = path if is_folder else os.path.dirname(path) or '.'
-  recipes = sorted(f for f in os.listdir(folder) if f.endswith('.py') and not f.startswith('_')) \
-      if os.path.isdir(folder) else []
-  shown = ', '.join(os.path.join(folder, f) for f in recipes) or 'none'
   problem = 'is a folder, not a config file' if is_folder else 'does not exist'
-  _exit_with_error(f'--config={path} {problem}; config files in {folder}: {shown}')
+  _exit_with_error(f'--config={path} {problem}; config files in {folder}: {files.python_files(folder)}')
 
 
 def _flag_error(error: Exception, argv) -> str:

@@ -73,6 +73,14 @@ def listdir(path: str) -> list[str]:
   return [child.name for child in directory.iterdir()]
 
 
+def python_files(folder: str) -> str:
+  """The recipes or experiment files in a local `folder` (its *.py but `_*`), as paths joined by
+  commas, or 'none': what an error line about a wrong file offers instead."""
+  found = sorted(name for name in os.listdir(folder) if name.endswith('.py') and not name.startswith('_')) \
+      if os.path.isdir(folder) else []
+  return ', '.join(os.path.join(folder, name) for name in found) or 'none'
+
+
 def makedirs(path: str) -> None:
   """Creates directory `path` and its parents (an object store needs none: a no-op beyond a check)."""
   if is_remote(path):

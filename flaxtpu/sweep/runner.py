@@ -139,9 +139,8 @@ def import_experiment(path: str, functions: Sequence[str]) -> Any:
   """Import an experiment file as a module; SweepError unless it defines each of `functions`. An exception
   while it is imported (a syntax error, a NameError, ...) is one SweepError line naming its line."""
   if os.path.isdir(path):
-    found = sorted(name for name in os.listdir(path) if name.endswith('.py') and not name.startswith('_'))
     raise SweepError(f'{path!r} is a folder, not an experiment file; experiment files in it: '
-                     f'{", ".join(os.path.join(path, name) for name in found) or "none"}')
+                     f'{files.python_files(path)}')
   if not os.path.isfile(path):
     raise SweepError(f'experiment file {path!r} does not exist')
   # Experiments import recipes (`from configs import ...`): make the repo root
