@@ -16,6 +16,9 @@
 #             slowest programs to trace, lower and compile, and its slowest imports (needs CIFAR; ~1 min)
 #   profile   benchmarks/step_profile.py: each chip case in $PROFILE_CASES (default resnet50) traced, its
 #             ops ranked by device time with the FLOP/s and bytes/s they reach (~1.5 min a case)
+#   ab        each case in $PROFILE_CASES profiled twice in a row: by the tree in $AB_BASE (an earlier commit's
+#             flaxtpu, benchmarks and configs: `git archive REF flaxtpu benchmarks configs | tar x -C DIR`,
+#             carried with the repo), then by this one: an optimisation measured alone (~3 min a case)
 #   runtime   `host_probes runtime`: importing JAX and starting the TPU runtime, under settings that
 #             might skip work, and one verbose start's log (runtime_verbose.log in the logs; ~2 min)
 #   configs-a, configs-b   every config in configs/ with the data folder set (configs-a: the CIFAR-10
@@ -98,6 +101,14 @@ for which in "$@"; do
     profile)
       for case in ${PROFILE_CASES:-resnet50}; do
         part "profile_$case" 300 python -m benchmarks.step_profile --case "$case" --top 30
+      done ;;
+    ab)
+      [ -d "${AB_BASE:-}/flaxtpu" ] || { say "ab: set AB_BASE to a copy of the earlier tree"; continue; }
+      for case in ${PROFILE_CASES:-resnet50}; do
+        (cd "$AB_BASE" && part "ab_base_$case" 200 python -m benchmarks.step_profile --case "$case" --top 15)
+        part "ab_new_$case" 200 python -m benchmarks.step_profile --case "$case" --top 15
+        say "ab $case: the earlier tree, then this one:"
+        grep -h 'built in\|traced' "$logs/ab_base_$case.log" "$logs/ab_new_$case.log"
       done ;;
     startup) cifar && part startup 580 "${tpu[@]}" --cifar "$CIFAR" --only startup ;;
     decode) cifar && part decode 200 "${tpu[@]}" --cifar "$CIFAR" --only decode ;;
