@@ -51,6 +51,15 @@ def self_times(events: list[dict]):
     yield name, own
 
 
+def track_names(events: list[dict]) -> tuple[dict, dict]:
+  """({(pid, tid): thread name}, {pid: process name}) from the trace's metadata events."""
+  threads = {(e.get('pid'), e.get('tid')): e['args']['name'] for e in events
+             if e.get('ph') == 'M' and e.get('name') == 'thread_name'}
+  processes = {e.get('pid'): e['args']['name'] for e in events
+               if e.get('ph') == 'M' and e.get('name') == 'process_name'}
+  return threads, processes
+
+
 def is_device_thread(process: str, thread: str) -> bool:
   """XLA's op threads: the Eigen pool that runs XLA:CPU thunks, or an accelerator's device lines."""
   return 'XLAEigen' in thread or process.startswith('/device:')
@@ -70,10 +79,7 @@ def main() -> None:
   parser.add_argument('--top', type=int, default=15)
   args = parser.parse_args()
   events = load_events(args.profile_dir)
-  threads = {(e.get('pid'), e.get('tid')): e['args']['name'] for e in events
-             if e.get('ph') == 'M' and e.get('name') == 'thread_name'}
-  processes = {e.get('pid'): e['args']['name'] for e in events
-               if e.get('ph') == 'M' and e.get('name') == 'process_name'}
+  threads, processes = track_names(events)
   ops, host = collections.Counter(), collections.Counter()
   for (pid, tid), thread_events in by_thread(events).items():
     on_device = is_device_thread(processes.get(pid, ''), threads.get((pid, tid), ''))

@@ -50,10 +50,7 @@ def op_kind(name: str, event_args: dict) -> str:
 def device_op_events(events: list[dict]) -> tuple[list[dict], list[dict]]:
   """(the ops, the module runs) on the first device's threads: 'XLA Ops' and 'XLA Modules' on an
   accelerator, or XLA:CPU's thunk threads (no modules there)."""
-  threads = {(e.get('pid'), e.get('tid')): e['args']['name'] for e in events
-             if e.get('ph') == 'M' and e.get('name') == 'thread_name'}
-  processes = {e.get('pid'): e['args']['name'] for e in events
-               if e.get('ph') == 'M' and e.get('name') == 'process_name'}
+  threads, processes = profile_ops.track_names(events)
   device_pids = sorted(pid for pid, name in processes.items() if name.startswith('/device:'))
   complete = [e for e in events if e.get('ph') == 'X' and 'dur' in e]
   if device_pids:

@@ -15,12 +15,9 @@ runs.
 """
 
 import argparse
-import collections
 import re
 import sys
 import time
-
-PLAN_KEYS = ('argument_size_in_bytes', 'output_size_in_bytes', 'temp_size_in_bytes', 'alias_size_in_bytes')
 
 
 def copied_bytes(hlo_text: str) -> int:
@@ -41,6 +38,7 @@ def plan(model_name: str, remat: str, batch: int, image_size: int, devices) -> d
   from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
+  from benchmarks import chip, flax_imagenet_resnet  # pylint: disable=g-import-not-at-top
   from flaxtpu.models import registry  # pylint: disable=g-import-not-at-top
 
   replicated = NamedSharding(Mesh(devices, ('devices',)), P())
@@ -69,15 +67,11 @@ def plan(model_name: str, remat: str, batch: int, image_size: int, devices) -> d
       jax.ShapeDtypeStruct((batch, image_size, image_size, 3), jnp.bfloat16, sharding=replicated),
       jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=replicated)).compile()
   seconds = time.perf_counter() - started
-  memory = compiled.memory_analysis()
-  sizes = {key: int(getattr(memory, key)) for key in PLAN_KEYS}
-  cost = compiled.cost_analysis()
-  cost = (cost[0] if isinstance(cost, list) else cost) or {}
+  memory = chip.memory_plan_of(compiled)
   return {'model': model_name, 'remat': remat, 'batch': batch, 'image_size': image_size,
-          'plan_bytes': sizes['argument_size_in_bytes'] + sizes['output_size_in_bytes']
-          + sizes['temp_size_in_bytes'] - sizes['alias_size_in_bytes'],
-          'temp_bytes': sizes['temp_size_in_bytes'], 'flops': float(cost.get('flops', 0.0)),
-          'copied_bytes': copied_bytes(compiled.as_text()), 'compile_seconds_here': seconds}
+          'plan_bytes': memory['total_bytes'], 'temp_bytes': memory['temp_bytes'],
+          'flops': flax_imagenet_resnet.flops_of(compiled), 'copied_bytes': copied_bytes(compiled.as_text()),
+          'compile_seconds_here': seconds}
 
 
 def main() -> None:
@@ -99,11 +93,9 @@ def main() -> None:
              'install libtpu as the docstring says (python -m benchmarks.tpu_plan --help)')
   devices = topology.devices
   print(f'{len(devices)} x {devices[0].device_kind} ({args.topology}), compiled on this machine', flush=True)
-  rows = collections.defaultdict(dict)
   for model_name in args.models.split(','):
     for remat in args.remat.split(','):
       row = plan(model_name, remat, args.batch, args.image_size, devices)
-      rows[model_name][remat] = row
       print(f'  {model_name} remat={remat}: plan {row["plan_bytes"] / 2**30:.2f} GiB (temporaries '
             f'{row["temp_bytes"] / 2**30:.2f}), {row["flops"] / 1e12:.2f} TFLOP a step, layout copies '
             f'{row["copied_bytes"] / 2**30:.2f} GiB, compiled in {row["compile_seconds_here"]:.0f} s here',

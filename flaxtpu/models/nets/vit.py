@@ -55,12 +55,13 @@ def exact_gelu(x: jax.Array) -> jax.Array:
   as XLA computes it because `lax.erf` lowers to a composite op that TensorFlow's SavedModel loader
   cannot read (the `--mode=export` SavedModel).
   """
-  z = jnp.clip(x.astype(jnp.float32) * np.float32(np.sqrt(0.5)), -4.0, 4.0)
+  wide = x.astype(jnp.float32)
+  z = jnp.clip(wide * np.float32(np.sqrt(0.5)), -4.0, 4.0)
   z2 = z * z
   horner = lambda coefficients: functools.reduce(lambda value, c: value * z2 + c, coefficients[1:],
                                                  coefficients[0])
   erf = z * horner(_ERF_P) / horner(_ERF_Q)
-  return (0.5 * x.astype(jnp.float32) * (1 + erf)).astype(x.dtype)
+  return (0.5 * wide * (1 + erf)).astype(x.dtype)
 
 
 def activation(gelu: str) -> Callable[[jax.Array], jax.Array]:
