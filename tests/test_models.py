@@ -319,7 +319,7 @@ def test_exact_gelu_is_the_erf_gelu_within_float32_rounding_and_rounds_once_in_b
   slope = np.asarray(jax.vmap(jax.grad(vit.exact_gelu))(jnp.asarray(x)), np.float64)
   exact_slope = np.array([0.5 * (1 + math.erf(v / math.sqrt(2)))
                           + v * math.exp(-v * v / 2) / math.sqrt(2 * math.pi) for v in x.astype(np.float64)])
-  assert np.abs(slope - exact_slope).max() < 2e-5
+  assert np.abs(slope - exact_slope).max() < 2e-6  # GELU's own derivative, not the rational function's
   # bfloat16 in, bfloat16 out: computed in float32 and rounded once (nn.gelu's bfloat16 erfc was 1 step off).
   half = jnp.asarray(x, jnp.bfloat16)
   out = vit.exact_gelu(half)
