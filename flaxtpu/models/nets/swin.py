@@ -29,6 +29,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
+from flaxtpu.models.nets import window_attention
 from flaxtpu.models.nets.vit import exact_gelu, stochastic_depth
 
 # Linear layers and the bias table start as timm's trunc_normal_(std=.02), biases at zero.
@@ -110,9 +111,25 @@ def shift_mask(height: int, width: int, window: tuple[int, int],
   return np.where(windows[:, None, :] != windows[:, :, None], _MASKED, 0.0).astype(np.float32)
 
 
+class _QKV(nn.Module):
+  """timm's fused qkv projection (one [features, 3 * features] kernel, as nn.Dense holds it) as three
+  matrix products, so that q, k and v each come out [..., features], as window attention reads them."""
+  features: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param('kernel', _KERNEL_INIT, (x.shape[-1], 3 * self.features)).astype(self.dtype)
+    bias = self.param('bias', nn.initializers.zeros, (3 * self.features,)).astype(self.dtype)
+    x = x.astype(self.dtype)
+    return tuple(x @ kernel[:, part * self.features:(part + 1) * self.features]
+                 + bias[part * self.features:(part + 1) * self.features] for part in range(3))
+
+
 class WindowAttention(nn.Module):
   """Multi-head self-attention within each window, plus the relative position bias (timm's layout:
-  one fused qkv projection, the table [(2 * table_window - 1)^2, heads])."""
+  one fused qkv projection, the table [(2 * table_window - 1)^2, heads]). On a TPU it runs as one fused
+  kernel (`window_attention`)."""
   num_heads: int
   window: tuple[int, int]  # the windows it attends in
   table_window: int = 7  # the window its table was made for
@@ -121,23 +138,21 @@ class WindowAttention(nn.Module):
   @nn.compact
   def __call__(self, x, mask: Optional[np.ndarray]):
     count, tokens, features = x.shape
-    head_dim = features // self.num_heads
-    dense = lambda width, name: nn.Dense(width, dtype=self.dtype, kernel_init=_KERNEL_INIT, name=name)
-    qkv = dense(3 * features, 'qkv')(x).reshape(count, tokens, 3, self.num_heads, head_dim)
-    query, key, value = qkv[:, :, 0] * head_dim**-0.5, qkv[:, :, 1], qkv[:, :, 2]
-    logits = jnp.einsum('bqhd,bkhd->bhqk', query, key)
+    query, key, value = _QKV(features, dtype=self.dtype, name='qkv')(x)
     table = self.param('relative_position_bias_table', _KERNEL_INIT,
-                       ((2 * self.table_window - 1) ** 2, self.num_heads)).astype(self.dtype)
+                       ((2 * self.table_window - 1) ** 2, self.num_heads))
     resize = table_resize(self.table_window, self.window)
     if resize is not None:
-      table = jnp.asarray(resize, self.dtype) @ table
+      table = jnp.asarray(resize, table.dtype) @ table
     bias = table[relative_position_index(self.window).reshape(-1)].reshape(tokens, tokens, self.num_heads)
-    logits = logits + bias.transpose(2, 0, 1)
-    if mask is not None:  # the windows of one image follow each other: [images, windows, ...]
-      logits = (logits.reshape(-1, len(mask), self.num_heads, tokens, tokens)
-                + jnp.asarray(mask, self.dtype)[None, :, None]).reshape(logits.shape)
-    y = jnp.einsum('bhqk,bkhd->bqhd', nn.softmax(logits, axis=-1), value).reshape(count, tokens, features)
-    return dense(features, 'proj')(y)
+    # [groups, heads, tokens, tokens] in float32: window w of the [images, windows] order takes group
+    # w % groups (each window of an image its own mask, where the windows are shifted).
+    bias = bias.transpose(2, 0, 1).astype(jnp.float32)[None]
+    if mask is not None:
+      bias = bias + jnp.asarray(mask)[:, None]
+    y = window_attention.attention(query * (features // self.num_heads) ** -0.5, key, value, bias,
+                                   self.num_heads)
+    return nn.Dense(features, dtype=self.dtype, kernel_init=_KERNEL_INIT, name='proj')(y)
 
 
 class SwinBlock(nn.Module):

@@ -1,0 +1,191 @@
+"""Swin's window attention as one fused TPU kernel (Pallas), forward and backward, beside the plain form.
+
+A window holds 49 tokens and a head 32 features, so on a TPU, whose vector registers and memory tiles are
+8 x 128, every array of the plain form wastes most of its lanes: the logits [windows, heads, 49, 49] and
+the per-head q, k, v [windows, 49, heads, 32] are padded to 128 in their last dimension, and XLA spends a
+third of Swin-T's step copying q, k and v between layouts. The kernel reads q, k and v as the projections
+write them ([windows, 49, channels]), keeps the logits in the core's memory, and writes the output as the
+next projection reads it; its backward pass recomputes the logits instead of storing them (as flash
+attention does). A head is picked out of a 128-lane slice of the channels by zeroing the other heads'
+lanes, so no array is ever sliced at 32 lanes.
+
+`attention` takes the kernel on a TPU and the plain form elsewhere (`jax.lax.platform_dependent`), so a
+step compiled for a TPU from another machine gets the kernel too. Both compute the softmax in float32.
+"""
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+_LANES = 128
+# What a grid step's blocks may take of the core's memory (double-buffered inputs and outputs, and the
+# float32 logits of one head), and the scoped limit the kernel asks for: a v5e core has 128 MiB.
+_BLOCK_BUDGET = 24 * 2**20
+_VMEM_LIMIT = 96 * 2**20
+
+
+def plain(q, k, v, bias, num_heads: int):
+  """[count, tokens, channels] out of q, k, v of that shape, and `bias` [groups, heads, tokens, tokens]
+  added to each window's logits (window w takes group w % groups). q is already scaled."""
+  count, tokens, channels = q.shape
+  split = lambda x: x.reshape(count, tokens, num_heads, channels // num_heads)
+  logits = jnp.einsum('bqhd,bkhd->bhqk', split(q), split(k), preferred_element_type=jnp.float32)
+  groups = bias.shape[0]
+  logits = (logits.reshape(count // groups, groups, num_heads, tokens, tokens) + bias).reshape(logits.shape)
+  weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  return jnp.einsum('bhqk,bkhd->bqhd', weights, split(v)).reshape(count, tokens, channels)
+
+
+def _windows_per_block(count: int, groups: int, tokens: int, channels: int, num_heads: int) -> int:
+  """The most windows a grid step takes within the budget: a divisor of `count`, and a multiple or a
+  divisor of `groups` (so that a block's windows meet the bias groups in one fixed pattern)."""
+  rows = -(-tokens // 8) * 8
+  lanes = -(-channels // _LANES) * _LANES
+  per_window = (rows * lanes * 2 * 8 * 2  # q, k, v, out and their gradients, bfloat16, double-buffered
+                + rows * -(-tokens // _LANES) * _LANES * 4 * (6 + 2 * num_heads))  # logits; bias blocks
+  best = 1
+  for size in range(1, count + 1):
+    if count % size == 0 and (size % groups == 0 or groups % size == 0) and size * per_window <= _BLOCK_BUDGET:
+      best = size
+  return best
+
+
+def _head_lanes(channels: int, num_heads: int):
+  """For each head: the 128-lane slice of the channels holding it, and its lanes within that slice."""
+  head_dim = channels // num_heads
+  heads = []
+  for head in range(num_heads):
+    start = head * head_dim // _LANES * _LANES
+    stop = min(start + _LANES, channels)
+    heads.append((slice(start, stop), (head * head_dim - start, (head + 1) * head_dim - start)))
+  return heads
+
+
+def _own(x, lanes):
+  """x with the lanes outside [lanes) zeroed (built in the kernel: a kernel captures no arrays)."""
+  lane = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  return jnp.where((lane >= lanes[0]) & (lane < lanes[1]), x, jnp.zeros_like(x))
+
+
+def _logits(q, k, bias, lanes):
+  """One head's float32 logits [windows, tokens, tokens]: the other heads' lanes of q zeroed."""
+  return jnp.einsum('wqc,wkc->wqk', _own(q, lanes), k, preferred_element_type=jnp.float32) + bias
+
+
+def _softmax(logits):
+  weights = jnp.exp(logits - logits.max(axis=-1, keepdims=True))
+  return weights / weights.sum(axis=-1, keepdims=True)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, *, heads):
+  out = {}
+  for head, (part, lanes) in enumerate(heads):
+    q, k, v = q_ref[:, :, part], k_ref[:, :, part], v_ref[:, :, part]
+    weights = _softmax(_logits(q, k, bias_ref[:, head], lanes)).astype(v.dtype)
+    update = jnp.einsum('wqk,wkc->wqc', weights, _own(v, lanes),
+                        preferred_element_type=jnp.float32)
+    out[part.start] = out[part.start] + update if part.start in out else update
+  for head, (part, _) in enumerate(heads):
+    if part.start in out:
+      out_ref[:, :, part] = out.pop(part.start).astype(out_ref.dtype)
+
+
+def _backward_kernel(q_ref, k_ref, v_ref, bias_ref, grad_ref, dq_ref, dk_ref, dv_ref, dbias_ref, *, heads):
+  @pl.when(pl.program_id(1) == 0)
+  def _():
+    dbias_ref[...] = jnp.zeros_like(dbias_ref)
+
+  dq, dk, dv = {}, {}, {}
+  add = lambda sums, key, value: sums.__setitem__(key, sums[key] + value if key in sums else value)
+  for head, (part, lanes) in enumerate(heads):
+    q, k, v, grad = q_ref[:, :, part], k_ref[:, :, part], v_ref[:, :, part], grad_ref[:, :, part]
+    weights = _softmax(_logits(q, k, bias_ref[:, head], lanes))
+    own_grad = _own(grad, lanes)
+    add(dv, part.start, jnp.einsum('wqk,wqc->wkc', weights.astype(v.dtype), own_grad,
+                                   preferred_element_type=jnp.float32))
+    weights_grad = jnp.einsum('wqc,wkc->wqk', own_grad, v, preferred_element_type=jnp.float32)
+    logits_grad = weights * (weights_grad - (weights * weights_grad).sum(axis=-1, keepdims=True))
+    dbias_ref[:, head] += logits_grad
+    logits_grad = logits_grad.astype(q.dtype)
+    add(dq, part.start, jnp.einsum('wqk,wkc->wqc', logits_grad, _own(k, lanes),
+                                   preferred_element_type=jnp.float32))
+    add(dk, part.start, jnp.einsum('wqk,wqc->wkc', logits_grad, _own(q, lanes),
+                                   preferred_element_type=jnp.float32))
+  for sums, ref in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+    for start, value in sums.items():
+      ref[:, :, slice(start, start + value.shape[-1])] = value.astype(ref.dtype)
+
+
+def _specs(count, tokens, channels, groups, num_heads):
+  """The grid (bias patterns, blocks of each) and the block specs of the windows' arrays and the bias."""
+  size = _windows_per_block(count, groups, tokens, channels, num_heads)
+  patterns = max(groups // size, 1)  # a block's windows meet the groups in one of these patterns
+  grid = (patterns, count // size // patterns)
+  windows = pl.BlockSpec((size, tokens, channels), lambda p, i: (i * patterns + p, 0, 0))
+  bias = pl.BlockSpec((size, num_heads, tokens, tokens), lambda p, i: (p, 0, 0, 0))
+  return size, grid, windows, bias
+
+
+def _tiled_bias(bias, size):
+  """bias [groups, ...] repeated to a block's windows, where a block holds whole groups."""
+  return jnp.tile(bias, (max(size // bias.shape[0], 1), 1, 1, 1))
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, semantics):
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  params = {} if interpret else {'compiler_params': pltpu.CompilerParams(
+      dimension_semantics=semantics, vmem_limit_bytes=_VMEM_LIMIT)}
+  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                        interpret=interpret, **params)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def fused(q, k, v, bias, num_heads: int, interpret: bool = False):
+  """What `plain` computes, as one Pallas kernel (`interpret`: run it by the Pallas interpreter, on any
+  machine)."""
+  return _fused_forward(q, k, v, bias, num_heads, interpret)[0]
+
+
+def _fused_forward(q, k, v, bias, num_heads, interpret):
+  count, tokens, channels = q.shape
+  size, grid, windows, bias_spec = _specs(count, tokens, channels, bias.shape[0], num_heads)
+  kernel = functools.partial(_forward_kernel, heads=_head_lanes(channels, num_heads))
+  out = _call(kernel, grid, [windows, windows, windows, bias_spec], windows,
+              jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, ('parallel', 'parallel'))(
+                  q, k, v, _tiled_bias(bias.astype(jnp.float32), size))
+  return out, (q, k, v, bias)
+
+
+def _fused_backward(num_heads, interpret, residuals, grad):
+  q, k, v, bias = residuals
+  count, tokens, channels = q.shape
+  groups = bias.shape[0]
+  size, grid, windows, bias_spec = _specs(count, tokens, channels, groups, num_heads)
+  kernel = functools.partial(_backward_kernel, heads=_head_lanes(channels, num_heads))
+  dbias_shape = jax.ShapeDtypeStruct((max(size, groups), num_heads, tokens, tokens), jnp.float32)
+  dq, dk, dv, dbias = _call(
+      kernel, grid, [windows] * 3 + [bias_spec, windows], [windows] * 3 + [bias_spec],
+      [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3 + [dbias_shape], interpret, ('parallel', 'arbitrary'))(
+          q, k, v, _tiled_bias(bias.astype(jnp.float32), size), grad.astype(q.dtype))
+  dbias = dbias.reshape(-1, groups, num_heads, tokens, tokens).sum(axis=0).astype(bias.dtype)
+  return dq, dk, dv, dbias
+
+
+fused.defvjp(_fused_forward, _fused_backward)
+
+
+def attention(q, k, v, bias, num_heads: int, kernel: Optional[bool] = None):
+  """Window attention (see `plain`): the fused kernel on a TPU, the plain form elsewhere; `kernel`
+  True or False forces one (True off a TPU runs the kernel by the Pallas interpreter). Heads wider than
+  128 lanes, or not dividing them, take the plain form everywhere."""
+  head_dim = q.shape[-1] // num_heads
+  if kernel is False or _LANES % head_dim or q.shape[0] % bias.shape[0]:
+    return plain(q, k, v, bias, num_heads)
+  if kernel is None:
+    return jax.lax.platform_dependent(q, k, v, bias, tpu=lambda *a: fused(*a, num_heads),
+                                      default=lambda *a: plain(*a, num_heads))
+  return fused(q, k, v, bias, num_heads, jax.default_backend() != 'tpu')
