@@ -135,12 +135,22 @@ def _tiled_bias(bias, size):
   return jnp.tile(bias, (max(size // bias.shape[0], 1), 1, 1, 1))
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, semantics):
+def _cost(q, num_heads: int, products: int, arrays: int):
+  """What a kernel computes, for XLA's cost analysis (and so MFU): `products` matrix products of q's
+  shape by the logits' (as many as the plain form has: recomputed logits are not counted), an
+  exponential a logit, and `arrays` arrays of q's size read or written."""
+  count, tokens, channels = q.shape
+  return pl.CostEstimate(flops=2 * products * count * tokens * tokens * channels,
+                         transcendentals=count * num_heads * tokens * tokens,
+                         bytes_accessed=arrays * q.size * q.dtype.itemsize)
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, semantics, cost):
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
   params = {} if interpret else {'compiler_params': pltpu.CompilerParams(
       dimension_semantics=semantics, vmem_limit_bytes=_VMEM_LIMIT)}
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                        interpret=interpret, **params)
+                        interpret=interpret, cost_estimate=cost, **params)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -155,7 +165,8 @@ def _fused_forward(q, k, v, bias, num_heads, interpret):
   size, grid, windows, bias_spec = _specs(count, tokens, channels, bias.shape[0], num_heads)
   kernel = functools.partial(_forward_kernel, heads=_head_lanes(channels, num_heads))
   out = _call(kernel, grid, [windows, windows, windows, bias_spec], windows,
-              jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, ('parallel', 'parallel'))(
+              jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, ('parallel', 'parallel'),
+              _cost(q, num_heads, products=2, arrays=4))(
                   q, k, v, _tiled_bias(bias.astype(jnp.float32), size))
   return out, (q, k, v, bias)
 
@@ -169,7 +180,8 @@ def _fused_backward(num_heads, interpret, residuals, grad):
   dbias_shape = jax.ShapeDtypeStruct((max(size, groups), num_heads, tokens, tokens), jnp.float32)
   dq, dk, dv, dbias = _call(
       kernel, grid, [windows] * 3 + [bias_spec, windows], [windows] * 3 + [bias_spec],
-      [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3 + [dbias_shape], interpret, ('parallel', 'arbitrary'))(
+      [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3 + [dbias_shape], interpret, ('parallel', 'arbitrary'),
+      _cost(q, num_heads, products=4, arrays=7))(
           q, k, v, _tiled_bias(bias.astype(jnp.float32), size), grad.astype(q.dtype))
   dbias = dbias.reshape(-1, groups, num_heads, tokens, tokens).sum(axis=0).astype(bias.dtype)
   return dq, dk, dv, dbias
@@ -181,9 +193,10 @@ fused.defvjp(_fused_forward, _fused_backward)
 def attention(q, k, v, bias, num_heads: int, kernel: Optional[bool] = None):
   """Window attention (see `plain`): the fused kernel on a TPU, the plain form elsewhere; `kernel`
   True or False forces one (True off a TPU runs the kernel by the Pallas interpreter). Heads wider than
-  128 lanes, or not dividing them, take the plain form everywhere."""
-  head_dim = q.shape[-1] // num_heads
-  if kernel is False or _LANES % head_dim or q.shape[0] % bias.shape[0]:
+  128 lanes, or not dividing them, take the plain form everywhere, and so does a symbolic number of
+  windows (an export's batch: the kernel's blocks are sized to a known one)."""
+  if (kernel is False or not isinstance(q.shape[0], int) or _LANES % (q.shape[-1] // num_heads)
+      or q.shape[0] % bias.shape[0]):
     return plain(q, k, v, bias, num_heads)
   if kernel is None:
     return jax.lax.platform_dependent(q, k, v, bias, tpu=lambda *a: fused(*a, num_heads),
