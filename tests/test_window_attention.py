@@ -1,6 +1,8 @@
 """Swin's fused window attention kernel (models/nets/window_attention.py) against the plain form: the same
 outputs and gradients (run by the Pallas interpreter here), chosen on a TPU only."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,7 +30,13 @@ CASES = [(8, 49, 96, 3, 4), (6, 49, 192, 6, 1), (12, 16, 64, 2, 2), (4, 9, 256, 
 
 
 @pytest.mark.parametrize('count,tokens,channels,heads,groups', CASES)
-def test_the_kernel_computes_the_plain_forms_outputs_and_gradients(count, tokens, channels, heads, groups):
+@pytest.mark.parametrize('blocks', ['large', 'small'])
+def test_the_kernel_computes_the_plain_forms_outputs_and_gradients(count, tokens, channels, heads, groups,
+                                                                    blocks, monkeypatch):
+  if blocks == 'small':  # 1-2 windows a block: a bias group spread over several blocks, as at batch 256
+    monkeypatch.setattr(window_attention, '_BLOCK_BUDGET', 2**20)
+  size = window_attention._windows_per_block(count, groups, tokens, channels, heads)  # pylint: disable=protected-access
+  assert (size < groups) == (blocks == 'small' and groups > 2)
   args = _inputs(count, tokens, channels, heads, groups)
   plain = lambda *a: window_attention.plain(*a, heads)
   fused = lambda *a: window_attention.attention(*a, heads, kernel=True)
@@ -77,3 +85,33 @@ def test_heads_that_do_not_divide_the_lanes_take_the_plain_form():
   assert 'tpu_custom_call' not in text
   np.testing.assert_allclose(window_attention.attention(*args, 2, kernel=True),
                              window_attention.plain(*args, 2), atol=1e-6)
+
+
+def test_swin_with_the_kernel_has_the_plain_forms_logits_and_gradients(monkeypatch):
+  import optax  # pylint: disable=g-import-not-at-top
+
+  from flaxtpu.models.nets import swin  # pylint: disable=g-import-not-at-top
+  # A narrow Swin (32 features a head, as in every published one) at 56 px: stage 1 has 14x14 tokens in
+  # 2x2 windows, shifted in its second block (4 masks); stage 2 one 7x7 window; stages 3 and 4 one
+  # smaller window each (16 and 4 tokens, their tables resized).
+  images = jnp.asarray(np.random.default_rng(0).normal(size=(2, 56, 56, 3)), jnp.float32)
+  model = swin.Swin(num_classes=10, stage_sizes=(2, 1, 1, 1), width=32, num_heads=(1, 2, 4, 8))
+  params = jax.jit(lambda: model.init(jax.random.PRNGKey(0), images, train=False))()['params']
+
+  def logits_and_grads(kernel):
+    monkeypatch.setattr(window_attention, 'attention', functools.partial(_attention, kernel=kernel))
+    loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(
+        model.apply({'params': p}, images, train=False), jnp.arange(2)).mean()
+    return jax.jit(lambda p: (model.apply({'params': p}, images, train=False), jax.grad(loss)(p)))(params)
+
+  logits, grads = logits_and_grads(False)
+  fused_logits, fused_grads = logits_and_grads(True)
+  np.testing.assert_allclose(fused_logits, logits, atol=1e-5)
+  table = 'relative_position_bias_table'
+  assert float(jnp.abs(grads['stage1_block2']['attention'][table]).max()) > 1e-5  # the masked block's
+  for (path, want), have in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(fused_grads)):
+    scale = float(jnp.abs(want).max())  # each leaf to its own size: the bias tables' are ~1e-5
+    assert float(jnp.abs(have - want).max()) <= 1e-4 * scale, (jax.tree_util.keystr(path), scale)
+
+
+_attention = window_attention.attention
