@@ -18,7 +18,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 _LANES = 128
@@ -47,11 +46,9 @@ def _windows_per_block(count: int, groups: int, tokens: int, channels: int, num_
   lanes = -(-channels // _LANES) * _LANES
   per_window = (rows * lanes * 2 * 8 * 2  # q, k, v, out and their gradients, bfloat16, double-buffered
                 + rows * -(-tokens // _LANES) * _LANES * 4 * (6 + 2 * num_heads))  # logits; bias blocks
-  best = 1
-  for size in range(1, count + 1):
-    if count % size == 0 and (size % groups == 0 or groups % size == 0) and size * per_window <= _BLOCK_BUDGET:
-      best = size
-  return best
+  fits = [size for size in range(1, count + 1) if count % size == 0 and size * per_window <= _BLOCK_BUDGET
+          and (size % groups == 0 or groups % size == 0)]
+  return max(fits, default=1)
 
 
 def _head_lanes(channels: int, num_heads: int):
