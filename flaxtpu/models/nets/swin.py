@@ -137,7 +137,7 @@ class WindowAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x, mask: Optional[np.ndarray]):
-    count, tokens, features = x.shape
+    _, tokens, features = x.shape
     query, key, value = _QKV(features, dtype=self.dtype, name='qkv')(x)
     table = self.param('relative_position_bias_table', _KERNEL_INIT,
                        ((2 * self.table_window - 1) ** 2, self.num_heads))
