@@ -16,7 +16,7 @@ from flaxtpu.models.layouts import Rule, batch_norm, conv, dense
 from flaxtpu.settings.errors import UserError
 
 OPTIONS = ('drop_path', 'padding')
-IMAGENET_OPTIONS = (*OPTIONS, 'space_to_depth')  # the 7x7 stem's form (nets/resnet.SpaceToDepthStem)
+IMAGENET_OPTIONS = (*OPTIONS, 'space_to_depth')  # the 7x7 stem's form (nets/resnet.ImageNetStem)
 
 
 @dataclasses.dataclass(frozen=True)
