@@ -15,7 +15,8 @@
 #   imports   cifar10.py twice (cold, then warm) under `python -X importtime` and JAX_LOG_COMPILES: its
 #             slowest programs to trace, lower and compile, and its slowest imports (needs CIFAR; ~1 min)
 #   profile   benchmarks/step_profile.py: each chip case in $PROFILE_CASES (default resnet50) traced, its
-#             ops ranked by device time with the FLOP/s and bytes/s they reach (~1.5 min a case)
+#             ops ranked by device time with the FLOP/s and bytes/s they reach (~1.5 min a case);
+#             $PROFILE_ARGS go to each (e.g. "--remat dots_with_no_batch_dims_saveable"), in `ab` too
 #   ab        each case in $PROFILE_CASES profiled twice in a row: by the tree in $AB_BASE (an earlier commit's
 #             flaxtpu, benchmarks and configs: `git archive REF flaxtpu benchmarks configs | tar x -C DIR`,
 #             carried with the repo), then by this one: an optimisation measured alone (~3 min a case)
@@ -100,13 +101,14 @@ for which in "$@"; do
     e2e) part e2e 560 "${tpu[@]}" --only e2e ;;
     profile)
       for case in ${PROFILE_CASES:-resnet50}; do
-        part "profile_$case" 300 python -m benchmarks.step_profile --case "$case" --top 30
+        part "profile_$case" 300 python -m benchmarks.step_profile --case "$case" --top 30 ${PROFILE_ARGS:-}
       done ;;
     ab)
       [ -d "${AB_BASE:-}/flaxtpu" ] || { say "ab: set AB_BASE to a copy of the earlier tree"; continue; }
       for case in ${PROFILE_CASES:-resnet50}; do
-        (cd "$AB_BASE" && part "ab_base_$case" 200 python -m benchmarks.step_profile --case "$case" --top 15)
-        part "ab_new_$case" 200 python -m benchmarks.step_profile --case "$case" --top 15
+        (cd "$AB_BASE" && part "ab_base_$case" 200 python -m benchmarks.step_profile --case "$case" --top 15 \
+          ${PROFILE_ARGS:-})
+        part "ab_new_$case" 200 python -m benchmarks.step_profile --case "$case" --top 15 ${PROFILE_ARGS:-}
         say "ab $case: the earlier tree, then this one:"
         grep -h 'built in\|traced' "$logs/ab_base_$case.log" "$logs/ab_new_$case.log"
       done ;;
