@@ -86,7 +86,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, *, heads):
     update = jnp.einsum('wqk,wkc->wqc', weights, _own(v, lanes),
                         preferred_element_type=jnp.float32)
     out[part.start] = out[part.start] + update if part.start in out else update
-  for head, (part, _) in enumerate(heads):
+  for part, _ in heads:
     if part.start in out:
       out_ref[:, :, part] = out.pop(part.start).astype(out_ref.dtype)
 
