@@ -51,15 +51,17 @@ def _windows_per_block(count: int, groups: int, tokens: int, channels: int, num_
   return max(fits, default=1)
 
 
-def _head_lanes(channels: int, num_heads: int):
-  """For each head: the 128-lane slice of the channels holding it, and its lanes within that slice."""
+def _slices(channels: int, num_heads: int):
+  """The 128-lane slices of the channels, each with its heads as (head, its lanes within the slice): a
+  head's features lie in one slice (128 is a multiple of the head's width)."""
   head_dim = channels // num_heads
-  heads = []
-  for head in range(num_heads):
-    start = head * head_dim // _LANES * _LANES
+  slices = []
+  for start in range(0, channels, _LANES):
     stop = min(start + _LANES, channels)
-    heads.append((slice(start, stop), (head * head_dim - start, (head + 1) * head_dim - start)))
-  return heads
+    heads = [(head, (head * head_dim - start, (head + 1) * head_dim - start))
+             for head in range(start // head_dim, stop // head_dim)]
+    slices.append((slice(start, stop), heads))
+  return slices
 
 
 def _own(x, lanes):
@@ -78,43 +80,36 @@ def _softmax(logits):
   return weights / weights.sum(axis=-1, keepdims=True)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, *, heads):
-  out = {}
-  for head, (part, lanes) in enumerate(heads):
-    q, k, v = q_ref[:, :, part], k_ref[:, :, part], v_ref[:, :, part]
-    weights = _softmax(_logits(q, k, bias_ref[:, head], lanes)).astype(v.dtype)
-    update = jnp.einsum('wqk,wkc->wqc', weights, _own(v, lanes),
-                        preferred_element_type=jnp.float32)
-    out[part.start] = out[part.start] + update if part.start in out else update
-  for part, _ in heads:
-    if part.start in out:
-      out_ref[:, :, part] = out.pop(part.start).astype(out_ref.dtype)
+def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, *, slices):
+  for lanes, heads in slices:
+    q, k, v = q_ref[:, :, lanes], k_ref[:, :, lanes], v_ref[:, :, lanes]
+    out = 0
+    for head, bounds in heads:
+      weights = _softmax(_logits(q, k, bias_ref[:, head], bounds)).astype(v.dtype)
+      out += jnp.einsum('wqk,wkc->wqc', weights, _own(v, bounds), preferred_element_type=jnp.float32)
+    out_ref[:, :, lanes] = out.astype(out_ref.dtype)
 
 
-def _backward_kernel(q_ref, k_ref, v_ref, bias_ref, grad_ref, dq_ref, dk_ref, dv_ref, dbias_ref, *, heads):
+def _backward_kernel(q_ref, k_ref, v_ref, bias_ref, grad_ref, dq_ref, dk_ref, dv_ref, dbias_ref, *, slices):
   @pl.when(pl.program_id(1) == 0)
   def _():
     dbias_ref[...] = jnp.zeros_like(dbias_ref)
 
-  dq, dk, dv = {}, {}, {}
-  add = lambda sums, key, value: sums.__setitem__(key, sums[key] + value if key in sums else value)
-  for head, (part, lanes) in enumerate(heads):
-    q, k, v, grad = q_ref[:, :, part], k_ref[:, :, part], v_ref[:, :, part], grad_ref[:, :, part]
-    weights = _softmax(_logits(q, k, bias_ref[:, head], lanes))
-    own_grad = _own(grad, lanes)
-    add(dv, part.start, jnp.einsum('wqk,wqc->wkc', weights.astype(v.dtype), own_grad,
-                                   preferred_element_type=jnp.float32))
-    weights_grad = jnp.einsum('wqc,wkc->wqk', own_grad, v, preferred_element_type=jnp.float32)
-    logits_grad = weights * (weights_grad - (weights * weights_grad).sum(axis=-1, keepdims=True))
-    dbias_ref[:, head] += logits_grad
-    logits_grad = logits_grad.astype(q.dtype)
-    add(dq, part.start, jnp.einsum('wqk,wkc->wqc', logits_grad, _own(k, lanes),
-                                   preferred_element_type=jnp.float32))
-    add(dk, part.start, jnp.einsum('wqk,wqc->wkc', logits_grad, _own(q, lanes),
-                                   preferred_element_type=jnp.float32))
-  for sums, ref in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
-    for start, value in sums.items():
-      ref[:, :, slice(start, start + value.shape[-1])] = value.astype(ref.dtype)
+  for lanes, heads in slices:
+    q, k, v, grad = q_ref[:, :, lanes], k_ref[:, :, lanes], v_ref[:, :, lanes], grad_ref[:, :, lanes]
+    dq = dk = dv = 0
+    for head, bounds in heads:
+      weights = _softmax(_logits(q, k, bias_ref[:, head], bounds))
+      own_grad = _own(grad, bounds)
+      dv += jnp.einsum('wqk,wqc->wkc', weights.astype(v.dtype), own_grad, preferred_element_type=jnp.float32)
+      weights_grad = jnp.einsum('wqc,wkc->wqk', own_grad, v, preferred_element_type=jnp.float32)
+      logits_grad = weights * (weights_grad - (weights * weights_grad).sum(axis=-1, keepdims=True))
+      dbias_ref[:, head] += logits_grad
+      logits_grad = logits_grad.astype(q.dtype)
+      dq += jnp.einsum('wqk,wkc->wqc', logits_grad, _own(k, bounds), preferred_element_type=jnp.float32)
+      dk += jnp.einsum('wqk,wqc->wkc', logits_grad, _own(q, bounds), preferred_element_type=jnp.float32)
+    for value, ref in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+      ref[:, :, lanes] = value.astype(ref.dtype)
 
 
 def _specs(count, tokens, channels, groups, num_heads):
@@ -160,7 +155,7 @@ def fused(q, k, v, bias, num_heads: int, interpret: bool = False):
 def _fused_forward(q, k, v, bias, num_heads, interpret):
   count, tokens, channels = q.shape
   size, grid, windows, bias_spec = _specs(count, tokens, channels, bias.shape[0], num_heads)
-  kernel = functools.partial(_forward_kernel, heads=_head_lanes(channels, num_heads))
+  kernel = functools.partial(_forward_kernel, slices=_slices(channels, num_heads))
   out = _call(kernel, grid, [windows, windows, windows, bias_spec], windows,
               jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, ('parallel', 'parallel'),
               _cost(q, num_heads, products=2, arrays=4))(
@@ -173,7 +168,7 @@ def _fused_backward(num_heads, interpret, residuals, grad):
   count, tokens, channels = q.shape
   groups = bias.shape[0]
   size, grid, windows, bias_spec = _specs(count, tokens, channels, groups, num_heads)
-  kernel = functools.partial(_backward_kernel, heads=_head_lanes(channels, num_heads))
+  kernel = functools.partial(_backward_kernel, slices=_slices(channels, num_heads))
   dbias_shape = jax.ShapeDtypeStruct((max(size, groups), num_heads, tokens, tokens), jnp.float32)
   dq, dk, dv, dbias = _call(
       kernel, grid, [windows] * 3 + [bias_spec, windows], [windows] * 3 + [bias_spec],
