@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxtpu.models.nets import grouped_conv
+from flaxtpu.models.nets import grouped_conv, platforms
 from flaxtpu.models.nets.vit import stochastic_depth
 
 
@@ -143,9 +143,7 @@ class ImageNetStem(nn.Module):
     x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
     if self.space_to_depth:
       return _space_to_depth_conv(x, kernel)
-    if not isinstance(x.shape[0], int):
-      return _plain_stem_conv(x, kernel)
-    return jax.lax.platform_dependent(x, kernel, tpu=_space_to_depth_conv, default=_plain_stem_conv)
+    return platforms.tpu_or_plain(_space_to_depth_conv, _plain_stem_conv, x, kernel)
 
 
 def _plain_stem_conv(x, kernel):

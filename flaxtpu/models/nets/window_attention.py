@@ -9,7 +9,7 @@ next projection reads it; its backward pass recomputes the logits instead of sto
 attention does). A head is picked out of a 128-lane slice of the channels by zeroing the other heads'
 lanes, so no array is ever sliced at 32 lanes.
 
-`attention` takes the kernel on a TPU and the plain form elsewhere (`jax.lax.platform_dependent`), so a
+`attention` takes the kernel on a TPU and the plain form elsewhere (`platforms.tpu_or_plain`), so a
 step compiled for a TPU from another machine gets the kernel too. Both compute the softmax in float32.
 """
 
@@ -19,6 +19,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from flaxtpu.models.nets import platforms
 
 _LANES = 128
 # What a grid step's blocks may take of the core's memory (double-buffered inputs and outputs, and the
@@ -191,6 +193,6 @@ def attention(q, k, v, bias, num_heads: int, kernel: Optional[bool] = None):
       or q.shape[0] % bias.shape[0]):
     return plain(q, k, v, bias, num_heads)
   if kernel is None:
-    return jax.lax.platform_dependent(q, k, v, bias, tpu=lambda *a: fused(*a, num_heads),
-                                      default=lambda *a: plain(*a, num_heads))
+    return platforms.tpu_or_plain(lambda *a: fused(*a, num_heads), lambda *a: plain(*a, num_heads), q, k, v,
+                                  bias)
   return fused(q, k, v, bias, num_heads, jax.default_backend() != 'tpu')
