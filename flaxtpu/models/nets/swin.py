@@ -111,25 +111,21 @@ def shift_mask(height: int, width: int, window: tuple[int, int],
   return np.where(windows[:, None, :] != windows[:, :, None], _MASKED, 0.0).astype(np.float32)
 
 
-class _QKV(nn.Module):
-  """timm's fused qkv projection (one [features, 3 * features] kernel, as nn.Dense holds it) as three
-  matrix products, so that q, k and v each come out [..., features], as window attention reads them."""
+class _DenseParameters(nn.Module):
+  """nn.Dense's parameters (its kernel and bias, as timm's layers map to them), for a layer that a
+  fused kernel computes."""
   features: int
-  dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x):
-    kernel = self.param('kernel', _KERNEL_INIT, (x.shape[-1], 3 * self.features)).astype(self.dtype)
-    bias = self.param('bias', nn.initializers.zeros, (3 * self.features,)).astype(self.dtype)
-    x = x.astype(self.dtype)
-    return tuple(x @ kernel[:, part * self.features:(part + 1) * self.features]
-                 + bias[part * self.features:(part + 1) * self.features] for part in range(3))
+  def __call__(self, in_features: int):
+    return (self.param('kernel', _KERNEL_INIT, (in_features, self.features)),
+            self.param('bias', nn.initializers.zeros, (self.features,)))
 
 
 class WindowAttention(nn.Module):
   """Multi-head self-attention within each window, plus the relative position bias (timm's layout:
-  one fused qkv projection, the table [(2 * table_window - 1)^2, heads]). On a TPU it runs as one fused
-  kernel (`window_attention`)."""
+  one fused qkv projection, the table [(2 * table_window - 1)^2, heads], the output projection). On a
+  TPU the projections and the attention run as one fused kernel (`window_attention`)."""
   num_heads: int
   window: tuple[int, int]  # the windows it attends in
   table_window: int = 7  # the window its table was made for
@@ -138,7 +134,6 @@ class WindowAttention(nn.Module):
   @nn.compact
   def __call__(self, x, mask: Optional[np.ndarray]):
     _, tokens, features = x.shape
-    query, key, value = _QKV(features, dtype=self.dtype, name='qkv')(x)
     table = self.param('relative_position_bias_table', _KERNEL_INIT,
                        ((2 * self.table_window - 1) ** 2, self.num_heads))
     resize = table_resize(self.table_window, self.window)
@@ -150,9 +145,10 @@ class WindowAttention(nn.Module):
     bias = bias.transpose(2, 0, 1).astype(jnp.float32)[None]
     if mask is not None:
       bias = bias + jnp.asarray(mask)[:, None]
-    y = window_attention.attention(query * (features // self.num_heads) ** -0.5, key, value, bias,
-                                   self.num_heads)
-    return nn.Dense(features, dtype=self.dtype, kernel_init=_KERNEL_INIT, name='proj')(y)
+    cast = lambda parameters: [value.astype(self.dtype) for value in parameters]
+    qkv = cast(_DenseParameters(3 * features, name='qkv')(features))
+    proj = cast(_DenseParameters(features, name='proj')(features))
+    return window_attention.block(x.astype(self.dtype), *qkv, *proj, bias, self.num_heads)
 
 
 class SwinBlock(nn.Module):

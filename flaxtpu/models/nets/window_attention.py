@@ -3,14 +3,17 @@
 A window holds 49 tokens and a head 32 features, so on a TPU, whose vector registers and memory tiles are
 8 x 128, every array of the plain form wastes most of its lanes: the logits [windows, heads, 49, 49] and
 the per-head q, k, v [windows, 49, heads, 32] are padded to 128 in their last dimension, and XLA spends a
-third of Swin-T's step copying q, k and v between layouts. The kernel reads q, k and v as the projections
-write them ([windows, 49, channels]), keeps the logits in the core's memory, and writes the output as the
-next projection reads it; its backward pass recomputes the logits instead of storing them (as flash
-attention does). A head is picked out of a 128-lane slice of the channels by zeroing the other heads'
-lanes, so no array is ever sliced at 32 lanes.
+third of Swin-T's step copying q, k and v between layouts. The kernel takes a block of windows
+[windows, tokens, channels] (tokens padded to whole bfloat16 tiles, 49 -> 64, as the chip's memory
+stores them anyway) and does the whole attention branch in the core's memory: the qkv projection, each
+head's logits with the relative position bias and the shifted windows' mask, the softmax, and the output
+projection. Its backward pass recomputes q, k, v and the logits from the windows instead of storing
+them (as flash attention does), and sums the projections' gradients over the blocks. A head is picked
+out of a 128-lane slice of the channels by zeroing the other heads' lanes, so no array is ever sliced
+at 32 lanes.
 
-`attention` takes the kernel on a TPU and the plain form elsewhere (`platforms.tpu_or_plain`), so a
-step compiled for a TPU from another machine gets the kernel too. Both compute the softmax in float32.
+`block` takes the kernel on a TPU and the plain form elsewhere (`platforms.tpu_or_plain`), so a step
+compiled for a TPU from another machine gets the kernel too. Both compute the softmax in float32.
 """
 
 import functools
@@ -44,26 +47,38 @@ def plain(q, k, v, bias, num_heads: int):
 def _windows_per_block(count: int, groups: int, tokens: int, channels: int, num_heads: int) -> int:
   """The most windows a grid step takes within the budget: a divisor of `count`, and a multiple or a
   divisor of `groups` (so that a block's windows meet the bias groups in one fixed pattern)."""
-  rows = -(-tokens // 8) * 8
   lanes = -(-channels // _LANES) * _LANES
-  per_window = (rows * lanes * 2 * 8 * 2  # q, k, v, out and their gradients, bfloat16, double-buffered
-                + rows * -(-tokens // _LANES) * _LANES * 4 * (6 + 2 * num_heads))  # logits; bias blocks
+  # Bytes a token row a lane: x, y and their gradients double-buffered, q, k, v, their gradients and the
+  # output in scratch, float32 temporaries of the projections; then the logits and the bias blocks.
+  per_window = (tokens * lanes * 50
+                + tokens * -(-tokens // _LANES) * _LANES * 4 * (6 + 2 * num_heads))
   fits = [size for size in range(1, count + 1) if count % size == 0 and size * per_window <= _BLOCK_BUDGET
           and (size % groups == 0 or groups % size == 0)]
   return max(fits, default=1)
 
 
 def _slices(channels: int, num_heads: int):
-  """The 128-lane slices of the channels, each with its heads as (head, its lanes within the slice): a
-  head's features lie in one slice (128 is a multiple of the head's width)."""
+  """The 128-lane slices of the channels, as (start, stop, first head), and each head's lanes within
+  its slice (a head's features lie in one slice: 128 is a multiple of the head's width)."""
   head_dim = channels // num_heads
-  slices = []
-  for start in range(0, channels, _LANES):
-    stop = min(start + _LANES, channels)
-    heads = [(head, (head * head_dim - start, (head + 1) * head_dim - start))
-             for head in range(start // head_dim, stop // head_dim)]
-    slices.append((slice(start, stop), heads))
-  return slices
+  per_slice = _LANES // head_dim
+  slices = [(start, min(start + _LANES, channels), start // head_dim) for start in range(0, channels, _LANES)]
+  return slices, [(head * head_dim, (head + 1) * head_dim) for head in range(per_slice)]
+
+
+def _each_slice(channels: int, num_heads: int, body) -> None:
+  """body(lanes, first head, the heads' lanes) for each 128-lane slice: a loop where the slices are
+  alike (so a 24-head layer compiles 4 heads' code, not 24), else one call each."""
+  slices, heads = _slices(channels, num_heads)
+  if channels % _LANES:
+    for start, stop, first in slices:
+      body(slice(start, stop), first, heads[:(stop - start) * len(heads) // _LANES])
+    return
+
+  def step(index, carry):
+    body(pl.ds(pl.multiple_of(index * _LANES, _LANES), _LANES), index * len(heads), heads)
+    return carry
+  jax.lax.fori_loop(0, len(slices), step, 0)
 
 
 def _own(x, lanes):
@@ -82,46 +97,110 @@ def _softmax(logits):
   return weights / weights.sum(axis=-1, keepdims=True)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, *, slices):
-  for lanes, heads in slices:
+def _rows(x, rows: int):
+  """[windows, tokens, channels] <-> [windows * tokens, channels] (tokens a multiple of 16, so that
+  the change is whole tiles), through float32, whose tiles are 8 rows (bfloat16's pack 16 in 8)."""
+  wide = x.astype(jnp.float32)
+  return (wide.reshape(-1, wide.shape[-1]) if rows < 0 else wide.reshape(-1, rows, wide.shape[-1]))
+
+
+def _matmul(a, b, dtype, transpose_a=False, transpose_b=False):
+  """a @ b in `dtype` with a float32 result (a or b transposed where asked)."""
+  dims = (((0,) if transpose_a else (1,)), ((1,) if transpose_b else (0,)))
+  return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), (dims, ((), ())),
+                             preferred_element_type=jnp.float32)
+
+
+def _project_qkv(x2, w_refs, b_refs, q_ref, k_ref, v_ref, scale):
+  """q, k, v of a block (x2: its tokens as rows) into the scratch arrays, q scaled."""
+  tokens = q_ref.shape[1]
+  for w_ref, b_ref, out_ref, factor in zip(w_refs, b_refs, (q_ref, k_ref, v_ref), (scale, 1, 1)):
+    projected = (_matmul(x2, w_ref[...], out_ref.dtype) + b_ref[...]) * factor
+    out_ref[...] = _rows(projected, tokens).astype(out_ref.dtype)
+
+
+def _forward_kernel(x_ref, wq_ref, wk_ref, wv_ref, wp_ref, bq_ref, bk_ref, bv_ref, bp_ref, bias_ref, y_ref,
+                    q_ref, k_ref, v_ref, o_ref, *, num_heads, scale):
+  dtype = q_ref.dtype
+  x2 = _rows(x_ref[...], -1)
+  _project_qkv(x2, (wq_ref, wk_ref, wv_ref), (bq_ref, bk_ref, bv_ref), q_ref, k_ref, v_ref, scale)
+
+  def one_slice(lanes, first, heads):
     q, k, v = q_ref[:, :, lanes], k_ref[:, :, lanes], v_ref[:, :, lanes]
     out = 0
-    for head, bounds in heads:
-      weights = _softmax(_logits(q, k, bias_ref[:, head], bounds)).astype(v.dtype)
+    for head, bounds in enumerate(heads):
+      weights = _softmax(_logits(q, k, bias_ref[:, first + head], bounds)).astype(dtype)
       out += jnp.einsum('wqk,wkc->wqc', weights, _own(v, bounds), preferred_element_type=jnp.float32)
-    out_ref[:, :, lanes] = out.astype(out_ref.dtype)
+    o_ref[:, :, lanes] = out.astype(dtype)
+  _each_slice(q_ref.shape[-1], num_heads, one_slice)
+  y = _matmul(_rows(o_ref[...], -1), wp_ref[...], dtype) + bp_ref[...]
+  y_ref[...] = _rows(y, y_ref.shape[1]).astype(y_ref.dtype)
 
 
-def _backward_kernel(q_ref, k_ref, v_ref, bias_ref, grad_ref, dq_ref, dk_ref, dv_ref, dbias_ref, *, slices):
+def _backward_kernel(x_ref, wq_ref, wk_ref, wv_ref, wp_ref, bq_ref, bk_ref, bv_ref, bp_ref, bias_ref,
+                     dy_ref, dx_ref, dwq_ref, dwk_ref, dwv_ref, dwp_ref, dbq_ref, dbk_ref, dbv_ref, dbp_ref,
+                     dbias_ref, q_ref, k_ref, v_ref, o_ref, do_ref, dq_ref, dk_ref, dv_ref, *, num_heads,
+                     scale):
+  dtype = q_ref.dtype
+  first_step = (pl.program_id(0) == 0) & (pl.program_id(1) == 0)
+
+  @pl.when(first_step)
+  def _():
+    for ref in (dwq_ref, dwk_ref, dwv_ref, dwp_ref, dbq_ref, dbk_ref, dbv_ref, dbp_ref):
+      ref[...] = jnp.zeros_like(ref)
+
   @pl.when(pl.program_id(1) == 0)
   def _():
     dbias_ref[...] = jnp.zeros_like(dbias_ref)
 
-  for lanes, heads in slices:
-    q, k, v, grad = q_ref[:, :, lanes], k_ref[:, :, lanes], v_ref[:, :, lanes], grad_ref[:, :, lanes]
-    dq = dk = dv = 0
-    for head, bounds in heads:
-      weights = _softmax(_logits(q, k, bias_ref[:, head], bounds))
+  x2 = _rows(x_ref[...], -1)
+  _project_qkv(x2, (wq_ref, wk_ref, wv_ref), (bq_ref, bk_ref, bv_ref), q_ref, k_ref, v_ref, scale)
+  dy2 = _rows(dy_ref[...], -1)
+  do_ref[...] = _rows(_matmul(dy2, wp_ref[...], dtype, transpose_b=True), q_ref.shape[1]).astype(dtype)
+
+  def one_slice(lanes, first, heads):
+    q, k, v, grad = q_ref[:, :, lanes], k_ref[:, :, lanes], v_ref[:, :, lanes], do_ref[:, :, lanes]
+    out = dq = dk = dv = 0
+    for head, bounds in enumerate(heads):
+      weights = _softmax(_logits(q, k, bias_ref[:, first + head], bounds))
+      half = weights.astype(dtype)
       own_grad = _own(grad, bounds)
-      dv += jnp.einsum('wqk,wqc->wkc', weights.astype(v.dtype), own_grad, preferred_element_type=jnp.float32)
+      out += jnp.einsum('wqk,wkc->wqc', half, _own(v, bounds), preferred_element_type=jnp.float32)
+      dv += jnp.einsum('wqk,wqc->wkc', half, own_grad, preferred_element_type=jnp.float32)
       weights_grad = jnp.einsum('wqc,wkc->wqk', own_grad, v, preferred_element_type=jnp.float32)
       logits_grad = weights * (weights_grad - (weights * weights_grad).sum(axis=-1, keepdims=True))
-      dbias_ref[:, head] += logits_grad
-      logits_grad = logits_grad.astype(q.dtype)
+      dbias_ref[:, first + head] += logits_grad
+      logits_grad = logits_grad.astype(dtype)
       dq += jnp.einsum('wqk,wkc->wqc', logits_grad, _own(k, bounds), preferred_element_type=jnp.float32)
       dk += jnp.einsum('wqk,wqc->wkc', logits_grad, _own(q, bounds), preferred_element_type=jnp.float32)
-    for value, ref in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+    for value, ref in ((out, o_ref), (dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
       ref[:, :, lanes] = value.astype(ref.dtype)
+  _each_slice(q_ref.shape[-1], num_heads, one_slice)
+
+  dwp_ref[...] += _matmul(_rows(o_ref[...], -1), dy2, dtype, transpose_a=True)
+  dbp_ref[...] += dy2.sum(axis=0, keepdims=True)
+  dx = 0
+  for grad_ref, w_ref, dw_ref, db_ref, factor in ((dq_ref, wq_ref, dwq_ref, dbq_ref, scale),
+                                                  (dk_ref, wk_ref, dwk_ref, dbk_ref, 1),
+                                                  (dv_ref, wv_ref, dwv_ref, dbv_ref, 1)):
+    grad2 = _rows(grad_ref[...], -1) * factor  # the gradient of x @ w + b
+    dw_ref[...] += _matmul(x2, grad2, dtype, transpose_a=True)
+    db_ref[...] += grad2.sum(axis=0, keepdims=True)
+    dx += _matmul(grad2, w_ref[...], dtype, transpose_b=True)
+  dx_ref[...] = _rows(dx, dx_ref.shape[1]).astype(dx_ref.dtype)
 
 
 def _specs(count, tokens, channels, groups, num_heads):
-  """The grid (bias patterns, blocks of each) and the block specs of the windows' arrays and the bias."""
+  """The grid (bias patterns, blocks of each) and the block specs of the windows' arrays, the bias,
+  the projections' kernels and their biases (whole, the same block at every step)."""
   size = _windows_per_block(count, groups, tokens, channels, num_heads)
   patterns = max(groups // size, 1)  # a block's windows meet the groups in one of these patterns
   grid = (patterns, count // size // patterns)
   windows = pl.BlockSpec((size, tokens, channels), lambda p, i: (i * patterns + p, 0, 0))
   bias = pl.BlockSpec((size, num_heads, tokens, tokens), lambda p, i: (p, 0, 0, 0))
-  return size, grid, windows, bias
+  weights = pl.BlockSpec((channels, channels), lambda p, i: (0, 0))
+  biases = pl.BlockSpec((1, channels), lambda p, i: (0, 0))
+  return size, grid, windows, bias, weights, biases
 
 
 def _tiled_bias(bias, size):
@@ -129,70 +208,111 @@ def _tiled_bias(bias, size):
   return jnp.tile(bias, (max(size // bias.shape[0], 1), 1, 1, 1))
 
 
-def _cost(q, num_heads: int, products: int, arrays: int):
-  """What a kernel computes, for XLA's cost analysis (and so MFU): `products` matrix products of q's
-  shape by the logits' (as many as the plain form has: recomputed logits are not counted), an
-  exponential a logit, and `arrays` arrays of q's size read or written."""
-  count, tokens, channels = q.shape
-  return pl.CostEstimate(flops=2 * products * count * tokens * tokens * channels,
+def _cost(x, tokens: int, num_heads: int, backward: bool):
+  """What a kernel computes, for XLA's cost analysis (and so MFU): the plain form's matrix products
+  (the four projections and the two products of each head's logits; the backward pass twice as many;
+  recomputed ones not counted) over the `tokens` real tokens, an exponential a logit, and the arrays
+  of x's size read or written."""
+  count, _, channels = x.shape
+  products = 2 * count * tokens * channels * (4 * channels + 2 * tokens)
+  return pl.CostEstimate(flops=products * (2 if backward else 1),
                          transcendentals=count * num_heads * tokens * tokens,
-                         bytes_accessed=arrays * q.size * q.dtype.itemsize)
+                         bytes_accessed=(3 if backward else 2) * x.size * x.dtype.itemsize)
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, semantics, cost):
+def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret, semantics, cost):
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
   params = {} if interpret else {'compiler_params': pltpu.CompilerParams(
       dimension_semantics=semantics, vmem_limit_bytes=_VMEM_LIMIT)}
+  scratch = [pltpu.VMEM(shape, dtype) for shape, dtype in scratch]
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                        interpret=interpret, cost_estimate=cost, **params)
+                        scratch_shapes=scratch, interpret=interpret, cost_estimate=cost, **params)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def fused(q, k, v, bias, num_heads: int, interpret: bool = False):
-  """What `plain` computes, as one Pallas kernel (`interpret`: run it by the Pallas interpreter, on any
-  machine)."""
-  return _fused_forward(q, k, v, bias, num_heads, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))
+def fused(x, wq, wk, wv, wp, bq, bk, bv, bp, bias, num_heads: int, tokens: int, interpret: bool = False):
+  """What `plain_block` computes, as one Pallas kernel, on windows of `tokens` tokens padded to a
+  multiple of 16 (x [windows, padded, channels]; bias [groups, heads, padded, padded], its padded keys'
+  columns very negative); the projections' kernels split into q, k and v's, their biases [1, channels].
+  `interpret`: run by the Pallas interpreter, on any machine."""
+  return _fused_forward(x, wq, wk, wv, wp, bq, bk, bv, bp, bias, num_heads, tokens, interpret)[0]
 
 
-def _fused_forward(q, k, v, bias, num_heads, interpret):
-  count, tokens, channels = q.shape
-  size, grid, windows, bias_spec = _specs(count, tokens, channels, bias.shape[0], num_heads)
-  kernel = functools.partial(_forward_kernel, slices=_slices(channels, num_heads))
-  out = _call(kernel, grid, [windows, windows, windows, bias_spec], windows,
-              jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, ('parallel', 'parallel'),
-              _cost(q, num_heads, products=2, arrays=4))(
-                  q, k, v, _tiled_bias(bias.astype(jnp.float32), size))
-  return out, (q, k, v, bias)
+def _fused_forward(x, wq, wk, wv, wp, bq, bk, bv, bp, bias, num_heads, tokens, interpret):
+  count, padded, channels = x.shape
+  size, grid, windows, bias_spec, weights, biases = _specs(count, padded, channels, bias.shape[0], num_heads)
+  kernel = functools.partial(_forward_kernel, num_heads=num_heads, scale=(channels // num_heads) ** -0.5)
+  y = _call(kernel, grid, [windows] + [weights] * 4 + [biases] * 4 + [bias_spec], windows,
+            jax.ShapeDtypeStruct(x.shape, x.dtype), [((size, padded, channels), x.dtype)] * 4, interpret,
+            ('parallel', 'parallel'), _cost(x, tokens, num_heads, backward=False))(
+                x, wq, wk, wv, wp, bq, bk, bv, bp, _tiled_bias(bias, size))
+  return y, (x, wq, wk, wv, wp, bq, bk, bv, bp, bias)
 
 
-def _fused_backward(num_heads, interpret, residuals, grad):
-  q, k, v, bias = residuals
-  count, tokens, channels = q.shape
+def _fused_backward(num_heads, tokens, interpret, residuals, grad):
+  x, wq, wk, wv, wp, bq, bk, bv, bp, bias = residuals
+  count, padded, channels = x.shape
   groups = bias.shape[0]
-  size, grid, windows, bias_spec = _specs(count, tokens, channels, groups, num_heads)
-  kernel = functools.partial(_backward_kernel, slices=_slices(channels, num_heads))
-  dbias_shape = jax.ShapeDtypeStruct((max(size, groups), num_heads, tokens, tokens), jnp.float32)
-  dq, dk, dv, dbias = _call(
-      kernel, grid, [windows] * 3 + [bias_spec, windows], [windows] * 3 + [bias_spec],
-      [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3 + [dbias_shape], interpret, ('parallel', 'arbitrary'),
-      _cost(q, num_heads, products=4, arrays=7))(
-          q, k, v, _tiled_bias(bias.astype(jnp.float32), size), grad.astype(q.dtype))
-  dbias = dbias.reshape(-1, groups, num_heads, tokens, tokens).sum(axis=0).astype(bias.dtype)
-  return dq, dk, dv, dbias
+  size, grid, windows, bias_spec, weights, biases = _specs(count, padded, channels, groups, num_heads)
+  kernel = functools.partial(_backward_kernel, num_heads=num_heads, scale=(channels // num_heads) ** -0.5)
+  float32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  grads = _call(
+      kernel, grid, [windows] + [weights] * 4 + [biases] * 4 + [bias_spec, windows],
+      [windows] + [weights] * 4 + [biases] * 4 + [bias_spec],
+      [jax.ShapeDtypeStruct(x.shape, x.dtype)] + [float32(channels, channels)] * 4
+      + [float32(1, channels)] * 4 + [float32(max(size, groups), num_heads, padded, padded)],
+      [((size, padded, channels), x.dtype)] * 5 + [((size, padded, channels), jnp.float32)] * 3, interpret,
+      ('arbitrary', 'arbitrary'), _cost(x, tokens, num_heads, backward=True))(
+          x, wq, wk, wv, wp, bq, bk, bv, bp, _tiled_bias(bias, size), grad.astype(x.dtype))
+  dx, *parameters, dbias = grads
+  dbias = dbias.reshape(-1, groups, num_heads, padded, padded).sum(axis=0)
+  like = (wq, wk, wv, wp, bq, bk, bv, bp)
+  return (dx, *(grad.astype(value.dtype) for grad, value in zip(parameters, like)), dbias.astype(bias.dtype))
 
 
 fused.defvjp(_fused_forward, _fused_backward)
 
 
-def attention(q, k, v, bias, num_heads: int, kernel: Optional[bool] = None):
-  """Window attention (see `plain`): the fused kernel on a TPU, the plain form elsewhere; `kernel`
-  True or False forces one (True off a TPU runs the kernel by the Pallas interpreter). Heads wider than
-  128 lanes, or not dividing them, take the plain form everywhere, and so does a symbolic number of
-  windows (an export's batch: the kernel's blocks are sized to a known one)."""
-  if (kernel is False or not isinstance(q.shape[0], int) or _LANES % (q.shape[-1] // num_heads)
-      or q.shape[0] % bias.shape[0]):
-    return plain(q, k, v, bias, num_heads)
-  if kernel is None:
-    return platforms.tpu_or_plain(lambda *a: fused(*a, num_heads), lambda *a: plain(*a, num_heads), q, k, v,
-                                  bias)
-  return fused(q, k, v, bias, num_heads, jax.default_backend() != 'tpu')
+def plain_block(x, qkv_kernel, qkv_bias, proj_kernel, proj_bias, bias, num_heads: int):
+  """The attention branch of a Swin block on its windows x [windows, tokens, channels]: timm's fused
+  qkv projection ([channels, 3 * channels]), attention with `bias` (see `plain`), the output projection."""
+  q, k, v = jnp.split(x @ qkv_kernel + qkv_bias, 3, axis=-1)
+  return plain(q * (x.shape[-1] // num_heads) ** -0.5, k, v, bias, num_heads) @ proj_kernel + proj_bias
+
+
+def _fits_the_kernel(x, bias, num_heads: int) -> bool:
+  """Heads of 128 lanes or a divisor of them, a known number of windows (an export's batch is
+  symbolic: the kernel's blocks are sized to a known one), whole bias groups."""
+  count, _, channels = x.shape
+  return (isinstance(count, int) and channels % num_heads == 0 and _LANES % (channels // num_heads) == 0
+          and count % bias.shape[0] == 0)
+
+
+def block(x, qkv_kernel, qkv_bias, proj_kernel, proj_bias, bias, num_heads: int,
+          kernel: Optional[bool] = None):
+  """`plain_block` as one fused kernel on a TPU and the plain form elsewhere (`kernel` True or False forces
+  one; True off a TPU runs the kernel by the Pallas interpreter). Where the kernel does not fit (see
+  `_fits_the_kernel`) the plain form runs everywhere."""
+  if kernel is False or not _fits_the_kernel(x, bias, num_heads):
+    return plain_block(x, qkv_kernel, qkv_bias, proj_kernel, proj_bias, bias, num_heads)
+  fused_form = functools.partial(_padded_kernel, num_heads=num_heads,
+                                 interpret=kernel is not None and jax.default_backend() != 'tpu')
+  if kernel:
+    return fused_form(x, qkv_kernel, qkv_bias, proj_kernel, proj_bias, bias)
+  return platforms.tpu_or_plain(fused_form, functools.partial(plain_block, num_heads=num_heads),
+                                x, qkv_kernel, qkv_bias, proj_kernel, proj_bias, bias)
+
+
+def _padded_kernel(x, qkv_kernel, qkv_bias, proj_kernel, proj_bias, bias, *, num_heads, interpret):
+  """The kernel on windows padded to a multiple of 16 tokens (whole bfloat16 tiles)."""
+  count, tokens, channels = x.shape
+  padded = -(-tokens // 16) * 16
+  x = jnp.pad(x, ((0, 0), (0, padded - tokens), (0, 0)))
+  # A padded key weighs nothing (exp(-1e9) is 0); a padded query's row is dropped.
+  bias = jnp.pad(bias.astype(jnp.float32), ((0, 0), (0, 0), (0, padded - tokens), (0, padded - tokens)),
+                 constant_values=-1e9)
+  wq, wk, wv = jnp.split(qkv_kernel, 3, axis=-1)
+  bq, bk, bv = jnp.split(qkv_bias.astype(jnp.float32)[None], 3, axis=-1)
+  y = fused(x, wq, wk, wv, proj_kernel, bq, bk, bv, proj_bias.astype(jnp.float32)[None], bias, num_heads,
+            tokens, interpret)
+  return y[:, :tokens]
