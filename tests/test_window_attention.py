@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxtpu.models.nets import window_attention
+from flaxtpu.models.nets import attention_kernel, window_attention
 
 
 def _inputs(count, tokens, channels, heads, groups, dtype=jnp.float32, seed=0):
@@ -45,7 +45,7 @@ CASES = [(8, 49, 96, 3, 4), (6, 49, 192, 6, 1), (12, 16, 64, 2, 2), (4, 9, 256, 
 def test_the_kernel_computes_the_plain_forms_outputs_and_gradients(count, tokens, channels, heads, groups,
                                                                     blocks, monkeypatch):
   if blocks == 'small':  # 1-2 windows a block: a bias group spread over several blocks, as at batch 256
-    monkeypatch.setattr(window_attention, '_BLOCK_BUDGET', 2**20)
+    monkeypatch.setattr(attention_kernel, 'BLOCK_BUDGET', 2**20)
   padded = -(-tokens // 16) * 16
   size = window_attention._windows_per_block(count, groups, padded, channels, heads)  # pylint: disable=protected-access
   assert (size < groups) == (blocks == 'small' and groups > 2)

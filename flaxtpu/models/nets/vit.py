@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxtpu.models.nets import attention_kernel
+
 
 def stochastic_depth(x: jax.Array, rate: float, train: bool) -> jax.Array:
   """Drops the whole residual branch `x` of an example with probability `rate` (timm's DropPath).
@@ -97,6 +99,19 @@ def mlp(x: jax.Array, mlp_dim: int, gelu: str, dropout: Callable, dtype: Any) ->
   return dense(x.shape[-1], 'mlp2')(y)
 
 
+def fused_attention(query, key, value, bias=None, mask=None, **_):
+  """flax's dot_product_attention for nn.MultiHeadDotProductAttention without dropout, bias or mask, as
+  `attention_kernel.attention` computes it: one kernel on a TPU, which reads q, k and v [batch, tokens,
+  heads, head_dim] in the projections' layout (no copies between layouts), the plain form elsewhere."""
+  if bias is not None or mask is not None:
+    return nn.dot_product_attention(query, key, value, bias, mask)
+  batch, tokens, heads, head_dim = query.shape
+  flat = lambda x: x.reshape(batch, tokens, heads * head_dim)
+  out = attention_kernel.attention(flat(query / jnp.sqrt(head_dim).astype(query.dtype)), flat(key),
+                                   flat(value), heads)
+  return out.reshape(batch, tokens, heads, head_dim)
+
+
 class EncoderBlock(nn.Module):
   """Pre-LayerNorm self-attention and GELU MLP, each a residual branch: one remat unit."""
   num_heads: int
@@ -117,7 +132,8 @@ class EncoderBlock(nn.Module):
     y = nn.LayerNorm(self.norm_eps, dtype=self.dtype, name='norm1')(x)
     y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dtype=self.dtype,
                                         kernel_init=nn.initializers.xavier_uniform(),
-                                        deterministic=True, name='attention')(y, y)
+                                        attention_fn=fused_attention, deterministic=True,
+                                        name='attention')(y, y)
     x = x + stochastic_depth(scale(dropout(y), 'ls1'), self.drop_path, self.train)
     y = nn.LayerNorm(self.norm_eps, dtype=self.dtype, name='norm2')(x)
     y = mlp(y, self.mlp_dim, self.gelu, dropout, self.dtype)

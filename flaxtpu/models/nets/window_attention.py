@@ -13,7 +13,8 @@ out of a 128-lane slice of the channels by zeroing the other heads' lanes, so no
 at 32 lanes.
 
 `block` takes the kernel on a TPU and the plain form elsewhere (`platforms.tpu_or_plain`), so a step
-compiled for a TPU from another machine gets the kernel too. Both compute the softmax in float32.
+compiled for a TPU from another machine gets the kernel too. Both compute the softmax in float32. The
+per-head pieces are `attention_kernel`'s.
 """
 
 import functools
@@ -23,78 +24,18 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from flaxtpu.models.nets import attention_kernel as kernels
 from flaxtpu.models.nets import platforms
-
-_LANES = 128
-# What a grid step's blocks may take of the core's memory (double-buffered inputs and outputs, and the
-# float32 logits of one head), and the scoped limit the kernel asks for: a v5e core has 128 MiB.
-_BLOCK_BUDGET = 24 * 2**20
-_VMEM_LIMIT = 96 * 2**20
-
-
-def plain(q, k, v, bias, num_heads: int):
-  """[count, tokens, channels] out of q, k, v of that shape, and `bias` [groups, heads, tokens, tokens]
-  added to each window's logits (window w takes group w % groups). q is already scaled."""
-  count, tokens, channels = q.shape
-  split = lambda x: x.reshape(count, tokens, num_heads, channels // num_heads)
-  logits = jnp.einsum('bqhd,bkhd->bhqk', split(q), split(k), preferred_element_type=jnp.float32)
-  groups = bias.shape[0]
-  logits = (logits.reshape(count // groups, groups, num_heads, tokens, tokens) + bias).reshape(logits.shape)
-  weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  return jnp.einsum('bhqk,bkhd->bqhd', weights, split(v)).reshape(count, tokens, channels)
+from flaxtpu.models.nets.attention_kernel import own
 
 
 def _windows_per_block(count: int, groups: int, tokens: int, channels: int, num_heads: int) -> int:
-  """The most windows a grid step takes within the budget: a divisor of `count`, and a multiple or a
-  divisor of `groups` (so that a block's windows meet the bias groups in one fixed pattern)."""
-  lanes = -(-channels // _LANES) * _LANES
+  """The most windows a grid step takes (see `attention_kernel.blocks_within_budget`)."""
+  lanes = -(-channels // kernels.LANES) * kernels.LANES
   # Bytes a token row a lane: x, y and their gradients double-buffered, q, k, v, their gradients and the
   # output in scratch, float32 temporaries of the projections; then the logits and the bias blocks.
-  per_window = (tokens * lanes * 50
-                + tokens * -(-tokens // _LANES) * _LANES * 4 * (6 + 2 * num_heads))
-  fits = [size for size in range(1, count + 1) if count % size == 0 and size * per_window <= _BLOCK_BUDGET
-          and (size % groups == 0 or groups % size == 0)]
-  return max(fits, default=1)
-
-
-def _slices(channels: int, num_heads: int):
-  """The 128-lane slices of the channels, as (start, stop, first head), and each head's lanes within
-  its slice (a head's features lie in one slice: 128 is a multiple of the head's width)."""
-  head_dim = channels // num_heads
-  per_slice = _LANES // head_dim
-  slices = [(start, min(start + _LANES, channels), start // head_dim) for start in range(0, channels, _LANES)]
-  return slices, [(head * head_dim, (head + 1) * head_dim) for head in range(per_slice)]
-
-
-def _each_slice(channels: int, num_heads: int, body) -> None:
-  """body(lanes, first head, the heads' lanes) for each 128-lane slice: a loop where the slices are
-  alike (so a 24-head layer compiles 4 heads' code, not 24), else one call each."""
-  slices, heads = _slices(channels, num_heads)
-  if channels % _LANES:
-    for start, stop, first in slices:
-      body(slice(start, stop), first, heads[:(stop - start) * len(heads) // _LANES])
-    return
-
-  def step(index, carry):
-    body(pl.ds(pl.multiple_of(index * _LANES, _LANES), _LANES), index * len(heads), heads)
-    return carry
-  jax.lax.fori_loop(0, len(slices), step, 0)
-
-
-def _own(x, lanes):
-  """x with the lanes outside [lanes) zeroed (built in the kernel: a kernel captures no arrays)."""
-  lane = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-  return jnp.where((lane >= lanes[0]) & (lane < lanes[1]), x, jnp.zeros_like(x))
-
-
-def _logits(q, k, bias, lanes):
-  """One head's float32 logits [windows, tokens, tokens]: the other heads' lanes of q zeroed."""
-  return jnp.einsum('wqc,wkc->wqk', _own(q, lanes), k, preferred_element_type=jnp.float32) + bias
-
-
-def _softmax(logits):
-  weights = jnp.exp(logits - logits.max(axis=-1, keepdims=True))
-  return weights / weights.sum(axis=-1, keepdims=True)
+  per_window = tokens * lanes * 50 + kernels.logits_bytes(tokens, num_heads, bias=True)
+  return kernels.blocks_within_budget(count, groups, per_window)
 
 
 def _rows(x, rows: int):
@@ -129,10 +70,10 @@ def _forward_kernel(x_ref, wq_ref, wk_ref, wv_ref, wp_ref, bq_ref, bk_ref, bv_re
     q, k, v = q_ref[:, :, lanes], k_ref[:, :, lanes], v_ref[:, :, lanes]
     out = 0
     for head, bounds in enumerate(heads):
-      weights = _softmax(_logits(q, k, bias_ref[:, first + head], bounds)).astype(dtype)
-      out += jnp.einsum('wqk,wkc->wqc', weights, _own(v, bounds), preferred_element_type=jnp.float32)
+      weights = kernels.softmax(kernels.head_logits(q, k, bias_ref[:, first + head], bounds)).astype(dtype)
+      out += jnp.einsum('wqk,wkc->wqc', weights, own(v, bounds), preferred_element_type=jnp.float32)
     o_ref[:, :, lanes] = out.astype(dtype)
-  _each_slice(q_ref.shape[-1], num_heads, one_slice)
+  kernels.each_slice(q_ref.shape[-1], num_heads, one_slice)
   y = _matmul(_rows(o_ref[...], -1), wp_ref[...], dtype) + bp_ref[...]
   y_ref[...] = _rows(y, y_ref.shape[1]).astype(y_ref.dtype)
 
@@ -162,20 +103,20 @@ def _backward_kernel(x_ref, wq_ref, wk_ref, wv_ref, wp_ref, bq_ref, bk_ref, bv_r
     q, k, v, grad = q_ref[:, :, lanes], k_ref[:, :, lanes], v_ref[:, :, lanes], do_ref[:, :, lanes]
     out = dq = dk = dv = 0
     for head, bounds in enumerate(heads):
-      weights = _softmax(_logits(q, k, bias_ref[:, first + head], bounds))
+      weights = kernels.softmax(kernels.head_logits(q, k, bias_ref[:, first + head], bounds))
       half = weights.astype(dtype)
-      own_grad = _own(grad, bounds)
-      out += jnp.einsum('wqk,wkc->wqc', half, _own(v, bounds), preferred_element_type=jnp.float32)
+      own_grad = own(grad, bounds)
+      out += jnp.einsum('wqk,wkc->wqc', half, own(v, bounds), preferred_element_type=jnp.float32)
       dv += jnp.einsum('wqk,wqc->wkc', half, own_grad, preferred_element_type=jnp.float32)
       weights_grad = jnp.einsum('wqc,wkc->wqk', own_grad, v, preferred_element_type=jnp.float32)
       logits_grad = weights * (weights_grad - (weights * weights_grad).sum(axis=-1, keepdims=True))
       dbias_ref[:, first + head] += logits_grad
       logits_grad = logits_grad.astype(dtype)
-      dq += jnp.einsum('wqk,wkc->wqc', logits_grad, _own(k, bounds), preferred_element_type=jnp.float32)
-      dk += jnp.einsum('wqk,wqc->wkc', logits_grad, _own(q, bounds), preferred_element_type=jnp.float32)
+      dq += jnp.einsum('wqk,wkc->wqc', logits_grad, own(k, bounds), preferred_element_type=jnp.float32)
+      dk += jnp.einsum('wqk,wqc->wkc', logits_grad, own(q, bounds), preferred_element_type=jnp.float32)
     for value, ref in ((out, o_ref), (dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
       ref[:, :, lanes] = value.astype(ref.dtype)
-  _each_slice(q_ref.shape[-1], num_heads, one_slice)
+  kernels.each_slice(q_ref.shape[-1], num_heads, one_slice)
 
   dwp_ref[...] += _matmul(_rows(o_ref[...], -1), dy2, dtype, transpose_a=True)
   dbp_ref[...] += dy2.sum(axis=0, keepdims=True)
@@ -203,11 +144,6 @@ def _specs(count, tokens, channels, groups, num_heads):
   return size, grid, windows, bias, weights, biases
 
 
-def _tiled_bias(bias, size):
-  """bias [groups, ...] repeated to a block's windows, where a block holds whole groups."""
-  return jnp.tile(bias, (max(size // bias.shape[0], 1), 1, 1, 1))
-
-
 def _cost(x, tokens: int, num_heads: int, backward: bool):
   """What a kernel computes, for XLA's cost analysis (and so MFU): the plain form's matrix products
   (the four projections and the two products of each head's logits; the backward pass twice as many;
@@ -218,15 +154,6 @@ def _cost(x, tokens: int, num_heads: int, backward: bool):
   return pl.CostEstimate(flops=products * (2 if backward else 1),
                          transcendentals=count * num_heads * tokens * tokens,
                          bytes_accessed=(3 if backward else 2) * x.size * x.dtype.itemsize)
-
-
-def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret, semantics, cost):
-  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
-  params = {} if interpret else {'compiler_params': pltpu.CompilerParams(
-      dimension_semantics=semantics, vmem_limit_bytes=_VMEM_LIMIT)}
-  scratch = [pltpu.VMEM(shape, dtype) for shape, dtype in scratch]
-  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                        scratch_shapes=scratch, interpret=interpret, cost_estimate=cost, **params)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))
@@ -242,10 +169,10 @@ def _fused_forward(x, wq, wk, wv, wp, bq, bk, bv, bp, bias, num_heads, tokens, i
   count, padded, channels = x.shape
   size, grid, windows, bias_spec, weights, biases = _specs(count, padded, channels, bias.shape[0], num_heads)
   kernel = functools.partial(_forward_kernel, num_heads=num_heads, scale=(channels // num_heads) ** -0.5)
-  y = _call(kernel, grid, [windows] + [weights] * 4 + [biases] * 4 + [bias_spec], windows,
-            jax.ShapeDtypeStruct(x.shape, x.dtype), [((size, padded, channels), x.dtype)] * 4, interpret,
-            ('parallel', 'parallel'), _cost(x, tokens, num_heads, backward=False))(
-                x, wq, wk, wv, wp, bq, bk, bv, bp, _tiled_bias(bias, size))
+  y = kernels.call(kernel, grid, [windows] + [weights] * 4 + [biases] * 4 + [bias_spec], windows,
+                   jax.ShapeDtypeStruct(x.shape, x.dtype), interpret, ('parallel', 'parallel'),
+                   _cost(x, tokens, num_heads, backward=False), [((size, padded, channels), x.dtype)] * 4)(
+                x, wq, wk, wv, wp, bq, bk, bv, bp, kernels.tiled_bias(bias, size))
   return y, (x, wq, wk, wv, wp, bq, bk, bv, bp, bias)
 
 
@@ -256,14 +183,14 @@ def _fused_backward(num_heads, tokens, interpret, residuals, grad):
   size, grid, windows, bias_spec, weights, biases = _specs(count, padded, channels, groups, num_heads)
   kernel = functools.partial(_backward_kernel, num_heads=num_heads, scale=(channels // num_heads) ** -0.5)
   float32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  grads = _call(
+  grads = kernels.call(
       kernel, grid, [windows] + [weights] * 4 + [biases] * 4 + [bias_spec, windows],
       [windows] + [weights] * 4 + [biases] * 4 + [bias_spec],
       [jax.ShapeDtypeStruct(x.shape, x.dtype)] + [float32(channels, channels)] * 4
       + [float32(1, channels)] * 4 + [float32(max(size, groups), num_heads, padded, padded)],
-      [((size, padded, channels), x.dtype)] * 5 + [((size, padded, channels), jnp.float32)] * 3, interpret,
-      ('arbitrary', 'arbitrary'), _cost(x, tokens, num_heads, backward=True))(
-          x, wq, wk, wv, wp, bq, bk, bv, bp, _tiled_bias(bias, size), grad.astype(x.dtype))
+      interpret, ('arbitrary', 'arbitrary'), _cost(x, tokens, num_heads, backward=True),
+      [((size, padded, channels), x.dtype)] * 5 + [((size, padded, channels), jnp.float32)] * 3)(
+          x, wq, wk, wv, wp, bq, bk, bv, bp, kernels.tiled_bias(bias, size), grad.astype(x.dtype))
   dx, *parameters, dbias = grads
   dbias = dbias.reshape(-1, groups, num_heads, padded, padded).sum(axis=0)
   like = (wq, wk, wv, wp, bq, bk, bv, bp)
@@ -277,23 +204,16 @@ def plain_block(x, qkv_kernel, qkv_bias, proj_kernel, proj_bias, bias, num_heads
   """The attention branch of a Swin block on its windows x [windows, tokens, channels]: timm's fused
   qkv projection ([channels, 3 * channels]), attention with `bias` (see `plain`), the output projection."""
   q, k, v = jnp.split(x @ qkv_kernel + qkv_bias, 3, axis=-1)
-  return plain(q * (x.shape[-1] // num_heads) ** -0.5, k, v, bias, num_heads) @ proj_kernel + proj_bias
-
-
-def _fits_the_kernel(x, bias, num_heads: int) -> bool:
-  """Heads of 128 lanes or a divisor of them, a known number of windows (an export's batch is
-  symbolic: the kernel's blocks are sized to a known one), whole bias groups."""
-  count, _, channels = x.shape
-  return (isinstance(count, int) and channels % num_heads == 0 and _LANES % (channels // num_heads) == 0
-          and count % bias.shape[0] == 0)
+  scaled = q * (x.shape[-1] // num_heads) ** -0.5
+  return kernels.plain(scaled, k, v, bias, num_heads) @ proj_kernel + proj_bias
 
 
 def block(x, qkv_kernel, qkv_bias, proj_kernel, proj_bias, bias, num_heads: int,
           kernel: Optional[bool] = None):
   """`plain_block` as one fused kernel on a TPU and the plain form elsewhere (`kernel` True or False forces
   one; True off a TPU runs the kernel by the Pallas interpreter). Where the kernel does not fit (see
-  `_fits_the_kernel`) the plain form runs everywhere."""
-  if kernel is False or not _fits_the_kernel(x, bias, num_heads):
+  `attention_kernel.fits`) the plain form runs everywhere."""
+  if kernel is False or not kernels.fits(x.shape[0], x.shape[-1], num_heads, bias.shape[0]):
     return plain_block(x, qkv_kernel, qkv_bias, proj_kernel, proj_bias, bias, num_heads)
   fused_form = functools.partial(_padded_kernel, num_heads=num_heads,
                                  interpret=kernel is not None and jax.default_backend() != 'tpu')
