@@ -80,11 +80,18 @@ def test_the_kernel_is_lowered_for_a_tpu_and_the_plain_form_elsewhere_and_for_a_
   assert 'tpu_custom_call' not in exported.mlir_module()
 
 
-def test_heads_that_do_not_divide_the_lanes_take_the_plain_form():
-  q, k, v, _ = _inputs(2, 9, 96, 2, None)  # 48 features a head
-  text = jax.jit(lambda *a: attention_kernel.attention(*a, 2)).trace(q, k, v).lower(
-      lowering_platforms=('tpu',)).as_text()
-  assert 'tpu_custom_call' not in text
+@pytest.mark.parametrize('tokens,channels,heads,kernels', [
+    (9, 96, 2, 0),  # 48 features a head: not a divisor of 128 lanes
+    (577, 768, 12, 2),  # ViT-B/16 at 384 px: one image a grid step
+    (1025, 768, 12, 0),  # at 512 px one image alone overflows the step's budget of the core's memory
+])
+def test_heads_that_do_not_divide_the_lanes_and_overlong_sequences_take_the_plain_form(tokens, channels,
+                                                                                        heads, kernels):
+  q = jax.ShapeDtypeStruct((2, tokens, channels), jnp.bfloat16)
+  attend = lambda *a: attention_kernel.attention(*a, heads)
+  step = jax.jit(jax.grad(_weighted_sum(attend, channels), argnums=(0, 1, 2)))
+  text = step.trace(q, q, q).lower(lowering_platforms=('tpu',)).as_text()
+  assert text.count('tpu_custom_call') == kernels
 
 
 def test_vit_with_the_kernel_has_flax_attentions_logits_and_gradients(monkeypatch):

@@ -161,12 +161,16 @@ def _backward_kernel(*refs, num_heads, biased):
   each_slice(q_ref.shape[-1], num_heads, one_slice)
 
 
+def _window_bytes(tokens, channels, num_heads, biased) -> int:
+  """What a window takes of the core's memory in a grid step: q, k, v, the output and the gradients
+  (bfloat16, double-buffered), and the logits-shaped temporaries."""
+  lanes = -(-channels // LANES) * LANES
+  return -(-tokens // 8) * 8 * lanes * 2 * 8 * 2 + logits_bytes(tokens, num_heads, biased)
+
+
 def _specs(count, tokens, channels, groups, num_heads, biased):
   """The grid (bias patterns, blocks of each) and the block specs of the windows' arrays and the bias."""
-  lanes = -(-channels // LANES) * LANES
-  per_window = (-(-tokens // 8) * 8 * lanes * 2 * 8 * 2  # q, k, v, out and gradients, bf16, double-buffered
-                + logits_bytes(tokens, num_heads, biased))
-  size = blocks_within_budget(count, groups, per_window)
+  size = blocks_within_budget(count, groups, _window_bytes(tokens, channels, num_heads, biased))
   patterns = max(groups // size, 1)  # a block's windows meet the groups in one of these patterns
   grid = (patterns, count // size // patterns)
   windows = pl.BlockSpec((size, tokens, channels), lambda p, i: (i * patterns + p, 0, 0))
@@ -233,9 +237,12 @@ fused.defvjp(_fused_forward, _fused_backward)
 def attention(q, k, v, num_heads: int, bias=None, kernel: Optional[bool] = None):
   """Multi-head attention (see `plain`): the fused kernel on a TPU, the plain form elsewhere; `kernel`
   True or False forces one (True off a TPU runs the kernel by the Pallas interpreter). Shapes the
-  kernel does not take (see `fits`) get the plain form everywhere."""
+  kernel does not take (see `fits`), and sequences so long that one alone overflows a grid step's
+  budget of the core's memory (a ViT's thousands of tokens), get the plain form everywhere."""
+  count, tokens, channels = q.shape
   groups = 1 if bias is None else bias.shape[0]
-  if kernel is False or not fits(q.shape[0], q.shape[-1], num_heads, groups):
+  if (kernel is False or not fits(count, channels, num_heads, groups)
+      or _window_bytes(tokens, channels, num_heads, bias is not None) > BLOCK_BUDGET):
     return plain(q, k, v, bias, num_heads)
   if kernel is None:
     return platforms.tpu_or_plain(lambda q, k, v: fused(q, k, v, bias, num_heads),
