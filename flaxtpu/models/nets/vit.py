@@ -101,8 +101,8 @@ def mlp(x: jax.Array, mlp_dim: int, gelu: str, dropout: Callable, dtype: Any) ->
 
 def fused_attention(query, key, value, bias=None, mask=None, **_):
   """flax's dot_product_attention for nn.MultiHeadDotProductAttention without dropout, bias or mask, as
-  `attention_kernel.attention` computes it: one kernel on a TPU, which reads q, k and v [batch, tokens,
-  heads, head_dim] in the projections' layout (no copies between layouts), the plain form elsewhere."""
+  `attention_kernel.attention` computes it on q, k and v flattened to [batch, tokens, channels]: one
+  kernel on a TPU (its logits and softmax never leave the core's memory), the plain form elsewhere."""
   if bias is not None or mask is not None:
     return nn.dot_product_attention(query, key, value, bias, mask)
   batch, tokens, heads, head_dim = query.shape
