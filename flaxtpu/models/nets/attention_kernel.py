@@ -4,10 +4,10 @@ the pieces Swin's fused block (`window_attention`) shares with it.
 On a TPU, whose vector registers and memory tiles are 8 x 128, a head of 32 or 64 features wastes
 lanes in every per-head array of the plain form ([batch, tokens, heads, head_dim] and the logits
 [batch, heads, tokens, tokens]), and XLA spends a large share of a transformer's step copying q, k and
-v between layouts (12% of ViT-B/16's, a third of Swin-T's). The kernel reads q, k and v as the
-projections write them ([batch, tokens, channels]), keeps each head's logits in the core's memory and
-writes the output as the next projection reads it; its backward pass recomputes the logits instead of
-storing them, as flash attention does. A head is picked out of a 128-lane slice of the channels by
+v between layouts (12% of ViT-B/16's, a third of Swin-T's). The kernel takes q, k and v with their
+heads side by side ([batch, tokens, channels]), keeps each head's logits in the core's memory, and
+writes the output in that layout; its backward pass recomputes the logits instead of storing them, as
+flash attention does. A head is picked out of a 128-lane slice of the channels by
 zeroing the other heads' lanes, so no array is ever sliced narrower than 128 lanes.
 
 `attention` takes the kernel on a TPU and the plain form elsewhere (`platforms.tpu_or_plain`), so a
