@@ -100,6 +100,28 @@ def softmax(logits):
   return weights / weights.sum(axis=-1, keepdims=True)
 
 
+def head_output(q, k, v, bias, lanes):
+  """One head's share of the output [windows, tokens, slice] in float32: its softmax weights times its
+  lanes of v (the other heads' lanes zero)."""
+  weights = softmax(head_logits(q, k, bias, lanes)).astype(v.dtype)
+  return jnp.einsum('wqk,wkc->wqc', weights, own(v, lanes), preferred_element_type=jnp.float32)
+
+
+def head_gradients(q, k, v, grad, bias, lanes):
+  """One head's backward pass, its logits recomputed: its softmax weights in v's dtype, the float32
+  gradient of its logits (the bias's), and its shares of the gradients of q, k and v in float32."""
+  weights = softmax(head_logits(q, k, bias, lanes))
+  half = weights.astype(v.dtype)
+  own_grad = own(grad, lanes)
+  dv = jnp.einsum('wqk,wqc->wkc', half, own_grad, preferred_element_type=jnp.float32)
+  weights_grad = jnp.einsum('wqc,wkc->wqk', own_grad, v, preferred_element_type=jnp.float32)
+  logits_grad = weights * (weights_grad - (weights * weights_grad).sum(axis=-1, keepdims=True))
+  rounded = logits_grad.astype(q.dtype)
+  dq = jnp.einsum('wqk,wkc->wqc', rounded, own(k, lanes), preferred_element_type=jnp.float32)
+  dk = jnp.einsum('wqk,wqc->wkc', rounded, own(q, lanes), preferred_element_type=jnp.float32)
+  return half, logits_grad, dq, dk, dv
+
+
 def tiled_bias(bias, size):
   """bias [groups, ...] repeated to a block's windows, where a block holds whole groups."""
   return jnp.tile(bias, (max(size // bias.shape[0], 1), 1, 1, 1))
@@ -124,9 +146,7 @@ def _forward_kernel(*refs, num_heads, biased):
     q, k, v = q_ref[:, :, lanes], k_ref[:, :, lanes], v_ref[:, :, lanes]
     out = 0
     for head, bounds in enumerate(heads):
-      bias = None if bias_ref is None else bias_ref[:, first + head]
-      weights = softmax(head_logits(q, k, bias, bounds)).astype(v.dtype)
-      out += jnp.einsum('wqk,wkc->wqc', weights, own(v, bounds), preferred_element_type=jnp.float32)
+      out += head_output(q, k, v, None if bias_ref is None else bias_ref[:, first + head], bounds)
     out_ref[:, :, lanes] = out.astype(out_ref.dtype)
   each_slice(q_ref.shape[-1], num_heads, one_slice)
 
@@ -146,16 +166,10 @@ def _backward_kernel(*refs, num_heads, biased):
     dq = dk = dv = 0
     for head, bounds in enumerate(heads):
       bias = None if bias_ref is None else bias_ref[:, first + head]
-      weights = softmax(head_logits(q, k, bias, bounds))
-      own_grad = own(grad, bounds)
-      dv += jnp.einsum('wqk,wqc->wkc', weights.astype(v.dtype), own_grad, preferred_element_type=jnp.float32)
-      weights_grad = jnp.einsum('wqc,wkc->wqk', own_grad, v, preferred_element_type=jnp.float32)
-      logits_grad = weights * (weights_grad - (weights * weights_grad).sum(axis=-1, keepdims=True))
+      _, logits_grad, head_dq, head_dk, head_dv = head_gradients(q, k, v, grad, bias, bounds)
       if bias_ref is not None:
         dbias_ref[:, first + head] += logits_grad
-      logits_grad = logits_grad.astype(q.dtype)
-      dq += jnp.einsum('wqk,wkc->wqc', logits_grad, own(k, bounds), preferred_element_type=jnp.float32)
-      dk += jnp.einsum('wqk,wqc->wkc', logits_grad, own(q, bounds), preferred_element_type=jnp.float32)
+      dq, dk, dv = dq + head_dq, dk + head_dk, dv + head_dv
     for value, ref in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
       ref[:, :, lanes] = value.astype(ref.dtype)
   each_slice(q_ref.shape[-1], num_heads, one_slice)

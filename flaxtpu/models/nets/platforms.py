@@ -1,6 +1,6 @@
 """An operation's TPU form beside its plain one, chosen when the program is lowered (not by the machine
 that traces it), so that a step compiled for a TPU from another machine (benchmarks/tpu_plan.py) gets
-the TPU form too: Swin's fused window attention, the ResNets' space-to-depth stem."""
+the TPU form too: the attention kernels of ViT and Swin, the ResNets' space-to-depth stem."""
 
 import jax
 

@@ -70,8 +70,7 @@ def _forward_kernel(x_ref, wq_ref, wk_ref, wv_ref, wp_ref, bq_ref, bk_ref, bv_re
     q, k, v = q_ref[:, :, lanes], k_ref[:, :, lanes], v_ref[:, :, lanes]
     out = 0
     for head, bounds in enumerate(heads):
-      weights = kernels.softmax(kernels.head_logits(q, k, bias_ref[:, first + head], bounds)).astype(dtype)
-      out += jnp.einsum('wqk,wkc->wqc', weights, own(v, bounds), preferred_element_type=jnp.float32)
+      out += kernels.head_output(q, k, v, bias_ref[:, first + head], bounds)
     o_ref[:, :, lanes] = out.astype(dtype)
   kernels.each_slice(q_ref.shape[-1], num_heads, one_slice)
   y = _matmul(_rows(o_ref[...], -1), wp_ref[...], dtype) + bp_ref[...]
@@ -103,17 +102,12 @@ def _backward_kernel(x_ref, wq_ref, wk_ref, wv_ref, wp_ref, bq_ref, bk_ref, bv_r
     q, k, v, grad = q_ref[:, :, lanes], k_ref[:, :, lanes], v_ref[:, :, lanes], do_ref[:, :, lanes]
     out = dq = dk = dv = 0
     for head, bounds in enumerate(heads):
-      weights = kernels.softmax(kernels.head_logits(q, k, bias_ref[:, first + head], bounds))
-      half = weights.astype(dtype)
-      own_grad = own(grad, bounds)
+      half, logits_grad, head_dq, head_dk, head_dv = kernels.head_gradients(
+          q, k, v, grad, bias_ref[:, first + head], bounds)
+      # The output again, for the output projection's gradient (from the weights just recomputed).
       out += jnp.einsum('wqk,wkc->wqc', half, own(v, bounds), preferred_element_type=jnp.float32)
-      dv += jnp.einsum('wqk,wqc->wkc', half, own_grad, preferred_element_type=jnp.float32)
-      weights_grad = jnp.einsum('wqc,wkc->wqk', own_grad, v, preferred_element_type=jnp.float32)
-      logits_grad = weights * (weights_grad - (weights * weights_grad).sum(axis=-1, keepdims=True))
       dbias_ref[:, first + head] += logits_grad
-      logits_grad = logits_grad.astype(dtype)
-      dq += jnp.einsum('wqk,wkc->wqc', logits_grad, own(k, bounds), preferred_element_type=jnp.float32)
-      dk += jnp.einsum('wqk,wqc->wkc', logits_grad, own(q, bounds), preferred_element_type=jnp.float32)
+      dq, dk, dv = dq + head_dq, dk + head_dk, dv + head_dv
     for value, ref in ((out, o_ref), (dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
       ref[:, :, lanes] = value.astype(ref.dtype)
   kernels.each_slice(q_ref.shape[-1], num_heads, one_slice)
