@@ -182,14 +182,20 @@ def _window_bytes(tokens, channels, num_heads, biased) -> int:
   return -(-tokens // 8) * 8 * lanes * 2 * 8 * 2 + logits_bytes(tokens, num_heads, biased)
 
 
-def _specs(count, tokens, channels, groups, num_heads, biased):
-  """The grid (bias patterns, blocks of each) and the block specs of the windows' arrays and the bias."""
-  size = blocks_within_budget(count, groups, _window_bytes(tokens, channels, num_heads, biased))
+def grid_and_specs(count, size, tokens, channels, groups, num_heads):
+  """For blocks of `size` windows: the grid (bias patterns, blocks of each), and the block specs of the
+  windows' arrays [count, tokens, channels] and of the bias tiled to a block (`tiled_bias`)."""
   patterns = max(groups // size, 1)  # a block's windows meet the groups in one of these patterns
   grid = (patterns, count // size // patterns)
   windows = pl.BlockSpec((size, tokens, channels), lambda p, i: (i * patterns + p, 0, 0))
   bias = pl.BlockSpec((size, num_heads, tokens, tokens), lambda p, i: (p, 0, 0, 0))
-  return size, grid, windows, bias
+  return grid, windows, bias
+
+
+def _specs(count, tokens, channels, groups, num_heads, biased):
+  """The block size, the grid and the block specs of the windows' arrays and the bias."""
+  size = blocks_within_budget(count, groups, _window_bytes(tokens, channels, num_heads, biased))
+  return (size, *grid_and_specs(count, size, tokens, channels, groups, num_heads))
 
 
 def _cost(q, num_heads: int, products: int, arrays: int):

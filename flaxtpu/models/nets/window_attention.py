@@ -129,10 +129,7 @@ def _specs(count, tokens, channels, groups, num_heads):
   """The grid (bias patterns, blocks of each) and the block specs of the windows' arrays, the bias,
   the projections' kernels and their biases (whole, the same block at every step)."""
   size = _windows_per_block(count, groups, tokens, channels, num_heads)
-  patterns = max(groups // size, 1)  # a block's windows meet the groups in one of these patterns
-  grid = (patterns, count // size // patterns)
-  windows = pl.BlockSpec((size, tokens, channels), lambda p, i: (i * patterns + p, 0, 0))
-  bias = pl.BlockSpec((size, num_heads, tokens, tokens), lambda p, i: (p, 0, 0, 0))
+  grid, windows, bias = kernels.grid_and_specs(count, size, tokens, channels, groups, num_heads)
   weights = pl.BlockSpec((channels, channels), lambda p, i: (0, 0))
   biases = pl.BlockSpec((1, channels), lambda p, i: (0, 0))
   return size, grid, windows, bias, weights, biases
