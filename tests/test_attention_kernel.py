@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_checks import assert_close, weighted_sum
 
 from flaxtpu.models.nets import attention_kernel
 
@@ -19,18 +20,6 @@ def _inputs(count, tokens, channels, heads, groups, dtype=jnp.float32, seed=0):
   bias = None if groups is None else jnp.asarray(rng.normal(size=(groups, heads, tokens, tokens)),
                                                  jnp.float32)
   return q * (channels // heads) ** -0.5, k, v, bias
-
-
-def _weighted_sum(attend, channels):
-  """A loss whose gradient differs per output channel (so that a head's lanes cannot be mixed up)."""
-  return lambda *args: (attend(*args).astype(jnp.float32) * jnp.cos(jnp.arange(channels))).sum()
-
-
-def _assert_close(have, want, tolerance, name='', floor=0.0):
-  """Within `tolerance` of want's largest magnitude (or of `floor`, where want is all but zero)."""
-  assert have.shape == want.shape and have.dtype == want.dtype, name
-  scale = max(float(jnp.abs(want).max()), floor)
-  assert float(jnp.abs(have - want).max()) <= tolerance * scale, (name, scale)
 
 
 # (count, tokens, channels, heads, bias groups or None): ViT-B/16's 197 tokens with 64-feature heads
@@ -47,12 +36,12 @@ def test_the_kernel_computes_the_plain_forms_outputs_and_gradients(count, tokens
     monkeypatch.setattr(attention_kernel, 'BLOCK_BUDGET', 2**20)
   q, k, v, bias = _inputs(count, tokens, channels, heads, groups)
   attend = lambda kernel: lambda q, k, v, bias: attention_kernel.attention(q, k, v, heads, bias, kernel)
-  _assert_close(attend(True)(q, k, v, bias), attention_kernel.plain(q, k, v, bias, heads), 2e-6)
+  assert_close(attend(True)(q, k, v, bias), attention_kernel.plain(q, k, v, bias, heads), 2e-6)
   arguments = (0, 1, 2) if bias is None else (0, 1, 2, 3)
-  expected = jax.grad(_weighted_sum(attend(False), channels), argnums=arguments)(q, k, v, bias)
-  got = jax.grad(_weighted_sum(attend(True), channels), argnums=arguments)(q, k, v, bias)
+  expected = jax.grad(weighted_sum(attend(False), channels), argnums=arguments)(q, k, v, bias)
+  got = jax.grad(weighted_sum(attend(True), channels), argnums=arguments)(q, k, v, bias)
   for name, want, have in zip(('q', 'k', 'v', 'bias'), expected, got):
-    _assert_close(have, want, 2e-5, name)
+    assert_close(have, want, 2e-5, name)
 
 
 def test_in_bfloat16_the_kernel_is_as_close_to_float32_as_the_plain_form():
@@ -69,7 +58,7 @@ def test_in_bfloat16_the_kernel_is_as_close_to_float32_as_the_plain_form():
 def test_the_kernel_is_lowered_for_a_tpu_and_the_plain_form_elsewhere_and_for_a_symbolic_batch():
   q, k, v, _ = _inputs(4, 197, 128, 2, None)
   attend = lambda *a: attention_kernel.attention(*a, 2)
-  step = jax.jit(jax.grad(_weighted_sum(attend, 128), argnums=(0, 1, 2)))
+  step = jax.jit(jax.grad(weighted_sum(attend, 128), argnums=(0, 1, 2)))
   for platform, kernels in (('tpu', 2), ('cpu', 0)):  # the forward kernel and the backward one
     assert step.trace(q, k, v).lower(lowering_platforms=(platform,)).as_text().count('tpu_custom_call') \
         == kernels, platform
@@ -89,7 +78,7 @@ def test_heads_that_do_not_divide_the_lanes_and_overlong_sequences_take_the_plai
                                                                                         heads, kernels):
   q = jax.ShapeDtypeStruct((2, tokens, channels), jnp.bfloat16)
   attend = lambda *a: attention_kernel.attention(*a, heads)
-  step = jax.jit(jax.grad(_weighted_sum(attend, channels), argnums=(0, 1, 2)))
+  step = jax.jit(jax.grad(weighted_sum(attend, channels), argnums=(0, 1, 2)))
   text = step.trace(q, q, q).lower(lowering_platforms=('tpu',)).as_text()
   assert text.count('tpu_custom_call') == kernels
 
@@ -117,8 +106,8 @@ def test_vit_with_the_kernel_has_flax_attentions_logits_and_gradients(monkeypatc
   forced = functools.partial(attention_kernel.attention, kernel=True)  # by the interpreter here
   monkeypatch.setattr(attention_kernel, 'attention', forced)
   fused_logits, fused_grads = logits_and_grads(own)
-  _assert_close(fused_logits, logits, 1e-5)
+  assert_close(fused_logits, logits, 1e-5)
   # The keys' bias has no gradient (a softmax does not change when a row's logits shift alike): its
   # rounding noise (1e-8) is held to the floor.
   for (path, want), have in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(fused_grads)):
-    _assert_close(have, want, 1e-4, jax.tree_util.keystr(path), floor=1e-4)
+    assert_close(have, want, 1e-4, jax.tree_util.keystr(path), floor=1e-4)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_checks import assert_close, weighted_sum
 
 from flaxtpu.models.nets import attention_kernel, window_attention
 
@@ -20,18 +21,6 @@ def _inputs(count, tokens, channels, heads, groups, dtype=jnp.float32, seed=0):
           normal(3 * channels, scale=0.1), normal(channels, channels, scale=channels**-0.5),
           normal(channels, scale=0.1),
           jnp.asarray(rng.normal(size=(groups, heads, tokens, tokens)), jnp.float32))
-
-
-def _weighted_sum(attend, channels):
-  """A loss whose gradient differs per output channel (so that a head's lanes cannot be mixed up)."""
-  return lambda *args: (attend(*args).astype(jnp.float32) * jnp.cos(jnp.arange(channels))).sum()
-
-
-def _assert_close(have, want, tolerance, name=''):
-  """Within `tolerance` of want's largest magnitude (parameters' gradients differ in size by 1e4)."""
-  assert have.shape == want.shape and have.dtype == want.dtype, name
-  scale = float(jnp.abs(want).max())
-  assert float(jnp.abs(have - want).max()) <= tolerance * scale, (name, scale)
 
 
 # (windows, tokens, channels, heads, bias groups): Swin-T's first stage's shifted windows in miniature,
@@ -52,12 +41,12 @@ def test_the_kernel_computes_the_plain_forms_outputs_and_gradients(count, tokens
   args = _inputs(count, tokens, channels, heads, groups)
   plain = lambda *a: window_attention.block(*a, heads, kernel=False)
   fused = lambda *a: window_attention.block(*a, heads, kernel=True)
-  _assert_close(fused(*args), plain(*args), 1e-6)
-  expected = jax.grad(_weighted_sum(plain, channels), argnums=tuple(range(6)))(*args)
-  got = jax.grad(_weighted_sum(fused, channels), argnums=tuple(range(6)))(*args)
+  assert_close(fused(*args), plain(*args), 1e-6)
+  expected = jax.grad(weighted_sum(plain, channels), argnums=tuple(range(6)))(*args)
+  got = jax.grad(weighted_sum(fused, channels), argnums=tuple(range(6)))(*args)
   names = ('x', 'qkv kernel', 'qkv bias', 'proj kernel', 'proj bias', 'bias')
   for name, want, have in zip(names, expected, got):
-    _assert_close(have, want, 1e-5, name)
+    assert_close(have, want, 1e-5, name)
 
 
 def test_in_bfloat16_the_kernel_is_as_close_to_float32_as_the_plain_form():
@@ -86,7 +75,7 @@ def test_a_block_takes_whole_bias_groups_or_a_whole_number_of_blocks_fills_a_gro
 
 def test_the_kernel_is_lowered_for_a_tpu_and_the_plain_form_for_any_other_machine():
   args = _inputs(8, 49, 96, 3, 4)
-  step = jax.jit(jax.grad(_weighted_sum(lambda *a: window_attention.block(*a, 3), 96), argnums=(0, 1)))
+  step = jax.jit(jax.grad(weighted_sum(lambda *a: window_attention.block(*a, 3), 96), argnums=(0, 1)))
   for platform, kernels in (('tpu', 2), ('cpu', 0)):  # the forward kernel and the backward one
     text = step.trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert text.count('tpu_custom_call') == kernels, platform
@@ -97,7 +86,7 @@ def test_heads_that_do_not_divide_the_lanes_take_the_plain_form():
   text = jax.jit(lambda *a: window_attention.block(*a, 2)).trace(*args).lower(
       lowering_platforms=('tpu',)).as_text()
   assert 'tpu_custom_call' not in text
-  _assert_close(window_attention.block(*args, 2, kernel=True), window_attention.plain_block(*args, 2), 1e-6)
+  assert_close(window_attention.block(*args, 2, kernel=True), window_attention.plain_block(*args, 2), 1e-6)
 
 
 def test_swin_with_the_kernel_has_the_plain_forms_logits_and_gradients(monkeypatch):
@@ -119,11 +108,11 @@ def test_swin_with_the_kernel_has_the_plain_forms_logits_and_gradients(monkeypat
 
   logits, grads = logits_and_grads(False)
   fused_logits, fused_grads = logits_and_grads(True)
-  _assert_close(fused_logits, logits, 1e-5)
+  assert_close(fused_logits, logits, 1e-5)
   table = 'relative_position_bias_table'
   assert float(jnp.abs(grads['stage1_block2']['attention'][table]).max()) > 1e-5  # the masked block's
   for (path, want), have in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(fused_grads)):
-    _assert_close(have, want, 1e-4, jax.tree_util.keystr(path))
+    assert_close(have, want, 1e-4, jax.tree_util.keystr(path))
 
 
 _block = window_attention.block
