@@ -26,8 +26,9 @@ def _digits(**overrides):
 
 @pytest.fixture
 def fake_plans(monkeypatch):
-  """Plans of 300, 200 and 100 bytes for none, dots_saveable and full; the device limit settable."""
-  needs = {'none': 300, 'dots_saveable': 200, 'full': 100}
+  """Plans of 300, 200, 150 and 100 bytes for none, dots_saveable, dots_with_no_batch_dims_saveable and
+  full; the device limit settable."""
+  needs = {'none': 300, 'dots_saveable': 200, 'dots_with_no_batch_dims_saveable': 150, 'full': 100}
   compiled = []
 
   def plan_memory(config, **_):
@@ -40,7 +41,8 @@ def fake_plans(monkeypatch):
   return compiled, limit
 
 
-@pytest.mark.parametrize('limit, chosen', [(1000, 'none'), (250, 'dots_saveable'), (150, 'full')])
+@pytest.mark.parametrize('limit, chosen', [(1000, 'none'), (250, 'dots_saveable'),
+                                            (175, 'dots_with_no_batch_dims_saveable'), (120, 'full')])
 def test_auto_picks_the_fastest_policy_that_fits(fake_plans, limit, chosen, monkeypatch):
   compiled, limits = fake_plans
   limits['bytes'] = limit
@@ -48,7 +50,7 @@ def test_auto_picks_the_fastest_policy_that_fits(fake_plans, limit, chosen, monk
   logged = []
   monkeypatch.setattr(remat_choice.logging, 'info', lambda message, *args: logged.append(message % args))
   resolved, plans = remat_choice.resolve(config, image_shape=(8, 8, 1), num_classes=10)
-  order = ['none', 'dots_saveable', 'full']
+  order = ['none', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'full']
   assert resolved.model.remat == chosen and config.model.remat == 'auto'  # a copy; the config is kept
   assert compiled == order[:order.index(chosen) + 1]  # compiled until one fits, fastest first
   assert [plan['fits'] for plan in plans] == [False] * order.index(chosen) + [True]
@@ -63,7 +65,8 @@ def test_auto_with_nothing_that_fits_names_each_need(fake_plans):
   limits['bytes'] = 50
   with pytest.raises(ConfigError, match=r"^config.model.remat=auto: no policy fits config.batch_size=32 of "
                                         r"model.name='cnn' in the 0 MiB of one test device \(the train step "
-                                        r'needs none 0 MiB, dots_saveable 0 MiB, full 0 MiB\); lower '
+                                        r'needs none 0 MiB, dots_saveable 0 MiB, '
+                                        r'dots_with_no_batch_dims_saveable 0 MiB, full 0 MiB\); lower '
                                         r'config.batch_size or the image size$'):
     remat_choice.resolve(_digits(**{'model.remat': 'auto'}), image_shape=(8, 8, 1), num_classes=10)
 

@@ -1,9 +1,13 @@
 """model.remat='auto': the fastest remat policy whose compiled train step fits one device's memory.
 
-The policies, fastest first: 'none' keeps every activation for the backward pass;
-'dots_saveable' keeps the outputs of matmuls and convolutions and recomputes the
-elementwise work between them (normalisations, activations); 'full' recomputes each
-block whole from its input. Each is compiled on a zero batch (`compile_plan`) until
+The policies, fastest first (so measured on a TPU v5e for all six families of
+docs/performance.md's remat table): 'none' keeps every activation for the backward
+pass; 'dots_saveable' keeps the outputs of matmuls and convolutions and recomputes
+the elementwise work between them (normalisations, activations);
+'dots_with_no_batch_dims_saveable' keeps only the matmuls with weights (no
+convolutions, no attention scores: ConvNeXt-T and Swin-T in 1.0-1.4 GiB less than
+dots_saveable, and faster than 'full'); 'full' recomputes each block whole from its
+input. Each is compiled on a zero batch (`compile_plan`) until
 XLA's per-device memory plan fits (`memory.device_need`, the check every run makes
 after its compile). The winner's train step is the one training compiles next: with
 the persistent compilation cache on, a cache hit.
@@ -24,7 +28,8 @@ from flaxtpu.settings.errors import ConfigError
 from flaxtpu.step import compile_plan
 
 AUTO = 'auto'
-ORDER = ('none', 'dots_saveable', 'full')  # fastest first; each usually needs less memory than the last
+ORDER = ('none', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'full')  # fastest first; each usually
+# needs less memory than the last
 
 
 def with_remat(config: ml_collections.ConfigDict, policy: str) -> ml_collections.ConfigDict:
