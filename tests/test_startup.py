@@ -226,6 +226,10 @@ def test_the_cli_reads_the_data_once_while_jax_and_the_trainer_import(tmp_path):
   returned = next(i for i, line in enumerate(lines) if 'pipeline.load returned' in line)
   named = next(i for i, line in enumerate(lines) if ' on platform=cpu' in line)
   assert returned < named
+  # The compilation cache's entries are zstd frames (zstandard is a dependency; zlib was 8x slower to
+  # write a large step).
+  entries = [path for path in (tmp_path / 'cache').iterdir() if path.name.endswith('-cache')]
+  assert len(entries) >= 3 and {path.read_bytes()[:4] for path in entries} == {b'\x28\xb5\x2f\xfd'}
 
 
 def test_waiting_for_a_batch_while_the_last_step_runs_counts_as_the_step(monkeypatch):
