@@ -168,7 +168,8 @@ def get_config() -> ml_collections.ConfigDict:
   # efficientnet_b0-b7 | mobilenetv3_l/s | resnet18d-152d | resnext* | wide_resnet* | regnetx_* | regnety_*.
   config.model.name = 'cnn'
   # none | full | a jax.checkpoint_policies name (dots_saveable, ...) | auto: the fastest of none,
-  # dots_saveable, full whose compiled train step fits one device's memory (flaxtpu/step/remat_choice.py).
+  # dots_saveable, dots_with_no_batch_dims_saveable, full whose compiled train step fits one device's
+  # memory (flaxtpu/step/remat_choice.py).
   config.model.remat = 'none'
   # vit/convnext: patch side (convnext: stem stride); 0 = published, 16/4 (on 32x32: 4/2).
   config.model.patch_size = 0
