@@ -140,5 +140,6 @@ def main() -> None:
               f'{codec("zlib")}; zlib / zstd: compress {ratio("compress_seconds"):.1f}x, decompress '
               f'{ratio("decompress_seconds"):.1f}x', flush=True)
 
+
 if __name__ == '__main__':
   main()

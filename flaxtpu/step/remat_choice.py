@@ -28,8 +28,8 @@ from flaxtpu.settings.errors import ConfigError
 from flaxtpu.step import compile_plan
 
 AUTO = 'auto'
-ORDER = ('none', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'full')  # fastest first; each usually
-# needs less memory than the last
+# Fastest first; each usually needs less memory than the last.
+ORDER = ('none', 'dots_saveable', 'dots_with_no_batch_dims_saveable', 'full')
 
 
 def with_remat(config: ml_collections.ConfigDict, policy: str) -> ml_collections.ConfigDict:
