@@ -215,6 +215,8 @@ def fused(q, k, v, bias, num_heads: int, interpret: bool = False):
   return _fused_forward(q, k, v, bias, num_heads, interpret)[0]
 
 
+# Jitted, so that alike calls (ViT-B/16's twelve blocks) trace the kernel once, not once a block.
+@functools.partial(jax.jit, static_argnums=(4, 5))
 def _fused_forward(q, k, v, bias, num_heads, interpret):
   count, tokens, channels = q.shape
   biased = bias is not None
@@ -228,6 +230,7 @@ def _fused_forward(q, k, v, bias, num_heads, interpret):
   return out, (q, k, v, bias)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _fused_backward(num_heads, interpret, residuals, grad):
   q, k, v, bias = residuals
   count, tokens, channels = q.shape

@@ -156,6 +156,8 @@ def fused(x, wq, wk, wv, wp, bq, bk, bv, bp, bias, num_heads: int, tokens: int, 
   return _fused_forward(x, wq, wk, wv, wp, bq, bk, bv, bp, bias, num_heads, tokens, interpret)[0]
 
 
+# Jitted, so that alike calls (a stage's blocks of one shift) trace the kernel once, not once a block.
+@functools.partial(jax.jit, static_argnums=(10, 11, 12))
 def _fused_forward(x, wq, wk, wv, wp, bq, bk, bv, bp, bias, num_heads, tokens, interpret):
   count, padded, channels = x.shape
   size, grid, windows, bias_spec, weights, biases = _specs(count, padded, channels, bias.shape[0], num_heads)
@@ -167,6 +169,7 @@ def _fused_forward(x, wq, wk, wv, wp, bq, bk, bv, bp, bias, num_heads, tokens, i
   return y, (x, wq, wk, wv, wp, bq, bk, bv, bp, bias)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _fused_backward(num_heads, tokens, interpret, residuals, grad):
   x, wq, wk, wv, wp, bq, bk, bv, bp, bias = residuals
   count, padded, channels = x.shape
