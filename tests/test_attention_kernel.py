@@ -69,6 +69,23 @@ def test_the_kernel_is_lowered_for_a_tpu_and_the_plain_form_elsewhere_and_for_a_
   assert 'tpu_custom_call' not in exported.mlir_module()
 
 
+def test_alike_calls_share_one_kernel_each_way():
+  # Three layers of one shape, as a ViT's blocks: each kernel is traced and lowered once (the module
+  # calls it three times), not once a layer, which cut tracing Swin-T's step in half.
+  x, k, v, _ = _inputs(4, 197, 128, 2, None)
+
+  def three_layers(x, k, v):
+    for _ in range(3):
+      x = attention_kernel.attention(x, k, v, 2)
+    return x
+  step = jax.jit(jax.grad(weighted_sum(three_layers, 128), argnums=(0, 1, 2)))
+  text = step.trace(x, k, v).lower(lowering_platforms=('tpu',)).as_text()
+  assert text.count('func.call @_fused_forward') == 3 and text.count('func.call @_fused_backward') == 3
+  # One backward kernel; one forward kernel for the first two layers and one for the last, whose unused
+  # residual JAX drops (without the sharing: six kernels and no calls).
+  assert text.count('tpu_custom_call') == 3
+
+
 @pytest.mark.parametrize('tokens,channels,heads,kernels', [
     (9, 96, 2, 0),  # 48 features a head: not a divisor of 128 lanes
     (577, 768, 12, 2),  # ViT-B/16 at 384 px: one image a grid step
