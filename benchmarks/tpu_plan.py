@@ -9,7 +9,7 @@ the compiled program's memory plan (arguments + outputs + temporaries - donated 
 chip would run, and the bytes its layout changes (`copy` ops) write are counted from its HLO. The step
 is flaxtpu's model (bfloat16, `model.remat` as given) in a plain SGD-with-momentum train step, batch
 256 at 224 px by default. Against flaxtpu's own step on a v5e (`benchmarks/chip.py`, its recipe's
-optimizer and loss): Swin-T 14.37 GiB here against 14.35 there, ConvNeXt-T 11.97 against 12.01. Not
+optimizer and loss): Swin-T 9.14 GiB here against 9.18 there, ConvNeXt-T 11.97 against 12.01. Not
 timed: compile seconds are this machine's, and a plan is what the chip would need, not how fast it
 runs.
 
