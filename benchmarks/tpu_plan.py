@@ -25,6 +25,8 @@ import time
 import zlib
 from unittest import mock
 
+from benchmarks import harness
+
 
 def copied_bytes(hlo_text: str) -> int:
   """Bytes written by the compiled program's `copy` ops (layout changes), once each."""
@@ -46,18 +48,12 @@ def cache_compression(compiled) -> dict:
             'zlib': (zlib.compress, zlib.decompress)}
   row = {'executable_bytes': len(blob)}
   for name, (compress, decompress) in codecs.items():
-    compress_seconds, packed = min(_timed(compress, blob) for _ in range(3))
-    decompress_seconds, unpacked = min(_timed(decompress, packed) for _ in range(3))
-    assert unpacked == blob
-    row[name] = {'bytes': len(packed), 'compress_seconds': compress_seconds,
-                 'decompress_seconds': decompress_seconds}
+    packed = compress(blob)  # also the warm-up of the timed calls
+    assert decompress(packed) == blob
+    row[name] = {'bytes': len(packed),
+                 'compress_seconds': min(harness.timings(lambda: compress(blob), 3)),
+                 'decompress_seconds': min(harness.timings(lambda: decompress(packed), 3))}
   return row
-
-
-def _timed(function, data: bytes) -> tuple:
-  started = time.perf_counter()
-  result = function(data)
-  return time.perf_counter() - started, result
 
 
 def plan(model_name: str, remat: str, batch: int, image_size: int, devices,
