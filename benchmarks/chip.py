@@ -227,9 +227,10 @@ def flops_of(compiled) -> float:
 
 
 def flaxtpu_config(case: Case, sizes: Sizes, remat: Optional[str] = None):
-  """configs/imagenet_resnet50.py at the case's batch and size, with the case's model and remat."""
+  """configs/imagenet_resnet50.py at the case's batch and size (`sizes` is case_sizes' answer: scaled by the
+  case's batch_factor already), with the case's model and remat."""
   from flaxtpu.validation import config as config_lib  # pylint: disable=g-import-not-at-top
-  config = tpu.imagenet_config(case_sizes(case, sizes))
+  config = tpu.imagenet_config(sizes)
   config.model.name = case.model
   config.model.remat = remat or case.remat
   for key, value in case.overrides:

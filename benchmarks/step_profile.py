@@ -149,8 +149,8 @@ def main() -> None:
     sizes = dataclasses.replace(sizes, batch=args.batch)
   case = chip.CASES[args.case]
   case = dataclasses.replace(case, overrides=case.overrides + tuple(args.override))
-  config = chip.flaxtpu_config(case, sizes, args.remat)
   sizes = chip.case_sizes(case, sizes)
+  config = chip.flaxtpu_config(case, sizes, args.remat)
   say(f'{case.title} {dict(case.overrides)} remat={config.model.remat}, batch {sizes.batch} at '
       f'{sizes.image_size} px on {jax.devices()[0].device_kind}')
   images, labels = flax_imagenet_resnet.random_batch(sizes.batch, sizes.image_size)

@@ -184,6 +184,10 @@ def test_cases_use_flaxtpu_model_names():
   assert set(chip.REMAT_POLICIES) <= set(REMAT_POLICIES)
   assert chip.CASES['resnet50_remat'].remat in REMAT_POLICIES
   # An optimisation's case is its base's config with the one key changed (validated as a run's).
+  # A case's batch_factor scales the batch once: the compiled step takes the batch the case feeds it.
+  doubled = chip.case_sizes(chip.CASES['resnet50_b512'], chip.tpu.QUICK)
+  assert doubled.batch == 2 * chip.tpu.QUICK.batch
+  assert chip.flaxtpu_config(chip.CASES['resnet50_b512'], doubled).batch_size == doubled.batch
   tuned = chip.flaxtpu_config(chip.CASES['resnet50_s2d'], chip.tpu.QUICK)
   base = chip.flaxtpu_config(chip.CASES['resnet50'], chip.tpu.QUICK)
   assert tuned.model.space_to_depth and not base.model.space_to_depth
