@@ -858,7 +858,9 @@ def provenance(results: dict, key: str) -> list[str]:
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
   lines = ['| ' + ' | '.join(header) + ' |', '| ' + ' | '.join('---' for _ in header) + ' |']
-  return lines + ['| ' + ' | '.join(cell.replace('|', '/') for cell in row) + ' |' for row in rows]
+  # A cell stays on its row: an error's newlines (XLA's argument mismatches, say) become spaces.
+  cell = lambda text: ' '.join(text.replace('|', '/').split())
+  return lines + ['| ' + ' | '.join(cell(text) for text in row) + ' |' for row in rows]
 
 
 def paragraph(text: str) -> list[str]:

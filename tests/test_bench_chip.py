@@ -132,7 +132,7 @@ def tpu_results() -> dict:
                                            'memory_plan': {'total_bytes': 8.5 * 2**30}},
                           'keras': {'images_per_sec': 2064.0, 'mfu': 0.25, 'compile_seconds': 80.0,
                                     'application': 'ResNet50', 'memory_plan': {}}}},
-          'swin_t': {'error': 'timed out after 360 s (its limit)', 'command': 'python -m benchmarks.chip '
+          'swin_t': {'error': 'timed out after 360 s\n(its limit)', 'command': 'python -m benchmarks.chip '
                      '--only modern', 'date': '2026-12-06'}},
       'remat': {'vit_b16': {'batch': 256, 'command': 'python -m benchmarks.chip --remat-table --only vit_b16',
                             'date': '2026-12-07', 'policies': {
@@ -157,6 +157,7 @@ def test_tpu_tables(tmp_path):
   assert ('| ResNet-50 (`resnet50`), batch 256 at 224 px | 2,583 img/s | 31.6% | 77.0 s / 4.2 s '
           '| 8.76 GiB (temporaries 8.40) | Flax ImageNet example: 2,580 img/s, MFU 31.5%, 8.50 GiB, compile '
           '70.1 s; Keras-JAX `ResNet50`: 2,064 img/s, MFU 25.0%, compile 80.0 s | 1.00x; 1.25x |') in text
+  # A multi-line error stays on its row.
   assert '| Swin-T (`swin_t`) | failed: timed out after 360 s (its limit) |' in text
   assert '| model | none | dots_saveable | full |' in text
   assert ('| ViT-B/16 (`vit_b`), batch 256 | 321.6 ms (796 img/s), 9.00 GiB | failed: XlaRuntimeError: '
