@@ -27,7 +27,10 @@
 #             the generated photos (imagenet_resnet50's with ImageNet's split names), finetune from
 #             imagenet_resnet50's run: no hub here); cifar10, cifar10_fast and digits whole, the
 #             others --config.num_train_steps=150 (needs CIFAR; configs-b ~7.5 min)
-#   resnets, modern, mobile, tuned   benchmarks/chip.py's groups (~7, 7, 5 and 4 min)
+#   resnets, modern, tuned   benchmarks/chip.py's groups with --compile-alone: flaxtpu's step compiled
+#             before its peers, not beside them, so its cold compile is its own (~8, 8 and 4 min)
+#   mobile-a, mobile-b       the `mobile` group's EfficientNet-B0 and MobileNetV3-L, one a part (the
+#             group with --compile-alone, ~9.5 min, would not fit; ~5 min each)
 #   remat-a, remat-b, remat-c        the remat table, two families each (~6 min each)
 #
 # A fresh device call also spends ~2 min starting the machine and installing (tools/offline_install.sh),
@@ -146,7 +149,9 @@ for which in "$@"; do
       config_run imagenet_resnet50 280 --config.dataset.folder="$imagenet" --config.num_train_steps=150
       config_run finetune 200 --config.dataset.folder="$photos" --config.num_train_steps=150 \
         --config.init_from.checkpoint=/tmp/bench/configs/imagenet_resnet50 ;;
-    resnets|modern|mobile|tuned) part "chip_$which" 580 "${chip[@]}" --only "$which" ;;
+    resnets|modern|tuned) part "chip_$which" 580 "${chip[@]}" --compile-alone --only "$which" ;;
+    mobile-a) part chip_mobile_a 580 "${chip[@]}" --compile-alone --only efficientnet_b0 ;;
+    mobile-b) part chip_mobile_b 580 "${chip[@]}" --compile-alone --only mobilenetv3_l ;;
     remat-a) part remat_a 580 "${chip[@]}" --remat-table --only resnet50,mobilenetv3_l ;;
     remat-b) part remat_b 580 "${chip[@]}" --remat-table --only vit_b16,efficientnet_b0 ;;
     remat-c) part remat_c 580 "${chip[@]}" --remat-table --only convnext_t,swin_t ;;
