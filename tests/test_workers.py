@@ -105,6 +105,48 @@ def test_a_known_result_size_sends_even_the_first_batches_through_blocks(monkeyp
 
 
 
+def built_in_place(step: int) -> Batch:
+  """A batch whose images are built as a loader builds them (`result_array`); its labels say whether
+  they were a view of shared memory (not an array of their own) while the worker filled them."""
+  images = workers.result_array((48, 96, 96, 3), np.uint8)
+  images[...] = step
+  return Batch(images, np.array([not images.flags.owndata, step]), np.ones(48, bool))
+
+
+def test_a_worker_builds_its_batch_in_the_block_it_goes_back_through():
+  size = 48 * 96 * 96 * 3
+  for step, batch in enumerate(workers.run(built_in_place, range(6), workers=2, buffer=2, result_bytes=size)):
+    assert batch.labels.tolist() == [1, step]  # built in the block: no copy into it afterwards
+    assert (batch.images == step).all() and batch.images.flags.owndata  # copied out of it by the trainer
+  # Elsewhere (this process, a thread) an array of its own.
+  assert built_in_place(0).labels.tolist() == [0, 0]
+  assert [batch.labels[0] for batch in workers.run(built_in_place, range(4), workers=2, buffer=2,
+                                                      threads=True)] == [0] * 4
+
+
+def test_an_array_in_place_in_its_block_is_not_copied_there():
+  from multiprocessing import shared_memory
+  block = shared_memory.SharedMemory(create=True, size=2 * 2**20)
+  try:
+    workers._building_in = block
+    images = workers.result_array((1024, 1024), np.uint8)
+    assert workers._building_in is None  # one array a result: the next is a plain one
+    assert workers.result_array((4,), np.uint8).flags.owndata
+    images[...] = 5
+    target = np.ndarray(images.shape, images.dtype, buffer=block.buf)
+    assert workers._in_place(images, target) and not workers._in_place(images.copy(), target)
+    packed = workers._packed(Batch(images, np.arange(3), np.ones(3, bool)), block)
+    assert packed.images == workers._InBlock(0, (1024, 1024), '|u1') and (target == 5).all()
+    # Too large for the block: an array of its own.
+    workers._building_in = block
+    assert workers.result_array((3, 2**20), np.uint8).flags.owndata
+    del images, target
+  finally:
+    workers._building_in = None
+    block.close()
+    block.unlink()
+
+
 def mapped_bytes() -> int:
   """What glibc's malloc holds in blocks mapped apart from its heap (`mallinfo2().hblkhd`)."""
   import ctypes  # pylint: disable=g-import-not-at-top
@@ -153,8 +195,8 @@ def test_batches_past_32_mib_reuse_the_heap_in_the_workers_and_the_trainer():
     in_trainer.append(mapped_bytes() - before)
     del batch
   assert next(batches, None) is None
-  assert in_worker[0] >= size  # before the worker had attached its first block
-  assert max(in_worker[1:]) < size, in_worker
+  # The worker attaches an item's block, and sets malloc's threshold, before it builds the item.
+  assert max(in_worker) < size, in_worker
   assert max(in_trainer) < size, in_trainer
 
 

@@ -216,9 +216,11 @@ def _images_bytes(count: int, transform: Transform) -> int:
 
 def _batch_images(count: int, transform: Transform) -> np.ndarray | list:
   """Where a batch's images go: at a fixed image size, one array each image is resized straight
-  into (no copy when the batch is stacked); at native sizes, a list to stack."""
-  return np.empty((count, transform.size, transform.size, transform.channels), np.uint8) if transform.size \
-      else []
+  into (no copy when the batch is stacked; in an input worker, the shared memory the batch goes back
+  through); at native sizes, a list to stack."""
+  if not transform.size:
+    return []
+  return workers.result_array((count, transform.size, transform.size, transform.channels), np.uint8)
 
 
 class _EvalLoader(_ExampleReader):
