@@ -4,8 +4,8 @@
 #
 #   tools/tpu_wheels.sh [FOLDER]        # default .whl-tpu (keep it out of git: .git/info/exclude)
 #
-# Then carry FOLDER to the host and `source tools/offline_install.sh FOLDER` there (tools/tpu_call.sh
-# does both steps' second half).
+# Then carry FOLDER to the host and install from it there: `source tools/offline_install.sh FOLDER`,
+# which `bash tools/tpu_call.sh PART` does before a tools/tpu_round.sh part.
 set -eu
 folder=${1:-.whl-tpu}
 mkdir -p "$folder"
