@@ -9,7 +9,7 @@
     python -m benchmarks.host_probes profile --folder DIR  # a training batch's time by function
 
 `pages`: filling a new array the size of a batch (256 crops of 224 px) against refilling one
-already touched, before and after `workers.keep_freed_memory`. Under gVisor (Cloud TPU hosts) every
+already touched, before and after `shared_blocks.keep_freed_memory`. Under gVisor (Cloud TPU hosts) every
 first touch of a page is a costly fault; on a TPU v5e host 42.9 ms against 3.3 ms (docs/performance.md).
 
 `gil`: a thread ticks every 5 ms while the main thread starts JAX's devices; its longest gap is how
@@ -31,7 +31,7 @@ says what a batch costs beyond its images' stages.
 
 `shm`: one process, then one per core at once, each writing a batch twice into shared-memory blocks
 the parent made and touched: mapped as `multiprocessing` maps them, and mapped with every page in
-place (`workers._attach`, MAP_POPULATE). On a TPU v5e host with 13 processes: the first write 127 ms
+place (`shared_blocks.attach`, MAP_POPULATE). On a TPU v5e host with 13 processes: the first write 127 ms
 plain against 7 ms to map populated and 4 ms to write (docs/performance.md, the fourth round).
 
 `profile`: what `batches` times whole, by function: training batches built under cProfile in one
@@ -71,12 +71,12 @@ def median_ms(function, repeats: int = 20) -> float:
 
 
 def pages() -> dict:
-  from flaxtpu.data import workers  # pylint: disable=g-import-not-at-top
+  from flaxtpu.data import shared_blocks  # pylint: disable=g-import-not-at-top
   source = np.random.default_rng(0).integers(0, 256, BATCH_SHAPE, dtype=np.uint8)
   reused = np.empty_like(source)
   result = {'fresh_ms': median_ms(lambda: np.array(source)),
             'reused_ms': median_ms(lambda: np.copyto(reused, source))}
-  workers.keep_freed_memory(source.nbytes)
+  shared_blocks.keep_freed_memory(source.nbytes)
   result['fresh_after_keep_freed_memory_ms'] = median_ms(lambda: np.array(source))
   return result
 
@@ -185,26 +185,28 @@ def _folder_loader(folder: str, batch_size: int):
 
 
 def batch_times(loader, steps: range) -> dict:
-  """Per batch of `steps`: the wall and CPU seconds of building it, then of copying it into a
-  shared-memory block (a worker's `_packed`)."""
+  """Per batch of `steps`: the wall and CPU seconds of building it, then of handing it over in a
+  shared-memory block (a worker's `shared_blocks.packed`; from the second batch on, built in the block
+  as a worker builds it, nothing left to copy but the labels)."""
   from multiprocessing import shared_memory  # pylint: disable=g-import-not-at-top
 
   import cv2  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu.data import workers  # pylint: disable=g-import-not-at-top
+  from flaxtpu.data import shared_blocks  # pylint: disable=g-import-not-at-top
   cv2.setNumThreads(1)
   times = {'build_wall': [], 'build_cpu': [], 'pack_wall': [], 'pack_cpu': []}
   block = None
   try:
     for step in steps:
       wall, cpu = time.perf_counter(), time.process_time()
-      batch = loader(step)
+      with shared_blocks.building_in(block):  # as a worker builds it: in its block, from the second on
+        batch = loader(step)
       built_wall, built_cpu = time.perf_counter(), time.process_time()
       if block is None:
-        size = workers._packed_size(batch)  # pylint: disable=protected-access
+        size = shared_blocks.packed_size(batch)
         block = shared_memory.SharedMemory(create=True, size=size + size // 8)
-        workers.keep_freed_memory(block.size)
-      workers._packed(batch, block)  # pylint: disable=protected-access
+        shared_blocks.keep_freed_memory(block.size)
+      shared_blocks.packed(batch, block)
       times['build_wall'].append(built_wall - wall)
       times['build_cpu'].append(built_cpu - cpu)
       times['pack_wall'].append(time.perf_counter() - built_wall)
@@ -323,12 +325,12 @@ def shm_writes(names: list[str]) -> dict:
   plain, two populated)."""
   from multiprocessing import shared_memory  # pylint: disable=g-import-not-at-top
 
-  from flaxtpu.data import workers  # pylint: disable=g-import-not-at-top
+  from flaxtpu.data import shared_blocks  # pylint: disable=g-import-not-at-top
   source = np.ones(int(np.prod(BATCH_SHAPE)), np.uint8)
   result = {}
   for how, name in zip(('plain', 'populated', 'plain', 'populated'), names):
     started = time.perf_counter()
-    block = shared_memory.SharedMemory(name) if how == 'plain' else workers._attach(name)  # pylint: disable=protected-access
+    block = shared_memory.SharedMemory(name) if how == 'plain' else shared_blocks.attach(name)
     mapped = time.perf_counter()
     np.ndarray(source.shape, np.uint8, buffer=block.buf)[:] = source
     written = time.perf_counter()

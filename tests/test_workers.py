@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from flaxtpu.data import workers
+from flaxtpu.data import shared_blocks, workers
 
 Batch = collections.namedtuple('Batch', 'images labels mask')
 
@@ -28,14 +28,14 @@ def failing_or_small(step: int):
 
 @pytest.fixture
 def made_blocks(monkeypatch):
-  """Every `_Blocks` a pass makes, to look at after it."""
+  """Every `shared_blocks.Blocks` a pass makes, to look at after it."""
   made = []
-  original = workers._Blocks.__init__
+  original = shared_blocks.Blocks.__init__
 
   def record(self, count):
     original(self, count)
     made.append(self)
-  monkeypatch.setattr(workers._Blocks, '__init__', record)
+  monkeypatch.setattr(shared_blocks.Blocks, '__init__', record)
   return made
 
 
@@ -70,7 +70,7 @@ def test_open_files_and_blocks_stay_flat_over_many_batches(made_blocks):
 
 
 def test_without_room_in_dev_shm_batches_come_through_the_pipe(monkeypatch, made_blocks, caplog):
-  monkeypatch.setattr(workers, '_shm_room', lambda: 1 << 20)
+  monkeypatch.setattr(shared_blocks, 'shm_room', lambda: 1 << 20)
   with caplog.at_level(logging.INFO):
     batches = list(workers.run(big_batch, range(5), workers=2, buffer=1))
   for step, batch in enumerate(batches):
@@ -88,12 +88,12 @@ def test_small_and_non_batch_results_stay_on_the_pipe(made_blocks):
 
 def test_a_known_result_size_sends_even_the_first_batches_through_blocks(monkeypatch, made_blocks):
   through = []
-  original = workers._Blocks.unpacked
+  original = shared_blocks.Blocks.unpacked
 
   def record(self, result, block):
     through.append(block is not None)
     return original(self, result, block)
-  monkeypatch.setattr(workers._Blocks, 'unpacked', record)
+  monkeypatch.setattr(shared_blocks.Blocks, 'unpacked', record)
   size = 48 * 96 * 96 * 3  # the images of big_batch's batches; labels and mask fit in the eighth more
   for step, batch in enumerate(workers.run(big_batch, range(6), workers=2, buffer=2, result_bytes=size)):
     np.testing.assert_array_equal(batch.images, big_batch(step).images)
@@ -104,11 +104,10 @@ def test_a_known_result_size_sends_even_the_first_batches_through_blocks(monkeyp
   assert through == [False] * 4 + [True] * 2
 
 
-
 def built_in_place(step: int) -> Batch:
   """A batch whose images are built as a loader builds them (`result_array`); its labels say whether
   they were a view of shared memory (not an array of their own) while the worker filled them."""
-  images = workers.result_array((48, 96, 96, 3), np.uint8)
+  images = shared_blocks.result_array((48, 96, 96, 3), np.uint8)
   images[...] = step
   return Batch(images, np.array([not images.flags.owndata, step]), np.ones(48, bool))
 
@@ -128,21 +127,21 @@ def test_an_array_in_place_in_its_block_is_not_copied_there():
   from multiprocessing import shared_memory
   block = shared_memory.SharedMemory(create=True, size=2 * 2**20)
   try:
-    workers._building_in = block
-    images = workers.result_array((1024, 1024), np.uint8)
-    assert workers._building_in is None  # one array a result: the next is a plain one
-    assert workers.result_array((4,), np.uint8).flags.owndata
+    with shared_blocks.building_in(block):
+      images = shared_blocks.result_array((1024, 1024), np.uint8)
+      assert shared_blocks._building_in is None  # one array a result: the next is a plain one
+      assert shared_blocks.result_array((4,), np.uint8).flags.owndata
     images[...] = 5
     target = np.ndarray(images.shape, images.dtype, buffer=block.buf)
-    assert workers._in_place(images, target) and not workers._in_place(images.copy(), target)
-    packed = workers._packed(Batch(images, np.arange(3), np.ones(3, bool)), block)
-    assert packed.images == workers._InBlock(0, (1024, 1024), '|u1') and (target == 5).all()
+    assert shared_blocks._in_place(images, target) and not shared_blocks._in_place(images.copy(), target)
+    packed = shared_blocks.packed(Batch(images, np.arange(3), np.ones(3, bool)), block)
+    assert packed.images == shared_blocks.InBlock(0, (1024, 1024), '|u1') and (target == 5).all()
     # Too large for the block: an array of its own.
-    workers._building_in = block
-    assert workers.result_array((3, 2**20), np.uint8).flags.owndata
+    with shared_blocks.building_in(block):
+      assert shared_blocks.result_array((3, 2**20), np.uint8).flags.owndata
+    assert shared_blocks._building_in is None
     del images, target
   finally:
-    workers._building_in = None
     block.close()
     block.unlink()
 
@@ -220,13 +219,13 @@ def resident_bytes(buffer) -> int:
                     reason="MAP_POPULATE and /dev/shm are Linux's")
 def test_blocks_are_mapped_with_every_page_in_place():
   """A block a worker (or the trainer) maps has all its pages in place before the first write: under
-  gVisor each page faulted on first touch, 127 ms a batch (workers._attach)."""
+  gVisor each page faulted on first touch, 127 ms a batch (shared_blocks.attach)."""
   from multiprocessing import shared_memory
   size = 8 << 20
   block = shared_memory.SharedMemory(create=True, size=size)
   try:
     plain = shared_memory.SharedMemory(block.name)  # as multiprocessing attaches: nothing mapped yet
-    populated = workers._attach(block.name)
+    populated = shared_blocks.attach(block.name)
     try:
       assert resident_bytes(plain.buf) == 0
       assert resident_bytes(populated.buf) == size
@@ -272,7 +271,7 @@ def test_workers_start_without_the_parent_waiting_on_each(monkeypatch):
     return handed[-1]
   monkeypatch.setattr(workers, '_HandOver', recorded)
   for room in (None, 1024):  # /dev/shm as it is, then (as in a small container) without room
-    monkeypatch.setattr(workers, '_shm_room', lambda room=room: room)
+    monkeypatch.setattr(shared_blocks, 'shm_room', lambda room=room: room)
     results = workers.run(Heavy(), range(0, 40000, 1000), workers=2, buffer=2)
     assert list(results) == list(range(0, 80000, 2000))
     kind, name, size = handed[-1].where

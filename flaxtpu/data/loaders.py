@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from flaxtpu.data import preprocess, samplers, sampling, workers
+from flaxtpu.data import preprocess, samplers, sampling, shared_blocks, workers
 from flaxtpu.data.dataset import Batch, Dataset, Examples, label_batch, label_of
 from flaxtpu.data.preprocess import Transform
 from flaxtpu.data.sampling import Sampler, process_slice
@@ -220,7 +220,7 @@ def _batch_images(count: int, transform: Transform) -> np.ndarray | list:
   through); at native sizes, a list to stack."""
   if not transform.size:
     return []
-  return workers.result_array((count, transform.size, transform.size, transform.channels), np.uint8)
+  return shared_blocks.result_array((count, transform.size, transform.size, transform.channels), np.uint8)
 
 
 class _EvalLoader(_ExampleReader):

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import ctypes
-import dataclasses
 import itertools
 import logging
-import mmap
 import multiprocessing
 import multiprocessing.reduction
 import os
@@ -27,7 +24,7 @@ import threading
 import time
 from typing import Iterable, Iterator, Sequence
 
-import numpy as np
+from flaxtpu.data import shared_blocks
 
 
 def with_progress(chunks: Iterable, total: int, what: str, every_s: float = 10.0, size=len) -> Iterator:
@@ -63,10 +60,10 @@ def run(function, items, workers: int, buffer: int, min_items_per_worker: int = 
   host each ran the TPU runtime's start-up checks) and hand every array of a result over in a
   shared-memory block of its own, created and unlinked per batch. Here the function is sent to
   each worker once, not with each item, and large results come back through a fixed set of
-  shared-memory blocks (`_Blocks`), small ones pickled through the pool's pipe. A worker that dies
-  (the OOM killer) stops the pass with an error instead of a hang. `result_bytes`, the size of the
-  arrays of a result where the caller knows it, sizes the blocks before the first result: else the
-  first results in flight come back through the pipe.
+  shared-memory blocks (`shared_blocks.Blocks`), small ones pickled through the pool's pipe. A
+  worker that dies (the OOM killer) stops the pass with an error instead of a hang. `result_bytes`,
+  the size of the arrays of a result where the caller knows it, sizes the blocks before the first
+  result: else the first results in flight come back through the pipe.
   """
   workers = min(workers, len(items) // min_items_per_worker)
   if workers <= 0:
@@ -106,9 +103,10 @@ def _in_processes(function, items: Iterable, workers: int, ahead: int, result_by
   and not yet consumed. The processes stop (their current items done) when the consumer stops.
 
   Results of tuples of arrays (batches) of 1 MiB or more come back through `ahead` shared-memory
-  blocks (`_Blocks`) of `result_bytes`, or sized by the first result; the rest through the pool's pipe.
+  blocks (`shared_blocks.Blocks`) of `result_bytes`, or sized by the first result; the rest through
+  the pool's pipe.
   """
-  handed, blocks = _HandOver(function), _Blocks(ahead)
+  handed, blocks = _HandOver(function), shared_blocks.Blocks(ahead)
   pool = concurrent.futures.ProcessPoolExecutor(  # its processes start with the first items
       workers, mp_context=multiprocessing.get_context('spawn'), initializer=_start_worker,
       initargs=(handed.where, os.getpid()))
@@ -138,206 +136,6 @@ def _in_processes(function, items: Iterable, workers: int, ahead: int, result_by
     handed.remove()
 
 
-@dataclasses.dataclass(frozen=True)
-class _InBlock:
-  """An array a worker wrote into a shared-memory block: where, and what it is."""
-  offset: int
-  shape: tuple
-  dtype: str
-
-
-_ALIGN = 64  # each array of a block starts on a cache line
-
-
-class _Blocks:
-  """The shared-memory blocks large results come back through: `count` of them (one per item in
-  flight), made when the first result shows their size, reused for the whole pass, unlinked at its
-  end. A pickled 38 MiB batch (256 images of 224x224) through a pipe capped a TPU host's gVisor
-  sandbox near 940 img/s with 13 workers; here the parent copies each array out once.
-
-  A fixed set: the open files and /dev/shm use do not grow with the batches (grain's hand-over
-  made a block per array and ran out of file descriptors). Without room in /dev/shm (a container's
-  64 MiB default) results stay on the pipe, said once.
-  """
-
-  MIN_BYTES = 1 << 20  # below, pickling through the pipe costs less than a block's bookkeeping
-
-  def __init__(self, count: int):
-    self._count, self._free, self._all = count, [], []
-    self._sized = False
-    self._mapped = {}  # block name -> its populated mapping here (`_attach`), from its first result
-
-  def take(self):
-    return self._free.pop() if self._free else None
-
-  def unpacked(self, result, block):
-    """`result` with each array the worker wrote into `block` copied out; the block is free again."""
-    if block is not None:
-      if isinstance(result, tuple):
-        if block.name not in self._mapped:  # after a worker's attach put its pages in place
-          self._mapped[block.name] = _attach(block.name, block)
-        buffer = self._mapped[block.name].buf
-        fields = [np.array(np.ndarray(field.shape, field.dtype, buffer=buffer, offset=field.offset))
-                  if isinstance(field, _InBlock) else field for field in result]
-        result = type(result)._make(fields) if hasattr(result, '_make') else tuple(fields)
-      self._free.append(block)
-    elif not self._sized:
-      self.make(_packed_size(result))
-    return result
-
-  def make(self, size: int) -> None:
-    """The blocks, for results whose arrays take `size` bytes (once; none below MIN_BYTES)."""
-    self._sized = True
-    if size < self.MIN_BYTES:
-      return
-    size += size // 8  # room for a larger batch (images of another size, more labels)
-    if (room := _shm_room()) is not None and room < 2 * size * self._count:
-      logging.info('input workers: /dev/shm has %.0f MiB free, too little for %d blocks of %.0f MiB; '
-                   'batches come back through pipes (slower; a larger /dev/shm, e.g. docker run '
-                   '--shm-size, lifts it)', room / 2**20, self._count, size / 2**20)
-      return
-    from multiprocessing import shared_memory  # pylint: disable=g-import-not-at-top
-    keep_freed_memory(size)  # the copies out of the blocks reuse pages
-    for _ in range(self._count):
-      self._all.append(shared_memory.SharedMemory(create=True, size=size))
-    self._free = list(self._all)
-
-  def close(self) -> None:
-    for mapping in self._mapped.values():
-      mapping.close()
-    for block in self._all:
-      block.close()
-      block.unlink()
-    self._all, self._free, self._mapped = [], [], {}
-
-
-@dataclasses.dataclass
-class _Populated:
-  """A shared-memory block mapped with every page in place (`_attach`): what `_packed` and the
-  copy out need of a `SharedMemory`."""
-  buf: mmap.mmap
-
-  @property
-  def size(self) -> int:
-    return len(self.buf)
-
-  def close(self) -> None:
-    with contextlib.suppress(BufferError):  # an array still viewing it: unmapped when collected
-      self.buf.close()
-
-
-def _attach(name: str, block=None):
-  """Shared-memory block `name` mapped with all its pages in place at once (Linux's MAP_POPULATE),
-  else as `multiprocessing` maps it (`block`, where this process has it; else attached by name).
-
-  On a TPU host's gVisor sandbox every page of a block faulted on its first touch in each process:
-  writing a batch (38 MiB) into a block new to a worker took 127 ms with 13 workers busy, and even
-  later writes 19-36 ms, against 4 ms through a populated mapping (7 ms to map). Workers take
-  whichever block is free, so each met every block once: the input ran at a third of its rate for
-  its first ~100 batches (`python -m benchmarks.host_probes batches`).
-  """
-  populate = getattr(mmap, 'MAP_POPULATE', 0)
-  path = os.path.join('/dev/shm', name.lstrip('/'))
-  if populate and os.path.exists(path):
-    fd = os.open(path, os.O_RDWR)
-    try:
-      return _Populated(mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED | populate))
-    finally:
-      os.close(fd)
-  if block is not None:
-    return block  # closing it twice is harmless
-  from multiprocessing import shared_memory  # pylint: disable=g-import-not-at-top
-  return shared_memory.SharedMemory(name)
-
-
-def keep_freed_memory(nbytes: int) -> None:
-  """Has glibc's malloc serve blocks up to `nbytes` (a batch) from its heap and keep what is freed
-  there, instead of mapping fresh pages for each and unmapping them when freed (its default above
-  32 MiB; 38 MiB for 256 images of 224x224).
-
-  Each fresh page is a page fault on first touch: on a TPU host's gVisor sandbox a new 38 MiB array
-  took 42.9 ms to fill against 3.3 ms for one reused (3.2 ms after this call), 43 ms of every batch
-  in each worker and again in the trainer that copies it out of its block. Process-wide, and only
-  ever raised; elsewhere (no glibc) nothing changes.
-  """
-  global _heap_serves
-  if nbytes <= _heap_serves:
-    return
-  try:
-    mallopt = ctypes.CDLL(None).mallopt
-  except (AttributeError, OSError):  # macOS, musl: no mallopt
-    return
-  m_trim_threshold, m_mmap_threshold = -1, -3
-  # Room above `nbytes`: an array's allocation adds a header, and a batch may come a little larger.
-  threshold = min(nbytes + nbytes // 4 + (1 << 20), 1 << 29)  # C ints
-  # Trimming only past four batches of free heap: a batch freed at its top is reused, not unmapped.
-  if mallopt(m_mmap_threshold, threshold) and mallopt(m_trim_threshold, 4 * threshold):
-    _heap_serves = nbytes
-
-
-_heap_serves = 0  # the largest block malloc serves from its heap here (keep_freed_memory)
-
-
-def _shm_room() -> int | None:
-  try:
-    stats = os.statvfs('/dev/shm')
-  except OSError:  # no /dev/shm (macOS): POSIX shared memory lives elsewhere
-    return None
-  return stats.f_bavail * stats.f_frsize
-
-
-def _block_arrays(result) -> list:
-  """The fields of a tuple result (a batch) that can go into a block: plain numpy arrays."""
-  if not isinstance(result, tuple):
-    return []
-  return [field for field in result if isinstance(field, np.ndarray) and not field.dtype.hasobject]
-
-
-def _packed_size(result) -> int:
-  return sum(_aligned(array.nbytes) for array in _block_arrays(result))
-
-
-def _aligned(nbytes: int) -> int:
-  return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def _packed(result, block):
-  """In a worker: `result` with its arrays written into `block` as far as they fit (`_InBlock`s); an
-  array built in place there (`result_array`) is not copied."""
-  if not _block_arrays(result) or _packed_size(result) > block.size:
-    return result
-  fields, offset = [], 0
-  for field in result:
-    if isinstance(field, np.ndarray) and not field.dtype.hasobject:
-      target = np.ndarray(field.shape, field.dtype, buffer=block.buf, offset=offset)
-      if not _in_place(field, target):
-        target[...] = field
-      field, offset = _InBlock(offset, field.shape, field.dtype.str), offset + _aligned(field.nbytes)
-    fields.append(field)
-  return type(result)._make(fields) if hasattr(result, '_make') else tuple(fields)
-
-
-def _in_place(array: np.ndarray, target: np.ndarray) -> bool:
-  """Whether `array` already is `target`'s memory, laid out alike."""
-  return array.ctypes.data == target.ctypes.data and array.strides == target.strides
-
-
-def result_array(shape: tuple, dtype) -> np.ndarray:
-  """A new array for the first array of a result (a batch's images) to be built in.
-
-  In an input worker whose result goes back through a shared-memory block, it is a view of the
-  block's start, where `_packed` would otherwise copy it (a 38 MiB copy for each batch of 256
-  224x224 images, in each worker); elsewhere (threads, the trainer's own process, a result too large)
-  a plain `np.empty`.
-  """
-  global _building_in
-  block, _building_in = _building_in, None  # the block's start holds one array
-  dtype = np.dtype(dtype)
-  if block is not None and int(np.prod(shape)) * dtype.itemsize <= block.size:
-    return np.ndarray(shape, dtype, buffer=block.buf)
-  return np.empty(shape, dtype)
-
-
 def _closing_threads(iterator) -> Iterator:
   """`iterator`, closed (what has not started is cancelled) when its consumer stops early."""
   try:
@@ -362,7 +160,7 @@ class _HandOver:
   def __init__(self, function):
     data = multiprocessing.reduction.ForkingPickler.dumps(function)
     self._block = None
-    room = _shm_room()
+    room = shared_blocks.shm_room()
     if room is None or room >= 2 * len(data):
       from multiprocessing import shared_memory  # pylint: disable=g-import-not-at-top
       self._block = shared_memory.SharedMemory(create=True, size=max(len(data), 1))
@@ -380,7 +178,7 @@ class _HandOver:
     if kind == 'file':
       with open(name, 'rb') as f:
         return pickle.load(f)
-    block = _attach(name)
+    block = shared_blocks.attach(name)
     try:
       return pickle.loads(bytes(block.buf[:size]))
     finally:
@@ -410,25 +208,21 @@ def _start_worker(handed: tuple, parent: int) -> None:
 
 
 _attached: dict = {}  # in a worker: the parent's shared-memory blocks it has opened, by name
-_building_in = None  # in a worker computing an item: the block its result goes back through
 
 
 def _work(item, block_name: str | None = None):
-  global _building_in
   if block_name is None:
     return _worker_function(item)
   if block_name not in _attached:  # at most one per item in flight: a fixed set
     # The workers share the parent's resource tracker, which keeps a set of names: attaching adds
     # nothing, and the parent's unlink at the end of the pass removes the name.
-    _attached[block_name] = _attach(block_name)
-    keep_freed_memory(_attached[block_name].size)  # each batch is built in pages the last one freed
+    _attached[block_name] = shared_blocks.attach(block_name)
+    # Each batch is built in pages the last one freed.
+    shared_blocks.keep_freed_memory(_attached[block_name].size)
   # The block is this item's alone from its submission until the parent has copied the result out.
-  _building_in = _attached[block_name]
-  try:
+  with shared_blocks.building_in(_attached[block_name]):
     result = _worker_function(item)
-  finally:
-    _building_in = None
-  return _packed(result, _attached[block_name])
+  return shared_blocks.packed(result, _attached[block_name])
 
 
 def _die_with_parent(parent: int) -> None:
