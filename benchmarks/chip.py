@@ -517,6 +517,7 @@ def remat_family(args, sizes: Sizes, name: str, report: Callable[[dict], None]) 
   """The family's step under each remat policy: compiled at once, timed one after another."""
   from benchmarks import flax_imagenet_resnet  # pylint: disable=g-import-not-at-top
   case = CASES[name]
+  sizes = case_sizes(case, sizes)  # as the cold and warm cases: flaxtpu_config takes the case's sizes
   # Not emptied: a rerun (after a stopped one) loads what was compiled; compile seconds are not its subject.
   tpu.use_compilation_cache(args.workdir / 'jax_cache' / f'remat_{name}')
   facts = tpu.device_facts()
