@@ -890,8 +890,8 @@ def render_section(results: dict) -> str:
       'second, over the chip\'s dense bf16 peak'
       + (f' ({peak / 1e12:.0f} TFLOP/s).' if peak else ' (unknown here: no MFU).' if device else '.')
       + ' Compile: the train step\'s trace, lowering and XLA compile with an empty persistent compilation '
-      'cache (cold; the peers compiling at the same time'
-      + (', after flaxtpu\'s' if sizes.get('compile_alone') else '') + '), then in a second process from '
+      'cache (cold: alone where the command has `--compile-alone`, otherwise while the peers compile '
+      'in threads of the same process), then in a second process from '
       'that cache (warm). Memory plan: XLA\'s per-device plan of the step, arguments + outputs + '
       'temporaries - donated buffers, in GiB. flaxtpu / peer above 1: flaxtpu is faster. The goals are '
       'issue 51\'s (and for every family: compiled cold in <= 45 s, warm from the cache). Without a TPU '
