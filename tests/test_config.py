@@ -47,6 +47,10 @@ def test_imagenet_recipe_is_the_standard_one():
      "config.optimizer.name='lbfgs' is not valid; choose one of: 'sgd', 'adam', 'adamw', 'lamb'"),
     ('schedule.name', 'sawtooth', "config.schedule.name='sawtooth' is not valid"),
     ('model.remat', 'some', "config.model.remat='some' is not valid"),
+    ('model.remat_mlps', -1, 'config.model.remat_mlps=-1 must be >= 0'),
+    # cifar10.py's model is the Keras CNN: only the Swins have MLP branches to recompute.
+    ('model.remat_mlps', 1, "config.model.remat_mlps=1 has no effect on model.name='cnn'; leave it at 0 "
+     'or pick a model that takes it: swin_t, swin_s, swin_b'),
     ('dtype', 'float64', "config.dtype='float64' is not valid; choose one of: 'float32', 'bfloat16'"),
     ('parallelism', 'pjit', "config.parallelism='pjit' is not valid; choose one of: 'jit', 'pmap'"),
     ('num_epochs', 0.0, 'config.num_epochs=0.0 must be > 0'),

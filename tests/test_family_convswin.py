@@ -152,6 +152,38 @@ def test_remat_gives_the_same_gradients_with_stochastic_depth(name):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
 
 
+def _checkpoints(jaxpr) -> int:
+  """The jax.checkpoint (remat) equations in a jaxpr, those in nested jaxprs included."""
+  jaxpr = getattr(jaxpr, 'jaxpr', jaxpr)  # a ClosedJaxpr's
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name in ('checkpoint', 'remat2')  # jax.checkpoint's primitive, by version
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if hasattr(sub, 'eqns') or hasattr(getattr(sub, 'jaxpr', None), 'eqns'):
+          count += _checkpoints(sub)
+  return count
+
+
+@pytest.mark.parametrize('remat', ['none', 'full'])
+def test_swin_remat_mlps_recomputes_the_first_stages_mlps_and_nothing_changes(remat):
+  """model.remat_mlps=N: the MLP branches of the first N stages under jax.checkpoint (Swin-T: 2 + 2
+  blocks for N=2; with remat=full nested in each block's), the same parameters and gradients."""
+  images = jnp.asarray(_images(4, 40))
+  plain = models.create('swin_t', num_classes=10, drop_path=0.3, remat=remat)
+  mlps = models.create('swin_t', num_classes=10, drop_path=0.3, remat=remat, remat_mlps=2)
+  variables = plain.init(jax.random.PRNGKey(0), images, train=False)
+  assert jax.tree.map(jnp.shape, mlps.init(jax.random.PRNGKey(0), images, train=False)) == jax.tree.map(
+      jnp.shape, variables)
+  blocks = 12 if remat == 'full' else 0  # remat=full: every block is one checkpoint of its own
+  for model, expected in ((plain, blocks), (mlps, blocks + 4)):
+    loss = lambda params, model=model: model.apply({'params': params}, images, train=True,
+                                                   rngs={'dropout': jax.random.PRNGKey(1)}).sum()
+    assert _checkpoints(jax.make_jaxpr(loss)(variables['params'])) == expected
+  for x, y in zip(jax.tree.leaves(_grads(plain, images)), jax.tree.leaves(_grads(mlps, images))):
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
 def test_swin_stochastic_depth_drops_branches_at_train_time_only():
   model = models.create('swin_t', num_classes=10, drop_path=0.5)
   images = jnp.asarray(_images(8, 32))

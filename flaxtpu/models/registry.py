@@ -131,16 +131,17 @@ def check_image_shape(name: str, image_shape: tuple[int, ...], patch_size: int =
 def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 'none',
            bn_axis_name: Optional[str] = None, patch_size: int = 0, pool: str = 'gap',
            dropout: float = 0.0, drop_path: float = 0.0, padding: str = 'torch', gelu: str = 'exact',
-           downsample: str = 'floor', space_to_depth: bool = False,
+           downsample: str = 'floor', space_to_depth: bool = False, remat_mlps: int = 0,
            image_shape: Optional[tuple[int, ...]] = None):
   """Builds model `name`; `remat` wraps each block (ResNet, ViT, ConvNeXt) or stage (CNN) in jax.checkpoint.
 
   `bn_axis_name` makes BatchNorm average its statistics over that pmap axis,
   so that pmap computes the same statistics as one global batch. `patch_size`
   (0 = the published one), `pool`, `dropout`, `drop_path`, `padding` (ResNet),
-  `gelu` (ViT), `downsample` (ConvNeXt) and `space_to_depth` (the ImageNet ResNets' stem)
-  configure the families that read them (`Spec.options` says which: `Family.options`); given
-  `image_shape`, the patches are checked to tile it.
+  `gelu` (ViT), `downsample` (ConvNeXt), `space_to_depth` (the ImageNet ResNets' stem) and
+  `remat_mlps` (Swin: its first stages' MLP branches recomputed in the backward pass) configure the
+  families that read them (`Spec.options` says which: `Family.options`); given `image_shape`, the
+  patches are checked to tile it.
   """
   # pylint: disable=g-import-not-at-top
   import flax.linen as nn
@@ -153,6 +154,7 @@ def create(name: str, *, num_classes: int, dtype: str = 'float32', remat: str = 
       lambda unit: nn.remat(unit, policy=remat_policy(remat)))
   family = _FAMILIES[spec.family]
   options = {'patch_size': patch_size, 'pool': pool, 'dropout': dropout, 'drop_path': drop_path,
-             'padding': padding, 'gelu': gelu, 'downsample': downsample, 'space_to_depth': space_to_depth}
+             'padding': padding, 'gelu': gelu, 'downsample': downsample, 'space_to_depth': space_to_depth,
+             'remat_mlps': remat_mlps}
   return family.build(spec, num_classes=num_classes, dtype=jnp.dtype(dtype), wrap=wrap,
                       bn_axis_name=bn_axis_name, **{key: options[key] for key in family.options})

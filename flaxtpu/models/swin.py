@@ -31,12 +31,12 @@ class SwinSpec(Spec):
   heads: tuple[int, ...] = ()  # attention heads per stage
 
 
-def _build(spec: SwinSpec, *, num_classes, dtype, wrap, bn_axis_name, patch_size, drop_path):
+def _build(spec: SwinSpec, *, num_classes, dtype, wrap, bn_axis_name, patch_size, drop_path, remat_mlps):
   del bn_axis_name
   from flaxtpu.models.nets import swin  # pylint: disable=g-import-not-at-top
   return swin.Swin(num_classes=num_classes, stage_sizes=spec.stage_sizes, width=spec.widths[0],
                    num_heads=spec.heads, block=wrap(swin.SwinBlock), patch_size=patch_size or spec.patch_size,
-                   window=WINDOW, drop_path=drop_path, dtype=dtype)
+                   window=WINDOW, drop_path=drop_path, dtype=dtype, remat_mlps=remat_mlps)
 
 
 def _layers(spec: Spec) -> list[tuple[str, ...]]:
@@ -120,6 +120,7 @@ FAMILY = Family('swin', {
     'swin_t': SwinSpec('swin', (2, 2, 6, 2), widths=(96,), patch_size=4, heads=(3, 6, 12, 24)),
     'swin_s': SwinSpec('swin', (2, 2, 18, 2), widths=(96,), patch_size=4, heads=(3, 6, 12, 24)),
     'swin_b': SwinSpec('swin', (2, 2, 18, 2), widths=(128,), patch_size=4, heads=(4, 8, 16, 32)),
-}, _build, _layers, ('patch_size', 'drop_path'), title='Swin Transformer', short_names='swin_t/s/b',
-    smallest_image=_smallest_image, layouts=(TIMM,), timm_architecture=_timm_architecture,
-    preprocessing=_preprocessing, input_kernel='params/patch_embed/kernel')
+}, _build, _layers, ('patch_size', 'drop_path', 'remat_mlps'), title='Swin Transformer',
+    short_names='swin_t/s/b', smallest_image=_smallest_image, layouts=(TIMM,),
+    timm_architecture=_timm_architecture, preprocessing=_preprocessing,
+    input_kernel='params/patch_embed/kernel')
