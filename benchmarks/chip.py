@@ -35,6 +35,8 @@ resnets, modern, mobile, tuned):
   vit_b16          ViT-B/16 (`vit_b`)                                    (flaxtpu alone)
   convnext_t       ConvNeXt-T (`convnext_t`), beside Keras' `ConvNeXtTiny`
   swin_t           Swin-T (`swin_t`)                                     (flaxtpu alone)
+  swin_t_mlps      Swin-T with model.remat_mlps=1 (its first stage's MLP branches recomputed in the
+                   backward pass)                                        (flaxtpu alone)
   efficientnet_b0  EfficientNet-B0 (`efficientnet_b0`), beside Keras' `EfficientNetB0`
   mobilenetv3_l    MobileNetV3-L (`mobilenetv3_l`), beside Keras' `MobileNetV3Large`
 
@@ -140,6 +142,8 @@ CASES = {
     'vit_b16': Case('ViT-B/16', 'vit_b', goal='MFU >= 55%'),
     'convnext_t': Case('ConvNeXt-T', 'convnext_t', keras='ConvNeXtTiny', goal='MFU >= 30%; >= 1.3x Keras'),
     'swin_t': Case('Swin-T', 'swin_t', goal='MFU >= 25%; plan < 8 GiB'),
+    'swin_t_mlps': Case('Swin-T, first stage\'s MLPs recomputed', 'swin_t', family=False,
+                        overrides=(('remat_mlps', 1),), goal='plan < 8 GiB at about swin_t\'s speed'),
     'efficientnet_b0': Case('EfficientNet-B0', 'efficientnet_b0', keras='EfficientNetB0',
                             goal='>= 1.3x Keras'),
     'mobilenetv3_l': Case('MobileNetV3-L', 'mobilenetv3_l', keras='MobileNetV3Large',
@@ -151,7 +155,7 @@ GROUPS = {'resnets': ('resnet50', 'resnet50_remat', 'resnet50_b512'),
           'modern': ('vit_b16', 'convnext_t', 'swin_t'),
           'mobile': ('efficientnet_b0', 'mobilenetv3_l'),
           # Optimisations measured alone: run beside their base (--only resnet50,resnet50_s2d).
-          'tuned': ('resnet50_s2d',)}
+          'tuned': ('resnet50_s2d', 'swin_t_mlps')}
 REMAT_POLICIES = ('none', 'dots_with_no_batch_dims_saveable', 'dots_saveable', 'full')
 KERAS_LOOPS = {
     'stateless': 'one jax.jit of model.stateless_call + jax.value_and_grad + optimizer.stateless_apply, '

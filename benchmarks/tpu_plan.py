@@ -3,6 +3,7 @@ policy.
 
     pip install --target /tmp/libtpu --no-deps libtpu==0.0.42.*    # the TPU compiler (jax 0.10's; ~700 MB)
     PYTHONPATH=/tmp/libtpu python -m benchmarks.tpu_plan --models swin_t --remat none,full
+    PYTHONPATH=/tmp/libtpu python -m benchmarks.tpu_plan --models swin_t --remat-mlps 0,1,2
 
 libtpu compiles for a described chip (`jax.experimental.topologies`, `--topology v5e:1x1`) without one:
 the compiled program's memory plan (arguments + outputs + temporaries - donated buffers) is the one the
@@ -19,6 +20,7 @@ installed, a flaxtpu dependency) and by zlib (its fallback), best of 3 each, sid
 """
 
 import argparse
+import itertools
 import re
 import sys
 import time
@@ -57,7 +59,7 @@ def cache_compression(compiled) -> dict:
 
 
 def plan(model_name: str, remat: str, batch: int, image_size: int, devices,
-         with_compression: bool = False) -> dict:
+         with_compression: bool = False, remat_mlps: int = 0) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
@@ -68,7 +70,7 @@ def plan(model_name: str, remat: str, batch: int, image_size: int, devices,
   from flaxtpu.models import registry  # pylint: disable=g-import-not-at-top
 
   replicated = NamedSharding(Mesh(devices, ('devices',)), P())
-  model = registry.create(model_name, num_classes=1000, dtype='bfloat16', remat=remat)
+  model = registry.create(model_name, num_classes=1000, dtype='bfloat16', remat=remat, remat_mlps=remat_mlps)
   example = jnp.zeros((1, image_size, image_size, 3))
   variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), example, train=False))
   optimizer = optax.sgd(0.1, momentum=0.9)
@@ -98,7 +100,8 @@ def plan(model_name: str, remat: str, batch: int, image_size: int, devices,
   compiled = lowered.compile()
   seconds = time.perf_counter() - started
   memory = chip.memory_plan_of(compiled)
-  return {'model': model_name, 'remat': remat, 'batch': batch, 'image_size': image_size,
+  return {'model': model_name, 'remat': remat, 'remat_mlps': remat_mlps, 'batch': batch,
+          'image_size': image_size,
           'plan_bytes': memory['total_bytes'], 'temp_bytes': memory['temp_bytes'],
           'flops': flax_imagenet_resnet.flops_of(compiled), 'copied_bytes': copied_bytes(compiled.as_text()),
           'compile_seconds_here': seconds, **(cache_compression(compiled) if with_compression else {})}
@@ -108,6 +111,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--models', default='swin_t', help='flaxtpu model names, comma-separated')
   parser.add_argument('--remat', default='none', help='model.remat policies, comma-separated')
+  parser.add_argument('--remat-mlps', default='0', help='model.remat_mlps values (Swin), comma-separated')
   parser.add_argument('--batch', type=int, default=256)
   parser.add_argument('--image-size', type=int, default=224)
   parser.add_argument('--topology', default='v5e:1x1', help="a TPU topology name, e.g. 'v5e:1x1' (one chip)")
@@ -126,9 +130,10 @@ def main() -> None:
   devices = topology.devices
   print(f'{len(devices)} x {devices[0].device_kind} ({args.topology}), compiled on this machine', flush=True)
   for model_name in args.models.split(','):
-    for remat in args.remat.split(','):
-      row = plan(model_name, remat, args.batch, args.image_size, devices, args.cache_compression)
-      print(f'  {model_name} remat={remat}: plan {row["plan_bytes"] / 2**30:.2f} GiB (temporaries '
+    for remat, mlps in itertools.product(args.remat.split(','), map(int, args.remat_mlps.split(','))):
+      row = plan(model_name, remat, args.batch, args.image_size, devices, args.cache_compression, mlps)
+      setting = f'remat={remat}' + (f' remat_mlps={mlps}' if mlps else '')
+      print(f'  {model_name} {setting}: plan {row["plan_bytes"] / 2**30:.2f} GiB (temporaries '
             f'{row["temp_bytes"] / 2**30:.2f}), {row["flops"] / 1e12:.2f} TFLOP a step, layout copies '
             f'{row["copied_bytes"] / 2**30:.2f} GiB, compiled in {row["compile_seconds_here"]:.0f} s here',
             flush=True)
