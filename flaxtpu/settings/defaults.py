@@ -198,8 +198,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.space_to_depth = False
   # swin_t/s/b: the first this-many stages recompute their blocks' MLP branches (norm2, mlp1, GELU,
   # mlp2) in the backward pass, keeping only each branch's input: the step's widest activations.
-  # Swin-T at batch 256 on a v5e: 1 cuts XLA's plan from 9.14 to 7.25 GiB for 2% more FLOPs. The same
-  # function and weights; 0 keeps them all. Independent of model.remat (which recomputes whole blocks).
+  # Swin-T at batch 256 compiled for a v5e: 1 cuts the plan from 9.14 to 7.25 GiB for 2% more FLOPs.
+  # The same function and weights; 0 keeps them all. Independent of model.remat (whole blocks).
   config.model.remat_mlps = 0
   # Compute dtype: float32 | bfloat16 | float16 (params, optimizer, BN stats stay float32; float16 trains
   # with a dynamic loss scale: an overflowing step is skipped and the scale halves, see docs/training.md).

@@ -199,7 +199,7 @@ class Swin(nn.Module):
   drop_path: float = 0.0  # the last block's rate; 0 in the first, linear in between
   dtype: Any = jnp.float32
   # The first this-many stages recompute their blocks' MLP branches in the backward pass: the widest
-  # activations of the step (Swin-T at batch 256 on a v5e: plan 9.14 -> 7.25 GiB for 2% more FLOPs).
+  # activations of the step (Swin-T at batch 256 compiled for a v5e: plan 9.14 -> 7.25 GiB, 2% more FLOPs).
   remat_mlps: int = 0
 
   @nn.compact
