@@ -58,7 +58,7 @@ class Blocks:
         buffer = self._mapped[block.name].buf
         fields = [np.array(np.ndarray(field.shape, field.dtype, buffer=buffer, offset=field.offset))
                   if isinstance(field, InBlock) else field for field in result]
-        result = type(result)._make(fields) if hasattr(result, '_make') else tuple(fields)
+        result = _like(result, fields)
       self._free.append(block)
     elif not self._sized:
       self.make(packed_size(result))
@@ -176,6 +176,11 @@ def packed_size(result) -> int:
   return sum(_aligned(array.nbytes) for array in _block_arrays(result))
 
 
+def _like(result: tuple, fields: list) -> tuple:
+  """`fields` as a tuple of `result`'s kind (a batch's named tuple, or a plain tuple)."""
+  return type(result)._make(fields) if hasattr(result, '_make') else tuple(fields)
+
+
 def _aligned(nbytes: int) -> int:
   return -(-nbytes // _ALIGN) * _ALIGN
 
@@ -193,7 +198,7 @@ def packed(result, block):
         target[...] = field
       field, offset = InBlock(offset, field.shape, field.dtype.str), offset + _aligned(field.nbytes)
     fields.append(field)
-  return type(result)._make(fields) if hasattr(result, '_make') else tuple(fields)
+  return _like(result, fields)
 
 
 def _in_place(array: np.ndarray, target: np.ndarray) -> bool:
