@@ -240,6 +240,9 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
   _one_of('model.remat', model.remat, REMAT_POLICIES)
   if model.patch_size < 0:
     raise ConfigError(f'config.model.patch_size={model.patch_size} must be >= 0 (0 = the published size)')
+  if model.remat_mlps < 0:
+    raise ConfigError(f'config.model.remat_mlps={model.remat_mlps} must be >= 0 (0 = keep every MLP\'s '
+                      'activations)')
   _one_of('model.pool', model.pool, models.POOLS)
   _one_of('model.padding', model.padding, models.PADDINGS)
   _one_of('model.gelu', model.gelu, models.GELUS)
@@ -247,9 +250,6 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
   _within('model', model, ('dropout', 'drop_path'), '[0, 1)')
   options = models.get_spec(model.name).options
   default = defaults.get_config().model
-  if model.remat_mlps < 0:
-    raise ConfigError(f'config.model.remat_mlps={model.remat_mlps} must be >= 0 (0 = keep every MLP\'s '
-                      'activations)')
   for key in ('patch_size', 'pool', 'dropout', 'drop_path', 'padding', 'gelu', 'downsample',
               'space_to_depth', 'remat_mlps'):
     if key not in options and model[key] != default[key]:
