@@ -60,6 +60,31 @@ def test_auto_picks_the_fastest_policy_that_fits(fake_plans, limit, chosen, monk
                          'device)')
 
 
+@pytest.mark.parametrize('limit, chosen', [(1000, 'none'), (250, 'none with remat_mlps=1'),
+                                            (170, 'dots_saveable'), (100, 'full')])
+def test_auto_tries_swins_first_stage_mlps_recomputed_between_none_and_dots_saveable(monkeypatch, limit,
+                                                                                      chosen):
+  """Swin-T on a v5e: none 9.18 GiB, remat_mlps=1 7.73 (at 98% of none's speed), dots_saveable 5.99;
+  a model without MLP branches to recompute never compiles that candidate (the test above)."""
+  needs = {'none': 300, 'none with remat_mlps=1': 200, 'dots_saveable': 150,
+           'dots_with_no_batch_dims_saveable': 120, 'full': 80}
+  compiled = []
+
+  def plan_memory(config, **_):
+    compiled.append(remat_choice.label(config))
+    return {'remat': config.model.remat, 'total_bytes': needs[compiled[-1]]}
+  monkeypatch.setattr(compile_plan, 'plan_memory', plan_memory)
+  monkeypatch.setattr(memory, 'device_need', lambda plan: (plan['total_bytes'], limit, 'one test device'))
+  config = _digits(**{'model.name': 'swin_t', 'model.remat': 'auto'})
+  resolved, plans = remat_choice.resolve(config, image_shape=(224, 224, 3), num_classes=10)
+  assert compiled == list(needs)[:list(needs).index(chosen) + 1]
+  assert remat_choice.label(resolved) == chosen and config.model.remat_mlps == 0
+  assert [plan.get('remat_mlps', 0) for plan in remat_choice.summary(plans)] == [0, 1, 0, 0, 0][:len(plans)]
+  mlps_set = _digits(**{'model.name': 'swin_t', 'model.remat': 'auto', 'model.remat_mlps': 2})
+  assert [remat_choice.label(c) for c in remat_choice.candidates(mlps_set)] == [  # the user's remat_mlps kept
+      f'{policy} with remat_mlps=2' for policy in remat_choice.ORDER]
+
+
 def test_auto_with_nothing_that_fits_names_each_need(fake_plans):
   _, limits = fake_plans
   limits['bytes'] = 50

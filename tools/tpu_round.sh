@@ -29,7 +29,7 @@
 #             others --config.num_train_steps=150 (needs CIFAR; configs-b ~7.5 min)
 #   resnets, modern, tuned   benchmarks/chip.py's groups with --compile-alone: flaxtpu's step compiled
 #             before its peers, not beside them, so its cold compile is its own (6.5 and 7 min measured;
-#             tuned, ResNet-50's space-to-depth stem and Swin-T with model.remat_mlps=1, ~5)
+#             tuned, Swin-T beside Swin-T with model.remat_mlps=1, ~5)
 #   mobile-a, mobile-b       the `mobile` group's EfficientNet-B0 and MobileNetV3-L, one a part (the
 #             group with --compile-alone, ~9.5 min, would not fit; 4 min measured for mobile-a)
 #   remat-a, remat-b, remat-c        the remat table, two families each (~6 min each)
