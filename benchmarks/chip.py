@@ -30,8 +30,6 @@ resnets, modern, mobile, tuned):
                    step (benchmarks/flax_imagenet_resnet.py) and Keras' `ResNet50`
   resnet50_remat   ResNet-50 with model.remat=full                       (flaxtpu alone)
   resnet50_b512    ResNet-50 at twice the batch (512)                    (flaxtpu alone)
-  resnet50_s2d     ResNet-50 with model.space_to_depth (the stem over 2x2 pixel blocks) (flaxtpu alone;
-                   a TPU's default since it measured: there the same step as resnet50)
   vit_b16          ViT-B/16 (`vit_b`)                                    (flaxtpu alone)
   convnext_t       ConvNeXt-T (`convnext_t`), beside Keras' `ConvNeXtTiny`
   swin_t           Swin-T (`swin_t`)                                     (flaxtpu alone)
@@ -136,9 +134,6 @@ CASES = {
     'resnet50_remat': Case('ResNet-50, remat=full', 'resnet50', remat='full', family=False),
     'resnet50_b512': Case('ResNet-50, batch 512', 'resnet50', batch_factor=2, family=False,
                           goal='not slower per image than at batch 256'),
-    'resnet50_s2d': Case('ResNet-50, space-to-depth stem', 'resnet50', family=False,
-                         overrides=(('space_to_depth', True),),
-                         goal='faster than the plain stem (a TPU computes it so by default)'),
     'vit_b16': Case('ViT-B/16', 'vit_b', goal='MFU >= 55%'),
     'convnext_t': Case('ConvNeXt-T', 'convnext_t', keras='ConvNeXtTiny', goal='MFU >= 30%; >= 1.3x Keras'),
     'swin_t': Case('Swin-T', 'swin_t', goal='MFU >= 25%; plan < 8 GiB'),
