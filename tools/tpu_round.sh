@@ -27,9 +27,10 @@
 #             the generated photos (imagenet_resnet50's with ImageNet's split names), finetune from
 #             imagenet_resnet50's run: no hub here); cifar10, cifar10_fast and digits whole, the
 #             others --config.num_train_steps=150 (needs CIFAR; configs-b ~7.5 min)
-#   resnets, modern, tuned   benchmarks/chip.py's groups with --compile-alone: flaxtpu's step compiled
-#             before its peers, not beside them, so its cold compile is its own (6.5 and 7 min measured;
-#             tuned, Swin-T beside Swin-T with model.remat_mlps=1, ~5)
+#   resnets, accumulate, modern, tuned   benchmarks/chip.py's groups with --compile-alone: flaxtpu's step
+#             compiled before its peers, not beside them, so its cold compile is its own (6.5 and 7 min
+#             measured; tuned, Swin-T beside Swin-T with model.remat_mlps=1, 4; accumulate, ResNet-50 at
+#             batch 512 beside 512 an update in two batches of 256, ~4)
 #   mobile-a, mobile-b       the `mobile` group's EfficientNet-B0 and MobileNetV3-L, one a part (the
 #             group with --compile-alone, ~9.5 min, would not fit; 4 min measured for mobile-a)
 #   remat-a, remat-b, remat-c        the remat table, two families each (~6 min each)
@@ -150,7 +151,7 @@ for which in "$@"; do
       config_run imagenet_resnet50 280 --config.dataset.folder="$imagenet" --config.num_train_steps=150
       config_run finetune 200 --config.dataset.folder="$photos" --config.num_train_steps=150 \
         --config.init_from.checkpoint=/tmp/bench/configs/imagenet_resnet50 ;;
-    resnets|modern|tuned) part "chip_$which" 580 "${chip[@]}" --compile-alone --only "$which" ;;
+    resnets|accumulate|modern|tuned) part "chip_$which" 580 "${chip[@]}" --compile-alone --only "$which" ;;
     mobile-a) part chip_mobile_a 580 "${chip[@]}" --compile-alone --only efficientnet_b0 ;;
     mobile-b) part chip_mobile_b 580 "${chip[@]}" --compile-alone --only mobilenetv3_l ;;
     remat-a) part remat_a 580 "${chip[@]}" --remat-table --only resnet50,mobilenetv3_l ;;
