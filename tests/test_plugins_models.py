@@ -4,6 +4,7 @@ recognised in a published safetensors file, imported through init_from's path, a
 Also: every built-in model's parameters are all placed by its family's layer-depth map, and the registry
 imports no JAX."""
 
+import inspect
 import re
 import subprocess
 import sys
@@ -163,6 +164,18 @@ def test_layer_decay_counts_the_family_layers_and_refuses_a_parameter_outside_th
 def test_registering_a_taken_name_is_refused(toy_family):
   with pytest.raises(ValueError, match="'toy' or one of its models"):
     models.register(toy_family)
+
+
+def test_a_family_reading_an_option_config_model_lacks_is_refused():
+  """`create` passes a family the config.model keys it names, by name: an unknown one would break every
+  run of its models, so registering it fails, naming the keys there are."""
+  unknown = Family('toy2', {'toy2_net': Spec('toy2', widths=(8,))}, _build, options=('patch_size', 'width_mult'),
+                   layers=lambda spec: [('stem',), ('head',)], title='toy net')
+  with pytest.raises(ValueError, match=r"^model family 'toy2' reads options patch_size, width_mult; "
+                                       r"config.model has only patch_size, pool, .*, remat_mlps$"):
+    models.register(unknown)
+  assert 'toy2_net' not in models.NAMES
+  assert set(models.OPTIONS) <= set(inspect.signature(models.create).parameters)  # each one a create option
 
 
 def test_every_model_places_every_parameter_in_its_layer_map():

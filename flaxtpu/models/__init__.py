@@ -32,6 +32,7 @@ from flaxtpu.models.registry import (
   DOWNSAMPLES,
   GELUS,
   LEGACY_OPTIONS,
+  OPTIONS,
   PADDINGS,
   POOLS,
   check_image_shape,
@@ -53,7 +54,7 @@ for _family in (cnn.FAMILY, fastnet.FAMILY, resnet.CIFAR, resnet.IMAGENET, vit.F
   register(_family)
 
 __all__ = [
-    'DOWNSAMPLES', 'Family', 'GELUS', 'LEGACY_OPTIONS', 'Layout', 'NAMES', 'PADDINGS', 'POOLS',
+    'DOWNSAMPLES', 'Family', 'GELUS', 'LEGACY_OPTIONS', 'Layout', 'NAMES', 'OPTIONS', 'PADDINGS', 'POOLS',
     'Spec', 'check_image_shape', 'create', 'data_fit', 'families', 'get_family', 'get_spec',
     'layer_depths', 'layout', 'no_timm_twin', 'register', 'remat_policy', 'unregister',
 ]

@@ -29,6 +29,9 @@ def register(family: Family) -> None:
     raise ValueError(f'model family {family.name!r} or one of its models ({", ".join(family.specs)}) '
                      'is registered already')
   assert all(spec.family == family.name for spec in family.specs.values()), family.name
+  if not set(family.options) <= set(OPTIONS):
+    raise ValueError(f'model family {family.name!r} reads options {", ".join(family.options)}; config.model '
+                     f'has only {", ".join(OPTIONS)}')
   _FAMILIES[family.name] = family
   _SPECS.update(family.specs)
   NAMES = tuple(_SPECS)
@@ -45,6 +48,9 @@ def unregister(name: str) -> None:
   layer_depths.cache_clear()
 
 
+# The config.model keys a family may read (`Family.options` says which), passed to `create` by name.
+OPTIONS = ('patch_size', 'pool', 'dropout', 'drop_path', 'padding', 'gelu', 'downsample', 'space_to_depth',
+           'remat_mlps')
 POOLS = ('gap', 'tok', 'map', 'avg')  # vit: see flaxtpu/models/vit.py
 # resnet: symmetric as PyTorch | XLA's SAME (runs saved before model.padding);
 # efficientnet, mobilenetv3: PyTorch's models | TensorFlow's ports (timm's tf_*: SAME, BatchNorm eps 1e-3)

@@ -91,10 +91,7 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
   model = models.create(
       config.model.name, num_classes=num_classes, dtype=config.dtype, remat=_remat(config),
       bn_axis_name=parallel.PMAP_AXIS if config.parallelism == 'pmap' else None,
-      patch_size=config.model.patch_size, pool=config.model.pool, dropout=config.model.dropout,
-      drop_path=config.model.drop_path, padding=config.model.padding, gelu=config.model.gelu,
-      downsample=config.model.downsample, space_to_depth=config.model.space_to_depth,
-      remat_mlps=config.model.remat_mlps)
+      **{key: config.model[key] for key in models.OPTIONS})
   optimizer, schedule = optim.create_optimizer(config, length, schedule) if length else (None, None)
   standardize = config.dataset.normalize in ('standardize', 'fixed')
   return Task(model=model, num_classes=num_classes, image_shape=tuple(image_shape),

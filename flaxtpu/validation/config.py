@@ -250,8 +250,7 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
   _within('model', model, ('dropout', 'drop_path'), '[0, 1)')
   options = models.get_spec(model.name).options
   default = defaults.get_config().model
-  for key in ('patch_size', 'pool', 'dropout', 'drop_path', 'padding', 'gelu', 'downsample',
-              'space_to_depth', 'remat_mlps'):
+  for key in models.OPTIONS:
     if key not in options and model[key] != default[key]:
       takers = [name for name in models.NAMES if key in models.get_spec(name).options]
       raise ConfigError(f'config.model.{key}={model[key]!r} has no effect on model.name={model.name!r}; '
