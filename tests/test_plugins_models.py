@@ -169,8 +169,9 @@ def test_registering_a_taken_name_is_refused(toy_family):
 def test_a_family_reading_an_option_config_model_lacks_is_refused():
   """`create` passes a family the config.model keys it names, by name: an unknown one would break every
   run of its models, so registering it fails, naming the keys there are."""
-  unknown = Family('toy2', {'toy2_net': Spec('toy2', widths=(8,))}, _build, options=('patch_size', 'width_mult'),
-                   layers=lambda spec: [('stem',), ('head',)], title='toy net')
+  unknown = Family('toy2', {'toy2_net': Spec('toy2', widths=(8,))}, _build,
+                   options=('patch_size', 'width_mult'), layers=lambda spec: [('stem',), ('head',)],
+                   title='toy net')
   with pytest.raises(ValueError, match=r"^model family 'toy2' reads options patch_size, width_mult; "
                                        r"config.model has only patch_size, pool, .*, remat_mlps$"):
     models.register(unknown)
