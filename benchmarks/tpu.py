@@ -82,6 +82,11 @@ PEAK_BF16_FLOPS = {
     'TPU v2': 45e12, 'TPU v3': 123e12, 'TPU v4': 275e12, 'TPU v5 lite': 197e12, 'TPU v5e': 197e12,
     'TPU v5': 459e12, 'TPU v5p': 459e12, 'TPU v6 lite': 918e12, 'TPU v6e': 918e12,
 }
+# HBM bandwidth per chip, bytes/s (the same pages).
+HBM_BYTES_PER_SEC = {
+    'TPU v2': 700e9, 'TPU v3': 900e9, 'TPU v4': 1228e9, 'TPU v5 lite': 819e9, 'TPU v5e': 819e9,
+    'TPU v5': 2765e9, 'TPU v5p': 2765e9, 'TPU v6 lite': 1640e9, 'TPU v6e': 1640e9,
+}
 
 ROWS = ('step', 'e2e', 'input', 'decode', 'startup')
 LETTERS = dict(zip('abcde', ROWS))

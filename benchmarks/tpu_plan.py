@@ -12,7 +12,8 @@ is flaxtpu's model (bfloat16, `model.remat` as given) in a plain SGD-with-moment
 256 at 224 px by default. Against flaxtpu's own step on a v5e (`benchmarks/chip.py`, its recipe's
 optimizer and loss): Swin-T 9.14 GiB here against 9.18 there, ConvNeXt-T 11.97 against 12.01. Not
 timed: compile seconds are this machine's, and a plan is what the chip would need, not how fast it
-runs.
+runs; but XLA's counts of the step's FLOPs and HBM bytes give the shortest step the chip's peak
+FLOP/s and its memory bandwidth allow (a step measured near the longer of the two waits for that).
 
 `--cache-compression` also times what the persistent compilation cache does with each compiled step:
 the serialized executable compressed and decompressed by zstd (what JAX uses when `zstandard` is
@@ -39,6 +40,24 @@ def copied_bytes(hlo_text: str) -> int:
       elements *= int(size)
     total += elements * {'bf16': 2, 'f16': 2, 'f32': 4, 's32': 4, 'u8': 1, 'pred': 1}.get(match.group(1), 4)
   return total
+
+
+def bytes_accessed(compiled) -> float:
+  """The bytes one call reads and writes in HBM as XLA's cost analysis counts them (0 where not said)."""
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else {}
+  return float((analysis or {}).get('bytes accessed', 0.0))
+
+
+def bounds(row: dict, device_kind: str) -> str:
+  """The step's shortest time at the chip's peak FLOP/s and at its HBM bandwidth, by XLA's counts."""
+  from benchmarks import tpu  # pylint: disable=g-import-not-at-top
+  peak, bandwidth = tpu.PEAK_BF16_FLOPS.get(device_kind), tpu.HBM_BYTES_PER_SEC.get(device_kind)
+  if not (peak and bandwidth and row['flops'] and row['bytes_accessed']):
+    return 'bounds: not known for this chip'
+  return (f'{row["bytes_accessed"] / 1e9:.1f} GB accessed: at least {row["flops"] / peak * 1e3:.1f} ms at '
+          f'the peak FLOP/s, {row["bytes_accessed"] / bandwidth * 1e3:.1f} ms at the HBM bandwidth')
 
 
 def cache_compression(compiled) -> dict:
@@ -103,7 +122,8 @@ def plan(model_name: str, remat: str, batch: int, image_size: int, devices,
   return {'model': model_name, 'remat': remat, 'remat_mlps': remat_mlps, 'batch': batch,
           'image_size': image_size,
           'plan_bytes': memory['total_bytes'], 'temp_bytes': memory['temp_bytes'],
-          'flops': flax_imagenet_resnet.flops_of(compiled), 'copied_bytes': copied_bytes(compiled.as_text()),
+          'flops': flax_imagenet_resnet.flops_of(compiled), 'bytes_accessed': bytes_accessed(compiled),
+          'copied_bytes': copied_bytes(compiled.as_text()),
           'compile_seconds_here': seconds, **(cache_compression(compiled) if with_compression else {})}
 
 
@@ -135,8 +155,8 @@ def main() -> None:
       setting = f'remat={remat}' + (f' remat_mlps={mlps}' if mlps else '')
       print(f'  {model_name} {setting}: plan {row["plan_bytes"] / 2**30:.2f} GiB (temporaries '
             f'{row["temp_bytes"] / 2**30:.2f}), {row["flops"] / 1e12:.2f} TFLOP a step, layout copies '
-            f'{row["copied_bytes"] / 2**30:.2f} GiB, compiled in {row["compile_seconds_here"]:.0f} s here',
-            flush=True)
+            f'{row["copied_bytes"] / 2**30:.2f} GiB, compiled in {row["compile_seconds_here"]:.0f} s here; '
+            f'{bounds(row, devices[0].device_kind)}', flush=True)
       if args.cache_compression:
         codec = lambda name: (f'{name} {row[name]["bytes"] / 2**20:.1f} MiB in '
                               f'{row[name]["compress_seconds"]:.2f} s (back in '

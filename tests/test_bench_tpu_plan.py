@@ -42,3 +42,14 @@ def test_cache_compression_round_trips_a_compiled_step_through_both_codecs():
   for codec in ('zstd', 'zlib'):  # each compresses (a round trip is asserted inside) and is timed
     assert 0 < row[codec]['bytes'] < row['executable_bytes']
     assert row[codec]['compress_seconds'] > 0 and row[codec]['decompress_seconds'] > 0
+
+
+def test_bytes_accessed_is_xlas_count_and_bounds_divide_by_the_chips_peaks():
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  compiled = jax.jit(lambda x: x * 2).lower(jnp.ones((1024,), jnp.float32)).compile()
+  assert tpu_plan.bytes_accessed(compiled) == 2 * 1024 * 4  # read once, written once
+  row = {'flops': 197e9, 'bytes_accessed': 1638e6}  # a v5e: 197 TFLOP/s, 819 GB/s
+  assert tpu_plan.bounds(row, 'TPU v5 lite') == ('1.6 GB accessed: at least 1.0 ms at the peak FLOP/s, '
+                                                 '2.0 ms at the HBM bandwidth')
+  assert tpu_plan.bounds(row, 'cpu') == 'bounds: not known for this chip'
