@@ -34,6 +34,9 @@
 #   mobile-a, mobile-b       the `mobile` group's EfficientNet-B0 and MobileNetV3-L, one a part (the
 #             group with --compile-alone, ~9.5 min, would not fit; 4 min measured for mobile-a)
 #   remat-a, remat-b, remat-c        the remat table, two families each (~6 min each)
+#   remat-auto  Swin-T's `--mode=plan --config.model.remat=auto` (configs/imagenet_resnet50.py on the
+#             generated photos) at batch 256 and 448: the candidates each compiled, their plans and which
+#             fitted, from plan.json (~4 min)
 #
 # A fresh device call also spends ~2 min starting the machine and installing (tools/offline_install.sh),
 # out of the same device budget: a part must fit what is left after them.
@@ -154,6 +157,22 @@ for which in "$@"; do
     resnets|accumulate|modern|tuned) part "chip_$which" 580 "${chip[@]}" --compile-alone --only "$which" ;;
     mobile-a) part chip_mobile_a 580 "${chip[@]}" --compile-alone --only efficientnet_b0 ;;
     mobile-b) part chip_mobile_b 580 "${chip[@]}" --compile-alone --only mobilenetv3_l ;;
+    remat-auto)
+      make_photos
+      imagenet=/tmp/bench/photos_imagenet_layout  # ImageNet's split names, as configs-b links them
+      mkdir -p "$imagenet" && ln -sfn "$photos/train" "$imagenet/train" && ln -sfn "$photos/test" "$imagenet/validation"
+      for batch in 256 448; do
+        part "remat_auto_$batch" 280 python -m flaxtpu.main --config=configs/imagenet_resnet50.py --mode=plan \
+          --workdir="/tmp/bench/remat_auto_$batch" --config.dataset.folder="$imagenet" \
+          --config.model.name=swin_t --config.model.remat=auto --config.batch_size="$batch"
+        python - "/tmp/bench/remat_auto_$batch/plan.json" "$batch" <<'PY' || true
+import json, sys
+plan = json.load(open(sys.argv[1]))
+print(f"batch {sys.argv[2]}: chose remat={plan['remat']} remat_mlps={plan.get('remat_mlps', 0)}")
+for row in plan['remat_auto']:
+  print('  ', row)
+PY
+      done ;;
     remat-a) part remat_a 580 "${chip[@]}" --remat-table --only resnet50,mobilenetv3_l ;;
     remat-b) part remat_b 580 "${chip[@]}" --remat-table --only vit_b16,efficientnet_b0 ;;
     remat-c) part remat_c 580 "${chip[@]}" --remat-table --only convnext_t,swin_t ;;
