@@ -35,7 +35,7 @@
 #             group with --compile-alone, ~9.5 min, would not fit; 4 min measured for mobile-a)
 #   remat-a, remat-b, remat-c        the remat table, two families each (~6 min each)
 #   remat-auto  Swin-T's `--mode=plan --config.model.remat=auto` (configs/imagenet_resnet50.py on the
-#             generated photos) at batch 256 and 448: the candidates each compiled, their plans and which
+#             generated photos) at batch 256 and 512: the candidates each compiled, their plans and which
 #             fitted, from plan.json (~4 min)
 #
 # A fresh device call also spends ~2 min starting the machine and installing (tools/offline_install.sh),
@@ -161,7 +161,7 @@ for which in "$@"; do
       make_photos
       imagenet=/tmp/bench/photos_imagenet_layout  # ImageNet's split names, as configs-b links them
       mkdir -p "$imagenet" && ln -sfn "$photos/train" "$imagenet/train" && ln -sfn "$photos/test" "$imagenet/validation"
-      for batch in 256 448; do
+      for batch in 256 512; do
         part "remat_auto_$batch" 280 python -m flaxtpu.main --config=configs/imagenet_resnet50.py --mode=plan \
           --workdir="/tmp/bench/remat_auto_$batch" --config.dataset.folder="$imagenet" \
           --config.model.name=swin_t --config.model.remat=auto --config.batch_size="$batch"
