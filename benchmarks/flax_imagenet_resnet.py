@@ -138,12 +138,18 @@ def build(batch_size: int, image_size: int, num_classes: int = 1000, dtype: Any 
   return state, compiled, flops_of(compiled)
 
 
-def flops_of(compiled) -> float:
-  """FLOPs of one call as XLA's cost analysis counts them (0 where the backend does not say)."""
+def cost_of(compiled, key: str) -> float:
+  """`key` ('flops', 'bytes accessed') of one call as XLA's cost analysis counts it (0 where the backend
+  does not say)."""
   analysis = compiled.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
     analysis = analysis[0] if analysis else {}
-  return float((analysis or {}).get('flops', 0.0))
+  return float((analysis or {}).get(key, 0.0))
+
+
+def flops_of(compiled) -> float:
+  """FLOPs of one call as XLA's cost analysis counts them (0 where the backend does not say)."""
+  return cost_of(compiled, 'flops')
 
 
 def random_batch(batch_size: int, image_size: int, num_classes: int = 1000, seed: int = 0):

@@ -44,10 +44,8 @@ def copied_bytes(hlo_text: str) -> int:
 
 def bytes_accessed(compiled) -> float:
   """The bytes one call reads and writes in HBM as XLA's cost analysis counts them (0 where not said)."""
-  analysis = compiled.cost_analysis()
-  if isinstance(analysis, (list, tuple)):
-    analysis = analysis[0] if analysis else {}
-  return float((analysis or {}).get('bytes accessed', 0.0))
+  from benchmarks import flax_imagenet_resnet  # pylint: disable=g-import-not-at-top
+  return flax_imagenet_resnet.cost_of(compiled, 'bytes accessed')
 
 
 def bounds(row: dict, device_kind: str) -> str:
