@@ -79,6 +79,13 @@ make_photos() {
     --train-per-class 64 --test-per-class 2 --min-side 375 --max-side 500 > "$logs/photos.log" 2>&1
 }
 
+# The same photos under ImageNet's split names (its eval split is `validation`), linked so.
+imagenet=/tmp/bench/photos_imagenet_layout
+make_imagenet_photos() {
+  make_photos
+  mkdir -p "$imagenet" && ln -sfn "$photos/train" "$imagenet/train" && ln -sfn "$photos/test" "$imagenet/validation"
+}
+
 # NAME SECONDS ARGS...: one training run of configs/NAME.py (ARGS: its overrides), then what it
 # reached and when its first step came.
 config_run() {
@@ -148,9 +155,7 @@ for which in "$@"; do
     configs-b)
       make_photos
       config_run photos 200 --config.dataset.folder="$photos" --config.num_train_steps=150
-      # ImageNet's layout names its eval split `validation`: the same photos, linked so.
-      imagenet=/tmp/bench/photos_imagenet_layout
-      mkdir -p "$imagenet" && ln -sfn "$photos/train" "$imagenet/train" && ln -sfn "$photos/test" "$imagenet/validation"
+      make_imagenet_photos
       config_run imagenet_resnet50 280 --config.dataset.folder="$imagenet" --config.num_train_steps=150
       config_run finetune 200 --config.dataset.folder="$photos" --config.num_train_steps=150 \
         --config.init_from.checkpoint=/tmp/bench/configs/imagenet_resnet50 ;;
@@ -158,9 +163,7 @@ for which in "$@"; do
     mobile-a) part chip_mobile_a 580 "${chip[@]}" --compile-alone --only efficientnet_b0 ;;
     mobile-b) part chip_mobile_b 580 "${chip[@]}" --compile-alone --only mobilenetv3_l ;;
     remat-auto)
-      make_photos
-      imagenet=/tmp/bench/photos_imagenet_layout  # ImageNet's split names, as configs-b links them
-      mkdir -p "$imagenet" && ln -sfn "$photos/train" "$imagenet/train" && ln -sfn "$photos/test" "$imagenet/validation"
+      make_imagenet_photos
       for batch in 256 512; do
         part "remat_auto_$batch" 280 python -m flaxtpu.main --config=configs/imagenet_resnet50.py --mode=plan \
           --workdir="/tmp/bench/remat_auto_$batch" --config.dataset.folder="$imagenet" \
