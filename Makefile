@@ -1,8 +1,13 @@
-# flaxtpu: the commands the README documents. Each target sets up what it needs itself:
-# a project virtualenv in $(VENV) with flaxtpu installed (once; again when pyproject.toml changes).
+# flaxtpu: the commands the README documents. Each target sets up what it needs itself, in one project
+# virtualenv in $(VENV) (once; again when pyproject.toml or this file changes):
+#   train, eval, install   flaxtpu's runtime dependencies and --mode=export's ONNX converter ($(VENV)/.installed-runtime)
+#   test, test-quick, test-slow, lint   those plus the `test` extra: torch, timm, wandb, selenium, ... ($(VENV)/.installed-test)
+#   bench                  those plus the `bench` extra: the peers, PyTorch and Keras ($(VENV)/.installed-bench)
+# Each stamp builds on the one before, so `make test` after `make train` adds the extras to the same .venv.
 PYTHON ?= python3
 VENV ?= .venv
 RUN := $(VENV)/bin/python
+PIP := $(RUN) -m pip install --quiet --disable-pip-version-check
 CONFIG ?= configs/digits.py
 WORKDIR ?= runs/digits
 # --mode=export's model.onnx (flaxtpu/exporters/onnx_export.py). --no-deps: jax2onnx's metadata pins
@@ -10,37 +15,44 @@ WORKDIR ?= runs/digits
 # converter imports; its real dependencies are the `onnx` extra. Pinned: flaxtpu patches its internals.
 JAX2ONNX := jax2onnx==0.17.1
 
-.PHONY: install test test-slow train eval lint bench
+.PHONY: install test test-quick test-slow train eval lint bench
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed-runtime: pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "error: flaxtpu needs Python 3.10+; run make PYTHON=python3.11 (or another 3.10+)")'
 	@test -x $(RUN) || $(PYTHON) -m venv $(VENV) || (echo "error: $(PYTHON) -m venv failed; install the venv module (e.g. apt install python3-venv)" >&2; exit 1)
-	$(RUN) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PIP) -e '.[onnx]'
 	@if $(RUN) -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
-	  $(RUN) -m pip install --quiet --disable-pip-version-check --no-deps '$(JAX2ONNX)'; \
+	  $(PIP) --no-deps '$(JAX2ONNX)'; \
 	else echo "note: jax2onnx needs Python 3.11+; --mode=export will write no model.onnx"; fi
 	@touch $@
 
-install: $(VENV)/.installed
+$(VENV)/.installed-test: $(VENV)/.installed-runtime
+	$(PIP) -e '.[onnx,test]'
+	@touch $@
 
-test: install
-	$(RUN) -m pytest -q -n 2 --durations=25
+$(VENV)/.installed-bench: $(VENV)/.installed-test
+	$(PIP) -e '.[onnx,test,bench]'
+	@touch $@
 
-test-slow: install  # accuracy runs on real CIFAR-10: FLAXTPU_CIFAR10=/path/to/cifar10 (tens of minutes)
-	$(RUN) -m pytest -q -m slow
+install: $(VENV)/.installed-runtime
 
-train: install  # the embedded digits: no download, about a minute on 2 cores
+train: $(VENV)/.installed-runtime  # the embedded digits: no download, about a minute on 2 cores
 	$(RUN) -m flaxtpu.main --config=$(CONFIG) --workdir=$(WORKDIR)
 
-eval: install  # the config comes from the trained run in WORKDIR
+eval: $(VENV)/.installed-runtime  # the config comes from the trained run in WORKDIR
 	$(RUN) -m flaxtpu.main --workdir=$(WORKDIR) --mode=eval
 
-lint: install
-	$(RUN) -m ruff check flaxtpu configs experiments tests benchmarks
+test: $(VENV)/.installed-test  # everything but the slow accuracy runs (DEVELOPING.md)
+	$(RUN) -m pytest -q -n 2 --durations=25
 
-$(VENV)/.installed-bench: $(VENV)/.installed
-	$(RUN) -m pip install --quiet --disable-pip-version-check -e '.[test,bench]'
-	@touch $@
+test-quick: $(VENV)/.installed-test  # the tests marked `quick` in tests/conftest.py: a few minutes
+	$(RUN) -m pytest -q -n 2 -m 'quick and not slow' --durations=10
+
+test-slow: $(VENV)/.installed-test  # accuracy runs on real CIFAR-10: FLAXTPU_CIFAR10=/path/to/cifar10 (tens of minutes)
+	$(RUN) -m pytest -q -m slow
+
+lint: $(VENV)/.installed-test
+	$(RUN) -m ruff check flaxtpu configs experiments tests benchmarks
 
 bench: $(VENV)/.installed-bench  # results go to benchmarks/results/local/ (the committed ones stay)
 	$(RUN) -m benchmarks.run_all
