@@ -344,7 +344,7 @@ def choose_method(count: int, folds: int, fold_limit: int, large: str, backbone:
   if folds == 0:
     return 'none', 'audit.folds=0: not looked for'
   if count <= fold_limit:
-    return 'folds', (f'{count:,} images <= audit.fold_limit={fold_limit:,}: {folds} short runs of the '
+    return 'folds', (f'{count:,} images <= audit.fold_limit={fold_limit:,}: {folds} runs of the '
                      f'recipe, each on {folds - 1} of {folds} folds, score the fold they did not see')
   over = f'{count:,} images > audit.fold_limit={fold_limit:,}'
   if large == 'features' or (large == 'auto' and backbone):
@@ -352,8 +352,62 @@ def choose_method(count: int, folds: int, fold_limit: int, large: str, backbone:
                         f'embeddings of {backbone} scores every image out of fold')
   why = ('no frozen backbone (no config.init_from.checkpoint, no trained run in the workdir)'
          if large == 'auto' else 'audit.large=sample')
-  return 'sample', (f'{over} and {why}: {folds} short runs of the recipe on a stratified sample of '
+  return 'sample', (f'{over} and {why}: {folds} runs of the recipe on a stratified sample of '
                     f'{fold_limit:,} images score that sample out of fold')
+
+# --- can the fold models tell? ------------------------------------------------------------------
+
+CHANCE_FACTOR = 1.5  # fold models whose mean held-out accuracy is under this x chance are near chance
+MOST_SUSPECTS = 0.5  # suspects over this share of the scored images are refused: not wrong labels
+
+
+def chance(labels: np.ndarray, num_classes: int) -> dict:
+  """What a model that learnt nothing scores on `labels`: `uniform` (1 / num_classes: a guess) and
+  `majority` (the share of the most common label: always guessing it); `chance` is the larger."""
+  labels = np.asarray(labels, np.int64)
+  uniform = 1.0 / max(1, num_classes)
+  majority = float(np.bincount(labels).max() / len(labels)) if len(labels) else uniform
+  return {'chance': round(max(uniform, majority), 4), 'uniform_chance': round(uniform, 4),
+          'majority_share': round(majority, 4)}
+
+
+def fold_accuracies(labels: np.ndarray, probabilities: np.ndarray, folds: np.ndarray) -> list[float]:
+  """Each fold model's accuracy on the fold it did not see (its labels as given, flips included)."""
+  labels, folds = np.asarray(labels), np.asarray(folds)
+  right = np.asarray(probabilities).argmax(axis=1) == labels
+  return [round(float(right[folds == k].mean()), 4) for k in range(int(folds.max()) + 1) if np.any(folds == k)]
+
+
+def learnt_threshold(chance_accuracy: float) -> float:
+  """The mean held-out accuracy fold models must reach to be trusted: CHANCE_FACTOR x chance, but at most
+  halfway from chance to 1 (a majority class of 2/3 or more would otherwise ask for more than 100%)."""
+  return min(CHANCE_FACTOR * chance_accuracy, (1 + chance_accuracy) / 2)
+
+
+def verdict(accuracies: Sequence[float], chance_accuracy: float, suspects: int, scored: int,
+            advice: str) -> tuple[str, str]:
+  """('listed', '') when the fold models' suspects may be listed; else ('near_chance' or 'too_many',
+  the one line that says why none are and what to change: `advice`).
+
+  near_chance: the mean held-out accuracy is under `learnt_threshold(chance)`: the models' disagreements
+  with the labels are their own guesses. too_many: the suspects would be over MOST_SUSPECTS of the scored
+  images: more than could be wrong labels (a model that disagrees with most labels is weak, not the
+  labels); refused, not cut to the most suspect, since the ranking of such a model is noise too."""
+  mean = float(np.mean(accuracies)) if len(accuracies) else 0.0
+  threshold = learnt_threshold(chance_accuracy)
+  if mean < threshold:
+    return 'near_chance', (
+        f'no suspected mislabels listed: the fold models\' mean held-out accuracy {mean:.3f} is near chance '
+        f'{chance_accuracy:.3f} (under {threshold:.3f}, {CHANCE_FACTOR}x chance), so they cannot tell a '
+        f'wrong label from their own mistakes; {advice}')
+  if suspects > MOST_SUSPECTS * scored:
+    return 'too_many', (
+        f'no suspected mislabels listed: confident learning flags {suspects:,} of {scored:,} images '
+        f'({suspects / max(scored, 1):.0%} > {MOST_SUSPECTS:.0%}), more than could be wrong labels: the fold '
+        f'models (mean held-out accuracy {mean:.3f}, chance {chance_accuracy:.3f}) disagree with most '
+        f'labels; refused, not cut short; {advice}')
+  return 'listed', ''
+
 
 def class_counts(result: Scan, class_names: Sequence[str]) -> dict:
   """{split: {class: readable images}}, every class listed in every split."""
@@ -382,6 +436,15 @@ def summary(report: dict) -> str:
                + (f' ({search.get("scored", 0)} images scored out of fold, '
                   f'{"read back" if search.get("reused") else "computed"} in {search.get("directory")})'
                   if search['method'] != 'none' else '') + f': {search["why"]}')
+  if 'fold_accuracies' in search:
+    run = search.get('run_eval_accuracy')
+    lines.append(f'    fold models\' held-out accuracy: {", ".join(f"{a:.3f}" for a in search["fold_accuracies"])} '
+                 f'(mean {search["held_out_accuracy"]:.3f}); chance {search["chance"]:.3f} '
+                 f'(1/{search["classes"]} classes {search["uniform_chance"]:.3f}, majority class '
+                 f'{search["majority_share"]:.3f})'
+                 + (f'; the run\'s own eval accuracy {run:.3f}' if run is not None else '; no trained run'))
+  if search.get('note'):
+    lines.append(f'    {search["note"]}')
   for split, counts in report['class_counts'].items():
     shown = ', '.join(f'{name} {count}' for name, count in list(counts.items())[:8])
     lines.append(f'  {split}: {shown}{", ..." if len(counts) > 8 else ""}')
@@ -400,9 +463,9 @@ def check_config(config) -> None:
   if settings.folds != 0 and not 2 <= settings.folds <= 50:
     raise ConfigError(f'config.audit.folds={settings.folds!r} must be 0 (no search for wrong labels) or '
                       '2..50 fold models (5 scores each image with a model trained on 80% of the others)')
-  if not 0 < settings.steps_fraction <= 1:
-    raise ConfigError(f'config.audit.steps_fraction={settings.steps_fraction!r} must lie in (0, 1]: the '
-                      "share of the recipe's steps each fold model trains")
+  if not 0 < settings.steps_fraction <= 10:
+    raise ConfigError(f'config.audit.steps_fraction={settings.steps_fraction!r} must lie in (0, 10]: '
+                      "each fold model trains this multiple of the run's own length (1 = as long as the run)")
   if not settings.fold_limit >= 2 * max(settings.folds, 1):
     raise ConfigError(f'config.audit.fold_limit={settings.fold_limit!r} must be at least 2 x audit.folds '
                       'images')

@@ -2,8 +2,8 @@
 -> WORKDIR/audit.json, audit.png and a summary in the log.
 
 The findings are computed by `flaxtpu.data.audit` from hashes, streamed file by file, and from out-of-fold
-probabilities (`flaxtpu.modes.audit_folds`: short runs of the recipe on K - 1 folds, or a linear probe per
-fold on frozen embeddings). It reads datasets of image files with one class each: image folders and
+probabilities (`flaxtpu.modes.audit_folds`: runs of the recipe, each as long as the run, on K - 1 folds,
+or a linear probe per fold on frozen embeddings); fold models near chance list no suspects, and say so. It reads datasets of image files with one class each: image folders and
 label files (local or in a bucket); other kinds (TFDS, Parquet, tar shards, arrays) are refused in one
 line.
 """
@@ -85,8 +85,18 @@ def _trained_class_names(config: ml_collections.ConfigDict, workdir: str):
 def _mislabels(config: ml_collections.ConfigDict, workdir: str, scanned: audit.Scan, class_names,
                channels: int) -> tuple[list[dict], dict]:
   """Confident learning over out-of-fold probabilities (`audit_folds`): the suspects, most suspect
-  first, and how they were looked for (audit.json's mislabel_search)."""
+  first, and how they were looked for (audit.json's mislabel_search), with each fold model's held-out
+  accuracy beside chance and the run's own; none listed when the fold models are near chance or would
+  flag most of the images (`audit.verdict`)."""
   settings = config.audit
+  run = audit_folds.trained_run(config, workdir) if settings.folds else None
+  if run is not None:  # its recipe, as --mode=eval restores it, not a config file without its overrides
+    if run.differences:
+      shown = '; '.join(run.differences[:8]) + (f'; and {len(run.differences) - 8} more'
+                                                  if len(run.differences) > 8 else '')
+      logging.info('audit: the fold runs train the recipe of the run in %s (%s), not the given config\'s: %s',
+                   workdir, run.source, shown)
+    config = run.config
   if settings.folds and config.init_from.checkpoint:  # fold runs and the backbone read data as training does
     from flaxtpu.validation import resolution  # pylint: disable=g-import-not-at-top
     config = config.copy_and_resolve_references()
@@ -103,13 +113,36 @@ def _mislabels(config: ml_collections.ConfigDict, workdir: str, scanned: audit.S
   logging.info('audit: mislabel search by %s: %s', method, why)
   if method == 'none' or not scanned.paths:
     return [], search
+  search['recipe'] = (f'the run in {workdir} ({run.source})' if run is not None
+                      else 'the given config (no trained run in the workdir)')
+  run_steps = _run_steps(config, run, scanned) if method == 'folds' else 0
   groups = audit.copy_groups(scanned, settings.near_distance)[2]
   pool = audit_folds.Pool(paths=scanned.paths, labels=np.asarray(scanned.labels), sha=scanned.sha,
                           groups=groups)
-  found = audit_folds.out_of_fold(config, workdir, pool, class_names, channels, method, backbone)
+  found = audit_folds.out_of_fold(config, workdir, pool, class_names, channels, method, backbone, run_steps)
   search.update(found.about)
   labels = pool.labels[found.scored]
   issues = audit.find_label_issues(labels, found.probabilities, settings.rule)
+  accuracies = audit.fold_accuracies(labels, found.probabilities, found.folds)
+  chance = audit.chance(labels, len(class_names))
+  search.update({'fold_accuracies': accuracies, 'held_out_accuracy': round(float(np.mean(accuracies)), 4),
+                 **chance, 'classes': len(class_names),
+                 'run_eval_accuracy': (round(run.eval_accuracy, 4) if run is not None
+                                       and run.eval_accuracy is not None else None)})
+  if method == 'features':
+    advice = ('use a backbone that knows such images (config.init_from.checkpoint) or audit.large=sample '
+              '(fold runs of the recipe)')
+  else:
+    advice = (f'train the fold models longer: raise audit.steps_fraction (now {settings.steps_fraction:g}; '
+              f'{search.get("steps")} steps each) or the recipe\'s num_epochs / num_train_steps')
+  outcome, note = audit.verdict(accuracies, chance['chance'], len(issues.ranked), len(labels), advice)
+  search['verdict'] = outcome
+  search['thresholds'] = {name: round(float(t), 6) for name, t in zip(class_names, issues.thresholds)}
+  if outcome != 'listed':
+    search['note'] = note
+    search['withheld'] = int(len(issues.ranked))
+    logging.warning('audit: %s', note)
+    return [], search
   suspects = []
   for i in issues.ranked:
     likely = int(issues.likely[i])
@@ -117,8 +150,23 @@ def _mislabels(config: ml_collections.ConfigDict, workdir: str, scanned: audit.S
                      'predicted': class_names[likely], 'score': round(float(1 - issues.quality[i]), 6),
                      'label_probability': round(float(found.probabilities[i, labels[i]]), 6),
                      'predicted_probability': round(float(found.probabilities[i, likely]), 6)})
-  search['thresholds'] = {name: round(float(t), 6) for name, t in zip(class_names, issues.thresholds)}
   return suspects, search
+
+
+def _run_steps(config: ml_collections.ConfigDict, run, scanned: audit.Scan) -> int:
+  """The run's own length in steps: the steps a trained run took, and at least what its recipe takes on
+  its train split (num_train_steps, else num_epochs over the images it trained on: its checkpoint
+  record's count, else the audited train split's)."""
+  from flaxtpu.settings.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from flaxtpu.settings.lengths import run_length  # pylint: disable=g-import-not-at-top
+  train_split = config.dataset.train_split
+  examples = (run.train_examples if run is not None and run.train_examples
+              else sum(split == train_split for split in scanned.splits) or len(scanned.paths))
+  try:
+    planned = run_length(config, examples).total_steps
+  except ConfigError:  # a batch larger than the split: the fold runs say so themselves
+    planned = 0
+  return max(planned, run.steps if run is not None and run.steps else 0)
 
 
 def plot_audit(path: str, report: dict, examples: int = 5) -> None:

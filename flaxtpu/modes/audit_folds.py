@@ -5,14 +5,18 @@ learning needs each image scored by a model that never saw it. The audited image
 folds (`audit.assign_folds`: stratified by label, exact and near copies in one fold) and each fold is
 scored by a model of the other K - 1:
 
-- `folds`: K short runs of the run's own recipe (`audit.steps_fraction` of its steps, its
-  epoch-denominated schedule points scaled alike), each trained by `train.train_and_evaluate` on K - 1
-  folds with the held-out fold as its eval split, then restored to score that fold;
+- `folds`: K runs of the run's own recipe, each at least as long as the run (`fold_steps`:
+  `audit.steps_fraction`, default 1, of the longer of the run's own steps and its epochs over the K - 1
+  folds; its epoch-denominated schedule points scaled alike), each trained by `train.train_and_evaluate`
+  on K - 1 folds with the held-out fold as its eval split, then restored to score that fold;
 - `sample`: the same, on a stratified sample of `audit.fold_limit` images (a larger audit), which
   alone is scored;
 - `features`: the frozen embeddings (what the classifier reads) of every image, from
   `init_from.checkpoint`'s backbone or else the trained run in the workdir, and a softmax linear probe
   per fold on them.
+
+Where the workdir holds a trained run (its config.json, else its checkpoint record's config), the fold
+runs train that run's recipe (`trained_run`), not a config file given without the run's overrides.
 
 Everything is kept in WORKDIR/audit_folds/KEY/: the fold runs (KEY/fold_K, each a workdir that resumes)
 and the probabilities (KEY/probabilities.npz). KEY hashes what the probabilities depend on: the images'
@@ -79,11 +83,86 @@ class OutOfFold:
   scored: np.ndarray  # int [S]: positions in the pool
   probabilities: np.ndarray  # float32 [S, classes]
   about: dict  # for audit.json's mislabel_search
+  folds: np.ndarray  # int [S]: the fold of each scored image (whose model scored it)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """The run trained in the workdir: its recipe and how long it trained, and how well it did."""
+  source: str  # where its recipe was read ('WORKDIR/config.json')
+  config: ml_collections.ConfigDict  # its recipe, under the given config's audit, logging and data location
+  differences: list  # ['key: given -> run', ...]: what of the given recipe the run's replaced
+  train_examples: Optional[int]  # the images it trained on (its checkpoint record)
+  steps: Optional[int]  # the steps it trained (results.json, else its latest checkpoint)
+  eval_accuracy: Optional[float]  # its eval_accuracy (results.json, else its checkpoint's progress)
+
+
+def trained_run(config: ml_collections.ConfigDict, workdir: str) -> Optional[Run]:
+  """The run trained in `workdir` (config.json, else the latest checkpoint record's config), or None.
+
+  Its recipe is what the fold runs train, as --mode=eval restores a run with the config it trained
+  with: every key of its saved config except those that change nothing learnt (`UNTRAINED_KEYS`: the
+  audit's own settings among them) and the data's location (`SOURCE_KEYS`), which stay the given
+  config's."""
+  from flaxtpu.validation import workdir_config  # pylint: disable=g-import-not-at-top
+  if not workdir:
+    return None
+  path = os.path.join(workdir, workdir_config.CONFIG_FILE)
+  saved, source = files.read_json(path), path
+  record, latest = {}, None
+  if files.isdir(os.path.join(workdir, 'checkpoints')):
+    from flaxtpu.weights import checkpoint  # pylint: disable=g-import-not-at-top
+    try:
+      checkpoints = checkpoint.Checkpoints(workdir, config, read_only=True)
+      try:
+        latest = checkpoints.latest_step()
+        record = checkpoints.read_record(latest) if latest is not None else {}
+      finally:
+        checkpoints.close()
+    except checkpoint.CheckpointError as e:
+      logging.warning('audit: the checkpoints in %s cannot be read (%s)', workdir, files.short_error(e))
+  if not isinstance(saved, dict) and isinstance(record.get('config'), dict):
+    saved, source = record['config'], f'the checkpoint record of step {latest} in {workdir}'
+  if not isinstance(saved, dict):
+    return None
+  run = workdir_config.from_saved(saved)
+  given = config.copy_and_resolve_references()
+  with run.unlocked():
+    for key in UNTRAINED_KEYS:
+      if key in given:
+        run[key] = given[key]
+    for key in SOURCE_KEYS:
+      if key in given.dataset:
+        run.dataset[key] = given.dataset[key]
+  ours, theirs = _flat(_recipe(given)), _flat(_recipe(run))
+  differences = [f'{key}: {ours.get(key)!r} -> {theirs.get(key)!r}' for key in sorted(set(ours) | set(theirs))
+                 if ours.get(key) != theirs.get(key)]
+  results = files.read_json(os.path.join(workdir, 'results.json'))
+  results = results if isinstance(results, dict) else {}
+  progress_eval = (record.get('progress') or {}).get('eval') or {}
+  accuracy = results.get('eval_accuracy', progress_eval.get('eval_accuracy'))
+  steps = results.get('step', latest)
+  train_examples = record.get('num_train_examples')
+  return Run(source=source, config=run, differences=differences,
+             train_examples=int(train_examples) if train_examples else None,
+             steps=int(steps) if isinstance(steps, (int, float)) else None,
+             eval_accuracy=float(accuracy) if isinstance(accuracy, (int, float)) else None)
+
+
+def _flat(tree: dict, prefix: str = '') -> dict:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flat(value, f'{prefix}{key}.'))
+    else:
+      flat[f'{prefix}{key}'] = tuple(value) if isinstance(value, list) else value
+  return flat
 
 
 def out_of_fold(config: ml_collections.ConfigDict, workdir: str, pool: Pool, class_names, channels: int,
-                method: str, backbone: Optional['Backbone']) -> OutOfFold:
-  """The out-of-fold probabilities of `method` (`folds`, `sample` or `features`), computed or read back."""
+                method: str, backbone: Optional['Backbone'], run_steps: int = 0) -> OutOfFold:
+  """The out-of-fold probabilities of `method` (`folds`, `sample` or `features`), computed or read back;
+  a fold run trains at least `run_steps` steps x audit.steps_fraction (the run's own length)."""
   if jax.process_count() > 1:
     raise UserError('--mode=audit searches for wrong labels on one process; start it without '
                     '--num_processes (or set --config.audit.folds=0)')
@@ -93,7 +172,7 @@ def out_of_fold(config: ml_collections.ConfigDict, workdir: str, pool: Pool, cla
     scored = np.sort(base.stratified_order(pool.labels)[:settings.fold_limit])
   labels = pool.labels[scored]
   folds = audit.assign_folds(labels, pool.groups[scored], settings.folds, config.seed)
-  fold_config = None if method == 'features' else _fold_config(config, len(scored), folds)
+  fold_config = None if method == 'features' else _fold_config(config, len(scored), folds, run_steps)
   recipe = backbone.identity if method == 'features' else _recipe(fold_config)
   key = _key(method, settings.folds, settings.steps_fraction if method != 'features' else None, recipe,
              [pool.sha[i] for i in scored], labels, folds)
@@ -105,7 +184,7 @@ def out_of_fold(config: ml_collections.ConfigDict, workdir: str, pool: Pool, cla
     logging.info('audit: out-of-fold probabilities of these %d images and this recipe read back from %s '
                  '(nothing trained)', len(scored), path)
     return OutOfFold(scored, saved['probabilities'], {**about, **json.loads(str(saved['about'])),
-                                                      'reused': True})
+                                                      'reused': True}, folds)
   files.makedirs(directory)
   started = time.time()
   if method == 'features':
@@ -114,30 +193,35 @@ def out_of_fold(config: ml_collections.ConfigDict, workdir: str, pool: Pool, cla
     probabilities, details = _train_folds(fold_config, directory, pool, scored, folds, class_names, channels)
   details['seconds'] = round(time.time() - started, 1)
   _save(path, key, probabilities, details, [pool.paths[i] for i in scored], labels, class_names)
-  return OutOfFold(scored, probabilities, {**about, **details, 'reused': False})
+  return OutOfFold(scored, probabilities, {**about, **details, 'reused': False}, folds)
 
 
 # --- the fold runs ----------------------------------------------------------------------------
 
 
-def fold_steps(config: ml_collections.ConfigDict, train_examples: int) -> int:
-  """Steps of a fold run: `audit.steps_fraction` of the recipe's run on `train_examples` images
-  (num_train_steps, else num_epochs over them; a time budget counts as its epochs)."""
-  return max(1, math.ceil(config.audit.steps_fraction * run_length(config, train_examples).total_steps))
+def fold_steps(config: ml_collections.ConfigDict, train_examples: int, run_steps: int = 0) -> int:
+  """Steps of a fold run: `audit.steps_fraction` (default 1) of the longer of the run's own length
+  `run_steps` and the recipe's run on the fold's `train_examples` images (num_train_steps, else
+  num_epochs over them; a time budget counts as its epochs). At the default a fold model trains at
+  least as many steps as the run and at least its epochs over its K - 1 folds."""
+  own = run_length(config, train_examples).total_steps
+  return max(1, math.ceil(config.audit.steps_fraction * max(own, run_steps)))
 
 
-def _fold_config(config: ml_collections.ConfigDict, count: int,
-                 folds: np.ndarray) -> ml_collections.ConfigDict:
-  """The recipe as a fold run trains it: shortened, evaluated and saved only at its end, untracked."""
+def _fold_config(config: ml_collections.ConfigDict, count: int, folds: np.ndarray,
+                 run_steps: int = 0) -> ml_collections.ConfigDict:
+  """The recipe as a fold run trains it: its length (`fold_steps`), evaluated and saved only at its end,
+  untracked."""
   fold = config.copy_and_resolve_references()
-  fraction = config.audit.steps_fraction
   fold.time_budget = ''
   train_examples = count - int(np.bincount(folds).max())  # the smallest fold run: every run as long
-  fold.num_train_steps = fold_steps(fold, train_examples)
-  # A schedule set in epochs is compressed with the run: the same shape over fewer steps.
-  fold.schedule.warmup_epochs = config.schedule.warmup_epochs * fraction
-  fold.schedule.cooldown_epochs = config.schedule.cooldown_epochs * fraction
-  fold.schedule.milestones = tuple(m * fraction for m in config.schedule.milestones)
+  fold.num_train_steps = fold_steps(fold, train_examples, run_steps)
+  # A schedule set in epochs keeps its shape over the fold run's steps: each point moves by the fold
+  # run's length over the recipe's own on these images (audit.steps_fraction when num_train_steps is set).
+  scale = fold.num_train_steps / run_length(config, train_examples).total_steps
+  fold.schedule.warmup_epochs = config.schedule.warmup_epochs * scale
+  fold.schedule.cooldown_epochs = config.schedule.cooldown_epochs * scale
+  fold.schedule.milestones = tuple(m * scale for m in config.schedule.milestones)
   fold.eval_every_steps = fold.checkpoint_every_steps = 2**31 - 1  # at the end only (clamped to it)
   fold.checkpoint.keep = 1
   fold.checkpoint.best_metric = ''

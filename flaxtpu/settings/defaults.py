@@ -452,10 +452,13 @@ def get_config() -> ml_collections.ConfigDict:
   # this many folds (stratified; copies kept together) and each is scored by a model trained on the
   # others (0 = no search for wrong labels: duplicates, leaks and unreadable files only).
   config.audit.folds = 5
-  # Each fold model trains the run's own recipe for this fraction of its steps (epoch-set schedule
-  # points scaled alike): 0.25 undertrains, 0.5 finds about what 1.0 does at half the cost
-  # (docs/audit_explain.md). The audit costs (folds - 1) x this many plain training runs.
-  config.audit.steps_fraction = 0.5
+  # Each fold model trains the run's own recipe (a trained run's in the workdir: its config.json) for
+  # this multiple of the run's length: of the longer of the run's own steps (num_train_steps, or
+  # num_epochs over its train split, or the steps a trained run took) and num_epochs over the fold
+  # model's K - 1 folds (epoch-set schedule points scaled alike). 1 (the default): each fold model is
+  # at least as long as the run, so the audit costs about `folds` x the run (5x). Shorter fold models
+  # can learn nothing: the audit then lists no suspects and says so (docs/audit_explain.md).
+  config.audit.steps_fraction = 1.0
   # Up to this many images, fold models are trained on all of them; above it, `large` decides.
   config.audit.fold_limit = 100_000
   # Over fold_limit: features (a linear probe per fold on frozen embeddings of every image: of
