@@ -1,13 +1,16 @@
 # flaxtpu: the commands the README documents. Each target sets up what it needs itself, in one project
-# virtualenv in $(VENV) (once; again when pyproject.toml or this file changes):
-#   train, eval, install   flaxtpu's runtime dependencies and --mode=export's ONNX converter ($(VENV)/.installed-runtime)
-#   test, test-quick, test-slow, lint   those plus the `test` extra: torch, timm, wandb, selenium, ... ($(VENV)/.installed-test)
-#   bench                  those plus the `bench` extra: the peers, PyTorch and Keras ($(VENV)/.installed-bench)
-# Each stamp builds on the one before, so `make test` after `make train` adds the extras to the same .venv.
+# virtualenv in $(VENV) (again when pyproject.toml or this file changes), one stamp file per layer:
+#   train, eval, install  flaxtpu's runtime dependencies only ($(VENV)/.installed-runtime)
+#   install-onnx          + --mode=export's ONNX converter: the `onnx` extra and jax2onnx (.installed-onnx)
+#   test, test-quick, test-slow, lint  + the `test` extra: torch, timm, wandb, selenium, ... (.installed-test)
+#   bench                 + the `bench` extra: the peers, PyTorch and Keras (.installed-bench)
+# Each layer builds on the one before, so `make test` after `make train` adds the extras to the same .venv.
+# --no-compile: no .pyc for the thousands of modules nothing imports (TensorFlow's); Python writes those a
+# run imports on first use. A fresh clone's `make train` takes about 2 minutes, install included (README).
 PYTHON ?= python3
 VENV ?= .venv
 RUN := $(VENV)/bin/python
-PIP := $(RUN) -m pip install --quiet --disable-pip-version-check
+PIP := $(RUN) -m pip install --quiet --disable-pip-version-check --no-compile
 CONFIG ?= configs/digits.py
 WORKDIR ?= runs/digits
 # --mode=export's model.onnx (flaxtpu/exporters/onnx_export.py). --no-deps: jax2onnx's metadata pins
@@ -15,18 +18,22 @@ WORKDIR ?= runs/digits
 # converter imports; its real dependencies are the `onnx` extra. Pinned: flaxtpu patches its internals.
 JAX2ONNX := jax2onnx==0.17.1
 
-.PHONY: install test test-quick test-slow train eval lint bench
+.PHONY: install install-onnx test test-quick test-slow train eval lint bench
 
 $(VENV)/.installed-runtime: pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "error: flaxtpu needs Python 3.10+; run make PYTHON=python3.11 (or another 3.10+)")'
 	@test -x $(RUN) || $(PYTHON) -m venv $(VENV) || (echo "error: $(PYTHON) -m venv failed; install the venv module (e.g. apt install python3-venv)" >&2; exit 1)
+	$(PIP) -e .
+	@touch $@
+
+$(VENV)/.installed-onnx: $(VENV)/.installed-runtime
 	$(PIP) -e '.[onnx]'
 	@if $(RUN) -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
 	  $(PIP) --no-deps '$(JAX2ONNX)'; \
 	else echo "note: jax2onnx needs Python 3.11+; --mode=export will write no model.onnx"; fi
 	@touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed-runtime
+$(VENV)/.installed-test: $(VENV)/.installed-onnx
 	$(PIP) -e '.[onnx,test]'
 	@touch $@
 
@@ -35,6 +42,8 @@ $(VENV)/.installed-bench: $(VENV)/.installed-test
 	@touch $@
 
 install: $(VENV)/.installed-runtime
+
+install-onnx: $(VENV)/.installed-onnx  # then --mode=export also writes model.onnx (make test installs it too)
 
 train: $(VENV)/.installed-runtime  # the embedded digits: no download, about a minute on 2 cores
 	$(RUN) -m flaxtpu.main --config=$(CONFIG) --workdir=$(WORKDIR)
