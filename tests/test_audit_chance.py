@@ -96,7 +96,8 @@ def test_an_audit_that_would_flag_most_images_refuses(tmp_path, monkeypatch, cap
 
   def out_of_fold(config, workdir, pool, class_names, channels, method, backbone, run_steps=0):
     labels = pool.labels
-    predicted = np.where(rng.random(len(labels)) < 0.4, labels, (labels + rng.integers(1, 10, len(labels))) % 10)
+    wrong = (labels + rng.integers(1, 10, len(labels))) % 10
+    predicted = np.where(rng.random(len(labels)) < 0.4, labels, wrong)
     probabilities = np.full((len(labels), 10), 0.02, np.float32)
     probabilities[np.arange(len(labels)), predicted] = 0.82
     return audit_folds.OutOfFold(np.arange(len(labels)), probabilities, {'folds': 5, 'steps': 7},
@@ -140,7 +141,8 @@ def test_the_fold_runs_train_the_trained_runs_recipe_at_its_length(tmp_path, mon
   assert fold.num_train_steps == 60 and fold.optimizer.learning_rate == 1e-3  # 0.5 x the run's 120
   assert fold.audit.steps_fraction == 0.5  # the audit's own settings stay the given config's
   assert 'train the recipe of the run in' in caplog.text
-  assert 'optimizer.learning_rate: 0.003 -> 0.001' in caplog.text and 'num_train_steps: -1 -> 120' in caplog.text
+  assert 'optimizer.learning_rate: 0.003 -> 0.001' in caplog.text
+  assert 'num_train_steps: -1 -> 120' in caplog.text
   # Its eval accuracy beside the fold models' (scoring faked: the fold runs are not what is tested here).
   monkeypatch.setattr(audit_folds, 'out_of_fold', lambda config, workdir, pool, *args: audit_folds.OutOfFold(
       np.arange(len(pool.labels)), np.eye(10, dtype=np.float32)[pool.labels], {'folds': 5},

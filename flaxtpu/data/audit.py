@@ -375,7 +375,8 @@ def fold_accuracies(labels: np.ndarray, probabilities: np.ndarray, folds: np.nda
   """Each fold model's accuracy on the fold it did not see (its labels as given, flips included)."""
   labels, folds = np.asarray(labels), np.asarray(folds)
   right = np.asarray(probabilities).argmax(axis=1) == labels
-  return [round(float(right[folds == k].mean()), 4) for k in range(int(folds.max()) + 1) if np.any(folds == k)]
+  return [round(float(right[folds == k].mean()), 4) for k in range(int(folds.max()) + 1)
+          if np.any(folds == k)]
 
 
 def learnt_threshold(chance_accuracy: float) -> float:
@@ -438,7 +439,8 @@ def summary(report: dict) -> str:
                   if search['method'] != 'none' else '') + f': {search["why"]}')
   if 'fold_accuracies' in search:
     run = search.get('run_eval_accuracy')
-    lines.append(f'    fold models\' held-out accuracy: {", ".join(f"{a:.3f}" for a in search["fold_accuracies"])} '
+    accuracies = ', '.join(f'{a:.3f}' for a in search['fold_accuracies'])
+    lines.append(f'    fold models\' held-out accuracy: {accuracies} '
                  f'(mean {search["held_out_accuracy"]:.3f}); chance {search["chance"]:.3f} '
                  f'(1/{search["classes"]} classes {search["uniform_chance"]:.3f}, majority class '
                  f'{search["majority_share"]:.3f})'

@@ -3,9 +3,9 @@
 
 The findings are computed by `flaxtpu.data.audit` from hashes, streamed file by file, and from out-of-fold
 probabilities (`flaxtpu.modes.audit_folds`: runs of the recipe, each as long as the run, on K - 1 folds,
-or a linear probe per fold on frozen embeddings); fold models near chance list no suspects, and say so. It reads datasets of image files with one class each: image folders and
-label files (local or in a bucket); other kinds (TFDS, Parquet, tar shards, arrays) are refused in one
-line.
+or a linear probe per fold on frozen embeddings); fold models near chance list no suspects, and say so.
+It reads datasets of image files with one class each: image folders and label files (local or in a
+bucket); other kinds (TFDS, Parquet, tar shards, arrays) are refused in one line.
 """
 
 from __future__ import annotations
