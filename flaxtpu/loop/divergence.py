@@ -1,15 +1,11 @@
-"""A NaN/Inf training loss: finding its first step among those since the last log line, and the
-one-line error that says what to change and which checkpoint is intact."""
+"""A NaN/Inf training loss: the one-line error that says what to change and which checkpoint is intact
+(its first step is found by `window.TrainWindow`)."""
 
 from __future__ import annotations
-
-import math
-from typing import Optional
 
 import ml_collections
 
 from flaxtpu.settings.errors import UserError
-from flaxtpu.step import steps
 
 
 class TrainingDiverged(UserError):
@@ -22,13 +18,6 @@ class Diverged(Exception):
   def __init__(self, step: int):
     super().__init__(step)
     self.step = step
-
-
-def first_non_finite_step(placement: steps.Placement, window: list, last_step: int) -> Optional[int]:
-  """The step of the first NaN/Inf loss among the per-step metrics of `window` (ending at `last_step`)."""
-  losses = [float(placement.to_host_metrics(step_metrics).compute()['loss']) for step_metrics in window]
-  bad = [index for index, loss in enumerate(losses) if not math.isfinite(loss)]
-  return last_step - len(window) + 1 + bad[0] if bad else None
 
 
 def message(config: ml_collections.ConfigDict, step: int, checkpoints) -> str:

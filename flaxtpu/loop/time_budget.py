@@ -58,7 +58,6 @@ attempt's).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -75,6 +74,7 @@ import numpy as np
 from flaxtpu.data import loaders, workers
 from flaxtpu.evaluation.evaluate import evaluate_splits, report_about, write_report
 from flaxtpu.io import files
+from flaxtpu.loop.window import TrainWindow
 from flaxtpu.optimizers import optim, swa
 from flaxtpu.optimizers.optim_checks import parse_duration
 from flaxtpu.settings.errors import ConfigError
@@ -427,7 +427,7 @@ def probe(config: ml_collections.ConfigDict, dataset, mesh, eval_sets: list, sta
       last_step=PROBE_MAX_STEPS + 2, process_index=jax.process_index(), process_count=jax.process_count(),
       alternate_flip=config.augment.alternate_flip))
   live: dict = {}  # the state, the compiled step, the last step's metrics, the evaluation's predictions
-  window: list = []  # the step metrics since the last 'log line'
+  window = TrainWindow(placement.to_host_metrics, first_step=1)  # the step metrics since the last 'log line'
   one_step_in_flight = parallel.one_step_in_flight()
 
   def init():
@@ -446,11 +446,10 @@ def probe(config: ml_collections.ConfigDict, dataset, mesh, eval_sets: list, sta
     live['state'], live['metrics'] = live['step'](live['state'], live.pop('batch', None) or next(batches))
     if one_step_in_flight:
       jax.block_until_ready(live['metrics'])
-    window.append(live['metrics'])
-    if len(window) == config.log_every_steps:
-      merged = placement.to_host_metrics(functools.reduce(steps.merge_metrics, window)).compute()
-      _ = {name: float(value) for name, value in merged.items()}
-      window.clear()
+    window.add(live['metrics'])
+    if window.steps_added == config.log_every_steps:
+      _ = {name: float(value) for name, value in window.merged().compute().items()}
+      window.clear(next_step=1)
 
   def evaluate():  # as the loop evaluates; keeping the logits, as its last evaluation does
     state = swa.before_evaluation(config, task, placement, dataset, live['state'])

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import logging
 import math
@@ -43,6 +42,7 @@ from flaxtpu.io import (
 from flaxtpu.loop import (
   divergence,
   early_stopping,
+  resume_changes,
   time_budget,
 )
 from flaxtpu.loop.divergence import Diverged, TrainingDiverged
@@ -51,6 +51,7 @@ from flaxtpu.loop.progress import Progress, TrainClock
 from flaxtpu.loop.pruning import Pruning, log_pruned
 from flaxtpu.loop.run_log import log_plan, log_run_overview
 from flaxtpu.loop.signals import StopRequest
+from flaxtpu.loop.window import TrainWindow
 from flaxtpu.optimizers import (
   optim,
   swa,
@@ -125,15 +126,17 @@ class Start(NamedTuple):
   """Where a run begins: a fresh state at step 0, or the newest readable checkpoint's."""
   state: Any
   step: int
-  window: list  # per-step train metrics since the last log line before the checkpoint
+  window: Any  # the train metrics since the last log line before the checkpoint, merged (None: none)
   progress: Progress  # the checkpoint's (metrics, time); empty for a fresh run
   initialised_from: Optional[dict]  # what init_from loaded, kept in every checkpoint record of the run
 
 
 def start_or_resume(config: ml_collections.ConfigDict, task: steps.Task, placement: steps.Placement,
-                    checkpoints: checkpoint.Checkpoints, dataset: pipeline.Dataset) -> Start:
+                    checkpoints: checkpoint.Checkpoints, dataset: pipeline.Dataset, length: RunLength,
+                    num_train_examples: int) -> Start:
   """The state to train from: the newest readable checkpoint's when there is one, else a fresh one
-  (fitted to the train images, then loaded from `init_from`, where the config asks)."""
+  (fitted to the train images, then loaded from `init_from`, where the config asks). A resume with a
+  changed config refuses what the checkpoint cannot take and logs what it applies (resume_changes.py)."""
   if checkpoints.latest_step() is None:
     fitted = None  # parameters set from the train images (a whitening stem)
     if steps.fits_to_data(task):
@@ -147,9 +150,14 @@ def start_or_resume(config: ml_collections.ConfigDict, task: steps.Task, placeme
     state, initialised_from = steps.create_state(task, placement, config.seed, fitted), None
     if config.init_from.checkpoint:
       state, initialised_from = finetune.init_from(config, task, placement, state, dataset.class_names)
-    return Start(state, 0, [], Progress(), initialised_from)
+    return Start(state, 0, None, Progress(), initialised_from)
 
   # A resumed run continues from its own checkpoint, never from init_from again.
+  current = saved_config(config, dataset.image_shape[-1])
+  with contextlib.suppress(checkpoint.UnreadableCheckpoint):  # newest_readable below says which it takes
+    latest = checkpoints.latest_step()
+    resume_changes.check(checkpoints.read_record(latest).get('config', {}), config, current, latest,
+                         checkpoints.directory)
   expected = checkpoint.expected_record(config, task.num_classes, task.image_shape)
   latest, (saved, record) = checkpoints.newest_readable(
       lambda step: checkpoints.restore_train_state(step, placement.abstract_state, expected, config),
@@ -170,9 +178,12 @@ def start_or_resume(config: ml_collections.ConfigDict, task: steps.Task, placeme
         f'{saved_accumulation}, and its optimizer state counts updates of that many batches; resume with '
         f'--config.optimizer.accumulate_steps={saved_accumulation} or use another --workdir')
   logging.info('resuming from step %d (%s)', latest, os.path.join(checkpoints.directory, str(latest)))
+  resume_changes.check(record.get('config', {}), config, current, latest, checkpoints.directory)
+  resume_changes.log_applied(record.get('config', {}), current, config, latest, num_train_examples, length,
+                             task.schedule)
   saved_window = metrics.window_from_json(record.get('train_metrics_window'),
                                           steps.train_metrics_collection(task))
-  window = [placement.from_saveable(saved_window)] if saved_window is not None else []
+  window = placement.from_saveable(saved_window) if saved_window is not None else None
   return Start(placement.from_saveable(saved), latest, window, Progress.from_json(record.get('progress')),
                record.get('init_from'))
 
@@ -240,7 +251,7 @@ class _Loop:
   writer: Any
   clock: TrainClock
   start: Start
-  window: list  # per-step train metrics since the last log line
+  window: TrainWindow  # the train metrics since the last log line
   last_log_time: float = dataclasses.field(default_factory=time.time)
   predictions: Any = None  # the last evaluation's logits and labels, for the per-class report
   probe: Optional[fewshot.Probe] = None  # eval.fewshot's linear probes, run with every evaluation
@@ -265,15 +276,15 @@ class _Loop:
     with self.clock.paused('compile', state):
       train_step, self.clock.progress.memory_plan = placement.compile_train_step(state, batch)
     plan = self.clock.progress.memory_plan
-    logging.info('compiled train step in %.1fs; per-device memory plan: %s', plan['compile_seconds'],
-                 compile_plan.format_plan(plan))
+    logging.info('compiled train step in %.1fs (from %s); per-device memory plan: %s',
+                 plan['compile_seconds'], plan['compiled_from'], compile_plan.format_plan(plan))
     check_device(self.config, plan)
     return train_step
 
   def log(self, step: int) -> None:
     """The train metrics since the last log line, averaged: to the log, TensorBoard and metrics.jsonl."""
     with self.clock.timing('step'):  # fetching metrics waits for the step
-      train = {f'train_{k}': float(v) for k, v in self._merged_window().compute().items()}
+      train = {f'train_{k}': float(v) for k, v in self.window.merged().compute().items()}
     self.raise_if_diverged(step, train['train_loss'])
     images_per_sec, shares = self.clock.lap(step, self.config.batch_size)
     plateau_scale = (self.clock.progress.plateau or {}).get('scale', 1.0)
@@ -290,7 +301,8 @@ class _Loop:
                  100 * shares['other'], files.format_duration(self.clock.eta(step, self.length)))
     self.writer.write_scalars(step, train)
     self.writer.flush()
-    self.window, self.last_log_time = [], time.time()
+    self.window.clear(next_step=step + 1)
+    self.last_log_time = time.time()
 
   def evaluate(self, step: int, state):
     """Every eval split: to the log, TensorBoard and metrics.jsonl. Returns `state` (its SWA's BatchNorm
@@ -343,7 +355,7 @@ class _Loop:
       self.raise_if_diverged(step)
     with self.clock.paused('save', state):
       record = checkpoint_record(self.config, self.task, step, self.dataset, self.clock.record().to_json())
-      record['train_metrics_window'] = metrics.window_to_json(self._merged_window() if self.window else None)
+      record['train_metrics_window'] = metrics.window_to_json(self.window.merged())
       record['init_from'] = self.start.initialised_from
       self.checkpoints.save(step, self.placement.to_saveable(state), record,
                             metrics=self.clock.progress.eval if evaluated else None)
@@ -353,12 +365,9 @@ class _Loop:
     when it has been fetched, tells whether any is)."""
     if mean_loss is not None and math.isfinite(mean_loss):
       return
-    diverged_at = divergence.first_non_finite_step(self.placement, self.window, step)
+    diverged_at = self.window.first_non_finite_step()
     if diverged_at is not None or mean_loss is not None:
       raise Diverged(step if diverged_at is None else diverged_at)
-
-  def _merged_window(self):
-    return self.placement.to_host_metrics(functools.reduce(steps.merge_metrics, self.window))
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
@@ -411,7 +420,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
                            class_weights=dataset.class_weights, teacher=teacher, schedule=budget.schedule)
   placement = steps.place(task, mesh, config, teacher_variables)
   log_plan(config, dataset, length, task, placement)
-  start = start_or_resume(config, task, placement, checkpoints, dataset)
+  start = start_or_resume(config, task, placement, checkpoints, dataset, length, examples)
   if start.step >= length.total_steps or start.progress.stopped_early:
     return finish_trained_run(config, placement, start, checkpoints, dataset, eval_sets, length, workdir)
   if is_main:  # only once the checkpoint has proven to belong to this config
@@ -427,7 +436,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
           last_step=budget.batches_until(length.total_steps), process_index=jax.process_index(),
           process_count=jax.process_count(), alternate_flip=config.augment.alternate_flip))
   loop = _Loop(config, task, placement, dataset, eval_sets, length, checkpoints, writer,
-               TrainClock(start.step, start.progress, started, command_started), start, start.window,
+               TrainClock(start.step, start.progress, started, command_started), start,
+               TrainWindow(placement.to_host_metrics, start.step + 1, start.window),
                probe=fewshot.maybe_probe(config, dataset, task, placement), pruning=Pruning.of(config),
                budget=budget)
   profiler = StepProfiler(workdir, start.step, config.profile_steps, length.total_steps)
@@ -489,7 +499,7 @@ def _train(loop: _Loop, batches, profiler: StepProfiler, stop: StopRequest) -> i
     if step == loop.start.step + 1:  # the first save needs orbax; the first step did not
       loop.checkpoints.prepare_in_background()
     profiler.after_step(step, state, clock)
-    loop.window.append(step_metrics)
+    loop.window.add(step_metrics)
 
     if loop.log_due(step):
       loop.log(step)
