@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ import numpy as np
 import optax
 
 from flaxtpu import models
-from flaxtpu.optimizers import loss_scale, optim_contrib
+from flaxtpu.optimizers import loss_scale, optim_contrib, step_inputs
 from flaxtpu.optimizers.optim_wrappers import (  # noqa: F401  (re-exported: optim is where callers look)
   FreezeAfterState,
   LookaheadState,
@@ -30,7 +30,8 @@ FROZEN = 'frozen'  # the label of parameters that get no update and no optimizer
 DEFAULT = repr(1.0)  # the label of parameters at the peak learning rate
 
 
-def learning_rate_schedule(config: ml_collections.ConfigDict, length: RunLength) -> optax.Schedule:
+def learning_rate_schedule(config: ml_collections.ConfigDict, length: RunLength,
+                           numbers: Optional[Mapping[str, Any]] = None) -> optax.Schedule:
   """The learning rate as a function of the optimizer update: `schedule.name` after a linear warmup from 0
   (onecycle: its own rise).
 
@@ -43,44 +44,55 @@ def learning_rate_schedule(config: ml_collections.ConfigDict, length: RunLength)
   scale, which the loop sets after each evaluation).
   With gradient accumulation an update takes `accumulate_steps` batches; the
   schedule's argument is the update count (what optax's inner state counts).
+  The peak, the final fraction, the run's length and the warmup come from
+  `numbers` (step_inputs.py: floats, or the train step's traced inputs; the
+  config's and `length`'s when None), so one compiled step serves them all.
   """
-  peak = config.optimizer.learning_rate
-  total = length.total_updates
-  warmup = length.warmup_steps // length.accumulate_steps
-  warmup = min(max(warmup, 1) if length.warmup_steps else 0, total - 1)  # a warmup asked for is never lost
-  final = peak * config.schedule.final_lr_fraction
+  numbers = numbers or step_inputs.of(config, length)
+  peak, total = numbers['optimizer.learning_rate'], numbers['total_updates']
+  warmup, has_warmup = numbers['warmup_updates'], step_inputs.warmup_updates(length) > 0
+  final = peak * numbers['schedule.final_lr_fraction']
   name = config.schedule.name
-  if name == 'onecycle':
+  if name == 'onecycle':  # its phases are Python numbers in optax: the run's length stays a constant
+    concrete_warmup = step_inputs.warmup_updates(length)
     # Warm up for warmup_epochs (30% of the run when 0), then anneal to ~0.
-    pct_start = warmup / total if warmup else 0.3
-    return optax.cosine_onecycle_schedule(total, peak, pct_start=pct_start)
-  if name == 'cosine':
-    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, total, final)
+    pct_start = concrete_warmup / length.total_updates if concrete_warmup else 0.3
+    shape = optax.cosine_onecycle_schedule(length.total_updates, 1.0, pct_start=pct_start)
+    return lambda update: peak * shape(update)
   if name in ('step', 'exponential', 'rsqrt'):
-    decay = _decay(config.schedule, length, warmup)
-    ramp = (lambda update: jnp.minimum(1.0, update / warmup)) if warmup else (lambda update: 1.0)
+    decay = _decay(config.schedule, length, warmup, total, numbers['schedule.final_lr_fraction'])
+    ramp = (lambda update: jnp.minimum(1.0, update / warmup)) if has_warmup else (lambda update: 1.0)
     return lambda update: peak * ramp(update) * decay(update)
-  decay_steps = max(1, total - warmup)
-  after_warmup = (optax.constant_schedule(peak) if name in ('constant', 'plateau')
-                  else optax.linear_schedule(peak, final, decay_steps))
-  if not warmup:
-    return after_warmup
-  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after_warmup], [warmup])
+
+  def after_warmup(updates):  # updates since the warmup ended
+    if name == 'cosine':  # optax.warmup_cosine_decay_schedule's, to `final`
+      progress = jnp.minimum(updates, total - warmup) / (total - warmup)
+      return final + (peak - final) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+    if name == 'linear':
+      span = jnp.maximum(total - warmup, 1.0)
+      return peak + (final - peak) * jnp.minimum(updates, span) / span
+    return peak * jnp.ones_like(updates)  # constant, plateau
+
+  def schedule(update):
+    update = jnp.asarray(update, jnp.float32)
+    if not has_warmup:
+      return after_warmup(update)
+    return jnp.where(update < warmup, peak * update / warmup, after_warmup(jnp.maximum(update - warmup, 0.0)))
+  return schedule
 
 
-def _decay(schedule: ml_collections.ConfigDict, length: RunLength,
-           warmup: int) -> Callable[[jax.Array], jax.Array]:
-  """step | exponential | rsqrt: the peak's factor at an update (1 until the warmup ends)."""
-  total = length.total_updates
+def _decay(schedule: ml_collections.ConfigDict, length: RunLength, warmup, total,
+           final) -> Callable[[jax.Array], jax.Array]:
+  """step | exponential | rsqrt: the peak's factor at an update (1 until the warmup ends). `warmup`,
+  `total` (updates) and `final` (the final fraction) may be traced; epochs count `length`'s updates."""
   updates_per_epoch = length.steps_per_epoch / length.accumulate_steps
   after_warmup = lambda update: jnp.maximum(update - warmup, 0)
   if schedule.name == 'step':
     milestones = jnp.array([round(epochs * updates_per_epoch) for epochs in schedule.milestones])
     return lambda update: schedule.factor ** jnp.sum(update >= milestones)
   if schedule.name == 'exponential':
-    final = schedule.final_lr_fraction
     if not schedule.decay_rate:  # the rate per update that reaches `final` at the end
-      return lambda update: final ** (after_warmup(update) / max(total - warmup, 1))
+      return lambda update: final ** (after_warmup(update) / jnp.maximum(total - warmup, 1))
     per_epoch = schedule.decay_rate
     return lambda update: jnp.maximum(per_epoch ** (after_warmup(update) / updates_per_epoch), final)
   cooldown = round(schedule.cooldown_epochs * updates_per_epoch)
@@ -230,7 +242,7 @@ def describe_groups(groups: dict[str, list[str]]) -> str:
 
 
 def create_optimizer(config: ml_collections.ConfigDict, length: RunLength,
-                     schedule: Optional[optax.Schedule] = None
+                     schedule: Optional[optax.Schedule] = None, numbers: Optional[Mapping[str, Any]] = None
                      ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """The optax chain, one composition for every optimizer: a gradient goes
 
@@ -248,9 +260,13 @@ def create_optimizer(config: ml_collections.ConfigDict, length: RunLength,
   `with_param_groups`. Returns the optimizer and the learning rate as a
   function of the train step. `schedule` replaces the config's (the LR finder's
   sweep). With dtype=float16 the whole chain carries a dynamic loss scale
-  (loss_scale.py) in its state.
+  (loss_scale.py) in its state. `numbers` (step_inputs.py; the config's when
+  None) give the learning rate, decay, momentum and the others that the train
+  step takes as inputs: the chain's structure comes from the config alone, so
+  its state is the same for any numbers.
   """
-  chain, schedule = _base_chain(config, length, schedule)
+  numbers = numbers or step_inputs.of(config, length)
+  chain, schedule = _base_chain(config, length, schedule, numbers)
   accumulate = length.accumulate_steps
   if accumulate > 1:
     chain = optax.MultiSteps(chain, every_k_schedule=accumulate).gradient_transformation()
@@ -301,22 +317,22 @@ L2_DECAY = ('sgd', 'adam', 'rmsprop', 'lars')
 DEFAULT_B2 = {'lion': 0.99}  # optimizer.b2 = -1: the optimizer's own; 0.999 where not listed
 
 
-def _base_chain(config: ml_collections.ConfigDict, length: RunLength,
-                schedule: Optional[optax.Schedule] = None
-                ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def _base_chain(config: ml_collections.ConfigDict, length: RunLength, schedule: Optional[optax.Schedule],
+                numbers: Mapping[str, Any]) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """[clip] -> [L2 decay] -> the optimizer (with its decoupled decay), and the schedule."""
   opt = config.optimizer
-  schedule = schedule or learning_rate_schedule(config, length)
-  clip = [optax.clip_by_global_norm(opt.grad_clip_norm)] if opt.grad_clip_norm else []
+  schedule = schedule or learning_rate_schedule(config, length, numbers)
+  clip = [optax.clip_by_global_norm(numbers['optimizer.grad_clip_norm'])] if opt.grad_clip_norm else []
   plateau = [plateau_scale()] if config.schedule.name == 'plateau' else []
   if opt.name in optim_contrib.CONTRIB:  # muon, schedule-free: their own decay (kernels only)
     b2 = opt.b2 if opt.b2 >= 0 else 0.999
     contrib = optim_contrib.contrib_optimizer(opt, schedule, config.model.name, decay_mask, b2)
     return optax.chain(*clip, contrib, *plateau), schedule
   if opt.name in L2_DECAY:
-    return optax.chain(*clip, *_weight_decay(opt), _optimizer(opt, schedule, decay=[]), *plateau), schedule
+    return optax.chain(*clip, *_weight_decay(opt, numbers), _optimizer(opt, schedule, [], numbers),
+                       *plateau), schedule
   # adamw's chain keeps its kernel decay at 0 too: the state of optax.adamw (and older checkpoints).
-  return optax.chain(*clip, _optimizer(opt, schedule, decay=_weight_decay(opt, always=True)),
+  return optax.chain(*clip, _optimizer(opt, schedule, _weight_decay(opt, numbers, always=True), numbers),
                      *plateau), schedule
 
 
@@ -347,18 +363,20 @@ def set_plateau_scale(opt_state, scale: float):
   return optax.tree_utils.tree_set(opt_state, plateau_scale=new)
 
 
-def _weight_decay(opt: ml_collections.ConfigDict, always: bool = False) -> list[optax.GradientTransformation]:
+def _weight_decay(opt: ml_collections.ConfigDict, numbers: Mapping[str, Any],
+                  always: bool = False) -> list[optax.GradientTransformation]:
   """Kernels decay at `weight_decay` (when it is > 0, or `always`), biases and norm scales at
-  `bias_weight_decay` (when it is > 0)."""
-  kernels = ([optax.add_decayed_weights(opt.weight_decay, mask=decay_mask)]
+  `bias_weight_decay` (when it is > 0): whether is the config's, at what rate `numbers`'."""
+  kernels = ([optax.add_decayed_weights(numbers['optimizer.weight_decay'], mask=decay_mask)]
              if opt.weight_decay or always else [])
-  biases = ([optax.add_decayed_weights(opt.bias_weight_decay, mask=bias_decay_mask)]
+  biases = ([optax.add_decayed_weights(numbers['optimizer.bias_weight_decay'], mask=bias_decay_mask)]
             if opt.bias_weight_decay else [])
   return kernels + biases
 
 
 def _optimizer(opt: ml_collections.ConfigDict, schedule: optax.Schedule,
-               decay: list[optax.GradientTransformation]) -> optax.GradientTransformation:
+               decay: list[optax.GradientTransformation], numbers: Mapping[str, Any]
+               ) -> optax.GradientTransformation:
   """`optimizer.name` as optax composes it, with `decay` (decoupled weight decay) where it puts it.
 
   lamb and lars scale kernels by their trust ratio and leave biases and norm
@@ -367,25 +385,27 @@ def _optimizer(opt: ml_collections.ConfigDict, schedule: optax.Schedule,
   """
   learning_rate = optax.scale_by_learning_rate(schedule)
   kernels_only = lambda transformation: optax.masked(transformation, decay_mask)
-  momentum = opt.momentum or None  # 0: no momentum (optax's None), plain SGD
+  # 0: no momentum (optax's None), plain SGD; otherwise the rate is an input of the step.
+  momentum = numbers['optimizer.momentum'] if opt.momentum else None
+  b1, eps = numbers['optimizer.b1'], numbers['optimizer.eps']
   b2 = opt.b2 if opt.b2 >= 0 else DEFAULT_B2.get(opt.name, 0.999)
   if opt.name == 'sgd':
     return optax.sgd(schedule, momentum=momentum, nesterov=opt.nesterov)
   if opt.name == 'adam':
-    return optax.adam(schedule, b1=opt.b1, b2=b2, eps=opt.eps)
+    return optax.adam(schedule, b1=b1, b2=b2, eps=eps)
   if opt.name == 'rmsprop':
-    return optax.rmsprop(schedule, decay=opt.decay, eps=opt.eps, centered=opt.centered, momentum=momentum,
+    return optax.rmsprop(schedule, decay=opt.decay, eps=eps, centered=opt.centered, momentum=momentum,
                          nesterov=opt.nesterov)
   if opt.name == 'lars':
     return optax.chain(kernels_only(optax.scale_by_trust_ratio(trust_coefficient=opt.trust_coefficient)),
-                       learning_rate, optax.trace(decay=opt.momentum, nesterov=opt.nesterov))
+                       learning_rate, optax.trace(decay=numbers['optimizer.momentum'], nesterov=opt.nesterov))
   if opt.name == 'adamw':
-    return optax.chain(optax.scale_by_adam(b1=opt.b1, b2=b2, eps=opt.eps), *decay, learning_rate)
+    return optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps), *decay, learning_rate)
   if opt.name == 'lamb':
-    return optax.chain(optax.scale_by_adam(b1=opt.b1, b2=b2, eps=opt.eps), *decay,
+    return optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps), *decay,
                        kernels_only(optax.scale_by_trust_ratio()), learning_rate)
   if opt.name == 'lion':
-    return optax.chain(optax.scale_by_lion(b1=opt.b1, b2=b2), *decay, learning_rate)
+    return optax.chain(optax.scale_by_lion(b1=b1, b2=b2), *decay, learning_rate)
   if opt.name == 'adafactor':  # optax.adafactor's chain; its decay is not scaled by the learning rate
     return optax.chain(
         optax.scale_by_factored_rms(opt.factored, opt.decay_rate,

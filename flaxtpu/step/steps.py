@@ -9,6 +9,7 @@ train step (`compile_plan.py` compiles it on zeros for `--mode=plan` and the ben
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -28,7 +29,7 @@ from flaxtpu.augmentation.image_sizes import resize_batch
 from flaxtpu.io import metrics
 from flaxtpu.loss import bce
 from flaxtpu.loss.losses import batch_accuracy, label_targets, loss_per_example  # noqa: F401  (re-exported)
-from flaxtpu.optimizers import loss_scale, optim, optim_contrib, swa
+from flaxtpu.optimizers import loss_scale, optim, optim_contrib, step_inputs, swa
 from flaxtpu.settings.errors import UserError
 from flaxtpu.settings.lengths import RunLength, resolved_eval_batch_size
 from flaxtpu.step import gradients, parallel
@@ -49,6 +50,11 @@ class Task:
   std: Optional[np.ndarray]
   optimizer: Optional[optax.GradientTransformation] = None  # None: inference only
   schedule: Optional[optax.Schedule] = None
+  # The run's numbers that the placed train step takes as an input (step_inputs.py), and the optimizer built
+  # from them (the same chain as `optimizer`); None where a schedule replaces the config's (lr_find, a
+  # time budget): those steps keep their numbers as constants.
+  numbers: Optional[dict] = None
+  optimizer_for: Optional[Callable[[Any], optax.GradientTransformation]] = None
   param_groups: optim.ParamGroups = optim.ParamGroups()  # frozen parameters keep their BatchNorm statistics
   ema_decay: float = 0.0  # 0: no EMA of the weights
   ema_warmup: bool = False
@@ -92,13 +98,17 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
       config.model.name, num_classes=num_classes, dtype=config.dtype, remat=_remat(config),
       bn_axis_name=parallel.PMAP_AXIS if config.parallelism == 'pmap' else None,
       **{key: config.model[key] for key in models.OPTIONS})
+  numbers = step_inputs.of(config, length) if length and schedule is None else None
   optimizer, schedule = optim.create_optimizer(config, length, schedule) if length else (None, None)
+  optimizer_for = ((lambda traced: optim.create_optimizer(config, length, numbers=traced)[0])
+                   if numbers else None)
   standardize = config.dataset.normalize in ('standardize', 'fixed')
   return Task(model=model, num_classes=num_classes, image_shape=tuple(image_shape),
               augment=config.augment, label_smoothing=config.label_smoothing,
               mean=np.asarray(mean, np.float32) if standardize else None,
               std=np.asarray(std, np.float32) if standardize else None,
-              optimizer=optimizer, schedule=schedule, param_groups=optim.ParamGroups.from_config(config),
+              optimizer=optimizer, schedule=schedule, numbers=numbers, optimizer_for=optimizer_for,
+              param_groups=optim.ParamGroups.from_config(config),
               ema_decay=config.ema.decay, ema_warmup=config.ema.warmup,
               accumulate_steps=config.optimizer.accumulate_steps, flip_tta=config.eval.flip_tta,
               translate_tta=config.eval.translate_tta, multilabel=config.task == 'multilabel',
@@ -228,16 +238,19 @@ def train_metrics_collection(task: Task):
 
 @jax.jit
 def merge_metrics(merged, more):
-  """Two clu collections of one kind merged by one compiled program, however many are merged in turn:
-  a log window's steps (a jit over the whole window compiles anew for each length: the run's last
-  window, one saved between log lines) and an evaluation's batches (one dispatch each, not one per metric)."""
+  """Two clu collections of one kind merged by one compiled program: an evaluation's batches, one
+  dispatch each, not one per metric (the train loop's window: loop/window.py)."""
   return merged.merge(more)
 
 
-def train_step(state: TrainState, batch, teacher_variables: Optional[ModelState] = None, *, task: Task,
-               axis_name: Optional[str] = None):
+def train_step(state: TrainState, batch, teacher_variables: Optional[ModelState] = None,
+               numbers: Optional[dict] = None, *, task: Task, axis_name: Optional[str] = None):
   """One batch of (uint8 images, labels) -> (new state, clu metrics): an optimizer update, or
   one of `optimizer.accumulate_steps` batches whose mean gradient makes one.
+
+  `numbers` (the task's `numbers` as arrays: learning rate, decay, momentum,
+  run length, label smoothing...) are the optimizer's and the loss's; without
+  them the task's are compiled in as constants.
 
   `axis_name` is None under jit (XLA sees the global batch); under pmap it
   names the device axis that gradients and metrics are averaged over. With a
@@ -262,7 +275,8 @@ def train_step(state: TrainState, batch, teacher_variables: Optional[ModelState]
   hard_targets, teacher_targets = targets[:, :task.num_classes], targets[:, task.num_classes:]
   if teacher and teacher.sees_mixed_images:  # function matching: it scores the very image the student sees
     teacher_targets = teacher.targets(teacher.logits(teacher_variables, images, task.mean, task.std))
-  targets = optax.smooth_labels(hard_targets, task.label_smoothing)
+  optimizer = task.optimizer_for(numbers) if numbers else task.optimizer
+  targets = optax.smooth_labels(hard_targets, numbers['label_smoothing'] if numbers else task.label_smoothing)
   rngs = {'dropout': _dropout_key(key, axis_name)}  # unused (and compiled away) without dropout
 
   def loss_fn(params):
@@ -281,7 +295,7 @@ def train_step(state: TrainState, batch, teacher_variables: Optional[ModelState]
                                sam_adaptive=task.sam_adaptive, param_groups=task.param_groups,
                                axis_name=axis_name)
   loss, (logits, batch_stats, kl) = gradient.loss, gradient.aux
-  updates, opt_state = task.optimizer.update(gradient.grads, gradient.opt_state, point)
+  updates, opt_state = optimizer.update(gradient.grads, gradient.opt_state, point)
   params = optim_contrib.averaged(opt_state, optax.apply_updates(point, updates), state.params)
   if task.param_groups:  # frozen arrays and their modules' BatchNorm statistics carried over as they are
     params, batch_stats = task.param_groups.keep_frozen(state.params, params, state.batch_stats,
@@ -391,7 +405,7 @@ class Placement:
   parallelism: str
   state_shardings: Any
   abstract_state: Any  # shapes + shardings of the saveable (global) state: a restore target
-  train_step: Optional[Callable]  # None for an inference task
+  train_step: Optional['TrainStep']  # None for an inference task
   eval_step: Callable
   logits: Callable
   put_train_batch: Callable
@@ -404,11 +418,44 @@ class Placement:
   def compile_train_step(self, state, batch) -> tuple[Callable, dict]:
     """Compiles the train step ahead of time; returns it, called as (state, batch), with the
     per-device memory XLA plans."""
-    started = time.time()
+    started, events_before = time.time(), _CACHE_EVENTS.copy()
     compiled = self.train_step.lower(state, batch, *self.frozen).compile()
-    plan = {'compile_seconds': round(time.time() - started, 3), **_memory_plan(compiled)}
-    frozen = self.frozen
-    return (lambda state, batch: compiled(state, batch, *frozen)) if frozen else compiled, plan
+    plan = {'compile_seconds': round(time.time() - started, 3), **_memory_plan(compiled),
+            'compiled_from': _compiled_from(_CACHE_EVENTS - events_before)}
+    numbers, frozen = self.train_step.numbers, self.frozen
+    return lambda state, batch: compiled(state, batch, numbers, *frozen), plan
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+  """The placed train step with the run's numbers (step_inputs.py) bound to its third argument: called and
+  lowered as (state, batch, *frozen), one program for any learning rate, decay or run length."""
+  program: Any  # jax.jit or jax.pmap of `_train_step_with_numbers`
+  numbers: dict  # the task's numbers, placed as the program takes them ({}: compiled in as constants)
+
+  def __call__(self, state, batch, *frozen):
+    return self.program(state, batch, self.numbers, *frozen)
+
+  def lower(self, state, batch, *frozen):
+    return self.program.lower(state, batch, self.numbers, *frozen)
+
+
+def _train_step_with_numbers(state, batch, numbers, *frozen, task: Task, axis_name: Optional[str] = None):
+  return train_step(state, batch, *(frozen or (None,)), numbers=numbers, task=task, axis_name=axis_name)
+
+
+# jax.monitoring's persistent-cache events since start-up: whether a compile loaded its program or built it.
+_CACHE_EVENTS: collections.Counter = collections.Counter()
+jax.monitoring.register_event_listener(
+    lambda event, **_: _CACHE_EVENTS.update([event]) if event.startswith('/jax/compilation_cache/') else None)
+
+
+def _compiled_from(events: collections.Counter) -> str:
+  """'persistent cache' (XLA's program loaded, not compiled), 'XLA' (compiled, and saved where the cache is
+  on) or 'XLA, no persistent cache'."""
+  if events['/jax/compilation_cache/cache_hits'] and not events['/jax/compilation_cache/cache_misses']:
+    return 'persistent cache'
+  return 'XLA' if jax.config.jax_compilation_cache_dir else 'XLA, no persistent cache'
 
 
 def _memory_plan(compiled) -> dict:
@@ -449,16 +496,18 @@ def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict
                                 abstract_state, state_shardings)
   replicated = parallel.replicated(mesh)
   frozen = () if teacher_variables is None else (teacher_variables,)
+  numbers = step_inputs.as_arrays(task.numbers or {})
   if config.parallelism == 'jit':
     batch_sharding = parallel.batch_sharding(mesh)
     put_batch = functools.partial(parallel.to_global, sharding=batch_sharding)
     frozen_shardings = tuple(jax.tree.map(lambda x: x.sharding, f) for f in frozen)
+    program = jax.jit(functools.partial(_train_step_with_numbers, task=task),
+                      in_shardings=(state_shardings, batch_sharding, replicated, *frozen_shardings),
+                      out_shardings=(state_shardings, replicated), donate_argnums=0)
+    placed = jax.tree.map(lambda x: jax.make_array_from_callback((), replicated, lambda _: x), numbers)
     return Placement(
         mesh=mesh, parallelism='jit', state_shardings=state_shardings, abstract_state=abstract_state,
-        train_step=jax.jit(functools.partial(train_step, task=task),
-                           in_shardings=(state_shardings, batch_sharding, *frozen_shardings),
-                           out_shardings=(state_shardings, replicated),
-                           donate_argnums=0) if task.optimizer else None,
+        train_step=TrainStep(program, placed) if task.optimizer else None,
         eval_step=jax.jit(functools.partial(eval_step, task=task),
                           in_shardings=(state_shardings, batch_sharding),
                           out_shardings=(replicated, batch_sharding)),
@@ -472,8 +521,10 @@ def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict
   pmapped_logits = jax.pmap(functools.partial(logits_fn, task=task), axis_name=axis)
   return Placement(
       mesh=mesh, parallelism='pmap', state_shardings=state_shardings, abstract_state=abstract_state,
-      train_step=jax.pmap(functools.partial(train_step, task=task, axis_name=axis),
-                          axis_name=axis, donate_argnums=0) if task.optimizer else None,
+      train_step=TrainStep(
+          jax.pmap(functools.partial(_train_step_with_numbers, task=task, axis_name=axis), axis_name=axis,
+                   donate_argnums=0),
+          parallel.replicate(jax.tree.map(jnp.asarray, numbers))) if task.optimizer else None,
       eval_step=lambda state, batch: _first_metrics(*pmapped_eval(state, batch)),
       logits=lambda state, images: pmapped_logits(state, images).reshape(-1, task.num_classes),
       put_train_batch=parallel.to_pmap_batch, put_eval_batch=parallel.to_pmap_batch,
