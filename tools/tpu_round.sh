@@ -34,6 +34,15 @@
 #   mobile-a, mobile-b       the `mobile` group's EfficientNet-B0 and MobileNetV3-L, one a part (the
 #             group with --compile-alone, ~9.5 min, would not fit; 4 min measured for mobile-a)
 #   remat-a, remat-b, remat-c        the remat table, two families each (~6 min each)
+#   sweep     experiments/resnet20_lr_first_step.py (4 trials, the learning rate only differs) on a generated
+#             CIFAR-sized folder (32x32 JPEGs, 10 classes x 5,000 + 1,000), from an empty compilation cache: each
+#             trial's time to its first step and where its train step came from (issue 69)
+#   he        He et al.'s CIFAR ResNets at full length (182 epochs) on CIFAR, resnet$DEPTHS (default 20), with
+#             log_every_steps=7100 (a progress line every ~18 epochs), each stopped by SIGTERM at HE_LIMIT s
+#             (default 480) and resumed by the same command in a later call: the workdirs travel in
+#             OUT/he_workdirs.tar.gz (carry it back as HE_TAR); each run's epoch times (benchmarks/epoch_times)
+#   he-keras  the same recipe in Keras 3 (JAX backend), benchmarks/keras_cifar_resnet.py, depth $KERAS_DEPTH
+#             (default 20), 182 epochs, on the same folder and chip (needs CIFAR)
 #   remat-auto  Swin-T's `--mode=plan --config.model.remat=auto` (configs/imagenet_resnet50.py on the
 #             generated photos) at batch 256 and 512: the candidates each compiled, their plans and which
 #             fitted, from plan.json (~4 min)
@@ -176,6 +185,41 @@ for row in plan['remat_auto']:
   print('  ', row)
 PY
       done ;;
+    sweep)
+      cifar_like=/tmp/bench/cifar_like
+      [ -d "$cifar_like" ] || part cifar_like 120 python -m benchmarks.data.make_image_folder --out "$cifar_like" \
+        --classes 10 --train-per-class 5000 --test-per-class 1000 --min-side 32 --max-side 32 --workers 13
+      rm -rf /tmp/bench/sweep
+      part sweep 480 python -m flaxtpu.sweep experiments/resnet20_lr_first_step.py --workdir=/tmp/bench/sweep/lr \
+        --config.dataset.folder="$cifar_like" --config.compilation_cache_dir=/tmp/bench/sweep/cache
+      grep -h 'compiled train step in\|first step done' "$logs/sweep.log" | sed 's/^.*\] //'
+      python - /tmp/bench/sweep/lr <<'PY' || true
+import glob, json, os, sys
+for path in sorted(glob.glob(os.path.join(sys.argv[1], '*', 'results.json'))):
+  results = json.load(open(path))
+  print(f"{os.path.basename(os.path.dirname(path))}: first step {results.get('time_to_first_step_s'):.1f} s, "
+        f"train step from {results.get('memory_plan', {}).get('compiled_from')}, "
+        f"{results.get('train_images_per_sec'):.0f} img/s, eval accuracy {results.get('eval_accuracy'):.4f}")
+PY
+      cp -r /tmp/bench/sweep/lr/*/results.json "$logs/" 2>/dev/null || true ;;
+    he)
+      cifar || continue
+      mkdir -p /tmp/he
+      [ -n "${HE_TAR:-}" ] && [ -f "$HE_TAR" ] && tar xzf "$HE_TAR" -C /tmp/he && say "he: resumed workdirs from $HE_TAR"
+      for depth in ${DEPTHS:-20}; do
+        part "he_resnet$depth" "${HE_LIMIT:-480}" python -m flaxtpu.main --config=configs/cifar10_resnet.py \
+          --workdir="/tmp/he/resnet$depth" --config.dataset.folder="$CIFAR" --config.model.name="resnet$depth" \
+          --config.num_epochs=182 --config.log_every_steps=7100
+        cat "$logs/he_resnet$depth.log" >> "/tmp/he/resnet$depth/log.txt"
+        grep -h 'resum\|stopped by\|first step done\|step [0-9]*/' "$logs/he_resnet$depth.log" | sed 's/^.*\] //'
+        python -m benchmarks.epoch_times "$logs/he_resnet$depth.log"
+        cat "/tmp/he/resnet$depth/results.json" 2>/dev/null; echo
+      done
+      tar czf "$out/he_workdirs.tar.gz" -C /tmp/he . ;;
+    he-keras)
+      cifar || continue
+      part "keras_resnet${KERAS_DEPTH:-20}" "${KERAS_LIMIT:-560}" python -m benchmarks.keras_cifar_resnet --data "$CIFAR" \
+        --depth "${KERAS_DEPTH:-20}" --epochs 182 --out "$out/keras_resnet${KERAS_DEPTH:-20}.json" ;;
     remat-a) part remat_a 580 "${chip[@]}" --remat-table --only resnet50,mobilenetv3_l ;;
     remat-b) part remat_b 580 "${chip[@]}" --remat-table --only vit_b16,efficientnet_b0 ;;
     remat-c) part remat_c 580 "${chip[@]}" --remat-table --only convnext_t,swin_t ;;
