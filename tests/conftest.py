@@ -138,3 +138,35 @@ def tree_digest(root):
       with open(os.path.join(folder, name), 'rb') as f:
         digest.update(name.encode() + f.read())
   return digest.hexdigest()
+
+
+# `make test-quick` (DEVELOPING.md): the tests that catch most breakage in a few minutes on 2 cores, marked
+# `quick` here by name so that no test file has to know. Whole files of pure logic and config checks, and
+# from the heavy files the one or two tests that exercise the path end to end (a short train and resume).
+QUICK_FILES = {
+    'test_config.py',  # config validation
+    'test_readme.py',  # every README and docs command parses
+    'test_old_imports.py', 'test_layout.py',  # the package layout and its old import paths
+    'test_sampling.py', 'test_preprocess.py', 'test_augment.py',
+    'test_hub_names.py', 'test_class_matching.py', 'test_time_budget.py', 'test_optimizers.py',
+}
+QUICK_TESTS = {
+    'test_train.py::test_training_lowers_the_loss_on_a_fixed_batch',
+    'test_train.py::test_jit_on_8_devices_equals_one_device',  # the sharded step equals one device's
+    'test_train.py::test_batch_that_does_not_divide_over_devices_is_named',
+    'test_checkpoint.py::test_keeps_the_latest_n_plus_the_best',
+    'test_main.py::test_split_file_names_keep_the_slice',
+    'test_main.py::test_bad_input_is_one_line_and_nonzero',
+    'test_main.py::test_bad_config_file_is_one_line',
+}
+
+
+def pytest_configure(config):
+  config.addinivalue_line('markers', 'quick: the inner loop, make test-quick (set here by file and test name)')
+
+
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    name = os.path.basename(str(item.path))
+    if name in QUICK_FILES or f'{name}::{item.originalname}' in QUICK_TESTS:
+      item.add_marker(pytest.mark.quick)
