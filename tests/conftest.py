@@ -162,7 +162,7 @@ QUICK_TESTS = {
 
 
 def pytest_configure(config):
-  config.addinivalue_line('markers', 'quick: the inner loop, make test-quick (set here by file and test name)')
+  config.addinivalue_line('markers', 'quick: the inner loop, make test-quick (set here by file, test name)')
 
 
 def pytest_collection_modifyitems(config, items):

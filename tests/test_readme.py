@@ -1,4 +1,4 @@
-"""Every command in README.md and docs/*.md still works as written, checked without training.
+"""Every command in README.md, DEVELOPING.md and docs/*.md still works as written, checked without training.
 
 The commands are the lines of the pages' code blocks that start with `python -m
 flaxtpu...`, `python -m benchmarks...`, `make ...` or `pip install ...` (with
@@ -23,7 +23,7 @@ from ml_collections import config_flags
 from flaxtpu.main import RESTORING_MODES  # modes whose --config defaults to the run's
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
+PAGES = [ROOT / 'README.md', ROOT / 'DEVELOPING.md', *sorted((ROOT / 'docs').glob('*.md'))]
 COMMAND_START = re.compile(r'(\w+=\S+\s+)*(python -m (flaxtpu|benchmarks)\b|make\b|pip install\b)')
 REPO_PATH = re.compile(r'^(configs|experiments|benchmarks|flaxtpu|tests|docs)/[\w./-]*$')
 
