@@ -6,7 +6,7 @@
 #   bench                 + the `bench` extra: the peers, PyTorch and Keras (.installed-bench)
 # Each layer builds on the one before, so `make test` after `make train` adds the extras to the same .venv.
 # --no-compile: no .pyc for the thousands of modules nothing imports (TensorFlow's); Python writes those a
-# run imports on first use. A fresh clone's `make train` takes about 2 minutes, install included (README).
+# run imports on first use. A fresh clone's `make train`: about a minute here, install included (README).
 PYTHON ?= python3
 VENV ?= .venv
 RUN := $(VENV)/bin/python
