@@ -67,8 +67,9 @@ began=$SECONDS
 say() { echo "[tpu_round $((SECONDS - began)) s] $*"; }
 
 cifar() {
-  if [ -z "${CIFAR:-}" ] && [ -n "${CIFAR_TAR:-}" ]; then
-    mkdir -p /tmp/data && tar xzf "$CIFAR_TAR" -C /tmp/data && CIFAR=/tmp/data/$(tar tzf "$CIFAR_TAR" | head -1 | cut -d/ -f1)
+  if [ -z "${CIFAR:-}" ] && [ -n "${CIFAR_TAR:-}" ]; then  # unpacked once a machine (a warm one keeps it)
+    local top; top=/tmp/data/$(tar tzf "$CIFAR_TAR" | head -1 | cut -d/ -f1)
+    [ -d "$top/test" ] || { mkdir -p /tmp/data && tar xzf "$CIFAR_TAR" -C /tmp/data; } && CIFAR=$top
   fi
   [ -n "${CIFAR:-}" ] || { say "no CIFAR folder (set CIFAR or CIFAR_TAR)"; return 1; }
 }
@@ -211,7 +212,7 @@ PY
           --workdir="/tmp/he/resnet$depth" --config.dataset.folder="$CIFAR" --config.model.name="resnet$depth" \
           --config.num_epochs=182 --config.log_every_steps=7100
         cat "$logs/he_resnet$depth.log" >> "/tmp/he/resnet$depth/log.txt"
-        grep -h 'resum\|stopped by\|first step done\|step [0-9]*/' "$logs/he_resnet$depth.log" | sed 's/^.*\] //'
+        grep -h 'resum\|stopped by\|first step done\|step [0-9]*/' "$logs/he_resnet$depth.log" | cut -d']' -f2-
         python -m benchmarks.epoch_times "$logs/he_resnet$depth.log"
         cat "/tmp/he/resnet$depth/results.json" 2>/dev/null; echo
       done
