@@ -64,6 +64,9 @@ def learning_rate_schedule(config: ml_collections.ConfigDict, length: RunLength,
     ramp = (lambda update: jnp.minimum(1.0, update / warmup)) if has_warmup else (lambda update: 1.0)
     return lambda update: peak * ramp(update) * decay(update)
 
+  if name in ('constant', 'plateau') and not has_warmup:
+    return lambda update: peak  # (on the host a Python float, as the config gives it)
+
   def after_warmup(updates):  # updates since the warmup ended
     if name == 'cosine':  # optax.warmup_cosine_decay_schedule's, to `final`
       progress = jnp.minimum(updates, total - warmup) / (total - warmup)
