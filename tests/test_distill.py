@@ -88,7 +88,7 @@ def test_the_train_loss_is_the_mixture_of_label_and_teacher_terms_computed_by_ha
                            length=lengths.run_length(config, 64), teacher=teacher)
   state = steps.init_state(task, 0)
   images, labels = dataset.train.images[:8], dataset.train.labels[:8]
-  _, step_metrics = steps.train_step(state, (images, labels), teacher_variables, task=task)
+  _, step_metrics = steps.train_step(state, (images, labels), teacher_variables=teacher_variables, task=task)
 
   # By hand: the images the student sees, normalised its way; the teacher's, normalised its way.
   key, positions = jax.random.fold_in(state.rng, 0), jnp.arange(8)

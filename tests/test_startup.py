@@ -54,8 +54,10 @@ SHORT_RUN = ['--config=configs/digits.py', '--config.dataset.train_split=train[:
              '--config.num_train_steps=7', '--config.log_every_steps=3', '--config.eval_every_steps=4',
              '--config.checkpoint_every_steps=5']
 # flaxtpu's own compiled functions and their programs in a run (the rest are JAX's eager operations, one
-# program per shape): merge_metrics merges the train step's metrics and the eval step's, one program each.
-OWN_PROGRAMS = {'jit(init_state)': 1, 'jit(train_step)': 1, 'jit(eval_step)': 1, 'jit(merge_metrics)': 2}
+# program per shape): merge_metrics merges the eval step's metrics; the train metrics window (loop/window.py)
+# counts its first step and adds each later one, one program each.
+OWN_PROGRAMS = {'jit(init_state)': 1, 'jit(train_step)': 1, 'jit(eval_step)': 1, 'jit(merge_metrics)': 1,
+                'jit(_count_step)': 1, 'jit(_add_step)': 1}
 
 
 # Where the data read is still going once the trainer is imported, the CLI compiles the first step's programs

@@ -14,18 +14,19 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.jit
-def _count(first_non_finite, count, step_metrics):
+def _count_step(first_non_finite, count, step_metrics):
   """(the window's first NaN/Inf offset, its step count) after one more step's metrics."""
   finite = jnp.all(jnp.isfinite(step_metrics.loss.compute()))
   return jnp.where((first_non_finite < 0) & ~finite, count, first_non_finite), count + 1
 
 
 @jax.jit
-def _merge_and_count(merged, first_non_finite, count, step_metrics):
-  return (merged.merge(step_metrics), *_count(first_non_finite, count, step_metrics))
+def _add_step(merged, first_non_finite, count, step_metrics):
+  return (merged.merge(step_metrics), *_count_step(first_non_finite, count, step_metrics))
 
 
 class TrainWindow:
@@ -39,7 +40,8 @@ class TrainWindow:
   def _start(self, first_step: int, restored: Any = None) -> None:
     self._merged = restored
     self._first_step = first_step  # the step that the device-side offsets count from
-    self._first_non_finite, self._count = jnp.int32(-1), jnp.int32(0)
+    # Host scalars until the first step: making device ones would compile a program before the first step.
+    self._first_non_finite, self._count = np.int32(-1), np.int32(0)
     self.steps_added = 0  # on the host: whether there is anything new to check
 
   def __bool__(self) -> bool:
@@ -48,9 +50,9 @@ class TrainWindow:
   def add(self, step_metrics) -> None:
     if self._merged is None:
       self._merged = step_metrics
-      self._first_non_finite, self._count = _count(self._first_non_finite, self._count, step_metrics)
+      self._first_non_finite, self._count = _count_step(self._first_non_finite, self._count, step_metrics)
     else:
-      self._merged, self._first_non_finite, self._count = _merge_and_count(
+      self._merged, self._first_non_finite, self._count = _add_step(
           self._merged, self._first_non_finite, self._count, step_metrics)
     self.steps_added += 1
 

@@ -243,8 +243,9 @@ def merge_metrics(merged, more):
   return merged.merge(more)
 
 
-def train_step(state: TrainState, batch, teacher_variables: Optional[ModelState] = None,
-               numbers: Optional[dict] = None, *, task: Task, axis_name: Optional[str] = None):
+def train_step(state: TrainState, batch, numbers: Optional[dict] = None,
+               teacher_variables: Optional[ModelState] = None, *, task: Task,
+               axis_name: Optional[str] = None):
   """One batch of (uint8 images, labels) -> (new state, clu metrics): an optimizer update, or
   one of `optimizer.accumulate_steps` batches whose mean gradient makes one.
 
@@ -423,14 +424,29 @@ class Placement:
     plan = {'compile_seconds': round(time.time() - started, 3), **_memory_plan(compiled),
             'compiled_from': _compiled_from(_CACHE_EVENTS - events_before)}
     numbers, frozen = self.train_step.numbers, self.frozen
-    return lambda state, batch: compiled(state, batch, numbers, *frozen), plan
+    return CompiledTrainStep(compiled, numbers, frozen), plan
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledTrainStep:
+  """The train step compiled ahead of time, called as (state, batch); XLA's analyses of it (cost_analysis,
+  memory_analysis, as_text) are its program's."""
+  compiled: Any  # jax.stages.Compiled, taking (state, batch, numbers, *frozen)
+  numbers: dict
+  frozen: tuple
+
+  def __call__(self, state, batch):
+    return self.compiled(state, batch, self.numbers, *self.frozen)
+
+  def __getattr__(self, name: str):
+    return getattr(self.compiled, name)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
   """The placed train step with the run's numbers (step_inputs.py) bound to its third argument: called and
   lowered as (state, batch, *frozen), one program for any learning rate, decay or run length."""
-  program: Any  # jax.jit or jax.pmap of `_train_step_with_numbers`
+  program: Any  # jax.jit or jax.pmap of `train_step`, called as (state, batch, numbers, *frozen)
   numbers: dict  # the task's numbers, placed as the program takes them ({}: compiled in as constants)
 
   def __call__(self, state, batch, *frozen):
@@ -438,10 +454,6 @@ class TrainStep:
 
   def lower(self, state, batch, *frozen):
     return self.program.lower(state, batch, self.numbers, *frozen)
-
-
-def _train_step_with_numbers(state, batch, numbers, *frozen, task: Task, axis_name: Optional[str] = None):
-  return train_step(state, batch, *(frozen or (None,)), numbers=numbers, task=task, axis_name=axis_name)
 
 
 # jax.monitoring's persistent-cache events since start-up: whether a compile loaded its program or built it.
@@ -501,7 +513,7 @@ def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict
     batch_sharding = parallel.batch_sharding(mesh)
     put_batch = functools.partial(parallel.to_global, sharding=batch_sharding)
     frozen_shardings = tuple(jax.tree.map(lambda x: x.sharding, f) for f in frozen)
-    program = jax.jit(functools.partial(_train_step_with_numbers, task=task),
+    program = jax.jit(functools.partial(train_step, task=task),
                       in_shardings=(state_shardings, batch_sharding, replicated, *frozen_shardings),
                       out_shardings=(state_shardings, replicated), donate_argnums=0)
     placed = jax.tree.map(lambda x: jax.make_array_from_callback((), replicated, lambda _: x), numbers)
@@ -522,7 +534,7 @@ def place(task: Task, mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict
   return Placement(
       mesh=mesh, parallelism='pmap', state_shardings=state_shardings, abstract_state=abstract_state,
       train_step=TrainStep(
-          jax.pmap(functools.partial(_train_step_with_numbers, task=task, axis_name=axis), axis_name=axis,
+          jax.pmap(functools.partial(train_step, task=task, axis_name=axis), axis_name=axis,
                    donate_argnums=0),
           parallel.replicate(jax.tree.map(jnp.asarray, numbers))) if task.optimizer else None,
       eval_step=lambda state, batch: _first_metrics(*pmapped_eval(state, batch)),
