@@ -12,7 +12,7 @@ import pytest
 from configs import cifar10_resnet
 from conftest import make_image_folder, restore_checkpoint, tiny_dataset
 from flaxtpu.data import loaders, pipeline
-from flaxtpu.loop import train
+from flaxtpu.loop import start, train
 from flaxtpu.optimizers import optim
 from flaxtpu.settings import lengths
 from flaxtpu.settings.errors import UserError
@@ -178,7 +178,7 @@ def test_a_pmap_checkpoint_loads_into_a_jit_run(folders, five_class, tmp_path):
   task, placement, state, dataset = _place(config)
   workdir = str(tmp_path / 'pmap')
   saved = checkpoint.Checkpoints(workdir, config)
-  saved.save(5, placement.to_saveable(state), train.checkpoint_record(config, task, 5, dataset, {}))
+  saved.save(5, placement.to_saveable(state), start.checkpoint_record(config, task, 5, dataset, {}))
   saved.wait()
   saved.close()
   loaded, info = _init_from(five_class, workdir)
