@@ -20,7 +20,7 @@ import ml_collections
 
 from flaxtpu.settings.errors import UserError
 from flaxtpu.settings.lengths import RunLength, run_length
-from flaxtpu.weights.checkpoint import changed_keys
+from flaxtpu.weights.checkpoint import changed_values
 
 # Keys whose change makes the checkpoint another model, or its optimizer state another optimizer's.
 # (Keys that change the arrays' shapes fail the restore itself, which names them too.)
@@ -38,16 +38,6 @@ class ResumeRefused(UserError):
   """The config changed a key that the checkpoint cannot be resumed with."""
 
 
-def changes(saved: dict, current: dict) -> dict[str, tuple]:
-  """{key: (checkpoint's value, config's value)} of every key that differs."""
-  found = {}
-  for change in changed_keys(saved, current):
-    key, _, values = change.partition('=')
-    old, _, new = values.partition(' -> ')
-    found[key] = (old, new)
-  return found
-
-
 def refused(changed: dict[str, tuple], parallelism: str) -> list[str]:
   """The changed keys a resume refuses: the model's function, the optimizer's kind, and under pmap the
   batch size (each device's BatchNorm statistics and the data position are per-device batches)."""
@@ -61,11 +51,11 @@ def refused(changed: dict[str, tuple], parallelism: str) -> list[str]:
 def check(saved: dict, config: ml_collections.ConfigDict, current: dict, step: int, directory: str) -> None:
   """ResumeRefused, before any restore, where the config changed a key that the checkpoint at `step`
   cannot be resumed with."""
-  changed = changes(saved, current)
+  changed = changed_values(saved, current)
   names = refused(changed, config.parallelism)
   if not names:
     return
-  what = ', '.join(f'{key} {changed[key][0]} -> {changed[key][1]}' for key in names)
+  what = ', '.join(f'{key} {changed[key][0]!r} -> {changed[key][1]!r}' for key in names)
   raise ResumeRefused(
       f'checkpoint step {step} in {directory} cannot be resumed with this config ({what}): its weights and '
       'optimizer state belong to the old values; train with a new --workdir, or start a new run from its '
@@ -76,23 +66,25 @@ def check(saved: dict, config: ml_collections.ConfigDict, current: dict, step: i
 def log_applied(saved: dict, current: dict, config: ml_collections.ConfigDict, step: int,
                 num_train_examples: int, length: RunLength, schedule) -> list[str]:
   """Logs (and returns) one line per changed key that the resume applies, with its effect."""
-  changed = changes(saved, current)
+  changed = changed_values(saved, current)
   if not changed:
     return []
   from flaxtpu.validation import workdir_config  # pylint: disable=g-import-not-at-top
   old_config = workdir_config.from_saved(saved)
+  try:
+    old_length = run_length(old_config, num_train_examples)
+  except UserError:
+    old_length = None
   lines = []
-  learning_rate = _learning_rate_effect(old_config, config, step, num_train_examples, schedule)
+  learning_rate = _learning_rate_effect(old_config, old_length, config, step, schedule)
   for key, (old, new) in changed.items():
     effects = []
-    if key in RUN_LENGTH:
-      old_steps = _total_steps(old_config, num_train_examples)
-      if old_steps is not None and old_steps != length.total_steps:
-        effects.append(f'{old_steps:,} -> {length.total_steps:,} steps')
+    if key in RUN_LENGTH and old_length and old_length.total_steps != length.total_steps:
+      effects.append(f'{old_length.total_steps:,} -> {length.total_steps:,} steps')
     if learning_rate and (key in RUN_LENGTH or key.startswith(SCHEDULE)):
       effects.append(learning_rate)
       learning_rate = None  # said once, on the first line whose key moves it
-    lines.append(f'resume: {key} {old} -> {new}' + (': ' + '; '.join(effects) if effects else ''))
+    lines.append(f'resume: {key} {old!r} -> {new!r}' + (': ' + '; '.join(effects) if effects else ''))
   if learning_rate:
     lines.append(f'resume: {learning_rate}')
   for line in lines:
@@ -100,22 +92,14 @@ def log_applied(saved: dict, current: dict, config: ml_collections.ConfigDict, s
   return lines
 
 
-def _total_steps(config: ml_collections.ConfigDict, num_train_examples: int) -> Optional[int]:
-  try:
-    return run_length(config, num_train_examples).total_steps
-  except UserError:
-    return None
-
-
-def _learning_rate_effect(old_config: ml_collections.ConfigDict, config: ml_collections.ConfigDict,
-                          step: int, num_train_examples: int, schedule) -> Optional[str]:
+def _learning_rate_effect(old_config: ml_collections.ConfigDict, old_length: Optional[RunLength],
+                          config: ml_collections.ConfigDict, step: int, schedule) -> Optional[str]:
   """'learning rate at step N OLD -> NEW' where the resume changes it (None where it does not, or where
   the old rate cannot be known: a time budget set the old run's length)."""
-  if old_config.time_budget or config.time_budget:
+  if old_length is None or old_config.time_budget or config.time_budget:
     return None
   from flaxtpu.optimizers import optim  # pylint: disable=g-import-not-at-top
   try:
-    old_length = run_length(old_config, num_train_examples)
     old_schedule = optim.learning_rate_schedule(old_config, old_length)
   except (UserError, ValueError):
     return None

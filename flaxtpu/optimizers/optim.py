@@ -50,11 +50,11 @@ def learning_rate_schedule(config: ml_collections.ConfigDict, length: RunLength,
   """
   numbers = numbers or step_inputs.of(config, length)
   peak, total = numbers['optimizer.learning_rate'], numbers['total_updates']
-  warmup, has_warmup = numbers['warmup_updates'], step_inputs.warmup_updates(length) > 0
+  concrete_warmup = step_inputs.warmup_updates(length)  # whether there is one shapes the program
+  warmup, has_warmup = numbers['warmup_updates'], concrete_warmup > 0
   final = peak * numbers['schedule.final_lr_fraction']
   name = config.schedule.name
   if name == 'onecycle':  # its phases are Python numbers in optax: the run's length stays a constant
-    concrete_warmup = step_inputs.warmup_updates(length)
     # Warm up for warmup_epochs (30% of the run when 0), then anneal to ~0.
     pct_start = concrete_warmup / length.total_updates if concrete_warmup else 0.3
     shape = optax.cosine_onecycle_schedule(length.total_updates, 1.0, pct_start=pct_start)

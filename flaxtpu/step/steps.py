@@ -99,7 +99,8 @@ def create_task(config: ml_collections.ConfigDict, *, num_classes: int,
       bn_axis_name=parallel.PMAP_AXIS if config.parallelism == 'pmap' else None,
       **{key: config.model[key] for key in models.OPTIONS})
   numbers = step_inputs.of(config, length) if length and schedule is None else None
-  optimizer, schedule = optim.create_optimizer(config, length, schedule) if length else (None, None)
+  optimizer, schedule = (optim.create_optimizer(config, length, schedule, numbers) if length
+                         else (None, None))
   optimizer_for = ((lambda traced: optim.create_optimizer(config, length, numbers=traced)[0])
                    if numbers else None)
   standardize = config.dataset.normalize in ('standardize', 'fixed')

@@ -445,8 +445,14 @@ def expected_record(config: ml_collections.ConfigDict, num_classes: int,
           'task': config.task}
 
 
-def changed_keys(saved: dict, current: dict, prefix: str = '', defaults: Optional[dict] = None) -> list[str]:
-  """`key=old -> new` for every leaf that differs between two config dicts.
+def changed_keys(saved: dict, current: dict) -> list[str]:
+  """`key=old -> new` for every leaf that differs between two config dicts (`changed_values`)."""
+  return [f'{key}={old!r} -> {new!r}' for key, (old, new) in changed_values(saved, current).items()]
+
+
+def changed_values(saved: dict, current: dict, prefix: str = '',
+                   defaults: Optional[dict] = None) -> dict[str, tuple]:
+  """{key: (saved value, current value)} of every leaf that differs between two config dicts.
 
   A key the saved config lacks was added to flaxtpu after it was written: the
   run had its default, so it is a change only where the current value differs
@@ -455,18 +461,18 @@ def changed_keys(saved: dict, current: dict, prefix: str = '', defaults: Optiona
   if defaults is None:
     from flaxtpu.settings import defaults as defaults_module  # pylint: disable=g-import-not-at-top
     defaults = defaults_module.get_config().to_dict()
-  changes = []
+  changes = {}
   for key in sorted(set(saved) | set(current)):
     if key not in saved and key not in defaults:
       continue
     old, new = saved.get(key, defaults.get(key)), current.get(key)
     if isinstance(old, dict) and isinstance(new, dict):
-      changes += changed_keys(old, new, f'{prefix}{key}.', defaults.get(key) or {})
+      changes.update(changed_values(old, new, f'{prefix}{key}.', defaults.get(key) or {}))
     elif isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)):  # JSON keeps tuples as lists
       if list(old) != list(new):
-        changes.append(f'{prefix}{key}={old!r} -> {new!r}')
+        changes[f'{prefix}{key}'] = (old, new)
     elif old != new:
-      changes.append(f'{prefix}{key}={old!r} -> {new!r}')
+      changes[f'{prefix}{key}'] = (old, new)
   return changes
 
 
