@@ -1,1 +1,2 @@
-"""Side-by-side benchmarks of flaxtpu; run each from the repository root as `python -m benchmarks.NAME`."""
+"""Side-by-side benchmarks of flaxtpu, one folder per concern (device, input, peers, accuracy, data; shared
+code in shared/); run each from the repository root as `python -m benchmarks.FOLDER.NAME`."""

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-from benchmarks import harness
+from benchmarks.shared import harness
 
 
 def main() -> None:
@@ -26,14 +26,14 @@ def main() -> None:
   cases = ['resnet18_32', 'resnet50_224'] if args.full else ['resnet18_32']
   failed = []
   for name, script_args in (
-      ('throughput', ['--models', *models]),
-      ('input_pipeline', ['--mode', 'cifar']),
-      ('startup', []),
-      ('checkpoint_cost', []),
-      ('memory_plan', ['--cases', *cases]),
-  ) + ((('conv_lowering', []),) if args.full else ()):
+      ('device.throughput', ['--models', *models]),
+      ('input.input_pipeline', ['--mode', 'cifar']),
+      ('device.startup', []),
+      ('device.checkpoint_cost', []),
+      ('device.memory_plan', ['--cases', *cases]),
+  ) + ((('device.conv_lowering', []),) if args.full else ()):
     command = f'python -m benchmarks.{name}'
-    if name == 'input_pipeline' and not os.environ.get('FLAXTPU_CIFAR10'):
+    if name == 'input.input_pipeline' and not os.environ.get('FLAXTPU_CIFAR10'):
       print(f'== {command} skipped: set FLAXTPU_CIFAR10 to a CIFAR-10 image folder', flush=True)
       continue
     print(f'== {command} {" ".join(script_args)}', flush=True)

@@ -1,7 +1,7 @@
-"""benchmarks/chip.py without a TPU: every case is skipped with the reason; with --any-platform the ResNet-50
-case runs end to end on the CPU at --quick sizes (flaxtpu beside the Flax example and Keras-JAX, a cold
-compile and a warm load from the persistent cache), keeping the skipped cases of the earlier run; the JSON
-and the docs tables hold what was measured."""
+"""benchmarks/device/chip.py without a TPU: every case is skipped with the reason; with --any-platform the
+ResNet-50 case runs end to end on the CPU at --quick sizes (flaxtpu beside the Flax example and Keras-JAX, a
+cold compile and a warm load from the persistent cache), keeping the skipped cases of the earlier run; the
+JSON and the docs tables hold what was measured."""
 
 import json
 import os
@@ -18,7 +18,7 @@ SKIP_REASON = 'no TPU: jax sees cpu'
 def bench(*flags, timeout):
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   env['JAX_PLATFORMS'] = 'cpu'  # as CI: no accelerator, whatever this machine has
-  done = subprocess.run([sys.executable, '-m', 'benchmarks.chip', *flags], cwd=ROOT, env=env,
+  done = subprocess.run([sys.executable, '-m', 'benchmarks.device.chip', *flags], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
   assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
   return done.stdout
@@ -42,7 +42,7 @@ def runs(tmp_path_factory):
 
 
 def test_without_a_tpu_every_case_is_skipped_saying_why(runs):
-  from benchmarks import chip
+  from benchmarks.device import chip
   results, stdout, docs = runs['skipped']
   assert results['device']['platform'] == 'cpu' and results['quick']
   assert list(results['cases']) == list(chip.CASES) and results['remat'] == {}
@@ -87,7 +87,8 @@ def test_resnet50_end_to_end_on_cpu(runs):
 
 def test_only_keeps_the_earlier_cases(runs):
   results, stdout = runs['measured']
-  assert results['command'].startswith('python -m benchmarks.chip --quick --any-platform --only resnet50')
+  assert results['command'].startswith(
+      'python -m benchmarks.device.chip --quick --any-platform --only resnet50')
   assert list(results['cases']) == ['resnet50_remat', 'resnet50_b512', 'resnet50_accum2', 'vit_b16',
                                     'convnext_t', 'swin_t', 'swin_t_mlps', 'efficientnet_b0', 'mobilenetv3_l',
                                     'resnet50']
@@ -105,7 +106,7 @@ def test_from_json_writes_the_docs_table(runs):
   assert 'the earlier table' not in text and text.endswith('## After\n\nstays\n')
   assert text.count('## Every family') == 1
   assert 'Measured on cpu x1 (cpu, jax ' in text and '`--quick` sizes' in text
-  assert '    python -m benchmarks.chip --quick --any-platform --only resnet50' in text
+  assert '    python -m benchmarks.device.chip --quick --any-platform --only resnet50' in text
   row = '| ResNet-50 (`resnet50`), batch 8 at 32 px'
   line = next(line for line in text.splitlines() if line.startswith(row))
   cells = [cell.strip() for cell in line.strip('|').split('|')]
@@ -120,12 +121,13 @@ def tpu_results() -> dict:
   contestant = {'images_per_sec': 2583.0, 'mfu': 0.316, 'compile_seconds': 77.0,
                 'memory_plan': {'total_bytes': 8.76 * 2**30, 'temp_bytes': 8.4 * 2**30}}
   return {
-      'command': 'python -m benchmarks.chip', 'date': '2026-12-06', 'sizes': {'keras_loop': 'stateless'},
+      'command': 'python -m benchmarks.device.chip', 'date': '2026-12-06',
+      'sizes': {'keras_loop': 'stateless'},
       'device': {'platform': 'tpu', 'device_kind': 'TPU v5 lite', 'device_count': 1, 'jax_version': '0.10.2',
                  'peak_bf16_flops': 197e12},
       'host': {'cpu_count': 13},
       'cases': {'resnet50': {
-          'batch': 256, 'image_size': 224, 'command': 'python -m benchmarks.chip --only resnets',
+          'batch': 256, 'image_size': 224, 'command': 'python -m benchmarks.device.chip --only resnets',
           'date': '2026-12-06', 'ratios': {'flax_example': 1.0012, 'keras': 1.2515},
           'warm': {'compile_seconds': 4.2, 'cache_hits': 2},
           'contestants': {'flaxtpu': contestant,
@@ -133,9 +135,11 @@ def tpu_results() -> dict:
                                            'memory_plan': {'total_bytes': 8.5 * 2**30}},
                           'keras': {'images_per_sec': 2064.0, 'mfu': 0.25, 'compile_seconds': 80.0,
                                     'application': 'ResNet50', 'memory_plan': {}}}},
-          'swin_t': {'error': 'timed out after 360 s\n(its limit)', 'command': 'python -m benchmarks.chip '
+          'swin_t': {'error': 'timed out after 360 s\n(its limit)',
+                     'command': 'python -m benchmarks.device.chip '
                      '--only modern', 'date': '2026-12-06'}},
-      'remat': {'vit_b16': {'batch': 256, 'command': 'python -m benchmarks.chip --remat-table --only vit_b16',
+      'remat': {'vit_b16': {'batch': 256,
+                            'command': 'python -m benchmarks.device.chip --remat-table --only vit_b16',
                             'date': '2026-12-07', 'policies': {
                                 'none': {'step_ms': 321.6, 'images_per_sec': 796.0,
                                          'memory_plan': {'total_bytes': 9 * 2**30}},
@@ -146,7 +150,7 @@ def tpu_results() -> dict:
 
 
 def test_tpu_tables(tmp_path):
-  from benchmarks import chip
+  from benchmarks.device import chip
   docs = tmp_path / 'performance.md'
   docs.write_text('# P\n', encoding='utf-8')
   chip.write_docs(tpu_results(), docs)
@@ -154,7 +158,7 @@ def test_tpu_tables(tmp_path):
   assert 'Measured on TPU v5 lite x1 (tpu, jax 0.10.2), 13 host cores, 2026-12-06, 2026-12-07:' in text
   assert '(197 TFLOP/s)' in text
   for command in ('--only resnets', '--only modern', '--remat-table --only vit_b16'):
-    assert f'    python -m benchmarks.chip {command}\n' in text
+    assert f'    python -m benchmarks.device.chip {command}\n' in text
   assert ('| ResNet-50 (`resnet50`), batch 256 at 224 px | 2,583 img/s | 31.6% | 77.0 s / 4.2 s '
           '| 8.76 GiB (temporaries 8.40) | Flax ImageNet example: 2,580 img/s, MFU 31.5%, 8.50 GiB, compile '
           '70.1 s; Keras-JAX `ResNet50`: 2,064 img/s, MFU 25.0%, compile 80.0 s | 1.00x; 1.25x |') in text
@@ -166,7 +170,7 @@ def test_tpu_tables(tmp_path):
 
 
 def test_selected_cases():
-  from benchmarks import chip
+  from benchmarks.device import chip
   assert chip.selected_cases('', False) == list(chip.CASES)
   assert chip.selected_cases('', True) == list(chip.FAMILIES)
   assert chip.selected_cases('mobile,resnet50', False) == ['resnet50', 'efficientnet_b0', 'mobilenetv3_l']
@@ -180,7 +184,7 @@ def test_selected_cases():
 
 
 def test_cases_use_flaxtpu_model_names():
-  from benchmarks import chip
+  from benchmarks.device import chip
   from flaxtpu import models
   from flaxtpu.validation.config import REMAT_POLICIES
   assert all(case.model in models.NAMES for case in chip.CASES.values())

@@ -1,9 +1,9 @@
-"""benchmarks/keras_cifar_resnet.py: its host augmentation, schedule and optimizer are flaxtpu's."""
+"""benchmarks/peers/keras_cifar_resnet.py: its host augmentation, schedule and optimizer are flaxtpu's."""
 
 import numpy as np
 import pytest
 
-k = pytest.importorskip('benchmarks.keras_cifar_resnet')  # sets KERAS_BACKEND=jax, then imports keras
+k = pytest.importorskip('benchmarks.peers.keras_cifar_resnet')  # sets KERAS_BACKEND=jax, then imports keras
 optax = pytest.importorskip('optax')
 if k.keras.backend.backend() != 'jax':
   pytest.skip('keras was imported with another backend', allow_module_level=True)

@@ -1,8 +1,8 @@
-"""benchmarks/precision.py's summary: means and spread per dtype, and the gap between them."""
+"""benchmarks/accuracy/precision.py's summary: means and spread per dtype, and the gap between them."""
 
 import pytest
 
-from benchmarks import precision
+from benchmarks.accuracy import precision
 
 
 def test_summary_gives_each_dtypes_mean_spread_and_the_gap():

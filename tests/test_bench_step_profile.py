@@ -1,7 +1,7 @@
-"""benchmarks/step_profile.py's report, on a trace laid out as a TPU's: the ops' device time per step, per
-kind, with the FLOP/s and bytes/s XLA's counts give them; the module runs; host events left out."""
+"""benchmarks/device/step_profile.py's report, on a trace laid out as a TPU's: the ops' device time per step,
+per kind, with the FLOP/s and bytes/s XLA's counts give them; the module runs; host events left out."""
 
-from benchmarks import step_profile
+from benchmarks.device import step_profile
 
 
 def tpu_trace() -> list[dict]:

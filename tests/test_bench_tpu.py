@@ -1,5 +1,5 @@
-"""benchmarks/tpu.py without a TPU: the device rows are skipped with the reason, the input and decode rows
-run on tiny generated folders, the decoded arrays match tf.data's pixel for pixel, the JSON and the
+"""benchmarks/device/tpu.py without a TPU: the device rows are skipped with the reason, the input and decode
+rows run on tiny generated folders, the decoded arrays match tf.data's pixel for pixel, the JSON and the
 docs table hold what was measured."""
 
 import json
@@ -38,7 +38,7 @@ def run(tmp_path_factory):
   out = tmp / 'tpu.json'
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   env['JAX_PLATFORMS'] = 'cpu'  # as CI: no accelerator, whatever this machine has
-  done = subprocess.run([sys.executable, '-m', 'benchmarks.tpu', '--cifar', cifar, '--photos', photos,
+  done = subprocess.run([sys.executable, '-m', 'benchmarks.device.tpu', '--cifar', cifar, '--photos', photos,
                          '--quick', '--out', str(out), '--workdir', str(tmp / 'work'), '--write-docs',
                          '--docs', str(docs)], cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=300)
@@ -72,7 +72,7 @@ def test_decode_row_matches_tf_data_pixel_for_pixel(run):
 
 
 def test_decode_row_reads_a_warm_disk_cache(run):
-  from benchmarks import tpu
+  from benchmarks.device import tpu
   assert tpu.decoded_cache_key_present(), f'flaxtpu has no {tpu.DECODED_CACHE_KEY}: update the constant'
   decode = run[0]['rows']['decode']
   assert decode['disk_cache_fill_seconds'] > 0 and len(decode['disk_cache_warm_seconds']) == 1
@@ -94,7 +94,7 @@ def test_input_row_reads_the_pipeline_benchmark(run):
 
 def test_json_and_docs_table(run):
   results, _, docs = run
-  assert results['quick'] and results['command'].startswith('python -m benchmarks.tpu ')
+  assert results['quick'] and results['command'].startswith('python -m benchmarks.device.tpu ')
   assert set(results['rows']) == {'step', 'e2e', 'input', 'decode', 'startup'}
   assert docs.startswith('# Performance\n\n## Earlier\n\nkept\n\n## On a TPU host\n')
   assert 'Measured on cpu x1 (cpu' in docs
@@ -104,10 +104,10 @@ def test_json_and_docs_table(run):
 
 
 def test_docs_section_is_replaced_in_place(tmp_path):
-  from benchmarks import tpu
+  from benchmarks.device import tpu
   docs = tmp_path / 'performance.md'
   docs.write_text('# P\n\n## On a TPU host\n\nold table\n\n## After\n\nstays\n', encoding='utf-8')
-  results = {'command': 'python -m benchmarks.tpu --cifar DIR', 'date': '2026-12-05',
+  results = {'command': 'python -m benchmarks.device.tpu --cifar DIR', 'date': '2026-12-05',
              'device': {'platform': 'tpu', 'device_kind': 'TPU v5 lite', 'device_count': 1,
                         'peak_bf16_flops': 197e12},
              'rows': {'step': {'batch': 256, 'image_size': 224, 'ratio': 1.1,
@@ -123,7 +123,7 @@ def test_docs_section_is_replaced_in_place(tmp_path):
 
 
 def test_a_run_of_other_rows_keeps_the_photos_that_the_kept_rows_read(tmp_path):
-  from benchmarks import tpu
+  from benchmarks.device import tpu
   out = tmp_path / 'tpu.json'
   device = {'platform': 'tpu', 'device_kind': 'TPU v5 lite'}
   photos = {'folder': '/tmp/p', 'generated': True, 'sides': [375, 500], 'mean_kib': 28.0}
@@ -137,7 +137,7 @@ def test_a_run_of_other_rows_keeps_the_photos_that_the_kept_rows_read(tmp_path):
 
 def test_startup_row_reads_what_the_first_step_waited_for_from_a_real_run(tmp_path):
   """The CLI's start-up line, parsed as the startup row parses it: three times after the command."""
-  from benchmarks import tpu  # pylint: disable=g-import-not-at-top
+  from benchmarks.device import tpu  # pylint: disable=g-import-not-at-top
   workdir = tmp_path / 'digits'
   log = tmp_path / 'digits.log'
   command = [sys.executable, '-m', 'flaxtpu.main', '--config=configs/digits.py', f'--workdir={workdir}',

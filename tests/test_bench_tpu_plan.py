@@ -1,5 +1,5 @@
-"""benchmarks/tpu_plan.py: the bytes its layout changes write, read from HLO text; without a TPU compiler, one
-line saying how to get one."""
+"""benchmarks/device/tpu_plan.py: the bytes its layout changes write, read from HLO text; without a TPU
+compiler, one line saying how to get one."""
 
 import importlib.util
 import os
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from benchmarks import tpu_plan
+from benchmarks.device import tpu_plan
 from conftest import ROOT
 
 
@@ -24,7 +24,7 @@ def test_copied_bytes_counts_each_copy_op_by_its_shape_and_type():
 
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is not None, reason='libtpu is installed here')
 def test_without_a_tpu_compiler_it_says_how_to_get_one():
-  done = subprocess.run([sys.executable, '-m', 'benchmarks.tpu_plan', '--models', 'resnet18'],
+  done = subprocess.run([sys.executable, '-m', 'benchmarks.device.tpu_plan', '--models', 'resnet18'],
                         cwd=ROOT, env={**os.environ, 'JAX_PLATFORMS': 'cpu'}, capture_output=True, text=True,
                         timeout=120)
   assert done.returncode == 1, done.stderr

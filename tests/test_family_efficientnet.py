@@ -3,7 +3,7 @@ function (PyTorch and TensorFlow padding, timm's and torchvision's layouts), and
 model takes: files, a timm folder, the hub, predict, fine-tuning with layer decay, remat and fsdp, export.
 
 Source models are built here with random weights; the big variants are compared in
-benchmarks/pretrained_parity.py.
+benchmarks/accuracy/pretrained_parity.py.
 """
 
 import json

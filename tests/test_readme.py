@@ -112,7 +112,8 @@ def check_benchmark(words: list[str]) -> None:
   module = words[2]
   path = ROOT / (module.replace('.', '/') + '.py')
   assert path.is_file(), f'python -m {module}: {path.relative_to(ROOT)} does not exist'
-  source = path.read_text() + (ROOT / 'benchmarks' / 'harness.py').read_text()  # harness adds --out
+  harness = ROOT / 'benchmarks' / 'shared' / 'harness.py'
+  source = path.read_text() + harness.read_text()  # harness adds --out
   for word in words[3:]:
     if word.startswith('--'):
       name = word.split('=', 1)[0]

@@ -14,7 +14,7 @@
 #   decode    CIFAR-10 decoded into memory vs tf.data (row d; needs CIFAR; ~1 min)
 #   imports   cifar10.py twice (cold, then warm) under `python -X importtime` and JAX_LOG_COMPILES: its
 #             slowest programs to trace, lower and compile, and its slowest imports (needs CIFAR; ~1 min)
-#   profile   benchmarks/step_profile.py: each chip case in $PROFILE_CASES (default resnet50) traced, its
+#   profile   benchmarks/device/step_profile.py: each chip case in $PROFILE_CASES (default resnet50) traced, its
 #             ops ranked by device time with the FLOP/s and bytes/s they reach (~1.5 min a case);
 #             $PROFILE_ARGS go to each (e.g. "--remat dots_with_no_batch_dims_saveable"), in `ab` too
 #   ab        each case in $PROFILE_CASES profiled twice in a row: by the tree in $AB_BASE (an earlier commit's
@@ -27,7 +27,7 @@
 #             the generated photos (imagenet_resnet50's with ImageNet's split names), finetune from
 #             imagenet_resnet50's run: no hub here); cifar10, cifar10_fast and digits whole, the
 #             others --config.num_train_steps=150 (needs CIFAR; configs-b ~7.5 min)
-#   resnets, accumulate, modern, tuned   benchmarks/chip.py's groups with --compile-alone: flaxtpu's step
+#   resnets, accumulate, modern, tuned   benchmarks/device/chip.py's groups with --compile-alone: flaxtpu's step
 #             compiled before its peers, not beside them, so its cold compile is its own (6.5 and 7 min
 #             measured; tuned, Swin-T beside Swin-T with model.remat_mlps=1, 4; accumulate, ResNet-50 at
 #             batch 512 beside 512 an update in two batches of 256, ~4)
@@ -40,8 +40,8 @@
 #   he        He et al.'s CIFAR ResNets at full length (182 epochs) on CIFAR, resnet$DEPTHS (default 20), with
 #             log_every_steps=7100 (a progress line every ~18 epochs), each stopped by SIGTERM at HE_LIMIT s
 #             (default 480) and resumed by the same command in a later call: the workdirs travel in
-#             OUT/he_workdirs.tar.gz (carry it back as HE_TAR); each run's epoch times (benchmarks/epoch_times)
-#   he-keras  the same recipe in Keras 3 (JAX backend), benchmarks/keras_cifar_resnet.py, depth $KERAS_DEPTH
+#             OUT/he_workdirs.tar.gz (carry it back as HE_TAR); each run's epoch times (benchmarks/device/epoch_times)
+#   he-keras  the same recipe in Keras 3 (JAX backend), benchmarks/peers/keras_cifar_resnet.py, depth $KERAS_DEPTH
 #             (default 20), 182 epochs, on the same folder and chip (needs CIFAR)
 #   remat-auto  Swin-T's `--mode=plan --config.model.remat=auto` (configs/imagenet_resnet50.py on the
 #             generated photos) at batch 256 and 512: the candidates each compiled, their plans and which
@@ -83,7 +83,7 @@ part() {
   grep -v '^WARNING\|^I0\|^W0\|Transparent hugepages\|warnings.warn' "$logs/$name.log" | tail -n 30
 }
 
-photos=/tmp/bench/photos_100x64_375-500  # what benchmarks/tpu.py generates for rows b and c
+photos=/tmp/bench/photos_100x64_375-500  # what benchmarks/device/tpu.py generates for rows b and c
 make_photos() {
   [ -d "$photos" ] || python -m benchmarks.data.make_image_folder --out "$photos" --classes 100 \
     --train-per-class 64 --test-per-class 2 --min-side 375 --max-side 500 > "$logs/photos.log" 2>&1
@@ -115,25 +115,27 @@ else:
 PY
 }
 
-tpu=(python -m benchmarks.tpu --out "$out/tpu.json" --workdir /tmp/bench)
-chip=(python -m benchmarks.chip --out "$out/chip.json")
+tpu=(python -m benchmarks.device.tpu --out "$out/tpu.json" --workdir /tmp/bench)
+chip=(python -m benchmarks.device.chip --out "$out/chip.json")
 
 for which in "$@"; do
   case $which in
     input)
       part input 240 "${tpu[@]}" --only input
-      part batches 120 python -m benchmarks.host_probes batches --folder "$photos" --processes 13 ;;
+      part batches 120 python -m benchmarks.input.host_probes batches --folder "$photos" --processes 13 ;;
     e2e) part e2e 560 "${tpu[@]}" --only e2e ;;
     profile)
       for case in ${PROFILE_CASES:-resnet50}; do
-        part "profile_$case" 300 python -m benchmarks.step_profile --case "$case" --top 30 ${PROFILE_ARGS:-}
+        part "profile_$case" 300 python -m benchmarks.device.step_profile --case "$case" --top 30 ${PROFILE_ARGS:-}
       done ;;
     ab)
       [ -d "${AB_BASE:-}/flaxtpu" ] || { say "ab: set AB_BASE to a copy of the earlier tree"; continue; }
+      base_profile=benchmarks.device.step_profile  # a tree from before benchmarks/ had folders: benchmarks.step_profile
+      [ -f "$AB_BASE/benchmarks/device/step_profile.py" ] || base_profile=benchmarks.step_profile
       for case in ${PROFILE_CASES:-resnet50}; do
-        (cd "$AB_BASE" && part "ab_base_$case" 200 python -m benchmarks.step_profile --case "$case" --top 15 \
+        (cd "$AB_BASE" && part "ab_base_$case" 200 python -m "$base_profile" --case "$case" --top 15 \
           ${PROFILE_ARGS:-})
-        part "ab_new_$case" 200 python -m benchmarks.step_profile --case "$case" --top 15 ${PROFILE_ARGS:-}
+        part "ab_new_$case" 200 python -m benchmarks.device.step_profile --case "$case" --top 15 ${PROFILE_ARGS:-}
         say "ab $case: the earlier tree, then this one:"
         grep -h 'built in\|traced' "$logs/ab_base_$case.log" "$logs/ab_new_$case.log"
       done ;;
@@ -154,7 +156,7 @@ for which in "$@"; do
       say "slowest imports (cumulative us) of the warm run, then by their own time:"
       grep '^import time:' "$logs/imports_warm.log" | sort -t'|' -k2 -n -r | head -n 25
       grep '^import time:' "$logs/imports_warm.log" | sort -t'|' -k1.13 -n -r | head -n 15 ;;
-    runtime) part runtime 200 python -m benchmarks.host_probes runtime --log "$logs/runtime_verbose.log" ;;
+    runtime) part runtime 200 python -m benchmarks.input.host_probes runtime --log "$logs/runtime_verbose.log" ;;
     configs-a)
       cifar || continue
       config_run cifar10 200 --config.dataset.folder="$CIFAR"
@@ -213,13 +215,13 @@ PY
           --config.num_epochs=182 --config.log_every_steps=7100
         cat "$logs/he_resnet$depth.log" >> "/tmp/he/resnet$depth/log.txt"
         grep -h 'resum\|stopped by\|first step done\|step [0-9]*/' "$logs/he_resnet$depth.log" | cut -d']' -f2-
-        python -m benchmarks.epoch_times "$logs/he_resnet$depth.log"
+        python -m benchmarks.device.epoch_times "$logs/he_resnet$depth.log"
         cat "/tmp/he/resnet$depth/results.json" 2>/dev/null; echo
       done
       tar czf "$out/he_workdirs.tar.gz" -C /tmp/he . ;;
     he-keras)
       cifar || continue
-      part "keras_resnet${KERAS_DEPTH:-20}" "${KERAS_LIMIT:-560}" python -m benchmarks.keras_cifar_resnet --data "$CIFAR" \
+      part "keras_resnet${KERAS_DEPTH:-20}" "${KERAS_LIMIT:-560}" python -m benchmarks.peers.keras_cifar_resnet --data "$CIFAR" \
         --depth "${KERAS_DEPTH:-20}" --epochs 182 --out "$out/keras_resnet${KERAS_DEPTH:-20}.json" ;;
     remat-a) part remat_a 580 "${chip[@]}" --remat-table --only resnet50,mobilenetv3_l ;;
     remat-b) part remat_b 580 "${chip[@]}" --remat-table --only vit_b16,efficientnet_b0 ;;

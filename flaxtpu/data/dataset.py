@@ -54,7 +54,7 @@ class Dataset:
   workers: int = 0
   prefetch: int = 2
   # Streamed batches built by `workers` threads of this process instead of processes: no
-  # shared-memory hand-over (see workers.run). Off by default; benchmarks/input_pipeline.py
+  # shared-memory hand-over (see workers.run). Off by default; benchmarks/input/input_pipeline.py
   # measures both.
   worker_threads: bool = False
   skip_corrupt: bool = False

@@ -113,7 +113,7 @@ def attach(name: str, block=None):
   writing a batch (38 MiB) into a block new to a worker took 127 ms with 13 workers busy, and even
   later writes 19-36 ms, against 4 ms through a populated mapping (7 ms to map). Workers take
   whichever block is free, so each met every block once: the input ran at a third of its rate for
-  its first ~100 batches (`python -m benchmarks.host_probes batches`).
+  its first ~100 batches (`python -m benchmarks.input.host_probes batches`).
   """
   populate = getattr(mmap, 'MAP_POPULATE', 0)
   path = os.path.join('/dev/shm', name.lstrip('/'))

@@ -154,7 +154,7 @@ class _HandOver:
   of 6,400 file names is ~200 KB) the parent waits for each new interpreter to start and read it
   before it starts the next. On a TPU host's gVisor sandbox 13 workers so began their first batch
   one by one, 0.64 s to 9.5 s after the pool was made, and the input ran at half its rate for its
-  first ~80 batches (`python -m benchmarks.host_probes batches`).
+  first ~80 batches (`python -m benchmarks.input.host_probes batches`).
   """
 
   def __init__(self, function):

@@ -491,7 +491,7 @@ def _load(path: str, key: str) -> Optional[dict]:
 def _save(path: str, key: str, probabilities: np.ndarray, about: dict, paths: list, labels: np.ndarray,
           class_names) -> None:
   """The probabilities [S, classes] with what they are of: each row's file and label (a class index into
-  `class_names`), for a reader other than the audit (cleanlab, benchmarks/audit_label_errors.py)."""
+  `class_names`), for a reader other than the audit (cleanlab, benchmarks/accuracy/audit_label_errors.py)."""
   def write(temporary: str) -> None:
     with open(temporary, 'wb') as f:
       np.savez(f, key=np.asarray(key), probabilities=probabilities, about=np.asarray(json.dumps(about)),

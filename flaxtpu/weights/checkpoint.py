@@ -40,7 +40,7 @@ def orbax_checkpoint():
   # orbax cuts every replicated array into one slice per device to spread the
   # writes ("replica parallel"): one small device op per slice, on the training
   # thread. For classification-sized states that makes save() block for seconds
-  # (benchmarks/checkpoint_cost.py); one writer per array blocks for milliseconds.
+  # (benchmarks/device/checkpoint_cost.py); one writer per array blocks for milliseconds.
   ocp.type_handlers.register_type_handler(
       jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
   if hasattr(asyncio_utils, '_run_sync_via_new_loop'):  # the orbax version this was written for

@@ -3,7 +3,7 @@
 XLA:CPU lowers the backward pass of a convolution with `feature_group_count > 1`
 to slow loops: ResNeXt-50's first 3x3 grouped conv (32 groups, 128 channels,
 32x32 maps, batch 32) takes 9.9 s for its gradients against 0.17 s for its
-forward (`python -m benchmarks.grouped_conv`). So on the CPU the gradients are
+forward (`python -m benchmarks.device.grouped_conv`). So on the CPU the gradients are
 taken from the same convolution written as shifted slices of the padded input:
 an im2col einsum per group for grouped convolutions (26-30x faster there, 6.6x
 for RegNetY's), a multiply-add per tap for depthwise ones (1.5-1.7x). The

@@ -1,5 +1,5 @@
 """An operation's TPU form beside its plain one, chosen when the program is lowered (not by the machine
-that traces it), so that a step compiled for a TPU from another machine (benchmarks/tpu_plan.py) gets
+that traces it), so that a step compiled for a TPU from another machine (benchmarks/device/tpu_plan.py) gets
 the TPU form too: the attention kernels of ViT and Swin, the ResNets' space-to-depth stem."""
 
 import jax
