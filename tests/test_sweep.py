@@ -15,6 +15,7 @@ from PIL import Image
 
 from flaxtpu import sweep
 from flaxtpu.sweep import __main__ as cli
+from flaxtpu.sweep import processes as sweep_processes
 from flaxtpu.sweep import report as sweep_report
 from flaxtpu.sweep import runner, slurm
 
@@ -363,7 +364,7 @@ def test_progress_line_counts_runs_and_estimates_the_remaining_time():
   runs = [runner.Run(name=str(index), overrides={}, command=[], status=status)
           for index, status in enumerate(['done', 'running', 'failed', 'pending', 'pending'])]
   started = {'1': time.monotonic() - 30.0}
-  line = runner.progress_line(runs, started, parallel=2, finished_durations=[60.0], elapsed_s=95.0)
+  line = sweep_processes.progress_line(runs, started, parallel=2, finished_durations=[60.0], elapsed_s=95.0)
   # Two pending runs of 60 s plus the 30 s the running one has left, over 2 workers: 75 s.
   assert line == '[sweep] 1/5 done, 1 running, 1 failed, 2 pending, elapsed 0:01:35, ETA 0:01:15'
 
@@ -382,9 +383,9 @@ def test_error_line_comes_from_the_latest_attempt(tmp_path):
   log = tmp_path / 'log.txt'
   log.write_text(f'{runner.LAUNCH_MARKER} 1\nerror: old problem\n'
                  f'{runner.LAUNCH_MARKER} 2\nTraceback\nerror: new problem\nmore traceback\n')
-  assert runner.error_line(str(log)) == 'error: new problem'
+  assert sweep_processes.error_line(str(log)) == 'error: new problem'
   log.write_text(f'{runner.LAUNCH_MARKER} 1\nerror: old problem\n{runner.LAUNCH_MARKER} 2\nKilled\n')
-  assert runner.error_line(str(log)) == 'Killed'
+  assert sweep_processes.error_line(str(log)) == 'Killed'
 
 
 # --- report --------------------------------------------------------------------------
@@ -615,7 +616,7 @@ def test_a_second_sweep_on_one_directory_is_refused_and_changes_nothing(tmp_path
   (workdir / 'sweep.json').write_text(
       '{"runs": [{"name": "optimizer.learning_rate=0.1,schedule.name=cosine", "status": "done"}]}')
   started = []
-  monkeypatch.setattr(runner, 'run_sweep', lambda *args, **kwargs: started.append(args))
+  monkeypatch.setattr(sweep_processes, 'run_sweep', lambda *args, **kwargs: started.append(args))
   # --launcher=slurm checks for sbatch and squeue before the lock; this machine need not have SLURM.
   monkeypatch.setattr(slurm, 'check_commands', lambda: None)
   with lock.WorkdirLock(str(workdir), file=runner.LOCK_FILE, who='sweep'):  # the first sweep, alive
@@ -635,19 +636,21 @@ def test_a_second_sweep_on_one_directory_is_refused_and_changes_nothing(tmp_path
 
 
 def test_parallel_runs_split_the_gpus_or_are_refused(monkeypatch):
-  monkeypatch.setattr(runner.glob, 'glob', lambda pattern: [])
+  monkeypatch.setattr(sweep_processes.glob, 'glob', lambda pattern: [])
   monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '0,1,2,3')
-  assert runner.device_groups(2) == [{'CUDA_VISIBLE_DEVICES': '0,1'}, {'CUDA_VISIBLE_DEVICES': '2,3'}]
-  assert runner.device_groups(3) == [{'CUDA_VISIBLE_DEVICES': d} for d in ('0', '1', '2')]
-  assert runner.device_groups(1) == [{}]
+  assert sweep_processes.device_groups(2) == [{'CUDA_VISIBLE_DEVICES': '0,1'},
+                                              {'CUDA_VISIBLE_DEVICES': '2,3'}]
+  assert sweep_processes.device_groups(3) == [{'CUDA_VISIBLE_DEVICES': d} for d in ('0', '1', '2')]
+  assert sweep_processes.device_groups(1) == [{}]
   with pytest.raises(sweep.SweepError, match=r'--parallel=5 but this host has 4 GPU\(s\)'):
-    runner.device_groups(5)
+    sweep_processes.device_groups(5)
   monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '')
-  monkeypatch.setattr(runner.shutil, 'which', lambda name: None)
-  assert runner.device_groups(2) == [{}, {}]  # CPU only: the runs share the cores
-  monkeypatch.setattr(runner.glob, 'glob', lambda pattern: ['/dev/accel0'] if 'accel' in pattern else [])
+  monkeypatch.setattr(sweep_processes.shutil, 'which', lambda name: None)
+  assert sweep_processes.device_groups(2) == [{}, {}]  # CPU only: the runs share the cores
+  monkeypatch.setattr(sweep_processes.glob, 'glob',
+                      lambda pattern: ['/dev/accel0'] if 'accel' in pattern else [])
   with pytest.raises(sweep.SweepError, match='--parallel=2 on a TPU host'):
-    runner.device_groups(2)
+    sweep_processes.device_groups(2)
 
 
 def test_stopping_a_sweep_lets_each_run_save_and_kills_the_ones_that_do_not_stop(tmp_path):
@@ -670,7 +673,7 @@ def test_stopping_a_sweep_lets_each_run_save_and_kills_the_ones_that_do_not_stop
     assert time.monotonic() < deadline
     time.sleep(0.05)
   started = time.monotonic()
-  assert runner.stop_runs(str(tmp_path), '', processes, grace_s=2) == {'saves': 0, 'hangs': -9}
+  assert sweep_processes.stop_runs(str(tmp_path), '', processes, grace_s=2) == {'saves': 0, 'hangs': -9}
   assert time.monotonic() - started < 20
   assert (tmp_path / 'saves' / runner.LOG_FILE).read_text() == 'training\nsaved\n'
   assert all(log.closed for _, log in processes.values())

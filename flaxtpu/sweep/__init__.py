@@ -20,8 +20,8 @@ Run it (each run is a normal `python -m flaxtpu.main` process in
 An experiment may define `get_search(trial)` instead: `--trials=N` runs an
 Optuna study over it (`study`; docs/search.md).
 
-`runner` launches the runs, `report` writes the tables and plots, `__main__` is
-the command line. The package only launches processes and reads files: it must
+`runner` makes the runs and `processes` launches them, `report` writes the tables
+and plots, `__main__` is the command line. The package only launches processes and reads files: it must
 never import JAX (experiment files import it, and `flaxtpu.main` loads
 experiment files before JAX starts).
 """

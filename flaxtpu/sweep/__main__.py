@@ -15,7 +15,7 @@ from typing import Any
 
 from flaxtpu import sweep
 from flaxtpu.io import files, lock, storage, tracking
-from flaxtpu.sweep import report, runner, slurm
+from flaxtpu.sweep import processes, report, runner, slurm
 from flaxtpu.sweep import study as studies
 
 
@@ -117,7 +117,7 @@ def _check_output_folders(args: argparse.Namespace) -> None:
   study database is made there, so a sweep that cannot write them stops in one line, with nothing made."""
   folders = (('--workdir', args.workdir, 'the sweep'),
              ('--log-dir' if args.log_dir else 'the run logs\' folder',
-              runner.log_directory(args.workdir, args.log_dir), 'the runs\' logs'))
+              processes.log_directory(args.workdir, args.log_dir), 'the runs\' logs'))
   for flag, folder, what in folders:
     if reason := files.creatable(folder):
       named = f'{flag}={folder}' if flag.startswith('--') else f'{flag} {folder}'
@@ -203,7 +203,7 @@ def _main(args: argparse.Namespace, config_args: list[str], held: contextlib.Exi
       # One sweep per directory: a second one would start the same runs and record them from its view.
       held.enter_context(lock.WorkdirLock(args.workdir, file=runner.LOCK_FILE, who='sweep'))
       if args.launcher != 'slurm':
-        runner.device_groups(args.parallel or 1)  # refuses a --parallel the accelerators cannot split
+        processes.device_groups(args.parallel or 1)  # refuses a --parallel the accelerators cannot split
         _refuse_runs_queued_on_slurm(args.workdir, runs)
     if args.dry_run and args.launcher == 'slurm':
       slurm.dry_run(args.workdir, runs, _slurm_options(args))
@@ -232,14 +232,14 @@ def _main(args: argparse.Namespace, config_args: list[str], held: contextlib.Exi
 
   parallel = args.parallel or 1
   print(f'[sweep] {len(runs)} runs of {args.experiment} in {args.workdir}, {parallel} at a time', flush=True)
-  if (log_dir := runner.log_directory(args.workdir, args.log_dir)) != args.workdir:
+  if (log_dir := processes.log_directory(args.workdir, args.log_dir)) != args.workdir:
     print(f'[sweep] run logs: {log_dir}/<run>/log.txt while they run, copied to {args.workdir}/<run>/log.txt '
           'as each ends', flush=True)
   # A scheduler or `kill` stopping the sweep gets the same clean stop as Ctrl-C.
   signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
   os.environ.update(tracking.parent_environment(config, extra_overrides, args.workdir))
   try:
-    runner.run_sweep(args.experiment, args.workdir, runs, parallel, extra_overrides, args.log_dir)
+    processes.run_sweep(args.experiment, args.workdir, runs, parallel, extra_overrides, args.log_dir)
   except KeyboardInterrupt:
     print('[sweep] interrupted; run the same command again to resume', file=sys.stderr)
     report.write_report(args.experiment, args.workdir, runs, config)

@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 
 from flaxtpu.io import files
-from flaxtpu.sweep import SweepError, runner
+from flaxtpu.sweep import SweepError, processes, runner
 from flaxtpu.sweep.runner import DONE, FAILED, PENDING, RUNNING, Run
 
 QUEUED = 'queued'
@@ -87,7 +87,7 @@ def array_script(runs: Sequence[Run], workdir: str) -> str:
   return '\n'.join([
       '#!/bin/bash',
       '# Written by python -m flaxtpu.sweep --launcher=slurm: array task i runs the i-th run below.',
-      f'export PYTHONPATH={shlex.quote(runner.repo_root())}${{PYTHONPATH:+:$PYTHONPATH}}',
+      f'export PYTHONPATH={shlex.quote(processes.repo_root())}${{PYTHONPATH:+:$PYTHONPATH}}',
       'export PYTHONUNBUFFERED=1',
       'case "$SLURM_ARRAY_TASK_ID" in',
       *cases,
@@ -191,7 +191,7 @@ def refresh(workdir: str, runs: Sequence[Run]) -> dict[str, str]:
       run.wall_time_s = results[run.name].get('wall_time_s')
     elif job:
       run.status = FAILED
-      log_error = runner.error_line(os.path.join(workdir, run.name, runner.LOG_FILE))
+      log_error = processes.error_line(os.path.join(workdir, run.name, runner.LOG_FILE))
       slurm_state = final_states.get(job, '')
       run.error = '; '.join(part for part in (f'slurm job {job} {slurm_state}'.strip(), log_error) if part)
     else:
@@ -325,7 +325,7 @@ def study_script(worker_command: Sequence[str]) -> str:
       '#!/bin/bash',
       '# Written by python -m flaxtpu.sweep --trials=N --launcher=slurm: each array task takes trials from',
       '# the study until it holds N; each trial logs to DIR/<trial>/log.txt.',
-      f'export PYTHONPATH={shlex.quote(runner.repo_root())}${{PYTHONPATH:+:$PYTHONPATH}}',
+      f'export PYTHONPATH={shlex.quote(processes.repo_root())}${{PYTHONPATH:+:$PYTHONPATH}}',
       'export PYTHONUNBUFFERED=1',
       f'exec {shlex.join(worker_command)} --worker="$SLURM_ARRAY_TASK_ID"',
       ''])

@@ -2,7 +2,7 @@
 
 The experiment's `get_search(trial)` returns each trial's config overrides,
 drawn with Optuna's `trial.suggest_*`; each trial is an ordinary `flaxtpu.main`
-run in DIR/<trial name>, started as grid runs are (runner.launch). Optuna owns
+run in DIR/<trial name>, started as grid runs are (processes.launch). Optuna owns
 the search: its samplers (TPE, random, QMC), pruners (median, successive
 halving, Hyperband) and storages (SQLite, PostgreSQL, a journal file).
 
@@ -36,7 +36,7 @@ import ml_collections
 from flaxtpu.io import files
 from flaxtpu.settings.errors import UserError, raised_in
 from flaxtpu.settings.metric_names import best_metric
-from flaxtpu.sweep import Overrides, SweepError, runner
+from flaxtpu.sweep import Overrides, SweepError, processes, runner
 
 SAMPLERS = ('tpe', 'random', 'qmc')
 PRUNERS = ('none', 'median', 'halving', 'hyperband')
@@ -297,8 +297,8 @@ def run_trials(study, get_search, config, experiment: str, workdir: str, storage
   """Take trials from the study until it holds `trials` runs, `parallel` at once; returns the failures.
   The study's other workers (SLURM tasks) take trials from the same storage meanwhile."""
   metric = best_metric(config) or 'eval_accuracy'
-  environment = {**runner.child_environment(), **(environment or {})}
-  free_devices = runner.device_groups(parallel)
+  environment = {**processes.child_environment(), **(environment or {})}
+  free_devices = processes.device_groups(parallel)
   running: dict[str, tuple[Any, runner.Run, subprocess.Popen, Any, float, dict]] = {}
   failures = 0
   try:
@@ -306,26 +306,26 @@ def run_trials(study, get_search, config, experiment: str, workdir: str, storage
       while len(running) < parallel and budget_left(study, trials):
         trial, run = claim(study, get_search, config, experiment, workdir, storage_url, extra_overrides)
         devices = free_devices.pop()
-        process, log = runner.launch(run, workdir, {**environment, **devices}, log_dir)
+        process, log = processes.launch(run, workdir, {**environment, **devices}, log_dir)
         running[run.name] = (trial, run, process, log, time.monotonic(), devices)
         print(f'[sweep] start {run.name} (trial {trial.number}): {_params_line(run.overrides)}', flush=True)
       if not running:
         return failures
-      time.sleep(runner.POLL_INTERVAL_S)
+      time.sleep(processes.POLL_INTERVAL_S)
       for name, (trial, run, process, log, started, devices) in list(running.items()):
         if process.poll() is None:
           continue
         del running[name]
         log.close()
         free_devices.append(devices)
-        runner.copy_log(workdir, name, log_dir)
-        runner.record_exit(run, process.returncode, time.monotonic() - started, workdir, log_dir)
+        processes.copy_log(workdir, name, log_dir)
+        processes.record_exit(run, process.returncode, time.monotonic() - started, workdir, log_dir)
         tell(study, trial, run, workdir, metric)
         failures += run.status == runner.FAILED
         print(f'[sweep] {name}: {_outcome(study, trial, run, workdir)}', flush=True)
   except BaseException:  # Ctrl-C, SIGTERM, or a trial whose draws get_search got wrong
     # The trials stay RUNNING in the study; the next command resumes them from their checkpoints.
-    runner.stop_runs(workdir, log_dir, {run.name: (process, log)
+    processes.stop_runs(workdir, log_dir, {run.name: (process, log)
                                         for _, run, process, log, _, _ in running.values()})
     raise
 
