@@ -283,6 +283,7 @@ def _check_study_flags(args: argparse.Namespace) -> None:
 def study_main(args: argparse.Namespace, config_args: list[str]) -> int:
   """`--trials=N`: run (or preview, report, submit to SLURM) the study of the experiment's get_search."""
   args.sampler, args.pruner, args.seed = args.sampler or 'tpe', args.pruner or 'none', args.seed or 0
+  storage_url = args.storage
   try:
     _check_study_flags(args)
     config, get_search = studies.load_search(args.experiment)
@@ -317,6 +318,10 @@ def study_main(args: argparse.Namespace, config_args: list[str]) -> int:
     print(f'error: {error}', file=sys.stderr)
     return 2
   except Exception as error:  # pylint: disable=broad-except
+    if storage_url and studies.is_storage_error(error):  # locked, damaged or gone while the study ran
+      print(f'error: {studies.storage_problem(storage_url, error)} (the trials\' directories are kept)',
+            file=sys.stderr)
+      return 2
     # The experiment file's own mistakes are SweepErrors by now: anything else is flaxtpu's bug.
     print(f'error: {type(error).__name__}: {error} (a bug? the traceback follows)', file=sys.stderr)
     traceback.print_exc()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -47,6 +48,7 @@ RUN_ATTR = 'run'  # the trial's directory name under DIR
 OVERRIDES_ATTR = 'overrides'  # the config overrides get_search returned
 CARRIED_ATTR = 'reported'  # an interrupted trial's [step, value] reports, carried to its resumption
 ERROR_ATTR = 'error'
+SQLITE_LOCK_WAIT_S = 60  # how long a study waits for another process's lock on its SQLite file
 
 
 def optuna():
@@ -86,7 +88,7 @@ def open_storage(url: str):
   if url.startswith('sqlite:///'):
     os.makedirs(os.path.dirname(os.path.abspath(url[len('sqlite:///'):])), exist_ok=True)
     # Trials in other processes write too: wait for SQLite's lock instead of failing at once.
-    return storages.RDBStorage(url, engine_kwargs={'connect_args': {'timeout': 60}})
+    return storages.RDBStorage(url, engine_kwargs={'connect_args': {'timeout': SQLITE_LOCK_WAIT_S}})
   return storages.RDBStorage(url)
 
 
@@ -118,9 +120,7 @@ def open_study(storage_url: str, name: str, config: ml_collections.ConfigDict, s
                                   sampler=make_sampler(sampler, seed), pruner=make_pruner(pruner),
                                   load_if_exists=True)
   except Exception as error:  # a database that refuses, a URL SQLAlchemy cannot read
-    raise SweepError(f'--storage={storage_url}: cannot open the study ({type(error).__name__}: '
-                     f'{str(error).splitlines()[0] if str(error) else ""}); check the URL and that the '
-                     'database is reachable') from None
+    raise SweepError(storage_problem(storage_url, error, 'cannot open the study')) from None
   # A continued study draws on from where it is: a sampler seeded as at its start would draw its first
   # configurations again (TPE's random start-up trials, random, QMC).
   study.sampler = make_sampler(sampler, seed + len(study.get_trials(deepcopy=False)))
@@ -132,6 +132,33 @@ def open_study(storage_url: str, name: str, config: ml_collections.ConfigDict, s
       raise SweepError(f'the study {name!r} in {storage_url} runs with --{option}={recorded}; pass '
                        f'--{option}={recorded} to continue it (or use another --workdir)')
   return study
+
+
+def storage_problem(storage_url: str, error: BaseException, what: str = 'failed') -> str:
+  """One line for a study storage that failed: locked, damaged, or out of reach, with what to do."""
+  text = str(error).strip()
+  detail = f'{type(error).__name__}: {text.splitlines()[0] if text else ""}'
+  path = storage_url[len('sqlite:///'):] if storage_url.startswith('sqlite:///') else ''
+  if path and 'database is locked' in text:
+    return (f'{path} is locked by another process (waited {SQLITE_LOCK_WAIT_S:g} s): {what}; close what '
+            'holds it (an sqlite3 shell, a study of another host on a shared disk), then run the same '
+            'command again')
+  if path and ('file is not a database' in text or 'malformed' in text):
+    return (f'{path} is not a readable SQLite database ({detail}): {what}; restore it from a copy, or move '
+            'it and the trial-* directories beside it aside to start the study afresh')
+  if storage_url.startswith(JOURNAL_PREFIX) and isinstance(error, ValueError):
+    return (f'{storage_url[len(JOURNAL_PREFIX):]} is not a readable Optuna journal ({detail}): {what}; '
+            'restore it from a copy, or move it and the trial-* directories beside it aside to start afresh')
+  return f'--storage={storage_url}: {what} ({detail}); check the URL and that the database is reachable'
+
+
+def is_storage_error(error: BaseException) -> bool:
+  """Whether `error` came from the study's storage (SQLAlchemy, Optuna's storage layer), not flaxtpu."""
+  kinds = [optuna().exceptions.StorageInternalError]
+  with contextlib.suppress(ImportError):
+    import sqlalchemy.exc  # pylint: disable=g-import-not-at-top  # optuna's RDB storage brings it
+    kinds.append(sqlalchemy.exc.SQLAlchemyError)
+  return isinstance(error, tuple(kinds))
 
 
 def study_pruner(storage_url: str, name: str):
@@ -227,6 +254,19 @@ def requeue_interrupted(study) -> list[str]:
   return requeued
 
 
+def foreign_runs(study, workdir: str) -> list[str]:
+  """The trial-NNN directories in DIR that no trial of `study` names: left by a study whose database
+  was since replaced or emptied. A new trial of that number would resume (or report) that run as its
+  own."""
+  known = {run_name(trial) for trial in study.get_trials(deepcopy=False)}
+  try:
+    names = os.listdir(workdir)
+  except OSError:
+    return []
+  return sorted(name for name in names if re.fullmatch(r'trial-\d+', name) and name not in known
+                and os.path.isdir(os.path.join(workdir, name)))
+
+
 def budget_left(study, trials: int) -> bool:
   """Whether a worker may take another trial: one is waiting, or fewer than `trials` runs exist."""
   waiting = study.get_trials(deepcopy=False, states=(optuna().trial.TrialState.WAITING,))
@@ -297,6 +337,11 @@ def run_trials(study, get_search, config, experiment: str, workdir: str, storage
   """Take trials from the study until it holds `trials` runs, `parallel` at once; returns the failures.
   The study's other workers (SLURM tasks) take trials from the same storage meanwhile."""
   metric = best_metric(config) or 'eval_accuracy'
+  if foreign := foreign_runs(study, workdir):
+    raise SweepError(f'{os.path.join(workdir, foreign[0])} holds a run that study {study.study_name!r} in '
+                     f'{storage_url} does not know ({len(foreign)} such trial-* directories; was its '
+                     'database replaced or emptied?): a new trial would take it over; restore the database, '
+                     'or move the trial-* directories aside')
   environment = {**processes.child_environment(), **(environment or {})}
   free_devices = processes.device_groups(parallel)
   running: dict[str, tuple[Any, runner.Run, subprocess.Popen, Any, float, dict]] = {}
