@@ -66,7 +66,7 @@ def examples(split: Split, *, cache: bool, transform: Transform, num_workers: in
     return Examples(source=split)
   channels, side = transform.channels, cache_side(transform)
   key = decoded_store.key(split, channels, side, num_workers) if store != 'none' else None
-  decoded = decoded_store.load(store, key, len(split)) if key else None
+  decoded = decoded_store.load(store, key, len(split), channels, side) if key else None
   if decoded is None:
     decoded = _decode(split, channels, side, num_workers, threads)
     if key:

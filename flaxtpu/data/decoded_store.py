@@ -17,6 +17,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 
@@ -118,45 +119,94 @@ def path_of(store: str, split_key: str) -> str:
   return os.path.join(folder(store), f'{split_key}.npz')
 
 
-def load(store: str, split_key: str, count: int) -> Decoded | None:
-  """The decoded split stored under `split_key`, or None when there is none or it is unreadable
-  (then deleted, saying so in one line)."""
+def load(store: str, split_key: str, count: int, channels: int = 0, side: int = 0) -> Decoded | None:
+  """The decoded split stored under `split_key`, or None when there is none or it is unreadable or
+  does not hold what this split decodes to (then deleted, saying so in one line)."""
   path = path_of(store, split_key)
   if not os.path.exists(path):
     return None
   try:
+    identity = _identity(path)
     with np.load(path, allow_pickle=False) as stored:  # every member read whole: its CRC is checked
       pixels, shapes = stored['pixels'], stored['shapes']
       positions, messages = stored['failure_positions'], stored['failure_messages']
-    if len(shapes) != count or pixels.size != int(np.prod(shapes, axis=1, dtype=np.int64).sum()):
-      raise ValueError(f'it holds {len(shapes)} images of {pixels.size} bytes, not the {count} listed')
+    _check_stored(pixels, shapes, positions, messages, count, channels, side)
   except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
     reason = ' '.join(str(e).split()) or type(e).__name__
     logging.warning('decoded cache %s is unreadable (%s); decoding the images again and rewriting it',
                     path, reason)
-    _remove(path)
+    if _identity(path) == identity:  # not a file another run has written there meanwhile
+      _remove(path)
     return None
   _touch(path)
   logging.info('read %d decoded images from %s (dataset.decoded_cache_dir)', count, path)
   return Decoded(pixels, shapes, dict(zip(positions.tolist(), messages.tolist())), [])
 
 
+def _identity(path: str) -> tuple | None:
+  try:
+    stat = os.stat(path)
+  except OSError:
+    return None
+  return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def _check_stored(pixels: np.ndarray, shapes: np.ndarray, positions: np.ndarray, messages: np.ndarray,
+                  count: int, channels: int, side: int) -> None:
+  """Raises ValueError unless the stored arrays are a split of `count` images decoded as this run
+  decodes them: uint8 pixels, one (height, width, channels) row per image, (0, 0, 0) exactly where a
+  failure is listed, the shorter side at most `side` (where given), and every pixel accounted for.
+
+  A file that passed zip's CRC can still be another's (copied over, or edited): trained on, its wrong
+  shapes would cut the pixels into other images with no error anywhere."""
+  if pixels.dtype != np.uint8 or pixels.ndim != 1:
+    raise ValueError(f'its pixels are {pixels.dtype} of {pixels.ndim} dimensions, not a flat uint8 array')
+  if not np.issubdtype(shapes.dtype, np.integer) or shapes.shape != (count, 3):
+    raise ValueError(f'it holds image shapes of {tuple(shapes.shape)}, not the ({count}, 3) of the {count} '
+                     'images listed')
+  if (not np.issubdtype(positions.dtype, np.integer) or positions.ndim != 1
+      or positions.shape != messages.shape or messages.dtype.kind != 'U'):
+    raise ValueError('its list of failed images is malformed')
+  failed = np.zeros(count, bool)
+  if len(positions):
+    if positions.min() < 0 or positions.max() >= count or len(np.unique(positions)) != len(positions):
+      raise ValueError(f'it lists failed images outside the {count} listed')
+    failed[positions] = True
+  if np.any(shapes[failed] != 0):
+    raise ValueError('it gives pixels to images it lists as failed')
+  decoded = shapes[~failed]
+  if np.any(decoded <= 0) or (channels and np.any(decoded[:, 2] != channels)):
+    raise ValueError(f'its image shapes are not those of {channels or "any"}-channel images')
+  if side and len(decoded) and decoded[:, :2].min(axis=1).max() > side:
+    raise ValueError(f'it holds images larger than the {side}-pixel shorter side this run decodes to')
+  if pixels.size != int(np.prod(shapes, axis=1, dtype=np.int64).sum()):
+    raise ValueError(f'it holds {len(shapes)} images of {pixels.size} bytes, not the {count} listed')
+
+
 def save(store: str, split_key: str, decoded: Decoded) -> None:
   """Writes `decoded` under `split_key`, atomically; a store that cannot be written is skipped
   with a warning (the run goes on, decoding again next time)."""
   path = path_of(store, split_key)
-  temporary = f'{path}.tmp-{os.getpid()}'
+  temporary = ''
   positions = np.array(sorted(decoded.failures), np.int64)
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(temporary, 'wb') as f:
+    # A name of its own: runs sharing the store (another host's pid may equal this one's) never write
+    # into each other's file; the last rename wins, and each renamed file is whole.
+    with tempfile.NamedTemporaryFile('wb', dir=os.path.dirname(path), prefix=f'{split_key}.npz.tmp-',
+                                     delete=False) as f:
+      temporary = f.name
       np.savez(f, pixels=decoded.pixels, shapes=decoded.shapes, failure_positions=positions,
                failure_messages=np.array([decoded.failures[i] for i in positions.tolist()], dtype=str))
     os.replace(temporary, path)
   except OSError as e:
+    folder_of = os.path.dirname(path)
+    is_file = os.path.exists(folder_of) and not os.path.isdir(folder_of)
     logging.warning('cannot keep the decoded images in %s (%s); set --config.dataset.decoded_cache_dir to a '
-                    'writable folder, or none', path, e.strerror or e)
-    _remove(temporary)
+                    'writable folder, or none', folder_of if is_file else path,
+                    'it is a file, not a folder' if is_file else e.strerror or e)
+    if temporary:
+      _remove(temporary)
     return
   logging.info('kept the decoded images in %s for the next run (dataset.decoded_cache_dir)', path)
   _remove_unused(os.path.dirname(path))
