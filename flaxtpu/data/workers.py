@@ -25,6 +25,13 @@ import time
 from typing import Iterable, Iterator, Sequence
 
 from flaxtpu.data import shared_blocks
+from flaxtpu.settings.errors import UserError
+
+
+class InputWorkerDied(UserError):
+  """A worker process of the input ended without its result: killed, or by the OOM killer. Not a bug
+  in the trainer, and nothing it can retry safely; the run stops in one line and resumes from its
+  checkpoint."""
 
 
 def with_progress(chunks: Iterable, total: int, what: str, every_s: float = 10.0, size=len) -> Iterator:
@@ -127,9 +134,9 @@ def _in_processes(function, items: Iterable, workers: int, ahead: int, result_by
       submit(1)
       yield result
   except concurrent.futures.process.BrokenProcessPool as e:
-    raise RuntimeError('an input worker process died (killed, or out of memory?); lower '
-                       '--config.input.workers or --config.input.prefetch, then run the same command '
-                       'to resume') from e
+    raise InputWorkerDied('an input worker process died (killed, or out of memory?); the checkpoints saved '
+                          'so far are kept: lower --config.input.workers or --config.input.prefetch, then '
+                          'run the same command to resume') from e
   finally:
     pool.shutdown(wait=True, cancel_futures=True)
     blocks.close()
