@@ -318,6 +318,17 @@ class Budget:
     return new_steps
 
 
+def _plan_problem(saved: Optional[dict]) -> str:
+  """What keeps a saved plan from rebuilding its run's schedule ('' where nothing does)."""
+  count = lambda value: type(value) is int and value > 0  # pylint: disable=unidiomatic-typecheck  # no bool
+  check = (saved or {}).get('check')
+  if saved is None or not count(saved.get('steps')) or not isinstance(check, (dict, type(None))):
+    return 'it is cut off or edited: no planned number of steps'
+  if check and 'steps_before' in check and not (count(check['steps_before']) and count(check.get('step'))):
+    return 'its re-plan lacks the step it was made at or the steps planned before it'
+  return ''
+
+
 def plan(config: ml_collections.ConfigDict, workdir: str, num_examples: int, resuming: bool,
          started: float, probe: Callable[[], dict]) -> Budget:
   """The run's budget: without `config.time_budget` one that does nothing (length None); when
@@ -328,10 +339,14 @@ def plan(config: ml_collections.ConfigDict, workdir: str, num_examples: int, res
   budget = parse_duration(config.time_budget)
   if resuming:
     saved = saved_plan(workdir)
-    if not saved:
+    if saved is None and not files.exists(plan_path(workdir)):
       raise ConfigError(f'config.time_budget={config.time_budget!r}: the run in {workdir} started without a '
                         f'budget ({PLAN_FILE} is missing), so its schedule is not a budget\'s; drop '
                         '--config.time_budget or use another --workdir')
+    if problem := _plan_problem(saved):
+      raise ConfigError(f'config.time_budget={config.time_budget!r}: {plan_path(workdir)} cannot be read '
+                        f'back ({problem}); it holds the length the checkpoints in {workdir} were trained '
+                        'for: restore it from a copy, or train afresh in another --workdir')
     logging.info('time budget: resuming the plan of %d steps (%s)', saved['steps'], plan_path(workdir))
     return Budget(config, workdir, num_examples, saved, started, checked=True)
   measured = probe()
