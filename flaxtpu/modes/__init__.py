@@ -10,6 +10,6 @@ The in-training evaluation (also the end-of-run report) is `flaxtpu.evaluation.e
 `flaxtpu.exporters.export`. A new mode is a new file here with its line in main.py's dispatch.
 
 Also here: `soup.py`: `python -m flaxtpu.average`'s arrays side: ingredients restored, averaged,
-scored; `audit_folds.py`: out-of-fold probabilities for the audit's mislabel search (fold runs or
-features).
+scored; `audit_folds.py`: out-of-fold probabilities for the audit's mislabel search (fold runs), and
+`audit_features.py` its linear probes on frozen features.
 """

@@ -3,9 +3,9 @@
 
 The findings are computed by `flaxtpu.data.audit` from hashes, streamed file by file, and from out-of-fold
 probabilities (`flaxtpu.modes.audit_folds`: runs of the recipe, each as long as the run, on K - 1 folds,
-or a linear probe per fold on frozen embeddings); fold models near chance list no suspects, and say so.
-It reads datasets of image files with one class each: image folders and label files (local or in a
-bucket); other kinds (TFDS, Parquet, tar shards, arrays) are refused in one line.
+or `audit_features`: a linear probe per fold on frozen embeddings); fold models near chance list no
+suspects, and say so. It reads datasets of image files with one class each: image folders and label files
+(local or in a bucket); other kinds (TFDS, Parquet, tar shards, arrays) are refused in one line.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 from flaxtpu.data import audit, preprocess, sources
 from flaxtpu.data.sources.folder import FileRecords
 from flaxtpu.io import files
-from flaxtpu.modes import audit_folds
+from flaxtpu.modes import audit_features, audit_folds
 from flaxtpu.settings.errors import UserError
 
 AUDIT_FILE, PLOT_FILE = 'audit.json', 'audit.png'
@@ -103,7 +103,7 @@ def _mislabels(config: ml_collections.ConfigDict, workdir: str, scanned: audit.S
     resolution.apply_source_defaults(config)
   backbone = None
   if settings.folds and len(scanned.paths) > settings.fold_limit and settings.large != 'sample':
-    backbone = audit_folds.backbone_of(config, workdir)
+    backbone = audit_features.backbone_of(config, workdir)
     if settings.large == 'features' and backbone is None:
       raise UserError('config.audit.large=features needs frozen embeddings: set config.init_from.checkpoint '
                       'or audit the workdir of a trained run (or use audit.large=auto or sample)')

@@ -11,7 +11,7 @@ scored by a model of the other K - 1:
   on K - 1 folds with the held-out fold as its eval split, then restored to score that fold;
 - `sample`: the same, on a stratified sample of `audit.fold_limit` images (a larger audit), which
   alone is scored;
-- `features`: the frozen embeddings (what the classifier reads) of every image, from
+- `features` (`audit_features`): the frozen embeddings (what the classifier reads) of every image, from
   `init_from.checkpoint`'s backbone or else the trained run in the workdir, and a softmax linear probe
   per fold on them.
 
@@ -27,7 +27,6 @@ same data and recipe reads them back and trains nothing.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import io
 import json
@@ -38,17 +37,15 @@ import time
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
-from flaxtpu.data import audit, cache, class_weights, loaders, pipeline
-from flaxtpu.data.dataset import Dataset, Examples, image_shape
+from flaxtpu.data import audit, class_weights, pipeline
+from flaxtpu.data.dataset import Dataset, Examples
 from flaxtpu.data.sources import base
-from flaxtpu.data.sources.folder import FileRecords
 from flaxtpu.data.spec import DatasetSpec
 from flaxtpu.io import files
+from flaxtpu.modes.audit_pool import Pool, pool_dataset, softmax
 from flaxtpu.settings.errors import UserError
 from flaxtpu.settings.lengths import resolved_eval_batch_size, run_length
 
@@ -63,18 +60,7 @@ UNTRAINED_KEYS = ('audit', 'predict', 'export', 'calibrate', 'lr_find', 'wandb',
 # The data is keyed by content: where it lies (and how it was split) does not matter.
 SOURCE_KEYS = ('name', 'folder', 'data_dir', 'labels', 'shards', 'parquet', 'train_split', 'eval_split',
                'eval_splits', 'decoded_cache_dir', 'skip_corrupt', 'unknown_classes', 'cache')
-# The linear probe of `features`: a softmax regression on standardised embeddings, Adam on batches of
-# PROBE_BATCH for PROBE_EPOCHS (at least PROBE_MIN_STEPS steps), L2 penalty PROBE_L2 on the weights.
-PROBE_BATCH, PROBE_EPOCHS, PROBE_MIN_STEPS, PROBE_LEARNING_RATE, PROBE_L2 = 256, 30, 300, 3e-3, 1e-4
 
-
-@dataclasses.dataclass(frozen=True)
-class Pool:
-  """The images the mislabel search may score: readable, one class each."""
-  paths: list
-  labels: np.ndarray  # int [N]
-  sha: list  # bytes (32) per image: its content
-  groups: np.ndarray  # int [N]: exact and near copies share a group
 
 
 @dataclasses.dataclass
@@ -160,7 +146,7 @@ def _flat(tree: dict, prefix: str = '') -> dict:
 
 
 def out_of_fold(config: ml_collections.ConfigDict, workdir: str, pool: Pool, class_names, channels: int,
-                method: str, backbone: Optional['Backbone'], run_steps: int = 0) -> OutOfFold:
+                method: str, backbone, run_steps: int = 0) -> OutOfFold:
   """The out-of-fold probabilities of `method` (`folds`, `sample` or `features`), computed or read back;
   a fold run trains at least `run_steps` steps x audit.steps_fraction (the run's own length)."""
   if jax.process_count() > 1:
@@ -188,7 +174,9 @@ def out_of_fold(config: ml_collections.ConfigDict, workdir: str, pool: Pool, cla
   files.makedirs(directory)
   started = time.time()
   if method == 'features':
-    probabilities, details = _probe_folds(config, pool, scored, folds, class_names, channels, backbone)
+    from flaxtpu.modes import audit_features  # pylint: disable=g-import-not-at-top
+    probabilities, details = audit_features.probe_folds(config, pool, scored, folds, class_names, channels,
+                                                        backbone)
   else:
     probabilities, details = _train_folds(fold_config, directory, pool, scored, folds, class_names, channels)
   details['seconds'] = round(time.time() - started, 1)
@@ -250,7 +238,7 @@ def _train_folds(fold_config: ml_collections.ConfigDict, directory: str, pool: P
   from flaxtpu.evaluation.evaluate import evaluate  # pylint: disable=g-import-not-at-top
   from flaxtpu.loop import train  # pylint: disable=g-import-not-at-top
   from flaxtpu.modes.restore import restore  # pylint: disable=g-import-not-at-top
-  template, examples = _pool_dataset(fold_config, [pool.paths[i] for i in scored], pool.labels[scored],
+  template, examples = pool_dataset(fold_config, [pool.paths[i] for i in scored], pool.labels[scored],
                                      class_names, channels)
   count = int(folds.max()) + 1
   probabilities = np.zeros((len(scored), len(class_names)), np.float32)
@@ -267,37 +255,13 @@ def _train_folds(fold_config: ml_collections.ConfigDict, directory: str, pool: P
     placement, state, _, _ = restore(fold_config, workdir, calibrated=False)
     _, predictions = evaluate(placement, state, dataset, resolved_eval_batch_size(fold_config),
                               keep_logits=True)
-    probabilities[held_out] = _softmax(predictions.logits)
+    probabilities[held_out] = softmax(predictions.logits)
     accuracies.append(float(np.mean(predictions.logits.argmax(axis=1) == pool.labels[scored][held_out])))
     logging.info('audit: fold run %d/%d: %d steps on %d images, held-out accuracy %.4f on %d (%.1f s)', k + 1,
                  count, fold_config.num_train_steps, len(kept), accuracies[-1], len(held_out),
                  time.time() - started)
   return probabilities, {'steps': int(fold_config.num_train_steps),
                          'held_out_accuracy': round(float(np.mean(accuracies)), 4)}
-
-
-def _pool_dataset(config: ml_collections.ConfigDict, paths: list, labels: np.ndarray, class_names,
-                  channels: int) -> tuple[Dataset, Examples]:
-  """The pool's images read as the recipe reads its train split (cached or streamed), and a Dataset of
-  the recipe's data settings to make each fold's of."""
-  spec = DatasetSpec.of(config)
-  split = base.Split('audit', FileRecords('', np.asarray([os.fsencode(p) for p in paths])),
-                     np.asarray(labels, np.int32))
-  transform = pipeline.image_transform(spec, channels)
-  native = base.sample_sizes(split)
-  use = cache.use_cache(spec.cache, len(split), image_shape(native, transform, channels), transform)
-  if not use and not transform.size:  # streamed at native size: every header, as the pipeline reads them
-    split, native = base.scan(split, spec.workers, skip_corrupt=False)
-  shape = image_shape(native, transform, channels)
-  examples = cache.examples(split, cache=use, transform=transform, num_workers=spec.workers,
-                            skip_corrupt=False, threads=spec.threads,
-                            store=spec.settings.get('decoded_cache_dir', ''))
-  template = Dataset(train=examples, eval=examples, class_names=tuple(class_names), image_shape=shape,
-                     mean=np.zeros(channels, np.float32), std=np.ones(channels, np.float32),
-                     transform=transform,
-                     workers=spec.workers, prefetch=spec.prefetch, worker_threads=spec.threads,
-                     sampling=spec.sampling, repeats=spec.repeats)
-  return template, examples
 
 
 def _subset(examples: Examples, positions: np.ndarray) -> Examples:
@@ -317,149 +281,6 @@ def _fold_dataset(config: ml_collections.ConfigDict, template: Dataset, examples
       class_weights=class_weights.class_weights(config.dataset.class_weights, train_examples,
                                                 template.class_names))
   return pipeline._normalized(dataset, DatasetSpec.of(config))  # pylint: disable=protected-access
-
-
-def _softmax(logits: np.ndarray) -> np.ndarray:
-  shifted = np.asarray(logits, np.float64) - np.max(logits, axis=1, keepdims=True)
-  exponentials = np.exp(shifted)
-  return (exponentials / exponentials.sum(axis=1, keepdims=True)).astype(np.float32)
-
-
-# --- frozen features and a linear probe per fold ---------------------------------------------
-
-
-@dataclasses.dataclass
-class Backbone:
-  """Where `features` reads embeddings: init_from's weights, or the run trained in the workdir."""
-  name: str  # for audit.json's `why`
-  identity: dict  # what the key holds of it
-  load: object  # (classes, image shape, mean, std) -> (task, placement, model variables)
-
-
-def backbone_of(config: ml_collections.ConfigDict, workdir: str) -> Optional[Backbone]:
-  """init_from.checkpoint's backbone, else the trained run in `workdir`, else None."""
-  if config.init_from.checkpoint:
-    spec = config.init_from.checkpoint
-    return Backbone(f'config.init_from.checkpoint={spec}', {'init_from': spec, 'model': config.model.name,
-                                                             'image_size': config.dataset.image_size},
-                    functools.partial(_init_from_backbone, config))
-  if files.isdir(os.path.join(workdir, 'checkpoints')):
-    from flaxtpu.weights import checkpoint  # pylint: disable=g-import-not-at-top
-    checkpoints = checkpoint.Checkpoints(workdir, config, read_only=True)
-    latest = checkpoints.latest_step()
-    checkpoints.close()
-    if latest is not None:
-      return Backbone(f'the trained run in {workdir} (checkpoint step {latest}; it has seen these labels)',
-                      {'workdir': os.path.abspath(workdir), 'step': latest,
-                       'checkpoint': config.eval.checkpoint},
-                      functools.partial(_trained_backbone, config, workdir))
-  return None
-
-
-def _trained_backbone(config: ml_collections.ConfigDict, workdir: str, num_classes: int, shape, mean, std):
-  """The run in `workdir` (eval.checkpoint's step), as it was trained (its classes, size, normalisation)."""
-  del num_classes, shape, mean, std  # the checkpoint's own
-  from flaxtpu.modes.restore import restore  # pylint: disable=g-import-not-at-top
-  from flaxtpu.step import steps  # pylint: disable=g-import-not-at-top
-  placement, state, _, record = restore(config, workdir, calibrated=False)
-  task = steps.create_task(config, num_classes=record['num_classes'],
-                           image_shape=tuple(record['image_shape']), mean=record['normalization']['mean'],
-                           std=record['normalization']['std'])
-  return task, placement, state
-
-
-def _init_from_backbone(config: ml_collections.ConfigDict, num_classes: int, shape, mean, std):
-  """A fresh model with init_from's arrays read in, as a run starts (its head, never used, as it comes)."""
-  from flaxtpu.settings import lengths  # pylint: disable=g-import-not-at-top
-  from flaxtpu.step import parallel, steps  # pylint: disable=g-import-not-at-top
-  from flaxtpu.transfer import finetune  # pylint: disable=g-import-not-at-top
-  length = lengths.RunLength(steps_per_epoch=1, total_steps=1, eval_every_steps=1,
-                             checkpoint_every_steps=1, warmup_steps=0)
-  task = steps.create_task(config, num_classes=num_classes, image_shape=shape, mean=mean, std=std,
-                           length=length)
-  placement = steps.place(task, parallel.make_mesh(config), config)
-  state = steps.create_state(task, placement, config.seed)
-  state, _ = finetune.init_from(config, task, placement, state, [str(i) for i in range(num_classes)])
-  return task, placement, steps.ModelState(params=state.params, batch_stats=state.batch_stats)
-
-
-def embeddings(config: ml_collections.ConfigDict, pool: Pool, scored: np.ndarray, class_names, channels: int,
-               backbone: Backbone) -> np.ndarray:
-  """float32 [S, D]: what the backbone's classifier reads for each scored image (eval preprocessing)."""
-  from flaxtpu.evaluation import fewshot  # pylint: disable=g-import-not-at-top
-  from flaxtpu.step import parallel, steps  # pylint: disable=g-import-not-at-top
-  template, _ = _pool_dataset(config, [pool.paths[i] for i in scored], pool.labels[scored], class_names,
-                              channels)
-  dataset = pipeline._normalized(template, DatasetSpec.of(config))  # pylint: disable=protected-access
-  task, placement, variables = backbone.load(len(class_names), dataset.image_shape, dataset.mean, dataset.std)
-  if tuple(task.image_shape) != tuple(dataset.image_shape):
-    raise UserError(f'the backbone reads {tuple(task.image_shape)} images and the audited data gives '
-                    f'{tuple(dataset.image_shape)}; set --config.dataset.image_size={task.image_shape[0]}')
-  variables = steps.ModelState(params=variables.params, batch_stats=variables.batch_stats)
-  if placement.parallelism == 'pmap':
-    variables = placement.to_saveable(variables)
-  features = jax.jit(functools.partial(fewshot.features, task, fewshot.head_path(task)),
-                     out_shardings=parallel.replicated(placement.mesh))
-  rows = []
-  for batch in loaders.eval_batches(dataset, batch_size=resolved_eval_batch_size(config)):
-    rows.append(np.asarray(features(variables, batch.images))[batch.mask])
-  return np.concatenate(rows)
-
-
-def _probe_folds(config: ml_collections.ConfigDict, pool: Pool, scored: np.ndarray, folds: np.ndarray,
-                 class_names, channels: int, backbone: Backbone) -> tuple[np.ndarray, dict]:
-  """A softmax linear probe per fold on the frozen embeddings, each scoring its held-out fold."""
-  started = time.time()
-  x = embeddings(config, pool, scored, class_names, channels, backbone)
-  logging.info('audit: %d embeddings of %d dimensions from %s (%.1f s)', len(x), x.shape[1], backbone.name,
-               time.time() - started)
-  labels = pool.labels[scored]
-  probabilities = np.zeros((len(scored), len(class_names)), np.float32)
-  accuracies = []
-  for k in range(int(folds.max()) + 1):
-    held_out, kept = folds == k, folds != k
-    probabilities[held_out] = linear_probe(x[kept], labels[kept], x[held_out], len(class_names),
-                                           config.seed + k)
-    accuracies.append(float(np.mean(probabilities[held_out].argmax(axis=1) == labels[held_out])))
-  logging.info('audit: linear probes, held-out accuracy %.4f', float(np.mean(accuracies)))
-  return probabilities, {'embedding_dimensions': int(x.shape[1]),
-                         'held_out_accuracy': round(float(np.mean(accuracies)), 4)}
-
-
-def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, num_classes: int,
-                 seed: int) -> np.ndarray:
-  """Softmax probabilities [len(test_x), classes] of a linear classifier fitted to (train_x, train_y):
-  standardised features, cross-entropy plus PROBE_L2 x |W|^2, Adam with a cosine decay on batches."""
-  mean, std = train_x.mean(axis=0), train_x.std(axis=0) + 1e-5
-  train_x = ((train_x - mean) / std).astype(np.float32)
-  test_x = ((test_x - mean) / std).astype(np.float32)
-  batch = min(PROBE_BATCH, len(train_x))
-  total = max(PROBE_MIN_STEPS, PROBE_EPOCHS * len(train_x) // batch)
-  optimizer = optax.adam(optax.cosine_decay_schedule(PROBE_LEARNING_RATE, total))
-  params = {'w': jnp.zeros((train_x.shape[1], num_classes)), 'b': jnp.zeros(num_classes)}
-  opt_state = optimizer.init(params)
-
-  def loss(params, x, y):
-    logits = x @ params['w'] + params['b']
-    penalty = PROBE_L2 * jnp.sum(params['w'] ** 2)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + penalty
-
-  @jax.jit
-  def step(params, opt_state, x, y):
-    grads = jax.grad(loss)(params, x, y)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  rng = np.random.default_rng(seed)
-  order = np.zeros(0, np.int64)
-  for _ in range(total):
-    if len(order) < batch:
-      order = np.concatenate([order, rng.permutation(len(train_x))])
-    chosen, order = order[:batch], order[batch:]
-    params, opt_state = step(params, opt_state, train_x[chosen], train_y[chosen].astype(np.int32))
-  weights, bias = np.asarray(params['w']), np.asarray(params['b'])
-  logits = test_x @ weights + bias
-  return _softmax(logits)
 
 
 # --- the key and the saved probabilities -----------------------------------------------------
