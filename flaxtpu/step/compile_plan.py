@@ -35,11 +35,7 @@ def compile_on_zeros(config: ml_collections.ConfigDict, *, image_shape: tuple[in
   # augment.train_sizes: the largest size the step resizes to is the one that needs the most memory.
   task = image_sizes.sized_task(task, image_sizes.largest(config, image_shape))
   placement = steps.place(task, parallel.make_mesh(config), config)
-  local_batch_size = config.batch_size // jax.process_count()
-  images = np.zeros((local_batch_size, *image_shape), np.uint8)
-  labels = (np.zeros((local_batch_size, num_classes), np.uint8) if task.multilabel
-            else np.zeros((local_batch_size,), np.int32))
-  batch = placement.put_train_batch((images, labels))
+  batch = steps.zero_batch(task, placement, config.batch_size)
   if placement.parallelism != 'jit':  # pmap lowers for arrays with their device axis: the state first
     state = steps.create_state(task, placement, config.seed)
     return (placement, state, batch, *placement.compile_train_step(state, batch))

@@ -10,8 +10,10 @@ train step (`compile_plan.py` compiles it on zeros for `--mode=plan` and the ben
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -419,13 +421,44 @@ class Placement:
 
   def compile_train_step(self, state, batch) -> tuple[Callable, dict]:
     """Compiles the train step ahead of time; returns it, called as (state, batch), with the
-    per-device memory XLA plans."""
-    started, events_before = time.time(), _CACHE_EVENTS.copy()
+    per-device memory XLA plans. `state` may be `abstract_state` (under jit: shapes and shardings are
+    all the program is built from)."""
+    started, events_before = time.time(), _cache_events().copy()
     compiled = self.train_step.lower(state, batch, *self.frozen).compile()
     plan = {'compile_seconds': round(time.time() - started, 3), **_memory_plan(compiled),
-            'compiled_from': _compiled_from(_CACHE_EVENTS - events_before)}
+            'compiled_from': _compiled_from(_cache_events() - events_before)}
     numbers, frozen = self.train_step.numbers, self.frozen
     return CompiledTrainStep(compiled, numbers, frozen), plan
+
+
+
+@dataclasses.dataclass(frozen=True)
+class StepAhead:
+  """A train step compiling in a thread for the abstract state and a zero batch (under jit, where shapes
+  and shardings are all its program is built from), while the caller initialises or restores the state."""
+  batch_avals: Any  # the shapes, dtypes and shardings it is compiled for
+  future: concurrent.futures.Future  # of what `Placement.compile_train_step` returns
+
+  @classmethod
+  def start(cls, task: Task, placement: Placement, batch_size: int) -> StepAhead:
+    assert placement.parallelism == 'jit', 'pmap lowers its step for the arrays of a state'
+    batch, future = zero_batch(task, placement, batch_size), concurrent.futures.Future()
+
+    def compile_step() -> None:
+      try:
+        future.set_result(placement.compile_train_step(placement.abstract_state, batch))
+      except BaseException as e:  # pylint: disable=broad-except  # raised where the result is taken
+        future.set_exception(e)
+    threading.Thread(target=compile_step, name='flaxtpu-compile-step', daemon=True).start()
+    return cls(_avals(batch), future)
+
+  def result_for(self, batch) -> Optional[tuple[Callable, dict]]:
+    """The compiled step and its plan; None where `batch` is not what it was compiled for."""
+    return self.future.result() if _avals(batch) == self.batch_avals else None
+
+
+def _avals(tree) -> list:
+  return [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(tree)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -457,10 +490,24 @@ class TrainStep:
     return self.program.lower(state, batch, self.numbers, *frozen)
 
 
-# jax.monitoring's persistent-cache events since start-up: whether a compile loaded its program or built it.
-_CACHE_EVENTS: collections.Counter = collections.Counter()
-jax.monitoring.register_event_listener(
-    lambda event, **_: _CACHE_EVENTS.update([event]) if event.startswith('/jax/compilation_cache/') else None)
+# jax.monitoring's persistent-cache events since start-up, counted for the thread that compiled (programs
+# compile side by side: the state's initialisation beside the train step): whether a compile loaded its
+# program or built it.
+_CACHE_EVENTS = threading.local()
+
+
+def _cache_events() -> collections.Counter:
+  if not hasattr(_CACHE_EVENTS, 'counts'):
+    _CACHE_EVENTS.counts = collections.Counter()
+  return _CACHE_EVENTS.counts
+
+
+def _count_cache_event(event: str, **_) -> None:
+  if event.startswith('/jax/compilation_cache/'):
+    _cache_events().update([event])
+
+
+jax.monitoring.register_event_listener(_count_cache_event)
 
 
 def _compiled_from(events: collections.Counter) -> str:
@@ -552,7 +599,19 @@ def _first_metrics(batch_metrics, logits):
 
 
 def create_state(task: Task, placement: Placement, seed: int, fitted: Optional[dict] = None) -> TrainState:
-  """Initialises the state straight into its shardings: no full copy on one device first."""
-  state = jax.jit(functools.partial(init_state, task), static_argnums=0,
-                  out_shardings=placement.state_shardings)(seed, fitted)
+  """Initialises the state straight into its shardings: no full copy on one device first. The seed is
+  an input, not a constant: runs that differ in it share one program (a seed sweep compiles it once)."""
+  traced = -2**31 <= seed < 2**31  # PRNGKey takes an int32 array as it takes the int
+  state = jax.jit(functools.partial(init_state, task), static_argnums=() if traced else 0,
+                  out_shardings=placement.state_shardings)(np.int32(seed) if traced else seed, fitted)
   return placement.from_saveable(state)
+
+
+def zero_batch(task: Task, placement: Placement, batch_size: int):
+  """A batch of zeros as the train step takes it (this process's rows, placed): what a step is compiled
+  for before its data is read."""
+  local_batch_size = batch_size // jax.process_count()
+  images = np.zeros((local_batch_size, *task.image_shape), np.uint8)
+  labels = (np.zeros((local_batch_size, task.num_classes), np.uint8) if task.multilabel
+            else np.zeros((local_batch_size,), np.int32))
+  return placement.put_train_batch((images, labels))
