@@ -153,10 +153,12 @@ class _Loop:
   start: Start
   window: TrainWindow  # the train metrics since the last log line
   last_log_time: float = dataclasses.field(default_factory=time.time)
+  last_save_time: float = dataclasses.field(default_factory=time.time)  # or the loop's start
   predictions: Any = None  # the last evaluation's logits and labels, for the per-class report
   probe: Optional[fewshot.Probe] = None  # eval.fewshot's linear probes, run with every evaluation
   pruning: Optional[Pruning] = None  # a study's trial: each evaluation reported to its pruner
   budget: time_budget.Budget = dataclasses.field(default_factory=time_budget.Budget)  # its one check
+  step_ahead: Optional[steps.StepAhead] = None  # the first train step, compiling while the state was made
 
   def due(self, step: int, every: int) -> bool:
     """Whether an action taken every `every` steps (and after the last) is due after `step`."""
@@ -173,8 +175,10 @@ class _Loop:
     memory plan logged, checked and kept."""
     placement = self.placement if not size else steps.place(
         image_sizes.sized_task(self.task, size), self.placement.mesh, self.config, *self.placement.frozen)
+    ahead, self.step_ahead = self.step_ahead, None
     with self.clock.paused('compile', state):
-      train_step, self.clock.progress.memory_plan = placement.compile_train_step(state, batch)
+      compiled = ahead.result_for(batch) if ahead is not None and not size else None
+      train_step, self.clock.progress.memory_plan = compiled or placement.compile_train_step(state, batch)
     plan = self.clock.progress.memory_plan
     logging.info('compiled train step in %.1fs (from %s); per-device memory plan: %s',
                  plan['compile_seconds'], plan['compiled_from'], compile_plan.format_plan(plan))
@@ -249,6 +253,13 @@ class _Loop:
       self.pruning.update(progress, step, results)
     return state
 
+  def save_due(self, step: int) -> bool:
+    """Whether a periodic checkpoint is due after `step`: every checkpoint_every_steps; the once-an-epoch
+    default (-1) at least checkpoint.min_interval_secs apart; the last step always."""
+    throttled = self.config.checkpoint_every_steps == -1 and step != self.length.total_steps
+    return self.due(step, self.length.checkpoint_every_steps) and not (
+        throttled and time.time() - self.last_save_time < self.config.checkpoint.min_interval_secs)
+
   def save(self, step: int, state, evaluated: bool) -> None:
     """An asynchronous checkpoint of `state` with its record (and the evaluation, for keeping the best)."""
     if self.window:  # never save a diverged state: the steps since the last log line are checked first
@@ -259,6 +270,7 @@ class _Loop:
       record['init_from'] = self.start.initialised_from
       self.checkpoints.save(step, self.placement.to_saveable(state), record,
                             metrics=self.clock.progress.eval if evaluated else None)
+    self.last_save_time = time.time()
 
   def raise_if_diverged(self, step: int, mean_loss: Optional[float] = None) -> None:
     """Diverged at the first NaN/Inf loss of the steps since the last log line (whose `mean_loss`,
@@ -320,6 +332,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
                            class_weights=dataset.class_weights, teacher=teacher, schedule=budget.schedule)
   placement = steps.place(task, mesh, config, teacher_variables)
   log_plan(config, dataset, length, task, placement)
+  # The first train step compiles while the state is initialised or restored: under jit it is built
+  # from the state's shapes alone, and XLA compiles without the GIL.
+  step_ahead = (steps.StepAhead.start(task, placement, config.batch_size)
+                if placement.parallelism == 'jit' and not config.augment.train_sizes else None)
   start = start_or_resume(config, task, placement, checkpoints, dataset, length, examples)
   if start.step >= length.total_steps or start.progress.stopped_early:
     return finish_trained_run(config, placement, start, checkpoints, dataset, eval_sets, length, workdir)
@@ -339,7 +355,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
                TrainClock(start.step, start.progress, started, command_started), start,
                TrainWindow(placement.to_host_metrics, start.step + 1, start.window),
                probe=fewshot.maybe_probe(config, dataset, task, placement), pruning=Pruning.of(config),
-               budget=budget)
+               budget=budget, step_ahead=step_ahead)
   profiler = StepProfiler(workdir, start.step, config.profile_steps, length.total_steps)
   try:
     with _Closing() as closing:
@@ -409,7 +425,7 @@ def _train(loop: _Loop, batches, profiler: StepProfiler, stop: StopRequest) -> i
       state = loop.after_evaluation(step, state)  # the plateau schedule's scale; early stopping
     stopping = stop_requested(stop, check_all_processes=loop.due(step, loop.config.log_every_steps))
     stopping_early = bool(clock.progress.stopped_early)
-    if loop.due(step, length.checkpoint_every_steps) or stopping or stopping_early:
+    if loop.save_due(step) or stopping or stopping_early:
       loop.save(step, state, evaluated)
     if stopping or stopping_early:
       break

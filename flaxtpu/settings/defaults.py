@@ -399,6 +399,11 @@ def get_config() -> ml_collections.ConfigDict:
   # eval_accuracy; also eval_loss, eval_balanced_accuracy, eval_map_micro, eval_f1, each with _ema).
   config.checkpoint.best_metric = 'auto'
   config.checkpoint.best_mode = 'max'  # max | min for best_metric.
+  # The once-an-epoch checkpoints (checkpoint_every_steps=-1) at least this many seconds apart (0 = every
+  # epoch); an explicit checkpoint_every_steps, the last step, a stop and an early stop always save. A
+  # ResNet-20 epoch on a TPU v5e took 1.16 s, and 1.82 s with a checkpoint after each (writing it slowed the
+  # steps): the CIFAR recipes save at most once a minute.
+  config.checkpoint.min_interval_secs = 0.0
 
   # Stop a run whose eval metric stopped improving: a final checkpoint, results.json, exit 0.
   config.early_stopping = ml_collections.ConfigDict()

@@ -52,6 +52,9 @@ def check_checkpoint(config: ml_collections.ConfigDict) -> None:
   one_of('checkpoint.best_metric', checkpoint.best_metric,
           ('auto', '', *metrics, *(f'{metric}{suffix}' for metric in metrics for suffix in ('_ema', '_swa'))))
   one_of('checkpoint.best_mode', checkpoint.best_mode, ('max', 'min'))
+  if checkpoint.min_interval_secs < 0:
+    raise ConfigError(f'config.checkpoint.min_interval_secs={checkpoint.min_interval_secs} must be >= 0 '
+                      '(0 = a checkpoint every epoch)')
   if checkpoint.best_metric == 'auto' and checkpoint.best_mode != 'max':
     raise ConfigError("config.checkpoint.best_metric='auto' picks eval_accuracy or eval_map, both kept at "
                       'their maximum; set best_mode=max or name the metric')
