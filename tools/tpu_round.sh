@@ -14,6 +14,10 @@
 #   decode    CIFAR-10 decoded into memory vs tf.data (row d; needs CIFAR; ~1 min)
 #   imports   cifar10.py twice (cold, then warm) under `python -X importtime` and JAX_LOG_COMPILES: its
 #             slowest programs to trace, lower and compile, and its slowest imports (needs CIFAR; ~1 min)
+#   startup-profile   $IMPORTS_CONFIG (default cifar10_resnet.py) cold to its first step under cProfile: the
+#             main thread's functions by cumulative time (~2 min)
+#   overhead  ResNet-20 for $OVERHEAD_EPOCHS (12) epochs with the per-epoch evaluation and checkpoint each on and
+#             off: the wall time of an epoch and the step's img/s in each (~3 min)
 #   profile   benchmarks/device/step_profile.py: each chip case in $PROFILE_CASES (default resnet50) traced, its
 #             ops ranked by device time with the FLOP/s and bytes/s they reach (~1.5 min a case);
 #             $PROFILE_ARGS go to each (e.g. "--remat dots_with_no_batch_dims_saveable"), in `ab` too
@@ -145,7 +149,7 @@ for which in "$@"; do
       cifar || continue
       for run in cold warm; do
         JAX_LOG_COMPILES=1 part "imports_$run" 200 python -X importtime -m flaxtpu.main \
-          --config=configs/cifar10.py --config.dataset.folder="$CIFAR" --workdir="/tmp/bench/imports_$run" \
+          --config="${IMPORTS_CONFIG:-configs/cifar10.py}" --config.dataset.folder="$CIFAR" --workdir="/tmp/bench/imports_$run" \
           --config.num_train_steps=20 --config.compilation_cache_dir=/tmp/bench/imports_cache
         say "imports_$run: its start-up lines, and each program that took over 0.2 s to trace, lower or compile:"
         grep -E 'trainer imported|compiled the train step|data read in|first step done' "$logs/imports_$run.log" \
@@ -205,6 +209,50 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], '*', 'results.json'))):
         f"{results.get('train_images_per_sec'):.0f} img/s, eval accuracy {results.get('eval_accuracy'):.4f}")
 PY
       cp -r /tmp/bench/sweep/lr/*/results.json "$logs/" 2>/dev/null || true ;;
+    startup-profile)
+      cifar || continue
+      # One cold run of $IMPORTS_CONFIG (default cifar10_resnet.py) to its first step under cProfile, from an
+      # empty compilation cache: the main thread's functions by cumulative time (tracing, compiling, init,
+      # writers); each thread's own work is not in it.
+      part startup_profile 240 python -m cProfile -o /tmp/bench/startup.prof -m flaxtpu.main \
+        --config="${IMPORTS_CONFIG:-configs/cifar10_resnet.py}" --config.dataset.folder="$CIFAR" \
+        --workdir=/tmp/bench/startup_profile --config.num_train_steps=1 \
+        --config.compilation_cache_dir=/tmp/bench/startup_profile_cache
+      grep -v '^import time' "$logs/startup_profile.log" | grep -E '^[IW][0-9]{4} ' | grep -v '^I.*| ' | cut -c6-300
+      python - <<'PY'
+import pstats
+stats = pstats.Stats('/tmp/bench/startup.prof')
+stats.sort_stats('cumulative').print_stats(r'flaxtpu|jax/_src/(pjit|interpreters/pxla|compiler|dispatch)|clu|orbax|tensorflow/__init__|flax/linen/module', 70)
+PY
+      ;;
+    overhead)
+      cifar || continue
+      # What evaluating and checkpointing every epoch cost a long run: ResNet-20 for $OVERHEAD_EPOCHS epochs
+      # with each on and off, a progress line an epoch (its img/s leaves the pauses out; the wall clock
+      # between lines does not).
+      for v in both eval save none; do
+        case $v in
+          both) a=() ;;
+          eval) a=(--config.checkpoint_every_steps=1000000) ;;
+          save) a=(--config.eval_every_steps=1000000) ;;
+          none) a=(--config.eval_every_steps=1000000 --config.checkpoint_every_steps=1000000) ;;
+        esac
+        part "overhead_$v" 200 python -m flaxtpu.main --config=configs/cifar10_resnet.py \
+          --workdir="/tmp/bench/overhead_$v" --config.dataset.folder="$CIFAR" \
+          --config.num_epochs="${OVERHEAD_EPOCHS:-12}" --config.log_every_steps=390 ${a[@]+"${a[@]}"}
+        python - "$logs/overhead_$v.log" "$v" <<'PY'
+import re, statistics, sys, datetime
+times, rates = [], []
+for line in open(sys.argv[1], errors='replace'):
+  m = re.match(r'^I\d{4} (\d{2}):(\d{2}):(\d{2}\.\d+) .*\] step (\d+)/\d+ .* (\d+) img/s .*\[(.*)\]', line)
+  if m:
+    h, mi, s, step, rate, split = m.groups()
+    times.append(int(h) * 3600 + int(mi) * 60 + float(s)); rates.append((int(rate), split))
+gaps = [b - a for a, b in zip(times, times[1:])]
+print(f'{sys.argv[2]}: epochs (wall between progress lines) median {statistics.median(gaps[1:]):.3f} s over '
+      f'{len(gaps) - 1}; step img/s median {statistics.median(r for r, _ in rates[1:]):.0f}; last split {rates[-1][1]}')
+PY
+      done ;;
     he)
       cifar || continue
       mkdir -p /tmp/he
