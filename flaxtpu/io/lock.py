@@ -58,7 +58,11 @@ class WorkdirLock:
 
   def __enter__(self) -> 'WorkdirLock':
     os.makedirs(os.path.dirname(self.path), exist_ok=True)
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # a folder in its place, a file this user may not write
+      raise WorkdirBusy(f'{self.path} cannot be opened as the {self.who}\'s lock file ({e.strerror}); move '
+                        'it aside, then run the same command again') from None
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

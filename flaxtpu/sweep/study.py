@@ -322,7 +322,13 @@ def tell(study, trial, run: runner.Run, workdir: str, metric: str) -> None:
 def only_sweep_here(workdir: str) -> Iterator[None]:
   """One local command per study directory: a second would re-queue the first's running trials."""
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, '.study.lock'), 'w') as lock:
+  path = os.path.join(workdir, '.study.lock')
+  try:
+    lock = open(path, 'w')  # pylint: disable=consider-using-with  # closed by the with below
+  except OSError as error:
+    raise SweepError(f'{path} cannot be opened as the study\'s lock file ({error.strerror}); move it aside, '
+                     'then run the same command again') from None
+  with lock:
     try:
       fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
