@@ -100,8 +100,12 @@ def open_run(tracking: Tracker, workdir: str, parent: str = '') -> tuple[Optiona
 
   run_id = tracking.call('starting a run', create)
   if run_id:
-    files.write_json(path, {'tracking_uri': tracking.uri, 'experiment': tracking.experiment,
-                            'run_id': run_id, 'parent_run_id': parent})
+    try:
+      files.write_json(path, {'tracking_uri': tracking.uri, 'experiment': tracking.experiment,
+                              'run_id': run_id, 'parent_run_id': parent})
+    except OSError as error:  # a folder in its place, a full disk: the record, not the run, is lost
+      logging.warning('mlflow: cannot keep the run\'s id in %s (%s); training goes on, and a resumed run '
+                      'starts another MLflow run', path, error.strerror or error)
   return run_id, False
 
 
