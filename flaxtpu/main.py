@@ -367,6 +367,12 @@ def _in_detectable_cluster() -> bool:
           or len(env.get('TPU_WORKER_HOSTNAMES', '').split(',')) > 1)
 
 
+# The files a run of each mode writes at the top of its workdir.
+RUN_FILES = {'train': ('config.json', 'metrics.jsonl', 'results.json', 'time_budget.json', 'per_class.csv',
+                       'report.html', 'curves.png', 'confusion.png', 'mistakes.png', 'reliability.png'),
+             'plan': ('plan.json',)}
+
+
 def _check_workdir(workdir: str, mode: str) -> None:
   if storage.is_remote(workdir):
     if reason := files.unwritable(workdir):
@@ -384,6 +390,10 @@ def _check_workdir(workdir: str, mode: str) -> None:
   if os.path.lexists(checkpoints) and not os.path.isdir(checkpoints):
     raise UserError(f'{checkpoints} is a file, not the folder a run keeps its checkpoints in; move it '
                     'aside, or use another --workdir')
+  for name in RUN_FILES[mode]:  # replaced whole as the run goes: a folder there fails it mid-run
+    if os.path.isdir(path := os.path.join(workdir, name)):
+      raise UserError(f'{path} is a folder, not the file a run writes there; move it aside, or use '
+                      'another --workdir')
   # A finished run whose checkpoints were deleted would train again from step 0 over its results.
   if mode == 'train' and (gone := _checkpoints_gone(workdir)):
     raise UserError(f'--workdir={workdir} holds a finished run (results.json) but {gone}: training here '
@@ -394,7 +404,7 @@ def _check_workdir(workdir: str, mode: str) -> None:
 def _checkpoints_gone(workdir: str) -> str:
   """Where a local workdir holds a finished run (results.json) and no checkpoint, what became of them."""
   checkpoints = os.path.join(workdir, 'checkpoints')
-  if storage.is_remote(workdir) or not os.path.exists(os.path.join(workdir, 'results.json')):
+  if storage.is_remote(workdir) or not os.path.isfile(os.path.join(workdir, 'results.json')):
     return ''
   if not os.path.lexists(checkpoints):
     return f'no {checkpoints} folder'

@@ -91,3 +91,14 @@ def test_a_default_compilation_cache_that_is_a_file_compiles_without_it_in_one_w
       'or none')
   assert (home / '.cache' / 'flaxtpu' / 'jax').read_text() == 'not a folder\n'
   assert json.loads((tmp_path / 'run' / 'plan.json').read_text())['total_bytes'] > 0
+
+
+@pytest.mark.parametrize('name', ['metrics.jsonl', 'config.json'])
+def test_a_folder_in_place_of_a_file_the_run_writes_is_one_line(tmp_path, name):
+  """It trained, then failed at the file's first write with IsADirectoryError and its traceback."""
+  (tmp_path / 'run' / name / 'kept').mkdir(parents=True)
+  line = _one_error_line(_main('--config=configs/digits.py', f'--workdir={tmp_path / "run"}',
+                               '--config.num_train_steps=4', '--config.cpu_devices=1'))
+  assert line == (f'error: {tmp_path}/run/{name} is a folder, not the file a run writes there; move it '
+                  'aside, or use another --workdir')
+  assert sorted(os.listdir(tmp_path / 'run')) == [name] and os.listdir(tmp_path / 'run' / name) == ['kept']
