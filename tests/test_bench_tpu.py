@@ -28,26 +28,43 @@ def jpeg_folder(root, *, per_class: int, sides: tuple[int, int], seed: int) -> s
   return str(root)
 
 
+def bench(*flags) -> str:
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env['JAX_PLATFORMS'] = 'cpu'  # as CI: no accelerator, whatever this machine has
+  done = subprocess.run([sys.executable, '-m', 'benchmarks.device.tpu', '--quick', *flags], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  return done.stdout
+
+
 @pytest.fixture(scope='module')
-def run(tmp_path_factory):
+def rows_but_decode(tmp_path_factory):
+  """Every row but the decode: the device rows skipped, the input row on tiny photos (~25 s)."""
   tmp = tmp_path_factory.mktemp('bench_tpu')
-  cifar = jpeg_folder(tmp / 'cifar', per_class=150, sides=(32, 32), seed=0)  # 300 train images
   photos = jpeg_folder(tmp / 'photos', per_class=24, sides=(96, 160), seed=1)
   docs = tmp / 'performance.md'
   docs.write_text('# Performance\n\n## Earlier\n\nkept\n', encoding='utf-8')
   out = tmp / 'tpu.json'
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  env['JAX_PLATFORMS'] = 'cpu'  # as CI: no accelerator, whatever this machine has
-  done = subprocess.run([sys.executable, '-m', 'benchmarks.device.tpu', '--cifar', cifar, '--photos', photos,
-                         '--quick', '--out', str(out), '--workdir', str(tmp / 'work'), '--write-docs',
-                         '--docs', str(docs)], cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=300)
-  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-  return json.loads(out.read_text(encoding='utf-8')), done.stdout, docs.read_text(encoding='utf-8')
+  stdout = bench('--photos', photos, '--only', 'step,e2e,input,startup', '--out', str(out), '--workdir',
+                 str(tmp / 'work'), '--write-docs', '--docs', str(docs))
+  return {'tmp': tmp, 'out': out, 'docs': docs, 'stdout': stdout,
+          'results': json.loads(out.read_text(encoding='utf-8'))}
 
 
-def test_device_rows_are_skipped_with_the_reason(run):
-  results, stdout, _ = run
+@pytest.fixture(scope='module')
+def run(rows_but_decode):
+  """Then the decode row into the same JSON (`--only` keeps the others): the whole run, as one command
+  leaves it (~20 s more)."""
+  tmp, out, docs = rows_but_decode['tmp'], rows_but_decode['out'], rows_but_decode['docs']
+  cifar = jpeg_folder(tmp / 'cifar', per_class=150, sides=(32, 32), seed=0)  # 300 train images
+  stdout = bench('--cifar', cifar, '--only', 'decode', '--out', str(out), '--workdir', str(tmp / 'work'),
+                 '--write-docs', '--docs', str(docs))
+  return (json.loads(out.read_text(encoding='utf-8')), rows_but_decode['stdout'] + stdout,
+          docs.read_text(encoding='utf-8'))
+
+
+def test_device_rows_are_skipped_with_the_reason(rows_but_decode):
+  results, stdout = rows_but_decode['results'], rows_but_decode['stdout']
   assert results['device']['platform'] == 'cpu'
   for name in ('step', 'e2e', 'startup'):
     row = results['rows'][name]
@@ -81,8 +98,8 @@ def test_decode_row_reads_a_warm_disk_cache(run):
       decode['tf_data_median_seconds'] / decode['disk_cache_warm_median_seconds'])
 
 
-def test_input_row_reads_the_pipeline_benchmark(run):
-  results, _, _ = run
+def test_input_row_reads_the_pipeline_benchmark(rows_but_decode):
+  results = rows_but_decode['results']
   row = results['rows']['input']
   assert 'error' not in row and row['train_images'] == 48 and row['workers'] == 2, row
   for name in ('flaxtpu', 'flaxtpu_threads', 'tf_data'):
