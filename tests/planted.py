@@ -6,6 +6,7 @@ small CNN learns the class from the colour and two different images have unrelat
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -146,3 +147,23 @@ def make_digits_folder(root: str, *, count: int = 1000, flips: int = 10, seed: i
     if index in flipped:
       paths.append(path)
   return paths
+
+
+@contextlib.contextmanager
+def compilation_cache_in(folder: str):
+  """JAX's persistent compilation cache in `folder`, every program kept, as the CLI sets it
+  (flaxtpu/main.py); the settings before it, and no cache object, afterwards."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
+  names = {'jax_compilation_cache_dir': folder, 'jax_persistent_cache_min_compile_time_secs': 0.0,
+           'jax_persistent_cache_min_entry_size_bytes': 0}
+  before = {name: getattr(jax.config, name) for name in names}
+  compilation_cache.reset_cache()
+  for name, value in names.items():
+    jax.config.update(name, value)
+  try:
+    yield
+  finally:
+    for name, value in before.items():
+      jax.config.update(name, value)
+    compilation_cache.reset_cache()

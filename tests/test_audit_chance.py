@@ -9,12 +9,21 @@ import os
 import numpy as np
 import pytest
 from PIL import Image
+from planted import compilation_cache_in
 
 from configs import digits
 from flaxtpu.data import audit
 from flaxtpu.data.spec import saved_config
 from flaxtpu.modes import audit as audit_mode
 from flaxtpu.modes import audit_folds
+
+
+@pytest.fixture(scope='module', autouse=True)
+def compilation_cache(tmp_path_factory):
+  """The CLI's persistent compilation cache (flaxtpu/main.py): the second fold run reads the programs the
+  first compiled, as `--mode=audit` does from the command line."""
+  with compilation_cache_in(str(tmp_path_factory.mktemp('jax_cache'))):
+    yield
 
 
 def _random_label_digits(root: str, count: int, seed: int = 0) -> None:
