@@ -42,3 +42,26 @@ def test_training_the_cnn_on_images_too_small_for_it_is_one_line(tmp_path):
   assert [line for line in process.stderr.splitlines() if line.startswith('error')] == [
       'error: cnn pools 7x7 images to nothing: it needs at least 8x8; set --config.dataset.image_size=8 (or '
       'larger) or pick another model']
+
+
+@pytest.mark.parametrize('dtype, cause', [('float32', ''),
+                                          ('bfloat16', ' or a bfloat16 overflow (try dtype=float32)')])
+def test_the_divergence_line_names_an_overflow_only_where_a_narrower_type_can_overflow(dtype, cause):
+  """A float32 run was told 'a float32 overflow (try dtype=float32)'."""
+  from configs import digits
+  from flaxtpu.loop import divergence
+
+  class Saved:
+    directory = '/runs/x/checkpoints'
+
+    def all_steps(self):
+      return [4]
+
+  config = digits.get_config()
+  config.dtype = dtype
+  assert divergence.message(config, 5, Saved()) == (
+      'the training loss became NaN/Inf at step 5; likely causes: a learning rate too high '
+      f'(optimizer.learning_rate={config.optimizer.learning_rate}: lower it, add warmup or '
+      f'optimizer.grad_clip_norm){cause}; nothing from that step on was saved; the last good checkpoint, '
+      'step 4 in /runs/x/checkpoints, is intact: change the config and run the same command to resume from '
+      'it')

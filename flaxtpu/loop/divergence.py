@@ -26,7 +26,7 @@ def message(config: ml_collections.ConfigDict, step: int, checkpoints) -> str:
   last_good = (f'the last good checkpoint, step {max(saved)} in {checkpoints.directory}, is intact: '
                'change the config and run the same command to resume from it' if saved
                else 'no checkpoint was saved before it')
+  overflow = f' or a {config.dtype} overflow (try dtype=float32)' if config.dtype != 'float32' else ''
   return (f'the training loss became NaN/Inf at step {step}; likely causes: a learning rate too high '
           f'(optimizer.learning_rate={config.optimizer.learning_rate}: lower it, add warmup or '
-          f'optimizer.grad_clip_norm) or a {config.dtype} overflow (try dtype=float32); nothing from that '
-          f'step on was saved; {last_good}')
+          f'optimizer.grad_clip_norm){overflow}; nothing from that step on was saved; {last_good}')
