@@ -91,3 +91,25 @@ def test_a_cache_folder_that_is_a_file_is_left_alone_and_the_run_decodes(mixed_f
   assert warnings == [f'cannot keep the decoded images in {store} (it is a file, not a folder); set '
                       '--config.dataset.decoded_cache_dir to a writable folder, or none'] * 2
   assert hashlib.sha256(store.read_bytes()).hexdigest() == hashlib.sha256(b'my notes\n').hexdigest()
+
+
+def test_two_writers_of_one_split_at_once_leave_one_whole_file(mixed_folder, tmp_path, caplog):
+  """Runs sharing a store (two hosts on one disk: their pids may be equal; here two threads of one
+  process) wrote the same temporary file: one's rename then failed, or the file kept both's bytes."""
+  import threading
+  store = tmp_path / 'decoded'
+  pipeline.load(_config(mixed_folder, store))
+  path = _stored_train_split(store)
+  key = os.path.basename(path)[:-4]
+  with np.load(path) as stored:
+    decoded = decoded_store.Decoded(stored['pixels'], stored['shapes'], {}, [])
+  with caplog.at_level(logging.WARNING):
+    writers = [threading.Thread(target=lambda: [decoded_store.save(str(store), key, decoded)
+                                                for _ in range(20)]) for _ in range(2)]
+    for writer in writers:
+      writer.start()
+    for writer in writers:
+      writer.join()
+  assert not [record for record in caplog.records if record.levelno >= logging.WARNING]
+  assert decoded_store.load(str(store), key, len(decoded.shapes), channels=3) is not None
+  assert sorted(os.listdir(store)) == sorted(os.path.basename(p) for p in glob.glob(f'{store}/*.npz'))
