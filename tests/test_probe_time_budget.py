@@ -69,3 +69,38 @@ def test_a_damaged_plan_stops_the_resume_in_one_line_and_stays(tmp_path, damage,
 def test_a_missing_plan_still_says_the_run_had_no_budget(tmp_path):
   with pytest.raises(ConfigError, match=r'started without a budget \(time_budget.json is missing\)'):
     _resume(tmp_path)
+
+
+def test_a_sigterm_during_the_probe_ends_its_timed_steps_and_skips_its_report():
+  """The probe timed up to 1-3% of the budget in steps (minutes for a budget of hours) and the end's report
+  before the run could stop: a preemption's grace ran out meanwhile."""
+  clock, calls = [0.0], []
+
+  def part(name, seconds):
+    def run(*args):
+      calls.append(name)
+      clock[0] += seconds
+    return run
+
+  parts = time_budget.Parts(init=part('init', 1), compile=part('compile', 1), step=part('step', 0.01),
+                            wait=lambda: None, evaluate=part('evaluate', 0.1), save=part('save', 0.1),
+                            written=lambda: None, report=part('report', 3))
+  stop_after = 2 + 5  # two untimed warm steps, then five timed
+  measured = time_budget.timed(parts, 3600.0, 0.0, clock=lambda: clock[0],
+                               stopping=lambda: calls.count('step') >= stop_after)
+  assert measured['steps_timed'] == 5 and 'report' not in calls and measured['end_s'] == 0.0
+  unstopped = time_budget.timed(parts, 3600.0, 0.0, clock=lambda: clock[0])
+  assert unstopped['steps_timed'] == time_budget.PROBE_MAX_STEPS and calls[-1] == 'report'
+
+
+def test_the_probe_asks_the_cli_s_stop_request():
+  import os
+  import signal
+
+  from flaxtpu.loop import signals
+  assert not signals.requested()
+  with signals.StopRequest():
+    assert not signals.requested()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert signals.requested()
+  assert not signals.requested()

@@ -33,12 +33,15 @@ class StopRequest:
   def __enter__(self) -> 'StopRequest':
     for sig in (signal.SIGTERM, signal.SIGINT):
       self._previous[sig] = signal.signal(sig, self._handle)
+    _listening.append(self)
     return self
 
   def __exit__(self, *exc) -> None:
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
     self._previous = {}
+    if self in _listening:
+      _listening.remove(self)
 
   @property
   def active(self) -> bool:
@@ -73,6 +76,15 @@ class StopRequest:
   def raise_if_aborted(self) -> None:
     if self.abort_reason is not None:
       raise UserError(self.abort_reason)
+
+
+_listening: list[StopRequest] = []  # the requests whose handlers are installed (the CLI's one)
+
+
+def requested() -> bool:
+  """Whether a listening StopRequest got its SIGTERM or Ctrl-C: for work before the loop that takes long
+  and has no request of its own to ask (the time budget's probe)."""
+  return any(request.signal_name is not None for request in _listening)
 
 
 def abort_grace_s() -> float:

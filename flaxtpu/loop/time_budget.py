@@ -74,6 +74,7 @@ import numpy as np
 from flaxtpu.data import loaders, workers
 from flaxtpu.evaluation.evaluate import evaluate_splits, report_about, write_report
 from flaxtpu.io import files
+from flaxtpu.loop import signals
 from flaxtpu.loop.window import TrainWindow
 from flaxtpu.optimizers import optim, swa
 from flaxtpu.optimizers.optim_checks import parse_duration
@@ -383,13 +384,14 @@ class Parts:
 
 
 def timed(parts: Parts, budget: float, started: float, clock: Callable[[], float] = time.time,
-          eval_every: int = 0, save_every: int = 0) -> dict:
+          eval_every: int = 0, save_every: int = 0, stopping: Callable[[], bool] = lambda: False) -> dict:
   """Seconds of each part apart: the init and compile; the first evaluation and a warm one; the first
   save and a warm one (the time the loop waits for: a save is written in the background) and the warm
   one's writing; warm steps (two untimed first), at the loop's cadence: evaluated every `eval_every`
   and saved every `save_every` steps (0: never), those evaluations' and saves' own time taken out,
   so what they cost the steps around them (a checkpoint written beside them) counts as the steps';
-  the end report; the time since `started`."""
+  the end report; the time since `started`. Once `stopping()` (a SIGTERM), the steps end and the report
+  is not timed: the run stops before its first step, and a run without a checkpoint probes again."""
 
   def seconds(call, *args) -> float:
     began = clock()
@@ -416,13 +418,15 @@ def timed(parts: Parts, budget: float, started: float, clock: Callable[[], float
       parts.wait()
       saved += 1
       aside += seconds(parts.save, saved)
+    if stopping():
+      break
     spent = clock() - began
     if (count >= 3 and spent > 0.03 * budget) or (count >= PROBE_STEPS and spent > PROBE_SHARE * budget):
       break
   parts.wait()
   step_s = (clock() - began - aside) / count
   parts.written()
-  end_s = seconds(parts.report)
+  end_s = 0.0 if stopping() else seconds(parts.report)
   return {'step_s': step_s, 'steps_timed': count, 'eval_first_s': eval_first_s, 'eval_s': eval_s,
           'save_first_s': save_first_s, 'save_s': save_s, 'save_write_s': save_write_s, 'init_s': init_s,
           'compile_s': compile_s, 'end_s': end_s, 'elapsed_s': clock() - started}
@@ -497,7 +501,8 @@ def probe(config: ml_collections.ConfigDict, dataset, mesh, eval_sets: list, sta
       measured = timed(Parts(init=init, compile=compile_step, step=step,
                              wait=lambda: jax.block_until_ready(live.get('metrics')), evaluate=evaluate,
                              save=save, written=saves.wait, report=report), budget, started,
-                     eval_every=length.eval_every_steps, save_every=length.checkpoint_every_steps)
+                     eval_every=length.eval_every_steps, save_every=length.checkpoint_every_steps,
+                     stopping=signals.requested)
     finally:
       saves.close()
       batches.close()
