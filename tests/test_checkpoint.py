@@ -18,6 +18,7 @@ from configs import cifar10_resnet
 from conftest import (
   ROOT,
   assert_same_state,
+  cli_env,
   make_image_folder,
   make_mixed_folder,
   metric_rows,
@@ -85,7 +86,7 @@ def test_stopped_and_resumed_equals_uninterrupted(uninterrupted, image_folder, t
 
 
 def _cli(workdir, folder, *extra):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   return [sys.executable, '-m', 'flaxtpu.main', '--config=configs/cifar10_resnet.py', f'--workdir={workdir}',
           f'--config.dataset.folder={folder}', '--config.batch_size=16', '--config.log_every_steps=4',
           '--config.eval_every_steps=6', '--config.checkpoint_every_steps=3',
@@ -449,7 +450,7 @@ def test_a_bad_image_mid_run_lets_the_save_in_flight_complete(tmp_path):
   content = bad.read_bytes()
   bad.write_bytes(content[:len(content) * 3 // 4])  # decoded only when a batch draws it: step 3 here
   workdir = str(tmp_path / 'run')
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   result = subprocess.run(
       [sys.executable, '-m', 'flaxtpu.main', '--config=configs/cifar10.py', f'--workdir={workdir}',
        f'--config.dataset.folder={folder}', '--config.dataset.image_size=16', '--config.dataset.cache=none',

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_data import _config
 
-from conftest import ROOT, make_image_folder
+from conftest import ROOT, cli_env, make_image_folder
 from flaxtpu.data import pipeline, predict_inputs
 from flaxtpu.data.sources import DataError, base
 from flaxtpu.data.sources import folder as folder_source
@@ -25,7 +25,7 @@ TINY = ['--config.batch_size=16', '--config.num_train_steps=4', '--config.eval_e
 
 
 def run_cli(*args, check=True):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # the CLI picks the devices
+  env = cli_env()  # the CLI picks the devices
   result = subprocess.run([sys.executable, '-m', 'flaxtpu.main', *args], cwd=ROOT, env=env,
                           capture_output=True, timeout=300)
   # Output as the CLI wrote it, undecodable bytes kept visible.

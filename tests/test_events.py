@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import ROOT
+from conftest import ROOT, cli_env
 from flaxtpu.io import events, writers
 
 
@@ -239,7 +239,7 @@ finally:
 
 def test_a_training_run_never_imports_tensorflow_and_writes_its_losses_to_tensorboard(tmp_path):
   workdir = str(tmp_path / 'run')
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # the CLI picks the devices
+  env = cli_env()  # the CLI picks the devices
   env['PYTHONPROFILEIMPORTTIME'] = '1'  # every Python process of the run lists its imports on stderr
   result = subprocess.run([sys.executable, '-c', WATCHING_IMPORTS, '--config=configs/digits.py',
                            f'--workdir={workdir}', '--config.num_epochs=1', '--config.log_every_steps=10',

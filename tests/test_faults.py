@@ -14,14 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, cli_env
 from flaxtpu.report import plots, writer
 from flaxtpu.settings import defaults
 from flaxtpu.weights import checkpoint
 
 
 def _cli(*args):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   return subprocess.run([sys.executable, '-m', 'flaxtpu.main', *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=120)
 

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from benchmarks.data import make_shards
-from conftest import ROOT, make_image_folder
+from conftest import ROOT, cli_env, make_image_folder
 from flaxtpu.data import loaders, pipeline, sources
 from flaxtpu.data.sources import DataError, shards, tagged
 from flaxtpu.settings import defaults
@@ -552,7 +552,7 @@ def test_a_short_training_run_streams_tar_shards_through_the_cli(tmp_path):
               for split in ('train', 'test')}
   pattern = make_shards.make_shards(examples, CLASSES, str(tmp_path / 'shards'), shards=2)
   workdir = tmp_path / 'run'
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # the CLI picks the devices
+  env = cli_env()  # the CLI picks the devices
   result = subprocess.run(
       [sys.executable, '-m', 'flaxtpu.main', '--config=configs/cifar10.py', f'--workdir={workdir}',
        f'--config.dataset.shards={pattern}', '--config.dataset.sampling=shards',

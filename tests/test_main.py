@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import cifar10_resnet
-from conftest import ROOT, make_mixed_folder, metric_rows
+from conftest import ROOT, cli_env, make_mixed_folder, metric_rows
 from flaxtpu.modes import eval as eval_mode
 from flaxtpu.settings import lengths
 from flaxtpu.step import steps
@@ -23,7 +23,7 @@ TINY = ['--config.batch_size=16', '--config.num_train_steps=6', '--config.log_ev
 
 
 def run_cli(*args, check=True):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # the CLI picks the devices
+  env = cli_env()  # the CLI picks the devices
   result = subprocess.run([sys.executable, '-m', 'flaxtpu.main', *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
   if check and result.returncode:

@@ -2,14 +2,13 @@
 XLA's memory plans, used for training and saved with the run; none fitting is one line."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from configs import digits
-from conftest import ROOT
+from conftest import ROOT, cli_env
 from flaxtpu.data import memory
 from flaxtpu.loop import train
 from flaxtpu.settings.errors import ConfigError
@@ -119,7 +118,7 @@ def test_a_run_with_auto_trains_with_the_policy_that_fits_and_saves_it(tmp_path,
 
 
 def test_plan_mode_reports_each_policy_it_compiled(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   subprocess.run([sys.executable, '-m', 'flaxtpu.main', '--config=configs/digits.py', f'--workdir={tmp_path}',
                   '--mode=plan', '--config.model.remat=auto', '--config.compilation_cache_dir=none'],
                  cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=300)
