@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, cli_env
 from flaxtpu.loop import progress
 
 # The CLI with jax.monitoring listeners: each backend compile (a persistent-cache hit included) and each
@@ -86,7 +86,7 @@ pipeline._read = held_read
 
 
 def run_counting_compiles(workdir, cache_dir, events, *overrides, hold_read_s=0):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # the CLI picks the devices
+  env = cli_env()  # the CLI picks the devices
   program = (READ_AFTER_AHEAD.replace('WAIT', str(hold_read_s)) if hold_read_s else '') + WITH_LISTENERS
   result = subprocess.run([sys.executable, '-c', program, *SHORT_RUN, *overrides, f'--workdir={workdir}',
                            f'--config.compilation_cache_dir={cache_dir}'],
@@ -212,7 +212,7 @@ finally:
 
 
 def test_the_cli_reads_the_data_once_while_jax_and_the_trainer_import(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   loads = tmp_path / 'loads.json'
   result = subprocess.run([sys.executable, '-c', WATCHING_LOAD, *SHORT_RUN, f'--workdir={tmp_path / "run"}',
                            f'--config.compilation_cache_dir={tmp_path / "cache"}'],
@@ -255,8 +255,9 @@ def test_waiting_for_a_batch_while_the_last_step_runs_counts_as_the_step(monkeyp
   assert progress._ready({'loss': jnp.ones(3).block_until_ready(), 'count': 3})
 
 
-# Each config's programs, lowered at small shapes without compiling: their StableHLO hashed (no debug
-# info, as the persistent cache's key leaves it out).
+# Each config's programs, lowered at small shapes without compiling (the state abstract: its shapes and
+# shardings, nothing initialised): their StableHLO hashed (no debug info, as the persistent cache's key
+# leaves it out).
 LOWER_EVERY_CONFIG = '''
 import hashlib, importlib, json, pathlib, sys
 import jax
@@ -272,7 +273,7 @@ for path in sorted(pathlib.Path('configs').glob('[!_]*.py')):
   task = steps.create_task(config, num_classes=10, image_shape=shape, mean=np.full(3, 0.5, np.float32),
                            std=np.full(3, 0.25, np.float32), length=run_length(config, 1000))
   placement = steps.place(task, parallel.make_mesh(config), config)
-  state = steps.create_state(task, placement, config.seed)
+  state = placement.abstract_state
   images, labels = np.zeros((8, *shape), np.uint8), np.zeros((8,), np.int32)
   train = placement.train_step.lower(state, placement.put_train_batch((images, labels)))
   evaluate = placement.eval_step.lower(state, placement.put_eval_batch((images, labels, np.ones(8, bool))))
@@ -287,14 +288,17 @@ def test_every_config_lowers_to_the_same_programs_in_every_process():
   # A program built in an order that follows a set of strings changes with each process's hashing
   # (PYTHONHASHSEED), and the persistent cache then misses in every other run: cifar10_fast.py's train
   # step did (its learning-rate groups), recompiling for 18 s in a warm run on a TPU v5e.
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
+  # The three processes at once: each is one Python thread tracing.
+  processes = [subprocess.Popen([sys.executable, '-c', LOWER_EVERY_CONFIG], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env={**env, 'PYTHONHASHSEED': seed, 'JAX_PLATFORMS': 'cpu'})
+               for seed in ('1', '2', '3')]
   hashes = []
-  for seed in ('1', '2', '3'):
-    result = subprocess.run([sys.executable, '-c', LOWER_EVERY_CONFIG], cwd=ROOT, capture_output=True,
-                            text=True, env={**env, 'PYTHONHASHSEED': seed, 'JAX_PLATFORMS': 'cpu'},
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    hashes.append(json.loads(result.stdout.strip().splitlines()[-1]))
+  for process in processes:
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    hashes.append(json.loads(stdout.strip().splitlines()[-1]))
   assert len(hashes[0]) >= 8, hashes[0]  # every config in configs/
   assert hashes[0] == hashes[1] == hashes[2], [
       name for name in hashes[0] if not hashes[0][name] == hashes[1][name] == hashes[2][name]]
