@@ -2,6 +2,7 @@
 layer map as timm groups it, remat and stochastic depth, runs saved before model.downsample, and the
 published-weight paths (file, timm folder, hub cache, keep_head predict, fine-tune, export to timm)."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -18,6 +19,7 @@ from test_pretrained import assert_same_function, flaxtpu_logits, hub_cache, imp
 from conftest import make_image_folder
 from flaxtpu import main, models
 from flaxtpu.exporters import export
+from flaxtpu.models import registry
 from flaxtpu.models.nets import swin
 from flaxtpu.modes import predict
 from flaxtpu.optimizers import optim
@@ -235,11 +237,23 @@ def _run_config(folder, name, **overrides):
   return config
 
 
-def test_an_old_convnext_run_evaluates_as_it_trained(tmp_path, in_process):
+@pytest.fixture
+def small_convnext_t(monkeypatch):
+  """convnext_t with one block a stage and narrow stages: the family's stem and stride-2 downsamples (what
+  model.downsample rounds) at a twentieth of the compile time."""
+  small = dataclasses.replace(models.get_spec('convnext_t'), stage_sizes=(1, 1, 1, 1), widths=(8, 16, 24, 32))
+  monkeypatch.setitem(registry._SPECS, 'convnext_t', small)  # pylint: disable=protected-access
+  registry.layer_depths.cache_clear()
+  yield
+  monkeypatch.undo()
+  registry.layer_depths.cache_clear()
+
+
+def test_an_old_convnext_run_evaluates_as_it_trained(tmp_path, in_process, small_convnext_t):
   """A run at 36 px (9x9 -> 5x5 under ceil, 4x4 under floor) trained as flaxtpu trained before the key,
   its config.json and records as such a run wrote them: eval restores it with ceil and reproduces its eval
   loss; a config at today's default (floor) gets the run's ceil back (resolution.keep_saved_function), so
-  it reproduces the loss too, and so does a resumed training."""
+  it reproduces the loss too, and so does a resumed training. (A small convnext_t: small_convnext_t.)"""
   folder = make_image_folder(tmp_path / 'photos', size=36, train_per_class=4, test_per_class=2)
   workdir = str(tmp_path / 'run')
   main.run(_run_config(folder, 'convnext_t', **{'model.downsample': 'ceil'}), workdir, 'train', None)
