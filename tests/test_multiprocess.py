@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, restore_checkpoint
+from conftest import ROOT, cli_env, restore_checkpoint
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,21 +29,27 @@ def _free_port():
 
 
 def _env():
-  return {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  return cli_env()
 
 
 def test_two_processes_end_with_the_parameters_of_one(image_folder, tmp_path):
   single, multi = str(tmp_path / 'single'), str(tmp_path / 'multi')
   common = ARGS + [f'--config.dataset.folder={image_folder}']
-  subprocess.run([sys.executable, '-m', 'flaxtpu.main', *common, f'--workdir={single}',
-                  '--config.cpu_devices=8'],
-                 cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=300)
+  # The one process and the two at once (they share nothing but the image folder).
+  single_log = open(tmp_path / 'single.log', 'w+')  # pylint: disable=consider-using-with
+  one_process = subprocess.Popen([sys.executable, '-m', 'flaxtpu.main', *common, f'--workdir={single}',
+                                  '--config.cpu_devices=8'],
+                                 cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=single_log)
   port = _free_port()
   processes = [subprocess.Popen(
       [sys.executable, '-m', 'flaxtpu.main', *common, f'--workdir={multi}', '--config.cpu_devices=4',
        f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'],
       cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
   outputs = [p.communicate(timeout=300) for p in processes]
+  one_process.wait(timeout=300)
+  single_log.seek(0)
+  assert one_process.returncode == 0, single_log.read()[-3000:]
+  single_log.close()
   for process, (_, stderr) in zip(processes, outputs):
     assert process.returncode == 0, stderr[-3000:]
   assert 'devices=8 (local 4) process=0/2' in outputs[0][1]
