@@ -179,18 +179,19 @@ def test_a_family_reading_an_option_config_model_lacks_is_refused():
   assert set(models.OPTIONS) <= set(inspect.signature(models.create).parameters)  # each one a create option
 
 
-def test_every_model_places_every_parameter_in_its_layer_map():
+# Every built-in model, one test each (the registry's names at collection, before any test's plug-in).
+@pytest.mark.parametrize('name', models.NAMES)
+def test_every_model_places_every_parameter_in_its_layer_map(name):
   """No built-in parameter falls outside its family's layer-depth map (the head is a listed layer)."""
-  for name in models.NAMES:
-    options = {'patch_size': 4, 'pool': 'tok'} if 'pool' in models.get_spec(name).options else (
-        {'patch_size': 4} if 'patch_size' in models.get_spec(name).options else {})
-    model = models.create(name, num_classes=10, **options)
-    images = jnp.zeros((1, 32, 32, 3))
-    variables = jax.eval_shape(lambda model=model: model.init(jax.random.PRNGKey(0), images, train=False))
-    _, head = models.layer_depths(name)
-    depths = {optim.layer_depth(name, path) for collection in variables.values()
-              for path in optim.named_leaves(collection)}
-    assert depths == set(range(head + 1)), name  # every layer holds parameters, the head last
+  options = {'patch_size': 4, 'pool': 'tok'} if 'pool' in models.get_spec(name).options else (
+      {'patch_size': 4} if 'patch_size' in models.get_spec(name).options else {})
+  model = models.create(name, num_classes=10, **options)
+  images = jnp.zeros((1, 32, 32, 3))
+  variables = jax.eval_shape(lambda model=model: model.init(jax.random.PRNGKey(0), images, train=False))
+  _, head = models.layer_depths(name)
+  depths = {optim.layer_depth(name, path) for collection in variables.values()
+            for path in optim.named_leaves(collection)}
+  assert depths == set(range(head + 1)), name  # every layer holds parameters, the head last
 
 
 def test_the_registry_and_the_published_weights_import_no_jax():
