@@ -51,8 +51,10 @@ train: $(VENV)/.installed-runtime  # the embedded digits: no download, about a m
 eval: $(VENV)/.installed-runtime  # the config comes from the trained run in WORKDIR
 	$(RUN) -m flaxtpu.main --workdir=$(WORKDIR) --mode=eval
 
+# --dist loadfile: a file's tests run in one worker, so each module-scoped fixture (a trained run shared by a
+# file's tests) is built once, not once in each worker.
 test: $(VENV)/.installed-test  # everything but the slow accuracy runs (DEVELOPING.md)
-	$(RUN) -m pytest -q -n 2 --durations=25
+	$(RUN) -m pytest -q -n 2 --dist loadfile --durations=25
 
 test-quick: $(VENV)/.installed-test  # the tests marked `quick` in tests/conftest.py: a few minutes
 	$(RUN) -m pytest -q -n 2 -m 'quick and not slow' --durations=10
