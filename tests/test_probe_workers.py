@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -68,3 +69,30 @@ def test_a_killed_worker_stops_the_trainer_in_one_line(tmp_path):
   assert process.returncode == 2, process.stderr[-2000:]
   assert 'Traceback' not in process.stderr
   assert [line for line in process.stderr.splitlines() if line.startswith('error')] == [DIED]
+
+
+@pytest.mark.skipif(not os.path.isdir('/dev/shm'), reason='POSIX shared memory is not under /dev/shm here')
+def test_blocks_a_killed_process_group_left_are_removed_by_the_next_pass(monkeypatch):
+  """kill -9 of the trainer's whole group (scancel, a container's OOM kill) takes multiprocessing's
+  resource tracker with it: the batches' blocks stayed in /dev/shm until a reboot. The next run's first
+  pass unlinks the blocks whose maker is dead and that nobody wrote for ORPHAN_AGE_S, and only those."""
+  finished = subprocess.Popen(['true'])
+  finished.wait()
+  dead, old = finished.pid, time.time() - shared_blocks.ORPHAN_AGE_S - 60
+  names = {'orphan': f'flaxtpu_{dead}_0badc0de', 'recent': f'flaxtpu_{dead}_0badc0df',
+           'live maker': f'flaxtpu_{os.getpid()}_0badc0e0', 'not ours': f'psm_probe_{dead}'}
+  for what, name in names.items():
+    with open(os.path.join('/dev/shm', name), 'wb') as f:
+      f.write(b'\0' * 4096)
+    if what != 'recent':
+      os.utime(os.path.join('/dev/shm', name), (old, old))
+  monkeypatch.setattr(shared_blocks, '_orphans_removed', False)
+  try:
+    for _ in workers.run(_batch_or_death, list(range(6, 12)), workers=2, buffer=2):
+      pass
+    left = {what for what, name in names.items() if os.path.exists(os.path.join('/dev/shm', name))}
+    assert left == {'recent', 'live maker', 'not ours'}
+  finally:
+    for name in names.values():
+      if os.path.exists(os.path.join('/dev/shm', name)):
+        os.unlink(os.path.join('/dev/shm', name))

@@ -13,6 +13,9 @@ import dataclasses
 import logging
 import mmap
 import os
+import re
+import secrets
+import time
 
 import numpy as np
 
@@ -75,10 +78,9 @@ class Blocks:
                    'batches come back through pipes (slower; a larger /dev/shm, e.g. docker run '
                    '--shm-size, lifts it)', room / 2**20, self._count, size / 2**20)
       return
-    from multiprocessing import shared_memory  # pylint: disable=g-import-not-at-top
     keep_freed_memory(size)  # the copies out of the blocks reuse pages
     for _ in range(self._count):
-      self._all.append(shared_memory.SharedMemory(create=True, size=size))
+      self._all.append(new_block(size))
     self._free = list(self._all)
 
   def close(self) -> None:
@@ -88,6 +90,65 @@ class Blocks:
       block.close()
       block.unlink()
     self._all, self._free, self._mapped = [], [], {}
+
+
+PREFIX = 'flaxtpu_'  # a block's name: flaxtpu_<pid of the process that made it>_<random>
+ORPHAN_AGE_S = 600  # a dead maker's block untouched this long is an orphan (a live pass writes each batch)
+
+
+def new_block(size: int):
+  """A new shared-memory block named after this process (`remove_orphans` finds those a killed run left)."""
+  from multiprocessing import shared_memory  # pylint: disable=g-import-not-at-top
+  if not _orphans_removed:
+    remove_orphans()
+  while True:
+    try:
+      return shared_memory.SharedMemory(f'{PREFIX}{os.getpid()}_{secrets.token_hex(4)}', create=True,
+                                        size=size)
+    except FileExistsError:  # another block drew the same name
+      continue
+
+
+def remove_orphans(now: float | None = None) -> None:
+  """Unlinks the blocks in /dev/shm that a run killed with its whole process group left (kill -9 of the
+  group, scancel, a container's OOM kill: multiprocessing's resource tracker, which unlinks a killed
+  trainer's blocks, died with it): their maker is gone and they were not written for ORPHAN_AGE_S.
+  They hold /dev/shm (a batch of 256 224x224 images each, one per item in flight) until a reboot."""
+  global _orphans_removed
+  _orphans_removed = True
+  now = time.time() if now is None else now
+  removed, freed = 0, 0
+  try:
+    names = os.listdir('/dev/shm')
+  except OSError:  # no /dev/shm (macOS)
+    return
+  for name in names:
+    match = re.fullmatch(re.escape(PREFIX) + r'(\d+)_[0-9a-f]+', name)
+    path = os.path.join('/dev/shm', name)
+    try:
+      if not match or _alive(int(match.group(1))) or now - os.stat(path).st_mtime < ORPHAN_AGE_S:
+        continue
+      freed += os.stat(path).st_size
+      os.unlink(path)
+      removed += 1
+    except OSError:  # removed meanwhile, or not ours to remove
+      continue
+  if removed:
+    logging.info('removed %d shared-memory blocks (%.0f MiB) that killed runs left in /dev/shm', removed,
+                 freed / 2**20)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except OSError:  # another user's: alive
+    return True
+  return True
+
+
+_orphans_removed = False  # remove_orphans has run in this process
 
 
 @dataclasses.dataclass

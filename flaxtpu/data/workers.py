@@ -169,8 +169,7 @@ class _HandOver:
     self._block = None
     room = shared_blocks.shm_room()
     if room is None or room >= 2 * len(data):
-      from multiprocessing import shared_memory  # pylint: disable=g-import-not-at-top
-      self._block = shared_memory.SharedMemory(create=True, size=max(len(data), 1))
+      self._block = shared_blocks.new_block(max(len(data), 1))
       self._block.buf[:len(data)] = data
       self.where = ('shared_memory', self._block.name, len(data))
       return
