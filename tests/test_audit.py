@@ -287,7 +287,7 @@ def test_the_method_follows_the_audits_size():
 
 @pytest.mark.parametrize('key, value, message', [
     ('folds', 1, 'must be 0 .* or 2..50'), ('steps_fraction', 0.0, r'must lie in \(0, 10\]'),
-    ('steps_fraction', 11.0, r'must lie in \(0, 10\]'),
+    ('steps_fraction', 11.0, r'must lie in \(0, 10\]'), ('min_epochs', -1.0, r'must lie in \[0, 1000\]'),
     ('fold_limit', 9, 'at least 2 x audit.folds'), ('large', 'all', 'must be one of auto, features, sample'),
     ('rule', 'both', 'must be one of prune_by_noise_rate, confident_learning')])
 def test_audit_settings_are_checked(key, value, message):

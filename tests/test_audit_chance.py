@@ -73,7 +73,8 @@ def test_fold_models_that_learn_nothing_list_no_suspects_and_say_so(tmp_path, ca
   steps): fold accuracies 0.098-0.117 (mean 0.103), chance 0.14 (majority class; 1/10 = 0.1), 172 withheld."""
   root = str(tmp_path / 'data')
   _random_label_digits(root, 300)
-  config = _digits_config(root, num_epochs=0.0, num_train_steps=10, **{'audit.folds': 2})
+  config = _digits_config(root, num_epochs=0.0, num_train_steps=10,
+                          **{'audit.folds': 2, 'audit.min_epochs': 0})  # fold runs of 10 steps exactly
   workdir = str(tmp_path / 'audit')
   with caplog.at_level(logging.INFO):
     audit_mode.run_audit(config, workdir)
@@ -165,7 +166,7 @@ def test_the_fold_runs_train_the_trained_runs_recipe_at_its_length(tmp_path, mon
 def test_a_fold_run_is_at_least_as_long_as_the_run():
   """At the default audit.steps_fraction=1: num_train_steps as set; num_epochs over the run's train split
   when that is longer than its epochs over the fold's K - 1 folds, and the epoch-set schedule points
-  move with it."""
+  move with it; never under audit.min_epochs (10) epochs over the fold's images."""
   config = _digits_config('', num_epochs=20.0, **{'schedule.warmup_epochs': 2.0})
   assert config.audit.steps_fraction == 1.0
   assert audit_folds.fold_steps(config, 800) == 500  # 20 epochs of 25 steps over 800 images
@@ -176,4 +177,9 @@ def test_a_fold_run_is_at_least_as_long_as_the_run():
   steps = _digits_config('', num_epochs=0.0, num_train_steps=300)
   assert audit_folds.fold_steps(steps, 800, run_steps=300) == 300
   steps.audit.steps_fraction = 0.5
+  assert audit_folds._fold_config(steps, 1000, folds, 300).num_train_steps == 250  # pylint: disable=protected-access
+  # ... where 250 steps are audit.min_epochs=10 epochs of 25 over the fold's 800 images; 0 lifts that floor.
+  steps.audit.min_epochs = 0.0
   assert audit_folds._fold_config(steps, 1000, folds, 300).num_train_steps == 150  # pylint: disable=protected-access
+  short = _digits_config('', num_epochs=3.0)  # a short recipe: 10 epochs over the fold's images
+  assert audit_folds.fold_steps(short, 800, run_steps=94) == 250

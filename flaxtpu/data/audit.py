@@ -468,6 +468,9 @@ def check_config(config) -> None:
   if not 0 < settings.steps_fraction <= 10:
     raise ConfigError(f'config.audit.steps_fraction={settings.steps_fraction!r} must lie in (0, 10]: '
                       "each fold model trains this multiple of the run's own length (1 = as long as the run)")
+  if not 0 <= settings.min_epochs <= 1000:
+    raise ConfigError(f'config.audit.min_epochs={settings.min_epochs!r} must lie in [0, 1000]: the fewest '
+                      'epochs a fold model trains over its folds (0 = the run\'s length alone)')
   if not settings.fold_limit >= 2 * max(settings.folds, 1):
     raise ConfigError(f'config.audit.fold_limit={settings.fold_limit!r} must be at least 2 x audit.folds '
                       'images')

@@ -134,7 +134,8 @@ def _mislabels(config: ml_collections.ConfigDict, workdir: str, scanned: audit.S
               '(fold runs of the recipe)')
   else:
     advice = (f'train the fold models longer: raise audit.steps_fraction (now {settings.steps_fraction:g}; '
-              f'{search.get("steps")} steps each) or the recipe\'s num_epochs / num_train_steps')
+              f'{search.get("steps")} steps each), audit.min_epochs (now {settings.min_epochs:g}) or the '
+              'recipe\'s num_epochs / num_train_steps')
   outcome, note = audit.verdict(accuracies, chance['chance'], len(issues.ranked), len(labels), advice)
   search['verdict'] = outcome
   search['thresholds'] = {name: round(float(t), 6) for name, t in zip(class_names, issues.thresholds)}

@@ -191,10 +191,12 @@ def out_of_fold(config: ml_collections.ConfigDict, workdir: str, pool: Pool, cla
 def fold_steps(config: ml_collections.ConfigDict, train_examples: int, run_steps: int = 0) -> int:
   """Steps of a fold run: `audit.steps_fraction` (default 1) of the longer of the run's own length
   `run_steps` and the recipe's run on the fold's `train_examples` images (num_train_steps, else
-  num_epochs over them; a time budget counts as its epochs). At the default a fold model trains at
-  least as many steps as the run and at least its epochs over its K - 1 folds."""
+  num_epochs over them; a time budget counts as its epochs), and at least `audit.min_epochs` (default
+  10) epochs over its `train_examples`. At the defaults a fold model trains at least as many steps as the
+  run, at least its epochs over its K - 1 folds, and at least 10 epochs."""
   own = run_length(config, train_examples).total_steps
-  return max(1, math.ceil(config.audit.steps_fraction * max(own, run_steps)))
+  floor = math.ceil(config.audit.min_epochs * train_examples / config.batch_size)
+  return max(1, math.ceil(config.audit.steps_fraction * max(own, run_steps)), floor)
 
 
 def _fold_config(config: ml_collections.ConfigDict, count: int, folds: np.ndarray,

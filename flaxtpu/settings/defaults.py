@@ -464,6 +464,11 @@ def get_config() -> ml_collections.ConfigDict:
   # at least as long as the run, so the audit costs about `folds` x the run (5x). Shorter fold models
   # can learn nothing: the audit then lists no suspects and says so (docs/audit_explain.md).
   config.audit.steps_fraction = 1.0
+  # ... and at least this many epochs over its K - 1 folds, whatever the run's length: a short recipe's
+  # fold models (configs/mnist.py's 3 epochs) learn too little to tell a wrong label from their own
+  # mistakes (2,000 digits, 20 flipped: 12 of the 20 found at 3 epochs, 17 at 9; docs/audit_explain.md).
+  # 0 = the run's length alone.
+  config.audit.min_epochs = 10.0
   # Up to this many images, fold models are trained on all of them; above it, `large` decides.
   config.audit.fold_limit = 100_000
   # Over fold_limit: features (a linear probe per fold on frozen embeddings of every image: of
