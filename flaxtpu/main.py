@@ -28,8 +28,9 @@ from ml_collections import config_flags
 
 from flaxtpu.data import memory  # no JAX inside either
 from flaxtpu.io import files, storage  # no JAX inside either
+from flaxtpu.io import workdir as workdir_checks
 from flaxtpu.loop.signals import StopRequest
-from flaxtpu.settings.errors import CheckpointError, UserError
+from flaxtpu.settings.errors import UserError
 from flaxtpu.settings.lengths import resolved_eval_batch_size
 from flaxtpu.validation import config as config_lib  # no JAX inside: safe before XLA's flags are set
 from flaxtpu.validation.config import CPU_CONVOLUTION_FLAGS, YNN_FUSION_FLAG
@@ -367,13 +368,7 @@ def _in_detectable_cluster() -> bool:
           or len(env.get('TPU_WORKER_HOSTNAMES', '').split(',')) > 1)
 
 
-# The files a run of each mode writes at the top of its workdir.
-RUN_FILES = {'train': ('config.json', 'metrics.jsonl', 'results.json', 'time_budget.json', 'per_class.csv',
-                       'report.html', 'curves.png', 'confusion.png', 'mistakes.png', 'reliability.png'),
-             'plan': ('plan.json',)}
-
-
-def _check_workdir(workdir: str, mode: str) -> None:
+def _check_workdir(workdir: str) -> None:
   if storage.is_remote(workdir):
     if reason := files.unwritable(workdir):
       raise UserError(f'--workdir={workdir} cannot be written ({reason}); check the bucket\'s name and '
@@ -386,31 +381,6 @@ def _check_workdir(workdir: str, mode: str) -> None:
                     'directory') from e
   if not os.access(workdir, os.W_OK):
     raise UserError(f'--workdir={workdir} is not writable; choose a writable directory')
-  checkpoints = os.path.join(workdir, 'checkpoints')
-  if os.path.lexists(checkpoints) and not os.path.isdir(checkpoints):
-    raise UserError(f'{checkpoints} is a file, not the folder a run keeps its checkpoints in; move it '
-                    'aside, or use another --workdir')
-  for name in RUN_FILES[mode]:  # replaced whole as the run goes: a folder there fails it mid-run
-    if os.path.isdir(path := os.path.join(workdir, name)):
-      raise UserError(f'{path} is a folder, not the file a run writes there; move it aside, or use '
-                      'another --workdir')
-  # A finished run whose checkpoints were deleted would train again from step 0 over its results.
-  if mode == 'train' and (gone := _checkpoints_gone(workdir)):
-    raise UserError(f'--workdir={workdir} holds a finished run (results.json) but {gone}: training here '
-                    'would start again from step 0 over its results and metrics; use another --workdir, '
-                    'or move its files aside to train afresh here')
-
-
-def _checkpoints_gone(workdir: str) -> str:
-  """Where a local workdir holds a finished run (results.json) and no checkpoint, what became of them."""
-  checkpoints = os.path.join(workdir, 'checkpoints')
-  if storage.is_remote(workdir) or not os.path.isfile(os.path.join(workdir, 'results.json')):
-    return ''
-  if not os.path.lexists(checkpoints):
-    return f'no {checkpoints} folder'
-  if not os.path.isdir(checkpoints):
-    return f'{checkpoints} is a file, not its checkpoints folder'
-  return '' if any(name.isdigit() for name in os.listdir(checkpoints)) else f'no checkpoint in {checkpoints}'
 
 
 def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
@@ -426,10 +396,9 @@ def run(config, workdir: str, mode: str, stop: StopRequest) -> None:
   if not workdir:
     raise UserError('--workdir is required: where this run writes (or a trained run to restore)')
   if mode in ('train', 'plan'):
-    _check_workdir(workdir, mode)
-  elif mode in ('eval', 'predict', 'calibrate', 'export') and (gone := _checkpoints_gone(workdir)):
-    raise CheckpointError(f'--workdir={workdir} holds a finished run (results.json) but {gone}: its weights '
-                          'were deleted; restore them from a copy (or train again in another --workdir)')
+    _check_workdir(workdir)
+  if not storage.is_remote(workdir):
+    workdir_checks.check_before_run(workdir, mode)
   _set_xla_flags(config, mode)
   # The data is read while JAX imports and the devices start, unless a required platform must be
   # checked first.
