@@ -177,13 +177,13 @@ def test_sigterm_during_the_final_save_still_writes_results(image_folder, tmp_pa
 @pytest.mark.parametrize('phase', ['compile', 'final_eval'])
 def test_sigterm_while_compiling_or_in_the_final_eval_leaves_a_resumable_workdir(
     phase, image_folder, tmp_path, monkeypatch):
-  from flaxtpu.step import steps
+  from flaxtpu.step import placing
   workdir = str(tmp_path)
   config = _config(image_folder, num_train_steps=6)
-  if phase == 'compile':  # the compiled step runs once, and that state is saved
-    _signal_when(monkeypatch, steps.Placement, 'compile_train_step')
-    assert train.train_and_evaluate(config, workdir) == {'stopped_at_step': 1}
-    assert _complete_steps(workdir) == [1]
+  if phase == 'compile':  # the step compiles while the state is made: the run stops before its first step
+    _signal_when(monkeypatch, placing.Placement, 'compile_train_step')
+    assert train.train_and_evaluate(config, workdir) == {'stopped_at_step': 0}
+    assert _complete_steps(workdir) == []
   else:  # the last step's eval runs, then the final checkpoint and results are written
     _signal_when(monkeypatch, train, 'evaluate_splits')
     results = train.train_and_evaluate(config, workdir)

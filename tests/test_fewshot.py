@@ -15,7 +15,7 @@ from flaxtpu.evaluation import fewshot
 from flaxtpu.loop import train
 from flaxtpu.modes import eval as eval_mode
 from flaxtpu.settings import lengths
-from flaxtpu.step import parallel, steps
+from flaxtpu.step import parallel, placing, steps
 from flaxtpu.validation import config as config_lib
 from flaxtpu.validation import workdir_config
 from flaxtpu.validation.config import ConfigError
@@ -93,9 +93,9 @@ def test_trained_features_beat_random_ones():
   length = lengths.run_length(config, len(dataset.train))
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std, length=length)
-  placement = steps.place(task, parallel.make_mesh(config), config)
+  placement = placing.place(task, parallel.make_mesh(config), config)
   probe = fewshot.Probe(config, dataset, task, placement)
-  state = steps.create_state(task, placement, config.seed)
+  state = placing.create_state(task, placement, config.seed)
   random_init = probe(state)
   compiled, _ = placement.compile_train_step(state, placement.put_train_batch(
       tuple(next(iter(loaders.train_batches(dataset, seed=0, batch_size=config.batch_size, first_step=0,

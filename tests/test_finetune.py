@@ -16,7 +16,7 @@ from flaxtpu.loop import start, train
 from flaxtpu.optimizers import optim
 from flaxtpu.settings import lengths
 from flaxtpu.settings.errors import UserError
-from flaxtpu.step import parallel, steps
+from flaxtpu.step import parallel, placing, steps
 from flaxtpu.transfer import finetune
 from flaxtpu.validation import config as config_lib
 from flaxtpu.validation import resolution
@@ -63,8 +63,8 @@ def _place(config):
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std,
                            length=lengths.run_length(config, len(dataset.train)))
-  placement = steps.place(task, parallel.make_mesh(config), config)
-  return task, placement, steps.create_state(task, placement, config.seed), dataset
+  placement = placing.place(task, parallel.make_mesh(config), config)
+  return task, placement, placing.create_state(task, placement, config.seed), dataset
 
 
 @pytest.fixture(scope='module')
@@ -208,7 +208,7 @@ def test_no_checkpoint_and_another_model_are_one_line_errors(source, five_class,
   dataset = pipeline.load(config)
   task = steps.create_task(config, num_classes=5, image_shape=dataset.image_shape, mean=dataset.mean,
                            std=dataset.std, length=lengths.run_length(config, len(dataset.train)))
-  placement = steps.place(task, parallel.make_mesh(config), config)
+  placement = placing.place(task, parallel.make_mesh(config), config)
   _one_line_error(lambda: finetune.init_from(config, task, placement, None, dataset.class_names),
                   f'{source}/checkpoints/2 (resnet20) does not fit resnet18',
                   'Conv_0/kernel (3, 3, 3, 16) there, (7, 7, 3, 64) here',
@@ -270,8 +270,8 @@ def _train_steps(num_steps, **overrides):
   task = steps.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=dataset.mean, std=dataset.std,
                            length=lengths.run_length(config, len(dataset.train)))
   # One device compiles fastest; the fine-tuning run above trains frozen arrays on eight.
-  placement = steps.place(task, _one_device_mesh(), config)
-  state = steps.create_state(task, placement, config.seed)
+  placement = placing.place(task, _one_device_mesh(), config)
+  state = placing.create_state(task, placement, config.seed)
   initial = _named(placement.to_saveable(state))
   for batch in loaders.train_batches(dataset, seed=0, batch_size=16, first_step=0, last_step=num_steps):
     state, _ = placement.train_step(state, placement.put_train_batch(tuple(batch)[:2]))

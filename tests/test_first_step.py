@@ -9,7 +9,7 @@ import numpy as np
 
 from configs import cifar10_resnet
 from flaxtpu.settings import lengths
-from flaxtpu.step import parallel, steps
+from flaxtpu.step import parallel, placing, steps
 
 
 def _placed(**overrides):
@@ -19,7 +19,7 @@ def _placed(**overrides):
   config.update_from_flattened_dict(overrides)
   task = steps.create_task(config, num_classes=10, image_shape=(8, 8, 3), mean=np.zeros(3), std=np.ones(3),
                            length=lengths.run_length(config, 256))
-  return config, task, steps.place(task, parallel.make_mesh(config), config)
+  return config, task, placing.place(task, parallel.make_mesh(config), config)
 
 
 def _batch(placement, size=16):
@@ -37,15 +37,15 @@ def test_the_step_compiled_ahead_trains_as_the_step_compiled_for_the_state():
   batch and gives the loss and parameters of the step compiled for them, bit for bit; a batch of another
   shape is not given it."""
   config, task, placement = _placed()
-  ahead = steps.StepAhead.start(task, placement, config.batch_size)
+  ahead = placing.StepAhead.start(task, placement, config.batch_size)
   assert ahead.result_for(_batch(placement, size=8)) is None
   batch = _batch(placement)
   ahead_step, plan = ahead.result_for(batch)
   assert plan['compiled_from'] in ('XLA', 'XLA, no persistent cache', 'persistent cache')
-  own_step, _ = placement.compile_train_step(steps.create_state(task, placement, config.seed), batch)
+  own_step, _ = placement.compile_train_step(placing.create_state(task, placement, config.seed), batch)
   # Each step donates its state: one fresh state each.
-  state_ahead, metrics_ahead = ahead_step(steps.create_state(task, placement, config.seed), batch)
-  state_own, metrics_own = own_step(steps.create_state(task, placement, config.seed), batch)
+  state_ahead, metrics_ahead = ahead_step(placing.create_state(task, placement, config.seed), batch)
+  state_own, metrics_own = own_step(placing.create_state(task, placement, config.seed), batch)
   assert float(metrics_ahead.compute()['loss']) == float(metrics_own.compute()['loss'])
   assert all(np.array_equal(a, b) for a, b in zip(_leaves(state_ahead.params), _leaves(state_own.params)))
 
@@ -54,13 +54,13 @@ def test_the_seed_is_an_input_of_the_initialisation_and_gives_the_values_a_const
   """Runs that differ in their seed share the initialisation's program (the persistent cache's key is its
   text), and each seed gives the parameters it gave as a constant."""
   config, task, placement = _placed()
-  state = steps.create_state(task, placement, 3)
+  state = placing.create_state(task, placement, 3)
   constant = jax.jit(functools.partial(steps.init_state, task), static_argnums=0)(3)
   assert all(np.array_equal(a, b) for a, b in zip(_leaves(state.params), _leaves(constant.params)))
   program = lambda seed: jax.jit(functools.partial(steps.init_state, task)).lower(np.int32(seed)).as_text()
   assert program(3) == program(4)
   # A seed beyond int32 still initialises (compiled in as a constant).
-  big = steps.create_state(task, placement, 2**40)
+  big = placing.create_state(task, placement, 2**40)
   assert [x.shape for x in _leaves(big.params)] == [x.shape for x in _leaves(state.params)]
 
 
@@ -70,8 +70,8 @@ def test_each_thread_counts_its_own_persistent_cache_events():
   seen = {}
 
   def count(name, events):
-    steps._cache_events().update(events)
-    seen[name] = dict(steps._cache_events())
+    placing._cache_events().update(events)
+    seen[name] = dict(placing._cache_events())
 
   threads = [threading.Thread(target=count, args=('init', ['/jax/compilation_cache/cache_misses'])),
              threading.Thread(target=count, args=('step', ['/jax/compilation_cache/cache_hits']))]
@@ -81,4 +81,4 @@ def test_each_thread_counts_its_own_persistent_cache_events():
     thread.join()
   assert seen == {'init': {'/jax/compilation_cache/cache_misses': 1},
                   'step': {'/jax/compilation_cache/cache_hits': 1}}
-  assert steps._compiled_from(steps.collections.Counter(seen['step'])) == 'persistent cache'
+  assert placing._compiled_from(steps.collections.Counter(seen['step'])) == 'persistent cache'

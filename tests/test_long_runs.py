@@ -11,7 +11,7 @@ import pytest
 
 from configs import digits
 from flaxtpu.loop import resume_changes, train
-from flaxtpu.step import steps
+from flaxtpu.step import placing
 from flaxtpu.weights import checkpoint
 
 
@@ -26,7 +26,7 @@ def _count_host_metric_reads(monkeypatch) -> list:
   """Patches placement so that each read of train metrics to the host is counted; returns the list that
   each checkpoint save appends the count since the last save to."""
   reads, per_save = [0], []
-  real_place, real_save = steps.place, checkpoint.Checkpoints.save
+  real_place, real_save = placing.place, checkpoint.Checkpoints.save
 
   def place(*args, **kwargs):
     placement = real_place(*args, **kwargs)
@@ -44,7 +44,7 @@ def _count_host_metric_reads(monkeypatch) -> list:
     reads[0] = 0
     return real_save(self, step, *args, **kwargs)
 
-  monkeypatch.setattr(steps, 'place', place)
+  monkeypatch.setattr(placing, 'place', place)
   monkeypatch.setattr(checkpoint.Checkpoints, 'save', save)
   return per_save
 

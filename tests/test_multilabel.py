@@ -25,7 +25,7 @@ from flaxtpu.modes import eval as eval_mode
 from flaxtpu.modes import predict, restore
 from flaxtpu.report import metrics as report_metrics
 from flaxtpu.settings.errors import UserError
-from flaxtpu.step import parallel, steps
+from flaxtpu.step import parallel, placing, steps
 from flaxtpu.transfer import finetune
 from flaxtpu.weights import checkpoint
 
@@ -103,7 +103,7 @@ def test_weighted_softmax_loss_by_hand_also_mixed():
   assert float(loss[0]) == pytest.approx(expected, rel=1e-5)
 
 
-def _random_state(placement: steps.Placement, seed: int = 0):
+def _random_state(placement: placing.Placement, seed: int = 0):
   """A train state of random parameters (and zero optimizer state) laid out as `placement` lays it
   out, without compiling the model's initialiser."""
   rng = np.random.default_rng(seed)
@@ -123,17 +123,17 @@ def test_class_weights_scale_the_train_loss_as_expected():
   mesh = jax.make_mesh((1, 1), ('data', 'fsdp'), axis_types=(jax.sharding.AxisType.Auto,) * 2,
                        devices=jax.devices()[:1])
 
-  def placed(task_name: str, class_weights=None) -> tuple[steps.Task, steps.Placement]:
+  def placed(task_name: str, class_weights=None) -> tuple[steps.Task, placing.Placement]:
     config.task = task_name
     task = steps.create_task(config, num_classes=4, image_shape=images.shape[1:], mean=np.zeros(3),
                              std=np.ones(3), length=train.run_length(config, 8), class_weights=class_weights)
-    return task, steps.place(task, mesh, config)
+    return task, placing.place(task, mesh, config)
 
   task, placement = placed('multilabel', np.ones(4, np.float32))
   state = _random_state(placement)  # the same arrays for each task
   logits = np.asarray(placement.logits(state, placement.put_eval_batch((images,))[0]), np.float64)
 
-  def loss(placed_task: tuple[steps.Task, steps.Placement], batch_labels) -> float:
+  def loss(placed_task: tuple[steps.Task, placing.Placement], batch_labels) -> float:
     placement = placed_task[1]
     copy = jax.tree.map(jnp.copy, state)  # the step donates the state it is given
     _, step_metrics = placement.train_step(copy, placement.put_train_batch((images, batch_labels)))
@@ -362,7 +362,7 @@ def test_fine_tuning_a_multilabel_run_into_a_multiclass_one_replaces_the_head(sc
   config.task, config.init_from.checkpoint = 'multiclass', workdir
   task = steps.create_task(config, num_classes=4, image_shape=(16, 16, 3), mean=np.zeros(3), std=np.ones(3),
                            length=train.run_length(config, 384))
-  placement = steps.place(task, parallel.make_mesh(config), config)
+  placement = placing.place(task, parallel.make_mesh(config), config)
   fresh = _random_state(placement)  # as from the seed, without compiling an initialiser
   state, loaded = finetune.init_from(config, task, placement, fresh, sorted(CLASSES))
   # The same classes, but softmax logits are not sigmoid logits: the head starts afresh, the rest is loaded.

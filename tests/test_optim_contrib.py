@@ -23,6 +23,7 @@ from flaxtpu.settings import (
 from flaxtpu.step import (
   gradients,
   parallel,
+  placing,
   steps,
 )
 from flaxtpu.validation import config as config_lib
@@ -171,8 +172,8 @@ def test_float16_overflow_skips_the_step_and_halves_the_scale():
   length = lengths.run_length(config, len(dataset.train))
   task = steps.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=dataset.mean, std=dataset.std,
                            length=length)
-  placement = steps.place(task, _mesh(1), config)
-  state = steps.create_state(task, placement, config.seed)
+  placement = placing.place(task, _mesh(1), config)
+  state = placing.create_state(task, placement, config.seed)
   assert float(state.opt_state.dynamic_scale.scale) == loss_scale.INITIAL_SCALE
   huge = state.opt_state.dynamic_scale.replace(scale=jnp.float32(3e38))  # the scaled loss overflows
   state = state.replace(opt_state=loss_scale.put(state.opt_state, huge))

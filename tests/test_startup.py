@@ -263,7 +263,7 @@ import hashlib, importlib, json, pathlib, sys
 import jax
 import numpy as np
 from flaxtpu.settings.lengths import run_length
-from flaxtpu.step import parallel, steps
+from flaxtpu.step import parallel, placing, steps
 hashes = {}
 for path in sorted(pathlib.Path('configs').glob('[!_]*.py')):
   config = importlib.import_module(f'configs.{path.stem}').get_config()
@@ -272,7 +272,7 @@ for path in sorted(pathlib.Path('configs').glob('[!_]*.py')):
   shape = (size, size, 3)
   task = steps.create_task(config, num_classes=10, image_shape=shape, mean=np.full(3, 0.5, np.float32),
                            std=np.full(3, 0.25, np.float32), length=run_length(config, 1000))
-  placement = steps.place(task, parallel.make_mesh(config), config)
+  placement = placing.place(task, parallel.make_mesh(config), config)
   state = placement.abstract_state
   images, labels = np.zeros((8, *shape), np.uint8), np.zeros((8,), np.int32)
   train = placement.train_step.lower(state, placement.put_train_batch((images, labels)))

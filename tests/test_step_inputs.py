@@ -13,7 +13,7 @@ import pytest
 from configs import cifar10_resnet
 from flaxtpu.optimizers import optim, step_inputs
 from flaxtpu.settings import lengths
-from flaxtpu.step import parallel, steps
+from flaxtpu.step import parallel, placing, steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = 256
@@ -32,7 +32,7 @@ def _placed(config):
   length = lengths.run_length(config, EXAMPLES)
   task = steps.create_task(config, num_classes=10, image_shape=(8, 8, 3), mean=np.zeros(3), std=np.ones(3),
                            length=length)
-  placement = steps.place(task, parallel.make_mesh(config), config)
+  placement = placing.place(task, parallel.make_mesh(config), config)
   rng = np.random.default_rng(0)
   batch = placement.put_train_batch((rng.integers(0, 256, (16, 8, 8, 3), np.uint8),
                                      rng.integers(0, 10, (16,), np.int32)))
@@ -49,7 +49,7 @@ def test_runs_that_differ_in_optimizer_numbers_only_compile_one_program(parallel
   def program(**overrides):
     config = _config(parallelism=parallelism, **overrides)
     task, placement, batch = _placed(config)
-    state = steps.create_state(task, placement, config.seed)  # under pmap: a copy on each device
+    state = placing.create_state(task, placement, config.seed)  # under pmap: a copy on each device
     return placement.train_step.lower(state, batch).as_text()
 
   assert program() == program(**SWEPT)
@@ -61,10 +61,11 @@ def test_the_step_uses_its_numbers_as_the_constant_step_would():
   swept config: one step from the same state, then the learning rate the schedule gives mid-warmup."""
   config = _config(**{**SWEPT, 'num_epochs': 3.0, 'schedule.warmup_epochs': 1.0})
   task, placement, batch = _placed(config)
-  state = steps.create_state(task, placement, config.seed)
+  state = placing.create_state(task, placement, config.seed)
   constant = jax.jit(lambda state, batch: steps.train_step(state, batch, task=task))
   expected, expected_metrics = constant(state, batch)
-  placed_state, placed_metrics = placement.train_step(steps.create_state(task, placement, config.seed), batch)
+  state = placing.create_state(task, placement, config.seed)
+  placed_state, placed_metrics = placement.train_step(state, batch)
   np.testing.assert_allclose(placed_metrics.loss.compute(), expected_metrics.loss.compute(), rtol=1e-6)
   for got, want in zip(jax.tree.leaves(placed_state.params), jax.tree.leaves(expected.params)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)

@@ -12,7 +12,7 @@ from flaxtpu.data import loaders, pipeline
 from flaxtpu.loop import progress
 from flaxtpu.settings import lengths
 from flaxtpu.settings.errors import UserError
-from flaxtpu.step import parallel, steps
+from flaxtpu.step import parallel, placing, steps
 
 STEPS = 5
 
@@ -33,8 +33,8 @@ def run_steps(config, mesh, dataset=None, num_steps=STEPS):
   length = lengths.run_length(config, len(dataset.train))
   task = steps.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=dataset.mean,
                            std=dataset.std, length=length)
-  placement = steps.place(task, mesh, config)
-  state = steps.create_state(task, placement, config.seed)
+  placement = placing.place(task, mesh, config)
+  state = placing.create_state(task, placement, config.seed)
   losses = []
   for batch in loaders.train_batches(dataset, seed=config.seed, batch_size=config.batch_size,
                                      first_step=0, last_step=num_steps):
@@ -138,7 +138,7 @@ def test_batch_that_does_not_divide_over_devices_is_named(key):
   task = steps.create_task(config, num_classes=3, image_shape=(8, 8, 3), mean=np.zeros(3),
                            std=np.ones(3))
   with pytest.raises(UserError, match=f'config.{key}=12 does not divide over 8 devices'):
-    steps.place(task, _mesh(8), config)
+    placing.place(task, _mesh(8), config)
 
 
 def test_eta_counts_the_evaluations_and_saves_still_to_come(monkeypatch):

@@ -343,7 +343,7 @@ def cifar_mode(args) -> dict:
   from flaxtpu.augmentation import augment  # pylint: disable=g-import-not-at-top
   from flaxtpu.data import loaders, pipeline, workers  # pylint: disable=g-import-not-at-top
   from flaxtpu.settings.lengths import run_length  # pylint: disable=g-import-not-at-top
-  from flaxtpu.step import parallel, steps  # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import parallel, placing, steps  # pylint: disable=g-import-not-at-top
 
   batches = args.batches
   config = cifar10_resnet.get_config()  # crop + flip + standardise: the heaviest recipe
@@ -352,8 +352,8 @@ def cifar_mode(args) -> dict:
   length = run_length(config, len(dataset.train))
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std, length=length)
-  placement = steps.place(task, parallel.make_mesh(config), config)
-  state = steps.create_state(task, placement, config.seed)
+  placement = placing.place(task, parallel.make_mesh(config), config)
+  state = placing.create_state(task, placement, config.seed)
 
   @jax.jit
   def augment_on_device(key, images):

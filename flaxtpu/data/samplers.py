@@ -43,7 +43,7 @@ def register(name: str) -> Callable:
 def process_slice(global_batch_size: int, process_index: int, process_count: int) -> slice:
   """This process's rows of a global batch (contiguous, as the batch sharding lays them out).
 
-  `steps.place` has checked that the batch divides over the devices, hence the processes.
+  `placing.place` has checked that the batch divides over the devices, hence the processes.
   """
   per_process = global_batch_size // process_count
   return slice(process_index * per_process, (process_index + 1) * per_process)

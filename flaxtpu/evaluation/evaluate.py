@@ -21,7 +21,7 @@ from flaxtpu.optimizers import swa
 from flaxtpu.report import metrics as report_metrics
 from flaxtpu.report import writer
 from flaxtpu.settings.metric_names import eval_metric_prefix
-from flaxtpu.step import parallel, steps
+from flaxtpu.step import parallel, placing, steps
 
 
 class Predictions(NamedTuple):
@@ -30,7 +30,7 @@ class Predictions(NamedTuple):
   labels: np.ndarray
 
 
-def evaluate(placement: steps.Placement, state, dataset: pipeline.Dataset, batch_size: int,
+def evaluate(placement: placing.Placement, state, dataset: pipeline.Dataset, batch_size: int,
              keep_logits: bool = False, threshold: float = 0.0
              ) -> tuple[dict[str, float], Optional[Predictions]]:
   """The metrics of every example of the eval split, each counted exactly once.
@@ -78,7 +78,7 @@ def _real_rows(batch_logits, batch: pipeline.Batch) -> tuple[np.ndarray, np.ndar
   return logits[mask], labels[mask]
 
 
-def evaluate_splits(placement: steps.Placement, state, eval_sets: list[tuple[str, pipeline.Dataset]],
+def evaluate_splits(placement: placing.Placement, state, eval_sets: list[tuple[str, pipeline.Dataset]],
                     batch_size: int, report_weights: Optional[str] = None, threshold: float = 0.0
                     ) -> tuple[dict[str, float], Optional[Predictions]]:
   """Every eval split, with the raw weights and (when the state has them) the EMA weights.

@@ -29,7 +29,7 @@ from flaxtpu.augmentation import augment
 from flaxtpu.data import loaders, pipeline
 from flaxtpu.data.spec import DatasetSpec
 from flaxtpu.settings.errors import UserError
-from flaxtpu.step import parallel, steps
+from flaxtpu.step import parallel, placing, steps
 from flaxtpu.transfer import finetune
 
 
@@ -98,7 +98,7 @@ class Probe:
   """The few-shot probes of `eval.fewshot`: built once per run, `__call__`ed at every evaluation."""
 
   def __init__(self, config: ml_collections.ConfigDict, dataset: pipeline.Dataset, task: steps.Task,
-               placement: steps.Placement):
+               placement: placing.Placement):
     settings = config.eval.fewshot
     self.shots, self.l2_reg = sorted(set(settings.shots)), settings.l2_reg
     self.placement, self.batch_size = placement, config.eval_batch_size if config.eval_batch_size > 0 else (
@@ -199,5 +199,5 @@ def _other_dataset(config: ml_collections.ConfigDict, entry: str,
 
 
 def maybe_probe(config: ml_collections.ConfigDict, dataset: pipeline.Dataset, task: steps.Task,
-                placement: steps.Placement) -> Optional[Probe]:
+                placement: placing.Placement) -> Optional[Probe]:
   return Probe(config, dataset, task, placement) if config.eval.fewshot.shots else None

@@ -14,7 +14,7 @@ from flaxtpu.data.spec import saved_config
 from flaxtpu.io import writers
 from flaxtpu.optimizers import optim
 from flaxtpu.settings.lengths import RunLength
-from flaxtpu.step import steps
+from flaxtpu.step import placing, steps
 
 
 def log_run_overview(writer, config: ml_collections.ConfigDict, task: steps.Task, placement,
@@ -36,7 +36,7 @@ def log_run_overview(writer, config: ml_collections.ConfigDict, task: steps.Task
 
 
 def log_plan(config: ml_collections.ConfigDict, dataset: pipeline.Dataset, length: RunLength,
-             task: steps.Task, placement: steps.Placement) -> None:
+             task: steps.Task, placement: placing.Placement) -> None:
   """What the run will do: its data and steps, accumulation, and the optimizer's parameter groups."""
   logging.info('data: %d train / %d eval examples of %s, %d classes%s; %d steps (%d per epoch)',
                len(dataset.train), len(dataset.eval), dataset.image_shape, dataset.num_classes,

@@ -24,7 +24,7 @@ from flaxtpu.loop import resume_changes
 from flaxtpu.loop.progress import Progress
 from flaxtpu.optimizers import optim
 from flaxtpu.settings.lengths import RunLength
-from flaxtpu.step import steps
+from flaxtpu.step import placing, steps
 from flaxtpu.transfer import distill, finetune
 from flaxtpu.validation import workdir_config
 from flaxtpu.weights import checkpoint
@@ -69,7 +69,7 @@ class Start(NamedTuple):
   initialised_from: Optional[dict]  # what init_from loaded, kept in every checkpoint record of the run
 
 
-def start_or_resume(config: ml_collections.ConfigDict, task: steps.Task, placement: steps.Placement,
+def start_or_resume(config: ml_collections.ConfigDict, task: steps.Task, placement: placing.Placement,
                     checkpoints: checkpoint.Checkpoints, dataset: pipeline.Dataset, length: RunLength,
                     num_train_examples: int) -> Start:
   """The state to train from: the newest readable checkpoint's when there is one, else a fresh one
@@ -85,7 +85,7 @@ def start_or_resume(config: ml_collections.ConfigDict, task: steps.Task, placeme
         logging.warning('%s will train (and decay) from its fitted value; airbench freezes it: '
                         "--config.optimizer.freeze='^stem/kernel$' (as configs/cifar10_fast.py)",
                         ', '.join(fitted))
-    state, initialised_from = steps.create_state(task, placement, config.seed, fitted), None
+    state, initialised_from = placing.create_state(task, placement, config.seed, fitted), None
     if config.init_from.checkpoint:
       state, initialised_from = finetune.init_from(config, task, placement, state, dataset.class_names)
     return Start(state, 0, None, Progress(), initialised_from)

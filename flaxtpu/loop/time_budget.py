@@ -80,7 +80,7 @@ from flaxtpu.optimizers import optim, swa
 from flaxtpu.optimizers.optim_checks import parse_duration
 from flaxtpu.settings.errors import ConfigError
 from flaxtpu.settings.lengths import resolved_eval_batch_size, run_length
-from flaxtpu.step import parallel, steps
+from flaxtpu.step import parallel, placing, steps
 from flaxtpu.weights import checkpoint
 
 PLAN_FILE = 'time_budget.json'
@@ -273,15 +273,15 @@ class Budget:
     self.length = run_length(self.config, self.num_examples, total_steps=new_steps)
     return True
 
-  def rebuilt(self, dataset, task: steps.Task, placement: steps.Placement
-              ) -> tuple[steps.Task, steps.Placement]:
+  def rebuilt(self, dataset, task: steps.Task, placement: placing.Placement
+              ) -> tuple[steps.Task, placing.Placement]:
     """The task of the re-planned run (its optimizer on `schedule`, for `length`) and its placement, whose
     train step compiles at its first call; the evaluation keeps its compiled step."""
     new_task = steps.create_task(self.config, num_classes=task.num_classes, image_shape=task.image_shape,
                                  mean=dataset.mean, std=dataset.std, length=self.length,
                                  class_weights=dataset.class_weights, teacher=task.teacher,
                                  schedule=self.schedule)
-    new_placement = steps.place(new_task, placement.mesh, self.config, *placement.frozen)
+    new_placement = placing.place(new_task, placement.mesh, self.config, *placement.frozen)
     return new_task, dataclasses.replace(new_placement, eval_step=placement.eval_step,
                                          logits=placement.logits)
 
@@ -440,7 +440,7 @@ def probe(config: ml_collections.ConfigDict, dataset, mesh, eval_sets: list, sta
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std, length=length,
                            class_weights=dataset.class_weights, teacher=teacher)
-  placement = steps.place(task, mesh, config, teacher_variables)
+  placement = placing.place(task, mesh, config, teacher_variables)
   batches = workers.prefetch(placement.put_train_batch(tuple(batch)[:2]) for batch in loaders.train_batches(
       dataset, seed=config.seed, batch_size=config.batch_size, first_step=0,
       last_step=PROBE_MAX_STEPS + 2, process_index=jax.process_index(), process_count=jax.process_count(),
@@ -450,7 +450,7 @@ def probe(config: ml_collections.ConfigDict, dataset, mesh, eval_sets: list, sta
   one_step_in_flight = parallel.one_step_in_flight()
 
   def init():
-    live['state'] = jax.block_until_ready(steps.create_state(task, placement, config.seed))
+    live['state'] = jax.block_until_ready(placing.create_state(task, placement, config.seed))
 
   def compile_step():  # uncached, as the run's will be: its length is new, XLA's persistent cache has no copy
     live['batch'] = next(batches)

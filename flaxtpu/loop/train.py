@@ -6,7 +6,7 @@ loop, whose periodic actions (`_Loop.log`, `_Loop.evaluate`, `_Loop.save`)
 are methods of what they share. Where a run starts (a fresh state or its
 checkpoint, and what a checkpoint records) is in `start.py`; the train
 metrics since the last log line in `window.py`; the step functions and their
-placement on the devices in `steps.py`; the progress record and its clock in
+placement on the devices in `steps.py` and `placing.py`; the progress record and its clock in
 `progress.py`; what reads each evaluation in `early_stopping.py` and
 `plateau.py`; a NaN loss in `divergence.py`; the profiler in `profiling.py`.
 """
@@ -65,6 +65,7 @@ from flaxtpu.step import (
   bn_recompute,
   compile_plan,
   parallel,
+  placing,
   remat_choice,
   steps,
 )
@@ -88,7 +89,7 @@ def stop_requested(stop: StopRequest, check_all_processes: bool) -> bool:
   return bool(np.any(flags[..., 0]))
 
 
-def finish_trained_run(config: ml_collections.ConfigDict, placement: steps.Placement, start: Start,
+def finish_trained_run(config: ml_collections.ConfigDict, placement: placing.Placement, start: Start,
                        checkpoints: checkpoint.Checkpoints, dataset: pipeline.Dataset, eval_sets: list,
                        length: RunLength, workdir: str) -> dict:
   """A run whose checkpoint is at its last step: what a kill after that save left unwritten
@@ -143,7 +144,7 @@ class _Loop:
   """What the loop's periodic actions share: the run's parts, the clock and its progress."""
   config: ml_collections.ConfigDict
   task: steps.Task
-  placement: steps.Placement
+  placement: placing.Placement
   dataset: pipeline.Dataset
   eval_sets: list  # (split name, dataset) pairs; the first is the eval split
   length: RunLength
@@ -158,7 +159,7 @@ class _Loop:
   probe: Optional[fewshot.Probe] = None  # eval.fewshot's linear probes, run with every evaluation
   pruning: Optional[Pruning] = None  # a study's trial: each evaluation reported to its pruner
   budget: time_budget.Budget = dataclasses.field(default_factory=time_budget.Budget)  # its one check
-  step_ahead: Optional[steps.StepAhead] = None  # the first train step, compiling while the state was made
+  step_ahead: Optional[placing.StepAhead] = None  # the first train step, compiling while the state was made
 
   def due(self, step: int, every: int) -> bool:
     """Whether an action taken every `every` steps (and after the last) is due after `step`."""
@@ -173,7 +174,7 @@ class _Loop:
   def compile(self, state, batch, size: int = 0):
     """The train step compiled ahead of time for `batch` (resized to `size`: augment.train_sizes); its
     memory plan logged, checked and kept."""
-    placement = self.placement if not size else steps.place(
+    placement = self.placement if not size else placing.place(
         image_sizes.sized_task(self.task, size), self.placement.mesh, self.config, *self.placement.frozen)
     ahead, self.step_ahead = self.step_ahead, None
     with self.clock.paused('compile', state):
@@ -330,11 +331,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std, length=length,
                            class_weights=dataset.class_weights, teacher=teacher, schedule=budget.schedule)
-  placement = steps.place(task, mesh, config, teacher_variables)
+  placement = placing.place(task, mesh, config, teacher_variables)
   log_plan(config, dataset, length, task, placement)
   # The first train step compiles while the state is initialised or restored: under jit it is built
   # from the state's shapes alone, and XLA compiles without the GIL.
-  step_ahead = (steps.StepAhead.start(task, placement, config.batch_size)
+  step_ahead = (placing.StepAhead.start(task, placement, config.batch_size)
                 if placement.parallelism == 'jit' and not config.augment.train_sizes else None)
   start = start_or_resume(config, task, placement, checkpoints, dataset, length, examples)
   if start.step >= length.total_steps or start.progress.stopped_early:

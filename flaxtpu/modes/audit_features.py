@@ -74,14 +74,14 @@ def _trained_backbone(config: ml_collections.ConfigDict, workdir: str, num_class
 def _init_from_backbone(config: ml_collections.ConfigDict, num_classes: int, shape, mean, std):
   """A fresh model with init_from's arrays read in, as a run starts (its head, never used, as it comes)."""
   from flaxtpu.settings import lengths  # pylint: disable=g-import-not-at-top
-  from flaxtpu.step import parallel, steps  # pylint: disable=g-import-not-at-top
+  from flaxtpu.step import parallel, placing, steps  # pylint: disable=g-import-not-at-top
   from flaxtpu.transfer import finetune  # pylint: disable=g-import-not-at-top
   length = lengths.RunLength(steps_per_epoch=1, total_steps=1, eval_every_steps=1,
                              checkpoint_every_steps=1, warmup_steps=0)
   task = steps.create_task(config, num_classes=num_classes, image_shape=shape, mean=mean, std=std,
                            length=length)
-  placement = steps.place(task, parallel.make_mesh(config), config)
-  state = steps.create_state(task, placement, config.seed)
+  placement = placing.place(task, parallel.make_mesh(config), config)
+  state = placing.create_state(task, placement, config.seed)
   state, _ = finetune.init_from(config, task, placement, state, [str(i) for i in range(num_classes)])
   return task, placement, steps.ModelState(params=state.params, batch_stats=state.batch_stats)
 

@@ -17,7 +17,7 @@ from flaxtpu.modes.restore import restore
 from flaxtpu.optimizers import swa
 from flaxtpu.settings.errors import UserError
 from flaxtpu.settings.lengths import resolved_eval_batch_size
-from flaxtpu.step import steps
+from flaxtpu.step import placing, steps
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -80,7 +80,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   return results
 
 
-def fewshot_accuracies(config: ml_collections.ConfigDict, placement: steps.Placement, state,
+def fewshot_accuracies(config: ml_collections.ConfigDict, placement: placing.Placement, state,
                        record: dict) -> dict[str, float]:
   """eval.fewshot's probe accuracies of a restored model (they need the train split too)."""
   dataset = pipeline.load(config, class_names=record.get('class_names'))

@@ -27,7 +27,7 @@ from flaxtpu.data import loaders, pipeline, sampling
 from flaxtpu.io import files
 from flaxtpu.report import plots
 from flaxtpu.settings.lengths import run_length
-from flaxtpu.step import parallel, steps
+from flaxtpu.step import parallel, placing, steps
 from flaxtpu.transfer import finetune
 
 RESULT, PICTURE = 'lr_find.json', 'lr_find.png'
@@ -75,8 +75,8 @@ def lr_find(config: ml_collections.ConfigDict, workdir: str) -> dict:
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
                            mean=dataset.mean, std=dataset.std, length=length,
                            class_weights=dataset.class_weights, schedule=schedule)
-  placement = steps.place(task, mesh, config)
-  state = steps.create_state(task, placement, config.seed)
+  placement = placing.place(task, mesh, config)
+  state = placing.create_state(task, placement, config.seed)
   if config.init_from.checkpoint:
     state, _ = finetune.init_from(config, task, placement, state, dataset.class_names)
   losses, update_losses = [], []

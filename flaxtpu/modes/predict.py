@@ -20,7 +20,7 @@ from flaxtpu.report import calibration, conformal
 from flaxtpu.report import metrics as report_metrics
 from flaxtpu.settings.errors import UserError, printable
 from flaxtpu.settings.lengths import resolved_eval_batch_size
-from flaxtpu.step import steps
+from flaxtpu.step import placing
 
 
 def _multiclass_row(path: str, probabilities: np.ndarray, class_names: list[str], top_k: int) -> dict:
@@ -119,11 +119,11 @@ def _add_sets(rows: list[dict], probabilities: np.ndarray, class_names: list[str
         + (' ...' if len(rows) > 5 else ''))
 
 
-def predict_logits(placement: steps.Placement, state, images: np.ndarray,
+def predict_logits(placement: placing.Placement, state, images: np.ndarray,
                    batch_size: int) -> np.ndarray:
   """Logits of every image, in fixed-size padded batches through one compiled function.
 
-  `batch_size` divides over the devices (`steps.place` checked it).
+  `batch_size` divides over the devices (`placing.place` checked it).
   """
   if jax.process_count() > 1:
     raise UserError('--mode=predict runs on one process; start it without --num_processes')

@@ -18,7 +18,7 @@ from flaxtpu.io import files
 from flaxtpu.optimizers import swa
 from flaxtpu.report import calibration
 from flaxtpu.settings.errors import UserError
-from flaxtpu.step import parallel, steps
+from flaxtpu.step import parallel, placing, steps
 from flaxtpu.transfer import finetune
 from flaxtpu.weights import checkpoint, pretrained
 
@@ -63,7 +63,7 @@ def restore(config: ml_collections.ConfigDict, workdir: str, replaces: Sequence[
                              image_shape=tuple(record['image_shape']),
                              mean=record['normalization']['mean'], std=record['normalization']['std'],
                              temperature=fitted['temperature'] if fitted else 1.0)
-    placement = steps.place(task, mesh, config)
+    placement = placing.place(task, mesh, config)
     model = placement.abstract_state
     if config.eval.swa:  # the saved state's `swa` subtree: its mean and recomputed BatchNorm statistics
       averaged = {'swa': {'params': model.params, 'batch_stats': model.batch_stats}}

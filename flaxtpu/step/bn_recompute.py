@@ -58,7 +58,7 @@ def recompute(task, placement, params: Any, batch_stats: Any, batches: Iterable)
   """BatchNorm statistics of the weights `params` over `batches` (train `pipeline.Batch`es or
   (images, labels) pairs of this process; their number is N), laid out as `batch_stats`.
 
-  `task` and `placement` are the run's (`steps.Task`, `steps.Placement`): images are normalised as
+  `task` and `placement` are the run's (`steps.Task`, `placing.Placement`): images are normalised as
   its train step normalises them, without the on-device augmentation or mixing. A model without
   BatchNorm (`batch_stats` == {}) returns {} at once. The result has the layout of `batch_stats`
   (global arrays under jit, one copy per device under pmap).

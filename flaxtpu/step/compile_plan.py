@@ -16,7 +16,7 @@ import numpy as np
 from flaxtpu.augmentation import image_sizes
 from flaxtpu.data import sampling
 from flaxtpu.settings.lengths import run_length
-from flaxtpu.step import parallel, steps
+from flaxtpu.step import parallel, placing, steps
 
 
 def compile_on_zeros(config: ml_collections.ConfigDict, *, image_shape: tuple[int, int, int],
@@ -34,16 +34,16 @@ def compile_on_zeros(config: ml_collections.ConfigDict, *, image_shape: tuple[in
                            length=length)
   # augment.train_sizes: the largest size the step resizes to is the one that needs the most memory.
   task = image_sizes.sized_task(task, image_sizes.largest(config, image_shape))
-  placement = steps.place(task, parallel.make_mesh(config), config)
-  batch = steps.zero_batch(task, placement, config.batch_size)
+  placement = placing.place(task, parallel.make_mesh(config), config)
+  batch = placing.zero_batch(task, placement, config.batch_size)
   if placement.parallelism != 'jit':  # pmap lowers for arrays with their device axis: the state first
-    state = steps.create_state(task, placement, config.seed)
+    state = placing.create_state(task, placement, config.seed)
     return (placement, state, batch, *placement.compile_train_step(state, batch))
   # The state's initialisation compiles beside the train step, which needs only its shapes and
   # shardings (the same program as for the state itself): XLA compiles without the GIL, and on a
   # TPU v5e the two took 3.4 and 7.8 s one after the other.
   with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='flaxtpu-init-state') as pool:
-    state = pool.submit(steps.create_state, task, placement, config.seed)
+    state = pool.submit(placing.create_state, task, placement, config.seed)
     step, plan = placement.compile_train_step(placement.abstract_state, batch)
     return placement, state.result(), batch, step, plan
 

@@ -42,7 +42,7 @@ from jax.scipy.special import xlogy
 from flaxtpu.augmentation import image_sizes
 from flaxtpu.settings import defaults
 from flaxtpu.settings.errors import UserError
-from flaxtpu.step import steps
+from flaxtpu.step import placing, steps
 from flaxtpu.transfer import finetune
 from flaxtpu.validation import resolution
 from flaxtpu.validation.workdir_config import from_saved
@@ -198,7 +198,7 @@ def load_teacher(config: ml_collections.ConfigDict, class_names, image_shape: tu
       norm = record['normalization']
       task = steps.create_task(source_config, num_classes=record['num_classes'],
                                image_shape=tuple(record['image_shape']), mean=norm['mean'], std=norm['std'])
-      placement = steps.place(task, mesh, source_config)
+      placement = placing.place(task, mesh, source_config)
       saved, _ = source.restore(step, placement.abstract_state, {'model': source_config.model.name},
                                 config=source_config, subset=True)
       variables = placement.from_saveable(saved)

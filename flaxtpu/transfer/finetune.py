@@ -36,7 +36,7 @@ from flaxtpu import models
 from flaxtpu.models import layouts
 from flaxtpu.optimizers import optim
 from flaxtpu.settings.errors import UserError
-from flaxtpu.step import parallel, steps
+from flaxtpu.step import parallel, placing, steps
 from flaxtpu.validation import resolution
 from flaxtpu.weights import checkpoint, pretrained
 from flaxtpu.weights.checkpoint import CheckpointError
@@ -69,7 +69,7 @@ def _matching(patterns: Sequence[str], names: Sequence[str]) -> set[str]:
   return {name for name in names if any(re.search(pattern, name) for pattern in patterns)}
 
 
-def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: steps.Placement, state,
+def init_from(config: ml_collections.ConfigDict, task: steps.Task, placement: placing.Placement, state,
               class_names: Sequence[str]) -> tuple[Any, dict]:
   """`state` (fresh, from the seed) with the matching arrays of `init_from.checkpoint` read into it.
 
@@ -243,7 +243,7 @@ def _published_arrays(config: ml_collections.ConfigDict, published: pretrained.P
                       f'config.init_from.checkpoint={published.spec!r}', adapt)
 
 
-def _init_from_published(config: ml_collections.ConfigDict, task: steps.Task, placement: steps.Placement,
+def _init_from_published(config: ml_collections.ConfigDict, task: steps.Task, placement: placing.Placement,
                          state, class_names: Sequence[str]) -> tuple[Any, dict]:
   """init_from for published weights: every array the layout maps, the head unless kept."""
   published = pretrained.describe(config.init_from.checkpoint)
@@ -310,7 +310,7 @@ def published_model(config: ml_collections.ConfigDict):
                else ((0.,) * 3, (1.,) * 3))
   task = steps.create_task(config, num_classes=published.num_classes, image_shape=image_shape,
                            mean=mean, std=std)
-  placement = steps.place(task, parallel.make_mesh(config), config)
+  placement = placing.place(task, parallel.make_mesh(config), config)
   wanted = _shapes(placement.abstract_state)
   loaded = _published_arrays(config, published, wanted)
   if missing := sorted(set(wanted) - set(loaded)):
