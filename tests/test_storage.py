@@ -156,8 +156,9 @@ def test_a_lease_write_is_conditional():
 
 def test_bucket_run_killed_resumes_bitwise_then_evaluates_and_exports(emulator, tmp_path):
   reference = str(tmp_path / 'reference')
-  subprocess.run(_cli(f'--workdir={reference}', *RUN_FLAGS), cwd=ROOT, env=_env(emulator), check=True,
-                 capture_output=True, timeout=600)
+  # The uninterrupted reference trains meanwhile (a local workdir: nothing shared with the bucket's run).
+  uninterrupted = subprocess.Popen(_cli(f'--workdir={reference}', *RUN_FLAGS), cwd=ROOT, env=_env(emulator),
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   workdir = 'gs://bucket/killed'
   env = _env(emulator, FLAXTPU_LEASE_SECONDS=str(LEASE_SECONDS))
   command = _cli(f'--workdir={workdir}', *RUN_FLAGS)
@@ -183,6 +184,7 @@ def test_bucket_run_killed_resumes_bitwise_then_evaluates_and_exports(emulator, 
   resumed_from = int(restart.stderr.split('resuming from step ')[1].split()[0])
   assert resumed_from in killed_at
   print(f'\nkilled after complete steps {killed_at}; refused: {errors}; resumed from step {resumed_from}')
+  assert uninterrupted.wait(timeout=600) == 0
   assert_same_state(restore_checkpoint(workdir, STEPS), restore_checkpoint(reference, STEPS))
   timing = ('images_per_sec', 'input_wait_fraction')
   rows = [[{k: v for k, v in row.items() if k not in timing}
