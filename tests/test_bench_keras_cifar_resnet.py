@@ -40,3 +40,27 @@ def test_optimizer_is_optax_nesterov_sgd():
     updates, state = tx.update(gradient, state, params)
     params = optax.apply_updates(params, updates)
   np.testing.assert_allclose(np.asarray(weights.value), np.asarray(params), rtol=1e-6)
+
+
+def test_a_saved_run_resumes_with_its_weights_optimizer_and_schedule(tmp_path):
+  """--state: the model saved with its optimizer loads back and trains on exactly as the one that kept
+  running (the same next epoch's loss and weights)."""
+  rng = np.random.default_rng(0)
+  images, labels = rng.integers(0, 256, (64, 32, 32, 3)).astype(np.uint8), np.eye(10)[rng.integers(0, 10, 64)]
+  k.keras.utils.set_random_seed(0)
+  model = k.resnet(8, np.full(3, 0.5, np.float32), np.full(3, 0.25, np.float32))
+  model.compile(optimizer=k.OptaxNesterov(k.WarmupCosine(0.1, 2, 8), momentum=0.9, nesterov=True),
+                loss=k.keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.1),
+                jit_compile=True)
+  model.fit(images, labels, batch_size=16, epochs=1, shuffle=False, verbose=0)
+  k.save_state(tmp_path, model, {'history': [[1, 1.0, 0.5]]})
+  loaded, state = k.load_state(tmp_path)
+  assert state == {'history': [[1, 1.0, 0.5]]} and sorted(p.name for p in tmp_path.iterdir()) == [
+      'model.keras', 'state.json']
+  assert int(loaded.optimizer.iterations) == int(model.optimizer.iterations) == 4
+  going_on = model.fit(images, labels, batch_size=16, epochs=1, shuffle=False, verbose=0).history['loss']
+  resumed = loaded.fit(images, labels, batch_size=16, epochs=1, shuffle=False, verbose=0).history['loss']
+  assert resumed == going_on
+  for a, b in zip(model.get_weights(), loaded.get_weights()):
+    np.testing.assert_array_equal(a, b)
+  assert k.load_state(tmp_path / 'none') is None

@@ -46,7 +46,8 @@
 #             (default 480) and resumed by the same command in a later call: the workdirs travel in
 #             OUT/he_workdirs.tar.gz (carry it back as HE_TAR); each run's epoch times (benchmarks/device/epoch_times)
 #   he-keras  the same recipe in Keras 3 (JAX backend), benchmarks/peers/keras_cifar_resnet.py, depth $KERAS_DEPTH
-#             (default 20), 182 epochs, on the same folder and chip (needs CIFAR)
+#             (default 20), 182 epochs, on the same folder and chip (needs CIFAR); stopped by SIGTERM at KERAS_LIMIT
+#             s (default 560) and resumed like `he` (its --state travels in the same tarball)
 #   remat-auto  Swin-T's `--mode=plan --config.model.remat=auto` (configs/imagenet_resnet50.py on the
 #             generated photos) at batch 256 and 512: the candidates each compiled, their plans and which
 #             fitted, from plan.json (~4 min)
@@ -98,6 +99,15 @@ imagenet=/tmp/bench/photos_imagenet_layout
 make_imagenet_photos() {
   make_photos
   mkdir -p "$imagenet" && ln -sfn "$photos/train" "$imagenet/train" && ln -sfn "$photos/test" "$imagenet/validation"
+}
+
+# The he parts' workdirs (flaxtpu's, and Keras's --state): unpacked from $HE_TAR once a machine, carried back in
+# OUT/he_workdirs.tar.gz by each part.
+he_workdirs() {
+  mkdir -p /tmp/he
+  if [ -n "${HE_TAR:-}" ] && [ -f "$HE_TAR" ] && [ ! -e /tmp/he/.unpacked ]; then
+    tar xzf "$HE_TAR" -C /tmp/he && touch /tmp/he/.unpacked && say "he: resumed workdirs from $HE_TAR"
+  fi
 }
 
 # NAME SECONDS ARGS...: one training run of configs/NAME.py (ARGS: its overrides), then what it
@@ -255,8 +265,7 @@ PY
       done ;;
     he)
       cifar || continue
-      mkdir -p /tmp/he
-      [ -n "${HE_TAR:-}" ] && [ -f "$HE_TAR" ] && tar xzf "$HE_TAR" -C /tmp/he && say "he: resumed workdirs from $HE_TAR"
+      he_workdirs
       for depth in ${DEPTHS:-20}; do
         part "he_resnet$depth" "${HE_LIMIT:-480}" python -m flaxtpu.main --config=configs/cifar10_resnet.py \
           --workdir="/tmp/he/resnet$depth" --config.dataset.folder="$CIFAR" --config.model.name="resnet$depth" \
@@ -269,8 +278,11 @@ PY
       tar czf "$out/he_workdirs.tar.gz" -C /tmp/he . ;;
     he-keras)
       cifar || continue
+      he_workdirs
       part "keras_resnet${KERAS_DEPTH:-20}" "${KERAS_LIMIT:-560}" python -m benchmarks.peers.keras_cifar_resnet --data "$CIFAR" \
-        --depth "${KERAS_DEPTH:-20}" --epochs 182 --out "$out/keras_resnet${KERAS_DEPTH:-20}.json" ;;
+        --depth "${KERAS_DEPTH:-20}" --epochs 182 --state "/tmp/he/keras_resnet${KERAS_DEPTH:-20}" \
+        --out "$out/keras_resnet${KERAS_DEPTH:-20}.json"
+      tar czf "$out/he_workdirs.tar.gz" -C /tmp/he . ;;
     remat-a) part remat_a 580 "${chip[@]}" --remat-table --only resnet50,mobilenetv3_l ;;
     remat-b) part remat_b 580 "${chip[@]}" --remat-table --only vit_b16,efficientnet_b0 ;;
     remat-c) part remat_c 580 "${chip[@]}" --remat-table --only convnext_t,swin_t ;;

@@ -11,6 +11,12 @@ it prints includes the L2 penalty (Keras adds kernel regularisers to the loss); 
 
     python -m benchmarks.peers.keras_cifar_resnet --data /path/to/cifar10 --depth 20 --epochs 182 \
         --out keras_resnet20.json
+
+With `--state DIR` a run longer than one sitting resumes: every `--save-every` epochs, and after the
+epoch in which a SIGTERM arrives (then it exits 0), the model with its optimizer (`model.keras`) and the
+run's clocks and history (`state.json`) are saved in DIR; the same command continues from there. Each
+epoch's augmentation draws from (seed, epoch), so a resumed run trains on the batches an uninterrupted
+one would; its wall times add the attempts (the epochs since the last save are trained again).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 import math
 import os
 import pathlib
+import signal
 import sys
 import time
 
@@ -129,6 +136,23 @@ class OptaxNesterov(keras.optimizers.SGD):
     self.assign_sub(variable, ops.multiply(lr, ops.add(g, ops.multiply(m, self.momentum))))
 
 
+def save_state(directory: pathlib.Path, model: keras.Model, state: dict) -> None:
+  """The model (optimizer included) and the run's record, each written whole then renamed into place."""
+  directory.mkdir(parents=True, exist_ok=True)
+  model.save(directory / 'model.tmp.keras')
+  os.replace(directory / 'model.tmp.keras', directory / 'model.keras')
+  (directory / 'state.tmp.json').write_text(json.dumps(state))
+  os.replace(directory / 'state.tmp.json', directory / 'state.json')
+
+
+def load_state(directory: pathlib.Path) -> tuple[keras.Model, dict] | None:
+  if not (directory / 'state.json').exists():
+    return None
+  model = keras.models.load_model(directory / 'model.keras', custom_objects={
+      'WarmupCosine': WarmupCosine, 'OptaxNesterov': OptaxNesterov})
+  return model, json.loads((directory / 'state.json').read_text())
+
+
 class FirstStep(keras.callbacks.Callback):
   """Wall time at which the first training step has finished (compilation included)."""
   async_safe = True
@@ -156,8 +180,13 @@ def main() -> None:
   parser.add_argument('--eval-every', type=int, default=1, help='epochs between test evaluations')
   parser.add_argument('--limit-train', type=int, default=0, help='train on this many images (smoke tests)')
   parser.add_argument('--out', type=pathlib.Path)
+  parser.add_argument('--state', type=pathlib.Path, help='a folder that makes the run resumable (above)')
+  parser.add_argument('--save-every', type=int, default=10, help='epochs between saves of --state')
   args = parser.parse_args()
   start = time.perf_counter()
+  stop = []  # a SIGTERM: save after this epoch and exit
+  if args.state:
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
 
   x_train, y_train = load_split(args.data, 'train', args.limit_train)
   x_test, y_test = load_split(args.data, 'test')
@@ -169,33 +198,43 @@ def main() -> None:
 
   tick = time.perf_counter()
   keras.utils.set_random_seed(args.seed)
-  rng = np.random.default_rng(args.seed)
   steps = len(x_train) // args.batch_size  # the last partial batch is dropped, as flaxtpu does
-  model = resnet(args.depth, mean, std)
-  model.compile(optimizer=OptaxNesterov(WarmupCosine(0.1, steps, steps * args.epochs), momentum=0.9,
-                                        nesterov=True),
-                loss=keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.1),
-                metrics=[keras.metrics.CategoricalAccuracy(name='acc')], jit_compile=True,
-                steps_per_execution=args.steps_per_execution)
+  saved = load_state(args.state) if args.state else None
+  if saved:
+    model, state = saved
+    print(f'resuming after epoch {len(state["history"])} from {args.state}', flush=True)
+  else:
+    model = resnet(args.depth, mean, std)
+    model.compile(optimizer=OptaxNesterov(WarmupCosine(0.1, steps, steps * args.epochs), momentum=0.9,
+                                          nesterov=True),
+                  loss=keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.1),
+                  metrics=[keras.metrics.CategoricalAccuracy(name='acc')], jit_compile=True,
+                  steps_per_execution=args.steps_per_execution)
+    state = {'history': [], 'fit_s': [], 'eval_s': 0.0, 'train_s': 0.0, 'end_to_end_s': 0.0, 'attempts': 0,
+             'time_to_first_step_s': None}
+  state['attempts'] += 1
   build_s = time.perf_counter() - tick
   print(f'{model.name}: {model.count_params():,} parameters (BN statistics included), {steps} steps/epoch, '
         f'built in {build_s:.1f} s', flush=True)
   test_labels = np.eye(NUM_CLASSES, dtype=np.float32)[y_test]
   eval_batch = 1000 if len(x_test) % 1000 == 0 else len(x_test)
 
-  first_step, history, fit_s, eval_s = FirstStep(), [], [], 0.0
+  first_step, history, fit_s = FirstStep(), state['history'], state['fit_s']
   train_start = time.perf_counter()
+  before = {key: state[key] for key in ('train_s', 'end_to_end_s')}  # the attempts before this one
 
-  def epoch_data():  # a new order and new crops/flips; the last partial batch is dropped
+  def epoch_data(epoch: int):  # a new order and new crops/flips; the last partial batch is dropped
+    rng = np.random.default_rng([args.seed, epoch])
     order = rng.permutation(len(x_train))[:steps * args.batch_size]
     return augment(rng, x_train[order]), np.eye(NUM_CLASSES, dtype=np.float32)[y_train[order]]
 
   host = concurrent.futures.ThreadPoolExecutor(1)  # augments epoch e + 1 while epoch e trains
-  pending = host.submit(epoch_data)
-  for epoch in range(args.epochs):
+  first = len(history)
+  pending = host.submit(epoch_data, first)
+  for epoch in range(first, args.epochs):
     images, labels = pending.result()
     if epoch + 1 < args.epochs:
-      pending = host.submit(epoch_data)
+      pending = host.submit(epoch_data, epoch + 1)
     tick = time.perf_counter()
     logs = model.fit(images, labels, batch_size=args.batch_size, epochs=epoch + 1, initial_epoch=epoch,
                      shuffle=False, verbose=0, callbacks=[first_step]).history
@@ -205,13 +244,22 @@ def main() -> None:
       tick = time.perf_counter()
       test_acc = model.evaluate(x_test, test_labels, batch_size=eval_batch, verbose=0,
                                 return_dict=True)['acc']
-      eval_s += time.perf_counter() - tick
-    elapsed = time.perf_counter() - train_start
+      state['eval_s'] += time.perf_counter() - tick
+    elapsed = before['train_s'] + time.perf_counter() - train_start
     history.append((epoch + 1, round(elapsed, 3), test_acc))
     shown = '  -   ' if test_acc is None else f'{test_acc:.4f}'
     print(f'epoch {epoch + 1:3d}  loss {logs["loss"][-1]:.4f}  acc {logs["acc"][-1]:.4f}  test {shown}  '
           f'{elapsed:8.1f} s  {steps * args.batch_size / fit_s[-1]:7.0f} img/s', flush=True)
-  train_s = time.perf_counter() - train_start
+    if state['time_to_first_step_s'] is None:
+      state['time_to_first_step_s'] = first_step.at - train_start  # from the first fit call: compile included
+    if args.state and epoch + 1 < args.epochs and (stop or (epoch + 1) % args.save_every == 0):
+      state.update(train_s=elapsed, end_to_end_s=before['end_to_end_s'] + time.perf_counter() - start)
+      save_state(args.state, model, state)
+      if stop:
+        print(f'stopped by SIGTERM after epoch {epoch + 1}; saved in {args.state}; run the same command to '
+              'resume', flush=True)
+        return
+  train_s = before['train_s'] + time.perf_counter() - train_start
 
   accuracies = [acc for _, _, acc in history if acc is not None]
   images_per_epoch = steps * args.batch_size
@@ -220,10 +268,10 @@ def main() -> None:
       'seed': args.seed, 'steps_per_execution': args.steps_per_execution, 'train_images': len(x_train),
       'final_test_accuracy': accuracies[-1], 'best_test_accuracy': max(accuracies),
       'history': history,  # (epoch, seconds since training start incl. evaluation, test accuracy)
-      'fit_seconds': sum(fit_s), 'eval_seconds': eval_s, 'train_wall_seconds': train_s,
-      'end_to_end_seconds': time.perf_counter() - start, 'data_load_seconds': load_s,
-      'model_build_seconds': build_s,
-      'time_to_first_step_seconds': first_step.at - train_start,  # from the first fit call: compile included
+      'fit_seconds': sum(fit_s), 'eval_seconds': state['eval_s'], 'train_wall_seconds': train_s,
+      'end_to_end_seconds': before['end_to_end_s'] + time.perf_counter() - start, 'data_load_seconds': load_s,
+      'model_build_seconds': build_s, 'attempts': state['attempts'],
+      'time_to_first_step_seconds': state['time_to_first_step_s'],
       # images/s over model.fit only (no evaluation, no host augmentation); the first epoch includes compiling
       'images_per_second': images_per_epoch * args.epochs / sum(fit_s),
       'images_per_second_after_epoch_1': (images_per_epoch * (args.epochs - 1) / sum(fit_s[1:])
