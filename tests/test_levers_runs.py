@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_same_state, metric_rows, restore_checkpoint, signal_at_step, tree_digest
-from flaxtpu.loop import time_budget, train
+from flaxtpu.loop import budget_probe, train
 from flaxtpu.loop.divergence import TrainingDiverged
 from flaxtpu.modes import lr_find
 from flaxtpu.optimizers import loss_scale, optim
@@ -116,7 +116,7 @@ def _signal_in_training_at_step(monkeypatch, step_to_signal):
   real = loaders.train_batches
 
   def batches(*args, **kwargs):
-    probe = kwargs['last_step'] == time_budget.PROBE_MAX_STEPS + 2 and kwargs['first_step'] == 0
+    probe = kwargs['last_step'] == budget_probe.PROBE_MAX_STEPS + 2 and kwargs['first_step'] == 0
     for step, batch in enumerate(real(*args, **kwargs), kwargs['first_step'] + 1):
       if step == step_to_signal and not probe:
         os.kill(os.getpid(), signal.SIGTERM)

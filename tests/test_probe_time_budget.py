@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from flaxtpu.loop import time_budget
+from flaxtpu.loop import budget_probe, time_budget
 from flaxtpu.settings import defaults
 from flaxtpu.settings.errors import ConfigError
 
@@ -82,15 +82,15 @@ def test_a_sigterm_during_the_probe_ends_its_timed_steps_and_skips_its_report():
       clock[0] += seconds
     return run
 
-  parts = time_budget.Parts(init=part('init', 1), compile=part('compile', 1), step=part('step', 0.01),
+  parts = budget_probe.Parts(init=part('init', 1), compile=part('compile', 1), step=part('step', 0.01),
                             wait=lambda: None, evaluate=part('evaluate', 0.1), save=part('save', 0.1),
                             written=lambda: None, report=part('report', 3))
   stop_after = 2 + 5  # two untimed warm steps, then five timed
-  measured = time_budget.timed(parts, 3600.0, 0.0, clock=lambda: clock[0],
+  measured = budget_probe.timed(parts, 3600.0, 0.0, clock=lambda: clock[0],
                                stopping=lambda: calls.count('step') >= stop_after)
   assert measured['steps_timed'] == 5 and 'report' not in calls and measured['end_s'] == 0.0
-  unstopped = time_budget.timed(parts, 3600.0, 0.0, clock=lambda: clock[0])
-  assert unstopped['steps_timed'] == time_budget.PROBE_MAX_STEPS and calls[-1] == 'report'
+  unstopped = budget_probe.timed(parts, 3600.0, 0.0, clock=lambda: clock[0])
+  assert unstopped['steps_timed'] == budget_probe.PROBE_MAX_STEPS and calls[-1] == 'report'
 
 
 def test_the_probe_asks_the_cli_s_stop_request():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_same_state, metric_rows, restore_checkpoint, signal_at_step
-from flaxtpu.loop import time_budget, train
+from flaxtpu.loop import budget_probe, time_budget, train
 from flaxtpu.optimizers import optim
 from flaxtpu.settings import defaults, lengths
 from flaxtpu.validation import config as config_lib
@@ -57,7 +57,7 @@ class _Parts:
     self.slowed = max(self.slowed - 1, 0)
 
   def parts(self):
-    return time_budget.Parts(init=lambda: self.advance(0.5), compile=lambda: self.advance(2.0),
+    return budget_probe.Parts(init=lambda: self.advance(0.5), compile=lambda: self.advance(2.0),
                              step=self.step, wait=lambda: None,
                              evaluate=self.evaluate, save=self.save, written=lambda: self.advance(0.5),
                              report=lambda: self.advance(1.5))
@@ -67,7 +67,7 @@ def test_the_probe_times_warm_evaluations_and_saves_apart_from_the_first():
   clock = _Clock()
   clock.now = 100.0
   parts = _Parts(clock)
-  measured = time_budget.timed(parts.parts(), budget=25.0, started=97.0, clock=clock)
+  measured = budget_probe.timed(parts.parts(), budget=25.0, started=97.0, clock=clock)
   # The issue's plan took the first evaluation (0.73 s, its compile included) as every evaluation's cost.
   assert (measured['eval_first_s'], measured['eval_s']) == (pytest.approx(0.73), pytest.approx(0.3))
   # A save's time is what the loop waits for; its writing (0.5 s), in the background, is timed apart.
@@ -81,7 +81,7 @@ def test_the_probe_times_warm_evaluations_and_saves_apart_from_the_first():
 def test_the_probe_times_steps_at_the_loops_cadence_with_what_a_checkpoint_written_beside_costs_them():
   clock = _Clock()
   parts = _Parts(clock)
-  measured = time_budget.timed(parts.parts(), budget=100.0, started=0.0, clock=clock, eval_every=10,
+  measured = budget_probe.timed(parts.parts(), budget=100.0, started=0.0, clock=clock, eval_every=10,
                                save_every=20)
   # Evaluated after steps 10, 20 and 30 (0.3 s each), saved after 20 (0.125 s): 1.025 s aside. The save's
   # writing slowed steps 21-25 to 2/128 s, so 30 steps took 35/128 s; past 1% of the budget after 30.
@@ -208,7 +208,7 @@ RUN_MEASURED = {'elapsed_s': 5.0, 'init_s': 0.5, 'compile_s': 1.0, 'eval_first_s
 
 def _budgeted_run(monkeypatch, folder, workdir):
   """A run planned on RUN_MEASURED whose check finds the loop twice as fast as planned, 10 s in."""
-  monkeypatch.setattr(time_budget, 'probe', lambda *args, **kwargs: dict(RUN_MEASURED))
+  monkeypatch.setattr(budget_probe, 'probe', lambda *args, **kwargs: dict(RUN_MEASURED))
   decide = time_budget.Budget.replanned_steps
   monkeypatch.setattr(time_budget.Budget, 'replanned_steps',
                       lambda self, step, ratio, elapsed: decide(self, step, 0.5, 10.0))

@@ -41,6 +41,7 @@ from flaxtpu.io import (
   writers,
 )
 from flaxtpu.loop import (
+  budget_probe,
   divergence,
   early_stopping,
   time_budget,
@@ -325,7 +326,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
   teacher, teacher_variables = load_teacher(config, dataset, mesh, checkpoints)
   budget = time_budget.plan(  # time_budget: the steps that fit, measured, kept, checked once early on
       config, workdir, examples, resuming=checkpoints.latest_step() is not None, started=started,
-      probe=lambda: time_budget.probe(config, dataset, mesh, eval_sets, started, teacher,
+      probe=lambda: budget_probe.probe(config, dataset, mesh, eval_sets, started, teacher,
                                       teacher_variables))
   length = budget.length or length
   task = steps.create_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape,
