@@ -43,6 +43,8 @@ import time
 import numpy as np
 from PIL import Image
 
+from benchmarks.accuracy.audit_label_errors import cifar_subset  # the first images of each class folder
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIMILAR = {'cat': 'dog', 'dog': 'cat', 'automobile': 'truck', 'truck': 'automobile', 'deer': 'horse',
            'horse': 'deer', 'airplane': 'ship', 'ship': 'airplane',
@@ -54,16 +56,6 @@ COMMAND = ''  # how the tables were made, written above them
 
 
 # --- the data -----------------------------------------------------------------------------------
-
-
-def cifar_subset(cifar: str, images: int, test_images: int) -> dict:
-  """{split: [(source path, class name)]}: the first images of each class folder, in name order."""
-  chosen = {}
-  for split, count in (('train', images), ('test', test_images)):
-    classes = sorted(os.listdir(os.path.join(cifar, split)))
-    chosen[split] = [(os.path.join(cifar, split, name, file), name) for name in classes
-                     for file in sorted(os.listdir(os.path.join(cifar, split, name)))[:count // len(classes)]]
-  return chosen
 
 
 def digit_images(per_class: int, split: str, seed: int) -> list:
