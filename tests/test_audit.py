@@ -203,6 +203,10 @@ def test_a_large_audit_trains_fold_models_on_a_sample(planted, tmp_path):
   in_sample = set(truth['flipped']) & sampled
   found = {row['path'] for row in report['suspected_mislabels']} & in_sample
   assert len(found) >= 0.75 * len(in_sample), (len(found), len(in_sample))
+  # Fold runs draw no end-of-run pictures (train_and_evaluate(pictures=False)): nobody looks at them.
+  fold_run = os.path.join(search['directory'], 'fold_0')
+  assert os.path.exists(os.path.join(fold_run, 'results.json'))
+  assert not {'per_class.csv', 'curves.png', 'confusion.png'} & set(os.listdir(fold_run))
 
 
 @pytest.mark.parametrize('backbone', ['trained run', 'init_from'])

@@ -92,7 +92,7 @@ def stop_requested(stop: StopRequest, check_all_processes: bool) -> bool:
 
 def finish_trained_run(config: ml_collections.ConfigDict, placement: placing.Placement, start: Start,
                        checkpoints: checkpoint.Checkpoints, dataset: pipeline.Dataset, eval_sets: list,
-                       length: RunLength, workdir: str) -> dict:
+                       length: RunLength, workdir: str, pictures: bool = True) -> dict:
   """A run whose checkpoint is at its last step: what a kill after that save left unwritten
   (results.json, the per-class report and curves) is rebuilt from the checkpoint."""
   checkpoints.close()
@@ -100,7 +100,7 @@ def finish_trained_run(config: ml_collections.ConfigDict, placement: placing.Pla
   results = files.read_json(results_path) or start.progress.results(length.total_steps, config.batch_size)
   if jax.process_index() == 0:
     files.write_json(results_path, results)
-  if jax.process_count() == 1 and not files.exists(os.path.join(workdir, 'per_class.csv')):
+  if pictures and jax.process_count() == 1 and not files.exists(os.path.join(workdir, 'per_class.csv')):
     _, predictions = evaluate_splits(placement, start.state, eval_sets[:1],
                                      resolved_eval_batch_size(config), report_weights(config),
                                      config.eval.threshold)
@@ -286,7 +286,7 @@ class _Loop:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        stop: Optional[StopRequest] = None, command_started: Optional[float] = None,
-                       dataset: Optional[pipeline.Dataset] = None) -> dict:
+                       dataset: Optional[pipeline.Dataset] = None, pictures: bool = True) -> dict:
   """Trains `config` in `workdir` (resuming from its latest checkpoint) and returns results.json.
 
   `config` comes resolved (flaxtpu/validation/resolution.py) and validated, as from the CLI; nothing edits it.
@@ -295,18 +295,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   installed before JAX started; otherwise one is installed here. It also passes
   `command_started` (its process's start), which the time to the first step counts from; without
   it, that time counts from this call. `dataset`: the config's data, when the caller has loaded it
-  (`pipeline.load(config)`; the CLI does while the devices start).
+  (`pipeline.load(config)`; the CLI does while the devices start). `pictures=False`: no end-of-run
+  pictures (per-class report, calibration, curves), for runs nobody looks at (the audit's fold runs).
   """
   with contextlib.nullcontext(stop) if stop and stop.active else StopRequest() as stop:
     # Process 0 holds the workdir for the run: a second trainer there stops at once.
     # A lease (gs://) that another trainer takes over stops this run at its next step, unsaved.
     holding = lock.WorkdirLock(workdir, on_lost=stop.abort) if jax.process_index() == 0 else None
     with holding or contextlib.nullcontext():
-      return _train_and_evaluate(config, workdir, stop, command_started, dataset)
+      return _train_and_evaluate(config, workdir, stop, command_started, dataset, pictures)
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest,
-                        command_started: Optional[float], dataset: Optional[pipeline.Dataset]) -> dict:
+                        command_started: Optional[float], dataset: Optional[pipeline.Dataset],
+                        pictures: bool) -> dict:
   started = time.time()
   is_main = jax.process_index() == 0
   mesh = parallel.make_mesh(config)
@@ -340,7 +342,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
                 if placement.parallelism == 'jit' and not config.augment.train_sizes else None)
   start = start_or_resume(config, task, placement, checkpoints, dataset, length, examples)
   if start.step >= length.total_steps or start.progress.stopped_early:
-    return finish_trained_run(config, placement, start, checkpoints, dataset, eval_sets, length, workdir)
+    return finish_trained_run(config, placement, start, checkpoints, dataset, eval_sets, length, workdir,
+                              pictures)
   if is_main:  # only once the checkpoint has proven to belong to this config
     files.write_json(os.path.join(workdir, 'config.json'), saved_config(config, dataset.image_shape[-1]))
     files.truncate_jsonl(os.path.join(workdir, 'metrics.jsonl'), start.step)
@@ -377,7 +380,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, stop: S
     return {'stopped_at_step': step}
   results = loop.clock.record().results(length.total_steps, config.batch_size)
   results.update(image_sizes.report(config, length.total_steps))
-  if is_main:
+  if is_main and pictures:
     write_pictures(config, loop.predictions, dataset, workdir, step)
   # A time budget counts to the end of the report.
   results.update(time_budget.report(config, workdir, time.time() - started, step - start.step))

@@ -26,7 +26,6 @@ same data and recipe reads them back and trains nothing.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import io
@@ -251,8 +250,7 @@ def _train_folds(fold_config: ml_collections.ConfigDict, directory: str, pool: P
     dataset = _fold_dataset(fold_config, template, examples, kept, held_out)
     workdir = os.path.join(directory, f'fold_{k}')
     started = time.time()
-    with _without_pictures(train):
-      results = train.train_and_evaluate(fold_config, workdir, dataset=dataset)
+    results = train.train_and_evaluate(fold_config, workdir, dataset=dataset, pictures=False)
     if 'stopped_at_step' in results:
       raise UserError(f'--mode=audit stopped in fold run {k + 1} of {count} ({workdir}); run the same '
                       'command to resume it')
@@ -266,19 +264,6 @@ def _train_folds(fold_config: ml_collections.ConfigDict, directory: str, pool: P
                  time.time() - started)
   return probabilities, {'steps': int(fold_config.num_train_steps),
                          'held_out_accuracy': round(float(np.mean(accuracies)), 4)}
-
-
-@contextlib.contextmanager
-def _without_pictures(train_module):
-  """A fold run draws no end-of-run pictures (per-class report, confusion, reliability, curves): the audit
-  scores its held-out fold itself and nobody looks at them. They took ~7 s of each 15 s fold run of the
-  planted test folder (60 steps, 2 shared cores)."""
-  drawn = train_module.write_pictures
-  train_module.write_pictures = lambda *args, **kwargs: None
-  try:
-    yield
-  finally:
-    train_module.write_pictures = drawn
 
 
 def _subset(examples: Examples, positions: np.ndarray) -> Examples:
