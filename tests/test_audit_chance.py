@@ -62,9 +62,9 @@ def test_chance_fold_accuracies_and_the_verdicts_rule():
   outcome, line = audit.verdict([0.12, 0.14], 0.1, 3, 100, 'train longer')
   assert outcome == 'near_chance' and '0.130 is near chance 0.100 (under 0.150' in line
   assert line.endswith('; train longer') and '\n' not in line
-  outcome, line = audit.verdict([0.5, 0.5], 0.1, 51, 100, 'train longer')
-  assert outcome == 'too_many' and 'flags 51 of 100 images (51% > 50%)' in line and 'refused' in line
-  assert audit.verdict([0.5, 0.5], 0.1, 50, 100, 'x')[0] == 'listed'  # half exactly is not most
+  outcome, line = audit.verdict([0.5, 0.5], 0.1, 26, 100, 'train longer')
+  assert outcome == 'too_many' and 'flags 26 of 100 images (26% > 25%)' in line and 'refused' in line
+  assert audit.verdict([0.5, 0.5], 0.1, 25, 100, 'x')[0] == 'listed'  # a quarter exactly is listed
 
 
 def test_fold_models_that_learn_nothing_list_no_suspects_and_say_so(tmp_path, caplog):
