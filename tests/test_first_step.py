@@ -1,6 +1,7 @@
 """The first step of a run comes sooner: the train step compiles in a thread while the state is initialised
 (or restored), and the initialisation's program takes the seed as an input (a seed sweep compiles it once)."""
 
+import collections
 import functools
 import threading
 
@@ -81,4 +82,4 @@ def test_each_thread_counts_its_own_persistent_cache_events():
     thread.join()
   assert seen == {'init': {'/jax/compilation_cache/cache_misses': 1},
                   'step': {'/jax/compilation_cache/cache_hits': 1}}
-  assert placing._compiled_from(steps.collections.Counter(seen['step'])) == 'persistent cache'
+  assert placing._compiled_from(collections.Counter(seen['step'])) == 'persistent cache'
